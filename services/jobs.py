@@ -1,0 +1,101 @@
+"""Job records in Redis (`job:{id}` hashes) and their lifecycle.
+
+PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. The API creates a record and queues
+the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into the
+`jobs:running` set rollout servers watch), writes progress after every step, and ends it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from services.config import JobSpec
+from services import protocol
+from services.queues import FIELD, Keys
+
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+class JobStatus(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") -> str:
+    job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    now = time.time()
+    record = {
+        "id": job_id, "name": spec.name, "tenant": tenant, "spec": spec.model_dump_json(),
+        "status": JobStatus.PENDING.value, "created": now, "version": 0, "step": 0,
+    }
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hset(Keys.job(job_id), mapping=record)
+        pipe.zadd(Keys.jobs_index, {job_id: now})
+        pipe.xadd(Keys.jobs_pending, {FIELD: protocol.encode(protocol.JobRef(job_id=job_id))})
+        await pipe.execute()
+    return job_id
+
+
+async def get_job(client: aioredis.Redis, job_id: str) -> dict | None:
+    raw = await client.hgetall(Keys.job(job_id))
+    if not raw:
+        return None
+    record = {k.decode(): v.decode() for k, v in raw.items()}
+    for key in ("created", "started", "finished"):
+        if key in record:
+            record[key] = float(record[key])
+    for key in ("version", "step"):
+        record[key] = int(record.get(key, 0))
+    record["spec"] = json.loads(record["spec"])
+    record["metrics"] = json.loads(record.get("metrics", "{}"))
+    return record
+
+
+async def list_job_ids(client: aioredis.Redis, limit: int = 100) -> list[str]:
+    return [i.decode() for i in await client.zrevrange(Keys.jobs_index, 0, limit - 1)]
+
+
+async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
+    return JobSpec.model_validate_json(await client.hget(Keys.job(job_id), "spec"))
+
+
+async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "") -> None:
+    fields: dict = {"status": status.value}
+    async with client.pipeline(transaction=True) as pipe:
+        if status == JobStatus.RUNNING:
+            fields["started"] = time.time()
+            pipe.sadd(Keys.jobs_running, job_id)
+        if status.value in TERMINAL:
+            fields["finished"] = time.time()
+            pipe.srem(Keys.jobs_running, job_id)
+        if error:
+            fields["error"] = error[:4000]
+        pipe.hset(Keys.job(job_id), mapping=fields)
+        await pipe.execute()
+
+
+async def record_progress(client: aioredis.Redis, job_id: str, step: int, version: int,
+                          metrics: dict[str, float]) -> None:
+    await client.hset(Keys.job(job_id), mapping={
+        "step": step, "version": version, "metrics": json.dumps(metrics), "updated": time.time(),
+    })
+
+
+async def request_cancel(client: aioredis.Redis, job_id: str) -> None:
+    await client.hset(Keys.job(job_id), "cancel_requested", 1)
+
+
+async def cancel_requested(client: aioredis.Redis, job_id: str) -> bool:
+    return await client.hget(Keys.job(job_id), "cancel_requested") == b"1"
+
+
+async def running_jobs(client: aioredis.Redis) -> list[str]:
+    return sorted(i.decode() for i in await client.smembers(Keys.jobs_running))

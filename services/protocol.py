@@ -1,0 +1,156 @@
+"""Every message that crosses a process boundary, as msgspec structs encoded with msgpack.
+
+Nothing here is pickled. Each message carries a `schema` number; a reader that gets a
+schema it does not know, bytes that do not decode, or a field of the wrong type sends the
+entry to the job's dead stream with the decoder's reason (see `services.queues`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA = 1
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Work for a rollout server: one context, `group_size` responses to it."""
+
+    schema: int = SCHEMA
+    job_id: str
+    task_id: int
+    """Position in the job's dispatch order, unique within the job; the dispatcher's cursor."""
+    example: int
+    """Index of the example in the job's task dataset."""
+    group_size: int
+    dispatched_version: int
+    """Learner version when the task was admitted."""
+
+
+class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One trained sequence: a context and the policy's response(s), token by token."""
+
+    sample_id: str
+    """`{job}:{task_id}:{index}`: unique, so the learner can tell a duplicate delivery."""
+    tokens: list[int]
+    mask: list[int]
+    """1 where the policy produced the token and it is trained, else 0."""
+    logprobs: list[float]
+    """Behaviour logprob of each token under the weights that sampled it (0 where mask=0)."""
+    versions: list[int]
+    """Weight version that produced each token; -1 for tokens the policy did not produce."""
+    reward: float
+    advantage: float
+    num_turns: int
+    metrics: dict[str, float] = {}
+    """Task-specific scalars (success, asked, tokens...) averaged into the job's metrics."""
+
+
+class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """All samples for one task: the unit the learner admits, filters and trains."""
+
+    schema: int = SCHEMA
+    job_id: str
+    task_id: int
+    samples: list[Sample]
+    server_id: str
+    elapsed_s: float
+    """Wall time from the task's arrival at the rollout server to this message."""
+
+    def min_version(self) -> int | None:
+        """Oldest weight version behind any trained token (None: nothing to train)."""
+        return min((v for s in self.samples for v, m in zip(s.versions, s.mask) if m), default=None)
+
+
+class JobRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An entry of `jobs:pending`: a submitted job for a learner to claim."""
+
+    schema: int = SCHEMA
+    job_id: str
+
+
+class TensorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    """Checkpoint (Hugging Face) parameter name."""
+    shape: list[int]
+    dtype: str
+    """torch dtype without the `torch.` prefix, e.g. `float32`."""
+    offset: int
+    """Byte offset inside the bucket."""
+    nbytes: int
+
+
+class Bucket(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    nbytes: int
+    tensors: list[TensorSpec]
+
+
+class WeightPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Announced once per update in `job:{id}:weights`; the broadcast follows."""
+
+    schema: int = SCHEMA
+    job_id: str
+    version: int
+    epoch: int
+    """Group generation; a new epoch (new membership) means a new process group."""
+    backend: Literal["gloo", "nccl"]
+    store_host: str
+    store_port: int
+    world_size: int
+    ranks: dict[str, int]
+    """Rollout server id -> its rank in the weight group (the learner is rank 0)."""
+    buckets: list[Bucket]
+    timeout_s: float
+
+
+class JobEvent(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Published on `job:{id}:events`; subscribers also poll the keys, pub/sub is lossy."""
+
+    schema: int = SCHEMA
+    kind: Literal["version", "stop"]
+    version: int = 0
+
+
+class WeightAck(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A rollout server's word that it serves `version`; listed in `job:{id}:weights`."""
+
+    schema: int = SCHEMA
+    server_id: str
+    version: int
+    epoch: int
+    seconds: float
+
+
+class ServerInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A rollout server's heartbeat in `rollout:servers`."""
+
+    schema: int = SCHEMA
+    server_id: str
+    heartbeat: float
+    """Unix time of this record; the learner ignores servers silent for several periods."""
+    job_id: str = ""
+    """The job this server is serving ("" when idle)."""
+    version: int = -1
+    """Weight version it serves for that job; -1 until its first update."""
+    capacity: int = 0
+    inflight: int = 0
+    engine: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, kind: type[msgspec.Struct]):
+    """Decode and check the schema; raises `msgspec.DecodeError` / `ValueError` with the reason."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    message = msgspec.msgpack.decode(data, type=kind)
+    if message.schema != SCHEMA:
+        raise ValueError(f"unknown schema {message.schema}, this reader speaks {SCHEMA}")
+    return message

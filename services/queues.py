@@ -1,0 +1,192 @@
+"""Redis keys and at-least-once stream consumption.
+
+Every stream entry holds one msgpack message in the field `m`. A consumer reads new
+entries with XREADGROUP, acknowledges them only after their effect is durable, and takes
+over entries another consumer left pending (crashed, or stuck) with XAUTOCLAIM. An entry
+that does not decode, or that has been delivered `max_deliveries` times without an ack,
+goes to the job's dead stream with the reason and is acknowledged, so one bad message
+never blocks or crashes a consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from services import protocol
+
+log = logging.getLogger(__name__)
+PREFIX = "tandem:"
+FIELD = b"m"
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+class Keys:
+    """The Redis key layout of DESIGN.md, in one place."""
+
+    jobs_pending = PREFIX + "jobs:pending"
+    jobs_index = PREFIX + "jobs"
+    jobs_running = PREFIX + "jobs:running"
+    rollout_servers = PREFIX + "rollout:servers"
+
+    @staticmethod
+    def job(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}"
+
+    @staticmethod
+    def tasks(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:tasks"
+
+    @staticmethod
+    def trajectories(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:trajectories"
+
+    @staticmethod
+    def dead(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:dead"
+
+    @staticmethod
+    def events(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:events"
+
+    @staticmethod
+    def weights(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:weights"
+
+    @staticmethod
+    def history(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:history"
+
+    @staticmethod
+    def judge_budget(upstream: str) -> str:
+        return f"{PREFIX}judge:budget:{upstream}"
+
+
+@dataclass
+class Delivery(Generic[M]):
+    entry_id: bytes
+    message: M
+
+
+async def publish(client: aioredis.Redis, stream: str, message: msgspec.Struct) -> bytes:
+    return await client.xadd(stream, {FIELD: protocol.encode(message)})
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as err:
+        if "BUSYGROUP" not in str(err):
+            raise
+
+
+class StreamConsumer(Generic[M]):
+    """One consumer in a consumer group, decoding entries into `kind` messages."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        kind: type[M],
+        dead_stream: str,
+        max_deliveries: int = 3,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.kind = kind
+        self.dead_stream = dead_stream
+        self.max_deliveries = max_deliveries
+
+    async def setup(self) -> "StreamConsumer[M]":
+        await ensure_group(self.client, self.stream, self.group)
+        return self
+
+    async def read(self, count: int, block_ms: int | None = None) -> list[Delivery[M]]:
+        """New entries for this consumer; blocks up to `block_ms` when there are none."""
+        reply = await self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        entries = reply[0][1] if reply else []
+        return await self._decode(entries)
+
+    async def read_own_pending(self, count: int) -> list[Delivery[M]]:
+        """Entries delivered to this consumer name before and never acknowledged (restart)."""
+        reply = await self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: "0"}, count=count
+        )
+        entries = reply[0][1] if reply else []
+        ids = [entry_id for entry_id, _ in entries]
+        return await self._decode(await self._drop_overdelivered(entries, ids))
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
+        """Take over entries other consumers left pending for at least `min_idle_ms`."""
+        reply = await self.client.xautoclaim(
+            self.stream, self.group, self.consumer, min_idle_ms, start_id="0-0", count=count
+        )
+        entries = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        ids = [entry_id for entry_id, _ in entries]
+        return await self._decode(await self._drop_overdelivered(entries, ids))
+
+    async def touch(self, *entry_ids: bytes) -> None:
+        """Reset the idle time of entries this consumer is still working on, so `reclaim`
+        elsewhere only takes work from consumers that stopped (JUSTID: no delivery count)."""
+        if entry_ids:
+            await self.client.xclaim(
+                self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True
+            )
+
+    async def ack(self, *entry_ids: bytes) -> None:
+        if entry_ids:
+            await self.client.xack(self.stream, self.group, *entry_ids)
+
+    async def dead_letter(self, entry_id: bytes, data: bytes, reason: str) -> None:
+        log.warning("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        await self.client.xadd(
+            self.dead_stream,
+            {
+                b"stream": self.stream, b"entry_id": entry_id, b"reason": reason[:2000],
+                b"consumer": self.consumer, b"time": str(time.time()), FIELD: data,
+            },
+        )
+        await self.ack(entry_id)
+
+    async def _decode(self, entries: list) -> list[Delivery[M]]:
+        deliveries = []
+        for entry_id, fields in entries:
+            data = fields.get(FIELD, b"")
+            try:
+                deliveries.append(Delivery(entry_id, protocol.decode(data, self.kind)))
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
+                await self.dead_letter(entry_id, data, f"{type(err).__name__}: {err}")
+        return deliveries
+
+    async def _drop_overdelivered(self, entries: list, ids: list[bytes]) -> list:
+        if not ids:
+            return entries
+        counts = await self._delivery_counts(ids)
+        kept = []
+        for entry_id, fields in entries:
+            delivered = counts.get(entry_id, 0)
+            if delivered > self.max_deliveries:
+                reason = f"delivered {delivered} times without an ack (max {self.max_deliveries})"
+                await self.dead_letter(entry_id, fields.get(FIELD, b""), reason)
+            else:
+                kept.append((entry_id, fields))
+        return kept
+
+    async def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for entry_id in ids:
+                pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+            replies = await pipe.execute()
+        return {p["message_id"]: p["times_delivered"] for reply in replies for p in reply}

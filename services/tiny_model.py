@@ -1,0 +1,94 @@
+"""Build a tiny Llama-architecture model with its own byte-level BPE tokenizer.
+
+Nothing is downloaded: the tokenizer is trained on a corpus passed in, the weights are
+drawn from a fixed seed, and the result is an ordinary Hugging Face folder (config.json,
+safetensors, tokenizer.json with a ChatML chat template) that both vLLM and transformers
+load. head_dim is 64 because vLLM's CPU attention kernel rejects smaller heads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HEAD_DIM = 64
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    roles = ["user", "assistant", "system"]
+    lines = list(corpus) + [f"<|im_start|>{role}\n" for role in roles]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    corpus: Iterable[str],
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a deterministic tiny LlamaForCausalLM + tokenizer to `out_dir`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus, vocab_size)
+    tokenizer.save_pretrained(out)
+    num_heads = hidden_size // HEAD_DIM
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    _write_generation_config(out, config.eos_token_id)
+    return out
+
+
+def _write_generation_config(out: Path, eos_token_id: int) -> None:
+    # Sampling defaults belong to the job spec, not the model folder: keep this minimal so
+    # vLLM does not pick up transformers' defaults (top_k=50 would change logprobs).
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))

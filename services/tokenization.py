@@ -1,0 +1,101 @@
+"""Conversations to token ids, the same way for rollout (RL) and the learner (SFT).
+
+Generated text is never re-tokenized: an episode's token sequence is the engine's own
+output ids plus *delta-tokenized* non-assistant turns. A delta is rendered against a fixed
+base history (`BASE`), so templates that rewrite earlier turns (Qwen3 drops old `<think>`
+blocks) give the same delta whatever the real history is. The delta starts right after
+the end-of-turn token that closed the assistant's message, so the template's separator
+after it (ChatML's newline) is kept, a classic source of train/inference drift.
+
+`check` compares an episode's tokens with a fresh rendering of the whole conversation:
+`strict` requires equality, `ignore_strippable` compares the decoded text with `<think>`
+blocks and whitespace removed, `off` skips it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+CheckMode = Literal["strict", "ignore_strippable", "off"]
+BASE = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}]
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_SPACE = re.compile(r"\s+")
+
+
+class TokenizationMismatch(ValueError):
+    """The episode's tokens differ from a fresh rendering of the same conversation."""
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer, check_mode: CheckMode = "strict") -> None:
+        self.tokenizer = tokenizer
+        self.check_mode = check_mode
+        self.eot_id: int = tokenizer.eos_token_id
+        self._base = self.render(BASE)
+        self._cut = _after_last(self._base, self.eot_id)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
+        return list(ids)
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """Tokens of a context that the assistant answers next."""
+        return self.render(messages, add_generation_prompt=True)
+
+    def delta(self, new_messages: list[dict]) -> list[int]:
+        """Tokens to append after an assistant turn that ended with the end-of-turn token:
+        the template's separator, `new_messages` and the generation prompt."""
+        full = self.render(BASE + new_messages, add_generation_prompt=True)
+        if full[: self._cut] != self._base[: self._cut]:
+            raise TokenizationMismatch("template renders the base history differently")
+        return full[self._cut :]
+
+    def check(self, tokens: list[int], messages: list[dict]) -> None:
+        """Raise `TokenizationMismatch` if `tokens` do not match `messages` under the mode."""
+        if self.check_mode == "off":
+            return
+        expected = self.render(messages)
+        expected = expected[: _after_last(expected, self.eot_id)] if tokens[-1] == self.eot_id else expected
+        if self.check_mode == "strict":
+            if tokens != expected:
+                at = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+                at = min(len(tokens), len(expected)) if at is None else at
+                raise TokenizationMismatch(
+                    f"token {at} differs: episode {tokens[at:at + 8]} vs rendering {expected[at:at + 8]}"
+                )
+        elif _strip(self.tokenizer.decode(tokens)) != _strip(self.tokenizer.decode(expected)):
+            raise TokenizationMismatch("decoded text differs beyond think blocks and whitespace")
+
+    def encode_demonstration(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """A complete conversation as (tokens, mask), mask 1 on assistant content + end token:
+        the SFT view of exactly what RL episodes produce."""
+        tokens: list[int] = []
+        mask: list[int] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            context = self.prompt(messages[:i]) if not tokens else tokens + self.delta(
+                [m for m in messages[_last_assistant(messages, i) + 1 : i]]
+            )
+            mask += [0] * (len(context) - len(tokens))
+            with_reply = self.render(messages[: i + 1])
+            reply = with_reply[len(self.prompt(messages[:i])) : _after_last(with_reply, self.eot_id)]
+            tokens = context + reply
+            mask += [1] * len(reply)
+        return tokens, mask
+
+
+def _after_last(ids: list[int], token: int) -> int:
+    """Index just past the last occurrence of `token` in `ids`."""
+    return len(ids) - ids[::-1].index(token)
+
+
+def _last_assistant(messages: list[dict], before: int) -> int:
+    return max(i for i in range(before) if messages[i]["role"] == "assistant")
+
+
+def _strip(text: str) -> str:
+    return _SPACE.sub("", _THINK.sub("", text))

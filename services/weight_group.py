@@ -1,0 +1,109 @@
+"""The weight group shared by the learner (sender, rank 0) and rollout engines (receivers).
+
+Both mirror halves (`learner.weight_sender`, `rollout.weight_receiver`) use these helpers,
+so the bucket layout is defined once. The group is a bare gloo/NCCL backend on a
+`PrefixStore` of the learner's TCPStore, one prefix per membership epoch: it never touches
+torch.distributed's default group (the learner's FSDP group, vLLM's own groups).
+
+torch is imported inside functions: `services` must import without it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from services.protocol import Bucket, TensorSpec
+
+ALIGN_BYTES = 64
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+
+
+def plan_buckets(specs: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[Bucket]:
+    """Pack (name, shape, dtype) into flat buckets of at most `bucket_bytes` (a tensor larger
+    than that gets a bucket of its own). Offsets are 64-byte aligned so every slice can be
+    viewed as its dtype."""
+    buckets: list[Bucket] = []
+    current: list[TensorSpec] = []
+    used = 0
+    for name, shape, dtype in specs:
+        nbytes = DTYPE_BYTES[dtype]
+        for dim in shape:
+            nbytes *= dim
+        offset = _align(used)
+        if current and offset + nbytes > bucket_bytes:
+            buckets.append(Bucket(nbytes=used, tensors=current))
+            current, offset = [], 0
+        current.append(TensorSpec(name=name, shape=list(shape), dtype=dtype, offset=offset, nbytes=nbytes))
+        used = offset + nbytes
+    if current:
+        buckets.append(Bucket(nbytes=used, tensors=current))
+    return buckets
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def pack(bucket: Bucket, tensors: dict, out=None):
+    """Copy named tensors into one flat uint8 buffer laid out as `bucket` says."""
+    import torch
+
+    first = next(iter(tensors.values()))
+    buf = out if out is not None else torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
+    for spec in bucket.tensors:
+        flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+        buf[spec.offset : spec.offset + spec.nbytes].copy_(flat)
+    return buf
+
+
+def unpack(bucket: Bucket, buf) -> list[tuple[str, object]]:
+    """Views of `buf` as the bucket's named tensors (no copies)."""
+    import torch
+
+    pairs = []
+    for spec in bucket.tensors:
+        dtype = getattr(torch, spec.dtype)
+        view = buf[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+        pairs.append((spec.name, view))
+    return pairs
+
+
+def host_store(port: int, timeout_s: float):
+    """The learner's rendezvous store (a TCPStore server; workers connect later)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s))
+
+
+def connect_store(host: str, port: int, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def open_group(store, backend: str, epoch: int, rank: int, world_size: int, timeout_s: float):
+    """Join epoch `epoch`'s group; blocks until all `world_size` ranks have joined."""
+    from torch.distributed import PrefixStore
+
+    prefixed = PrefixStore(f"tandem/weights/epoch{epoch}", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(prefixed, rank, world_size, options)
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
+
+
+def broadcast(group, tensor, timeout_s: float) -> None:
+    """Broadcast from rank 0 in place; raises on timeout instead of hanging."""
+    from torch.distributed import BroadcastOptions
+
+    options = BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait(timedelta(seconds=timeout_s))
