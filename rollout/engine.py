@@ -1,0 +1,129 @@
+"""One vLLM `AsyncLLM`: token ids in, token ids + behaviour logprobs + versions out.
+
+Generation is interruptible. A weight update pauses the engine; in `abort` mode in-flight
+requests come back with their partial tokens and are resubmitted (prompt + partial) once
+the new weights are in, so every token is tagged with the version that actually produced
+it and no KV cache from old weights is reused. In `keep` mode requests freeze and continue
+on their stale KV cache; each streamed chunk is tagged with the version current when it
+arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from services import protocol
+from services.config import ModelSpec
+
+log = logging.getLogger(__name__)
+EXTENSION = "rollout.weight_receiver.WeightReceiverExtension"
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    """`stop` (end-of-turn token) or `length` (hit max_tokens: truncated)."""
+
+
+class Engine:
+    def __init__(self, llm, model: ModelSpec) -> None:
+        self.llm = llm
+        self.model = model
+        self.version = 0
+        self._serving = asyncio.Event()
+        self._serving.set()
+        self._pause_mode = "abort"
+
+    @classmethod
+    def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
+              memory_utilization: float | None = None) -> "Engine":
+        import torch
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        args = AsyncEngineArgs(
+            model=model.path,
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
+            skip_tokenizer_init=True,
+            enforce_eager=not on_gpu,
+            worker_extension_cls=EXTENSION,
+            # Behaviour logprobs must be those of the distribution actually sampled from
+            # (after temperature), which the learner recomputes the same way.
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
+            seed=seed,
+            disable_log_stats=False,
+        )
+        return cls(AsyncLLM.from_engine_args(args), model)
+
+    async def generate(
+        self, prompt: list[int], max_tokens: int, temperature: float, stop_ids: list[int]
+    ) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        out = Generation()
+        while True:
+            await self._serving.wait()
+            submitted = self.version
+            params = SamplingParams(
+                max_tokens=max_tokens - len(out.tokens), temperature=temperature, logprobs=0,
+                detokenize=False, stop_token_ids=stop_ids, output_kind=RequestOutputKind.DELTA,
+            )
+            request = TokensPrompt(prompt_token_ids=prompt + out.tokens)
+            async for chunk in self.llm.generate(request, params, uuid.uuid4().hex):
+                completion = chunk.outputs[0]
+                tag = submitted if self._pause_mode == "abort" else self.version
+                out.tokens += completion.token_ids
+                out.logprobs += [next(iter(d.values())).logprob for d in completion.logprobs]
+                out.versions += [tag] * len(completion.token_ids)
+                out.finish_reason = completion.finish_reason or ""
+            if out.finish_reason != "abort":
+                return out
+
+    async def update_weights(self, plan: protocol.WeightPlan, plan_bytes: bytes, first_rank: int,
+                             pause_mode: str) -> dict:
+        """Pause, receive the broadcast into every worker, reload, resume."""
+        self._pause_mode = pause_mode
+        self._serving.clear()
+        await self.llm.pause_generation(mode=pause_mode, clear_cache=pause_mode == "abort")
+        try:
+            timeout = plan.timeout_s * (len(plan.buckets) + 1)
+            results = await self.llm.collective_rpc(
+                "tandem_receive", timeout=timeout, args=(plan_bytes, first_rank)
+            )
+            await self.llm.reset_prefix_cache()
+            self.version = plan.version
+            return results[0]
+        finally:
+            await self.llm.resume_generation()
+            self._serving.set()
+
+    async def reload_from_disk(self, path: str) -> None:
+        """Back to the weights in `path` (a new job on the same model), version 0."""
+        self._serving.clear()
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+        try:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            await self.llm.reset_prefix_cache()
+            self.version = 0
+        finally:
+            await self.llm.resume_generation()
+            self._serving.set()
+
+    async def checksum(self) -> float:
+        return (await self.llm.collective_rpc("tandem_checksum"))[0]
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,31 @@
+"""R*(conversation): the conversation-level reward CollabLLM averages over futures.
+
+R* = extrinsic_weight * R_ext - min(lambda * generated_tokens, 1) + judge_weight * R_llm.
+The format filter runs first: a truncated or empty reply gets `INVALID_REWARD` and no
+judge call is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from rollout.episode import Episode
+from rollout.tasks.base import TaskSet
+from services.config import RewardSpec
+
+INVALID_REWARD = 0.0
+Judge = Callable[[str, list[dict]], Awaitable[float]]
+"""(rubric, messages) -> score in [0, 1]; the judge proxy's /v1/judge behind a client."""
+
+
+async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
+                              judge: Judge | None = None) -> float:
+    if not episode.well_formed():
+        return INVALID_REWARD
+    reward = spec.extrinsic_weight * await task.score(example, episode.messages) if spec.extrinsic_weight else 0.0
+    reward -= min(spec.token_penalty * episode.num_generated, 1.0)
+    if spec.judge_rubric and spec.judge_weight:
+        if judge is None:
+            raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
+        reward += spec.judge_weight * await judge(spec.judge_rubric, episode.messages)
+    return reward

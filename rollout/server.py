@@ -1,0 +1,261 @@
+"""The rollout server process: one engine, episodes, rewards, advantages.
+
+It watches `jobs:running`. For a job it (re)loads the job's model, announces itself in
+`rollout:servers`, waits to be included in a weight update (the learner's version 0 is
+the warm-started policy), then consumes the job's `tasks` stream in group `rollout`,
+writes one `TrajectoryGroup` per task and acknowledges the task after the group is in
+Redis. Weight updates pause the engine, reload in place and resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from rollout.engine import Engine
+from rollout.episode import run_episode
+from rollout.rewards.advantage import group_advantages
+from rollout.rewards.conversation import conversation_reward
+from rollout.tasks import load_task
+from services import jobs, protocol
+from services.config import JobSpec, RolloutSettings
+from services.metrics import serve_metrics
+from services.queues import Delivery, Keys, StreamConsumer, publish
+from services.tokenization import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+TASKS = Counter("tandem_rollout_tasks_total", "Tasks finished, by outcome", ["job", "outcome"])
+TOKENS = Counter("tandem_rollout_generated_tokens_total", "Tokens the policy generated", ["job"])
+EPISODE_SECONDS = Histogram(
+    "tandem_rollout_task_seconds", "Wall time of one task (all episodes and rewards)",
+    ["job"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+SYNC_SECONDS = Histogram(
+    "tandem_rollout_weight_sync_seconds", "Pause, receive, reload, resume", ["job"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+INFLIGHT = Gauge("tandem_rollout_inflight_tasks", "Tasks being worked on", ["job"])
+VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
+REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
+                   buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2))
+
+
+class RolloutServer:
+    def __init__(self, settings: RolloutSettings) -> None:
+        self.settings = settings
+        self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.redis = aioredis.from_url(settings.redis_url)
+        self.engine: Engine | None = None
+        self.job_id = ""
+        self.synced = asyncio.Event()
+        self.synced_plan: tuple[int, int] | None = None
+        self.inflight: dict[bytes, asyncio.Task] = {}
+        self.consumer: StreamConsumer | None = None
+        self.judge = None
+
+    def health(self) -> tuple[bool, dict]:
+        return True, {"server_id": self.server_id, "job": self.job_id,
+                      "version": self.engine.version if self.engine else -1,
+                      "inflight": len(self.inflight)}
+
+    async def run(self) -> None:
+        serve_metrics(self.settings.metrics_port, self.health)
+        log.info("rollout server %s up: %s", self.server_id, self.settings.model_dump())
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.heartbeat())
+                group.create_task(self.serve_jobs())
+        finally:
+            await self.redis.hdel(Keys.rollout_servers, self.server_id)
+            if self.engine:
+                self.engine.shutdown()
+
+    async def heartbeat(self) -> None:
+        while True:
+            info = protocol.ServerInfo(
+                server_id=self.server_id, heartbeat=time.time(), job_id=self.job_id,
+                version=self.synced_plan[1] if self.synced_plan else -1,
+                capacity=self.settings.max_concurrent_tasks, inflight=len(self.inflight),
+                engine=self.engine.model.path if self.engine else "",
+            )
+            await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
+            if self.consumer and self.inflight:
+                await self.consumer.touch(*self.inflight)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def serve_jobs(self) -> None:
+        while True:
+            running = await jobs.running_jobs(self.redis)
+            if not running:
+                await asyncio.sleep(0.5)
+                continue
+            await self.serve_job(running[0])
+
+    async def serve_job(self, job_id: str) -> None:
+        spec = await jobs.job_spec(self.redis, job_id)
+        log.info("serving job %s (model %s)", job_id, spec.model.path)
+        await self.prepare_engine(spec)
+        chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
+        task_set = load_task(spec.task, spec.train.seed)
+        consumer = await StreamConsumer(
+            self.redis, Keys.tasks(job_id), "rollout", self.server_id, protocol.Task,
+            Keys.dead(job_id), max_deliveries=3,
+        ).setup()
+        self.job_id, self.synced_plan, self.consumer = job_id, None, consumer
+        self.synced.clear()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.follow_weights(job_id, spec))
+                consume = group.create_task(self.consume_tasks(job_id, spec, consumer, chat, task_set))
+                await self.wait_until_job_ends(job_id)
+                raise _JobEnded
+        except* _JobEnded:
+            log.info("job %s ended", job_id)
+        finally:
+            for task in self.inflight.values():
+                task.cancel()
+            self.inflight.clear()
+            self.job_id, self.consumer = "", None
+
+    async def prepare_engine(self, spec: JobSpec) -> None:
+        if self.engine and self.engine.model == spec.model:
+            await self.engine.reload_from_disk(spec.model.path)
+            return
+        if self.engine:
+            self.engine.shutdown()
+        self.engine = await asyncio.to_thread(
+            Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed
+        )
+
+    async def wait_until_job_ends(self, job_id: str) -> None:
+        while job_id in await jobs.running_jobs(self.redis):
+            await asyncio.sleep(0.5)
+
+    async def follow_weights(self, job_id: str, spec: JobSpec) -> None:
+        """Apply every weight plan that names this server, as soon as it is announced."""
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(Keys.events(job_id))
+        try:
+            while True:
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                plan_bytes = await self.redis.hget(Keys.weights(job_id), "plan")
+                if plan_bytes:
+                    await self.apply_plan(job_id, spec, plan_bytes)
+        finally:
+            await pubsub.aclose()
+
+    async def apply_plan(self, job_id: str, spec: JobSpec, plan_bytes: bytes) -> None:
+        plan = protocol.decode(plan_bytes, protocol.WeightPlan)
+        if (plan.epoch, plan.version) == self.synced_plan or self.server_id not in plan.ranks:
+            return
+        started = time.perf_counter()
+        try:
+            result = await self.engine.update_weights(
+                plan, plan_bytes, plan.ranks[self.server_id], spec.rollout.pause_mode
+            )
+        except Exception:  # a missed collective: wait to be included in the next epoch
+            log.exception("weight update to version %d failed", plan.version)
+            self.synced_plan = (plan.epoch, plan.version)
+            return
+        seconds = time.perf_counter() - started
+        self.synced_plan = (plan.epoch, plan.version)
+        SYNC_SECONDS.labels(job_id).observe(seconds)
+        VERSION.labels(job_id).set(plan.version)
+        ack = protocol.WeightAck(server_id=self.server_id, version=plan.version, epoch=plan.epoch,
+                                 seconds=seconds)
+        await self.redis.hset(Keys.weights(job_id), f"ack:{self.server_id}", protocol.encode(ack))
+        log.info("weights v%d in %.3fs (%s)", plan.version, seconds, result)
+        self.synced.set()
+
+    async def consume_tasks(self, job_id: str, spec: JobSpec, consumer: StreamConsumer,
+                            chat: ChatTokenizer, task_set) -> None:
+        """Keep up to `max_concurrent_tasks` tasks in flight: first this consumer's own
+        pending ones (a restart), then new ones, then ones idle consumers left behind."""
+        await self.synced.wait()
+        capacity = self.settings.max_concurrent_tasks
+        backlog = await consumer.read_own_pending(capacity)
+        last_reclaim = 0.0
+        while True:
+            free = capacity - len(self.inflight)
+            if free == 0:
+                await asyncio.wait(list(self.inflight.values()), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            deliveries, backlog = backlog[:free], backlog[free:]
+            if not deliveries:
+                deliveries = await consumer.read(free, block_ms=200)
+            if not deliveries and time.monotonic() - last_reclaim > self.settings.heartbeat_s:
+                last_reclaim = time.monotonic()
+                deliveries = await consumer.reclaim(int(self.settings.task_reclaim_idle_s * 1000), free)
+            for delivery in deliveries:
+                task = asyncio.create_task(self.run_task(job_id, spec, consumer, chat, task_set, delivery))
+                self.inflight[delivery.entry_id] = task
+                task.add_done_callback(lambda _, key=delivery.entry_id: self.inflight.pop(key, None))
+            INFLIGHT.labels(job_id).set(len(self.inflight))
+
+    async def run_task(self, job_id: str, spec: JobSpec, consumer: StreamConsumer,
+                       chat: ChatTokenizer, task_set, delivery: Delivery) -> None:
+        task = delivery.message
+        started = time.perf_counter()
+        try:
+            if not 0 <= task.example < len(task_set):
+                raise ValueError(f"example {task.example} outside the task set (size {len(task_set)})")
+            group = await self.rollout_group(job_id, spec, chat, task_set, task)
+            group.elapsed_s = time.perf_counter() - started
+            await publish(self.redis, Keys.trajectories(job_id), group)
+            await consumer.ack(delivery.entry_id)
+        except asyncio.CancelledError:
+            raise
+        except ValueError as err:  # bad task content: no retry can fix it
+            await consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
+            TASKS.labels(job_id, "dead").inc()
+            return
+        except Exception:
+            log.exception("task %d failed; it stays pending for a retry", task.task_id)
+            TASKS.labels(job_id, "error").inc()
+            return
+        TASKS.labels(job_id, "ok").inc()
+        EPISODE_SECONDS.labels(job_id).observe(time.perf_counter() - started)
+
+    async def rollout_group(self, job_id: str, spec: JobSpec, chat: ChatTokenizer, task_set,
+                            task: protocol.Task) -> protocol.TrajectoryGroup:
+        """Episode mode: `group_size` whole conversations from the task's context, each
+        scored by R* of the conversation and trained on all its assistant turns."""
+        context = task_set.context(task.example)
+
+        async def one(index: int) -> protocol.Sample:
+            episode = await run_episode(self.engine, chat, task_set.user, task.example, context,
+                                        spec.rollout)
+            reward = await conversation_reward(task_set, task.example, episode, spec.reward, self.judge)
+            TOKENS.labels(job_id).inc(episode.num_generated)
+            REWARD.labels(job_id).observe(reward)
+            metrics = task_set.metrics(task.example, episode.messages) if episode.well_formed() else {}
+            metrics |= {"tokens": float(episode.num_generated), "well_formed": float(episode.well_formed())}
+            return protocol.Sample(
+                sample_id=f"{job_id}:{task.task_id}:{index}", tokens=episode.tokens,
+                mask=episode.mask, logprobs=episode.logprobs, versions=episode.versions,
+                reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
+            )
+
+        samples = await asyncio.gather(*(one(i) for i in range(task.group_size)))
+        advantages = group_advantages([s.reward for s in samples], spec.reward.scale_advantage_by_std)
+        for sample, advantage in zip(samples, advantages):
+            sample.advantage = advantage
+        return protocol.TrajectoryGroup(job_id=job_id, task_id=task.task_id, samples=list(samples),
+                                        server_id=self.server_id, elapsed_s=0.0)
+
+
+class _JobEnded(Exception):
+    pass
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

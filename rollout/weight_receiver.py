@@ -1,0 +1,73 @@
+"""The receiving half of the weight broadcast, run inside each vLLM worker process.
+
+vLLM mixes this class into its worker (`worker_extension_cls`), so `self.model_runner` is
+the engine's model runner. The rollout server calls `tandem_receive` through
+`collective_rpc` after pausing generation: each worker joins the plan's group (a new group
+whenever the membership epoch changes), receives every bucket, then reloads the weights in
+place. On CPU, vLLM repacks linear weights after loading, so `model.load_weights` alone
+would fail; the worker's `reload_weights` (model runner's, under the vLLM config) re-runs
+that processing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services import protocol, weight_group
+
+
+class WeightReceiverExtension:
+    _tandem_store = None
+    _tandem_store_address: tuple[str, int] | None = None
+    _tandem_group = None
+    _tandem_epoch: int | None = None
+
+    def tandem_receive(self, plan_bytes: bytes, first_rank: int) -> dict:
+        """Receive the update `plan_bytes` announces; returns timing and a checksum."""
+        import torch
+
+        plan = protocol.decode(plan_bytes, protocol.WeightPlan)
+        started = time.perf_counter()
+        group = self._tandem_join(plan, first_rank + self.rank)
+        buffers = []
+        try:
+            for bucket in plan.buckets:
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                weight_group.broadcast(group, buf, plan.timeout_s)
+                buffers.append((bucket, buf))
+        except Exception:
+            self.tandem_leave()  # a failed collective leaves the group unusable
+            raise
+        received = time.perf_counter()
+        pairs = [pair for bucket, buf in buffers for pair in weight_group.unpack(bucket, buf)]
+        self.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+        return {
+            "version": plan.version,
+            "receive_s": received - started,
+            "reload_s": time.perf_counter() - received,
+            "nbytes": sum(bucket.nbytes for bucket in plan.buckets),
+        }
+
+    def tandem_checksum(self) -> float:
+        """Sum of |w| over the engine's parameters, for tests and debugging."""
+        import torch
+
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.model_runner.model.parameters()))
+
+    def tandem_leave(self) -> None:
+        self._tandem_group = None
+        self._tandem_epoch = None
+
+    def _tandem_join(self, plan: protocol.WeightPlan, rank: int):
+        address = (plan.store_host, plan.store_port)
+        if self._tandem_store_address != address:
+            self._tandem_store = weight_group.connect_store(*address, plan.timeout_s)
+            self._tandem_store_address = address
+            self._tandem_epoch = None
+        if self._tandem_epoch != plan.epoch:
+            self._tandem_group = weight_group.open_group(
+                self._tandem_store, plan.backend, plan.epoch, rank, plan.world_size, plan.timeout_s
+            )
+            self._tandem_epoch = plan.epoch
+        return self._tandem_group
