@@ -1,0 +1,83 @@
+"""Task dispatch under the staleness bound (AReaL's admission rule).
+
+A task may be admitted only while `outstanding < (eta + version + 1) * batch_size`, where
+`outstanding` counts tasks admitted minus those replaced (their group was dropped as too
+stale, or the task went to the dead stream). With eta = 0 no task is admitted before the
+previous batch trained: synchronous RL from the same code. The example of task t is a
+deterministic function of t (a reshuffle every pass over the dataset), so the dispatch
+state is two integers, cheap to checkpoint and exact to resume.
+"""
+
+from __future__ import annotations
+
+import random
+
+import redis.asyncio as aioredis
+
+from services import protocol
+from services.config import JobSpec
+from services.queues import FIELD, Keys
+
+
+class Dispatcher:
+    def __init__(self, client: aioredis.Redis, job_id: str, spec: JobSpec) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.spec = spec
+        self.next_task_id = 0
+        self.replaced = 0
+        self.dead_cursor = "0-0"
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def outstanding(self) -> int:
+        return self.next_task_id - self.replaced
+
+    def limit(self, version: int) -> int:
+        train = self.spec.train
+        return min((train.max_staleness + version + 1) * train.batch_size, train.num_steps * train.batch_size)
+
+    def example(self, task_id: int) -> int:
+        size = self.spec.task.num_examples
+        epoch, position = divmod(task_id, size)
+        if epoch not in self._orders:
+            order = list(range(size))
+            random.Random(self.spec.train.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self._orders[epoch][position]
+
+    def replace(self, count: int = 1) -> None:
+        """`count` admitted tasks will never be trained: admit as many new ones."""
+        self.replaced += count
+
+    async def top_up(self, version: int) -> int:
+        """Publish as many tasks as the admission rule allows now; returns how many."""
+        await self._replace_dead_tasks()
+        count = max(0, self.limit(version) - self.outstanding)
+        if count:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for task_id in range(self.next_task_id, self.next_task_id + count):
+                    task = protocol.Task(
+                        job_id=self.job_id, task_id=task_id, example=self.example(task_id),
+                        group_size=self.spec.rollout.group_size, dispatched_version=version,
+                    )
+                    pipe.xadd(Keys.tasks(self.job_id), {FIELD: protocol.encode(task)})
+                await pipe.execute()
+            self.next_task_id += count
+        return count
+
+    async def _replace_dead_tasks(self) -> None:
+        entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
+        tasks_stream = Keys.tasks(self.job_id).encode()
+        for entry_id, fields in entries:
+            self.dead_cursor = entry_id.decode()
+            if fields.get(b"stream") == tasks_stream:
+                self.replace()
+
+    def state(self) -> dict:
+        return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor}
+
+    def load_state(self, state: dict) -> None:
+        self.next_task_id = state["next_task_id"]
+        self.replaced = state["replaced"]
+        self.dead_cursor = state["dead_cursor"]

@@ -1,0 +1,319 @@
+"""Learner rank 0: claims jobs and runs each one's loop.
+
+    warm start (SFT) -> publish version 0 -> repeat num_steps times:
+        admit tasks -> collect a batch of fresh groups -> RL step (all ranks)
+        -> version += 1 -> publish weights -> acknowledge the trained groups
+
+Only this rank talks to Redis; the training work is done by every rank through
+`learner.control`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from learner.control import Command, Worker
+from learner.dispatcher import Dispatcher
+from services import jobs, protocol
+from services.config import JobSpec, LearnerSettings
+from services.metrics import serve_metrics
+from services.queues import Delivery, Keys, StreamConsumer
+
+log = logging.getLogger(__name__)
+
+STEP = Gauge("tandem_learner_step", "Learner steps done", ["job"])
+VERSION = Gauge("tandem_learner_version", "Policy version", ["job"])
+STEP_METRIC = Gauge("tandem_learner_step_metric", "Last step's training metrics", ["job", "name"])
+REWARD = Gauge("tandem_learner_reward_mean", "Mean reward of the last batch", ["job"])
+STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
+DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
+TRAINED_TOKENS = Counter("tandem_learner_trained_tokens_total", "Tokens trained on", ["job"])
+STALENESS = Histogram("tandem_learner_staleness", "Staleness of trained groups (versions)", ["job"],
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+SYNC_SECONDS = Histogram("tandem_learner_weight_sync_seconds", "Gather + broadcast of one update",
+                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+STEP_SECONDS = Histogram("tandem_learner_step_seconds", "Wall time of a training step", ["job"],
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+WAIT_SECONDS = Histogram("tandem_learner_batch_wait_seconds", "Time waiting for a batch of groups",
+                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+QUEUE_DEPTH = Gauge("tandem_queue_depth", "Entries in a job stream not yet read", ["job", "stream"])
+PENDING = Gauge("tandem_queue_pending", "Entries read but not acknowledged", ["job", "stream"])
+DEAD = Gauge("tandem_queue_dead_letters", "Entries in the job's dead stream", ["job"])
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class Driver:
+    def __init__(self, settings: LearnerSettings, worker: Worker) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.redis = aioredis.from_url(settings.redis_url)
+        self.current_job = ""
+
+    def health(self) -> tuple[bool, dict]:
+        return True, {"job": self.current_job}
+
+    async def serve(self, once: bool = False) -> None:
+        """Claim and run jobs one at a time (a job left pending by a crash comes first)."""
+        serve_metrics(self.settings.metrics_port, self.health)
+        queue = await StreamConsumer(self.redis, Keys.jobs_pending, "learners", "learner",
+                                     protocol.JobRef, Keys.jobs_pending + ":dead").setup()
+        backlog = await queue.read_own_pending(1)
+        while True:
+            deliveries = backlog or await queue.read(1, block_ms=1000)
+            backlog = []
+            for delivery in deliveries:
+                await self.run_job(delivery.message.job_id)
+                await queue.ack(delivery.entry_id)
+                if once:
+                    return
+
+    async def run_job(self, job_id: str) -> None:
+        record = await jobs.get_job(self.redis, job_id)
+        if record is None or record["status"] in jobs.TERMINAL:
+            log.info("skipping job %s (%s)", job_id, record and record["status"])
+            return
+        spec = JobSpec.model_validate(record["spec"])
+        log.info("running job %s: %s", job_id, spec.model_dump_json())
+        self.current_job = job_id
+        status, error = jobs.JobStatus.SUCCEEDED, ""
+        await jobs.set_status(self.redis, job_id, jobs.JobStatus.RUNNING)
+        try:
+            self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
+            await JobRun(self, job_id, spec).run()
+        except JobCancelled:
+            status = jobs.JobStatus.CANCELLED
+        except Exception as err:
+            log.exception("job %s failed", job_id)
+            status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
+        finally:
+            self.worker.run(Command(kind="end"))
+            await jobs.set_status(self.redis, job_id, status, error)
+            await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
+            self.current_job = ""
+        log.info("job %s %s %s", job_id, status.value, error)
+
+
+class JobRun:
+    """One job's RL loop on rank 0."""
+
+    def __init__(self, driver: Driver, job_id: str, spec: JobSpec) -> None:
+        self.driver = driver
+        self.redis = driver.redis
+        self.settings = driver.settings
+        self.worker = driver.worker
+        self.job_id = job_id
+        self.spec = spec
+        self.version = 0
+        self.step = 0
+        self.trained: set[int] = set()
+        self.dispatcher = Dispatcher(self.redis, job_id, spec)
+        self.counts = {"stale_dropped": 0, "duplicates": 0, "weight_updates": 0, "sync_failures": 0}
+        self.run_dir = Path(self.settings.runs_dir) / job_id
+
+    async def run(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.trajectories = await StreamConsumer(
+            self.redis, Keys.trajectories(self.job_id), "learner", "learner",
+            protocol.TrajectoryGroup, Keys.dead(self.job_id),
+        ).setup()
+        await self.warm_start()
+        self.worker.run(Command(kind="start_rl"))
+        await self.wait_for_rollout_servers()
+        await self.publish_weights()
+        backlog = await self.trajectories.read_own_pending(10_000)
+        while self.step < self.spec.train.num_steps:
+            await self.check_cancel()
+            waited = time.perf_counter()
+            batch, backlog = await self.collect_batch(backlog)
+            WAIT_SECONDS.labels(self.job_id).observe(time.perf_counter() - waited)
+            await self.train(batch)
+
+    # ---- phases --------------------------------------------------------------------
+
+    async def warm_start(self) -> None:
+        warm = self.spec.warm_start
+        if warm.steps == 0:
+            return
+        if not warm.data:
+            raise ValueError("warm_start.data is required when warm_start.steps > 0")
+        samples = load_demonstrations(warm.data, self.spec)
+        rng = random.Random(self.spec.train.seed)
+        for step in range(warm.steps):
+            batch = rng.sample(samples, min(warm.batch_size, len(samples)))
+            metrics = self.worker.run(Command(kind="sft", samples=batch))
+            await self.record({"phase": "sft", "sft_step": step + 1, **metrics})
+
+    async def wait_for_rollout_servers(self) -> None:
+        deadline = time.monotonic() + self.settings.rollout_wait_s
+        while len(await self.live_servers()) < self.settings.min_rollout_servers:
+            await self.check_cancel()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout server joined within {self.settings.rollout_wait_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def live_servers(self) -> list[str]:
+        now = time.time()
+        servers = []
+        for raw in (await self.redis.hgetall(Keys.rollout_servers)).values():
+            info = protocol.decode(raw, protocol.ServerInfo)
+            if info.job_id == self.job_id and now - info.heartbeat < self.settings.server_timeout_s:
+                servers.append(info.server_id)
+        return servers
+
+    async def publish_weights(self) -> dict:
+        """Announce the plan for `self.version`, then broadcast it (all ranks)."""
+        plan = self.worker.sender.plan(self.version, await self.live_servers())
+        await self.redis.hset(Keys.weights(self.job_id),
+                              mapping={"version": self.version, "plan": protocol.encode(plan)})
+        await self.redis.publish(Keys.events(self.job_id),
+                                 protocol.encode(protocol.JobEvent(kind="version", version=self.version)))
+        result = self.worker.run(Command(kind="sync", plan=plan))
+        SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
+        self.counts["weight_updates"] += 1
+        self.counts["sync_failures"] += int(result["failed"])
+        return result
+
+    async def collect_batch(self, backlog: list[Delivery]) -> tuple[list[Delivery], list[Delivery]]:
+        """`batch_size` fresh groups of distinct, untrained tasks; over-stale groups are
+        dropped (and their tasks replaced), duplicates acknowledged and skipped."""
+        batch: list[Delivery] = []
+        seen: set[int] = set()
+        while len(batch) < self.spec.train.batch_size:
+            await self.dispatcher.top_up(self.version)
+            need = self.spec.train.batch_size - len(batch)
+            deliveries, backlog = backlog[:need], backlog[need:]
+            if not deliveries:
+                deliveries = await self.trajectories.read(need, block_ms=200)
+                if not deliveries:
+                    await self.check_cancel()
+            for delivery in deliveries:
+                if await self.admit(delivery, seen):
+                    batch.append(delivery)
+                    seen.add(delivery.message.task_id)
+        return batch, backlog
+
+    async def admit(self, delivery: Delivery, seen: set[int]) -> bool:
+        group: protocol.TrajectoryGroup = delivery.message
+        if group.task_id in self.trained or group.task_id in seen:
+            self.counts["duplicates"] += 1
+            DUPLICATES.labels(self.job_id).inc()
+            await self.trajectories.ack(delivery.entry_id)
+            return False
+        oldest = group.min_version()
+        staleness = self.version - (self.version if oldest is None else oldest)
+        if staleness > self.spec.train.max_staleness:
+            self.counts["stale_dropped"] += 1
+            STALE_DROPPED.labels(self.job_id).inc()
+            self.dispatcher.replace()
+            await self.trajectories.ack(delivery.entry_id)
+            return False
+        return True
+
+    async def train(self, batch: list[Delivery]) -> None:
+        groups = [d.message for d in batch]
+        samples = [s for g in groups for s in g.samples]
+        started = time.perf_counter()
+        metrics = self.worker.run(Command(kind="rl", samples=samples))
+        step_seconds = time.perf_counter() - started
+        self.version += 1
+        self.step += 1
+        sync = await self.publish_weights()
+        await self.trajectories.ack(*[d.entry_id for d in batch])
+        self.trained.update(g.task_id for g in groups)
+        staleness = [self.version - 1 - g.min_version() for g in groups if g.min_version() is not None]
+        for value in staleness:
+            STALENESS.labels(self.job_id).observe(value)
+        trained_tokens = sum(sum(s.mask) for s in samples)
+        TRAINED_TOKENS.labels(self.job_id).inc(trained_tokens)
+        STEP_SECONDS.labels(self.job_id).observe(step_seconds)
+        record = {
+            "phase": "rl", "step": self.step, "version": self.version,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "staleness_max": max(staleness, default=0),
+            "groups": len(groups), "samples": len(samples), "trained_tokens": trained_tokens,
+            "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
+            "step_seconds": step_seconds, "sync_seconds": sync["seconds"],
+            "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
+            **_sample_metric_means(samples), **metrics, **self.counts,
+        }
+        await self.record(record)
+
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    async def record(self, record: dict) -> None:
+        record["time"] = time.time()
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        await self.redis.rpush(Keys.history(self.job_id), json.dumps(record))
+        await jobs.record_progress(self.redis, self.job_id, self.step, self.version, record)
+        self.export_gauges(record)
+        await self.export_queue_gauges()
+
+    def export_gauges(self, record: dict) -> None:
+        STEP.labels(self.job_id).set(self.step)
+        VERSION.labels(self.job_id).set(self.version)
+        if "reward_mean" in record:
+            REWARD.labels(self.job_id).set(record["reward_mean"])
+        for name in ("loss", "sft_loss", "grad_norm", "entropy", "mismatch_kl", "clip_fraction",
+                     "is_weight_mean", "is_weight_max", "is_masked_fraction", "kl_ref", "success"):
+            if name in record:
+                STEP_METRIC.labels(self.job_id, name).set(record[name])
+
+    async def export_queue_gauges(self) -> None:
+        for name, stream, group in (("tasks", Keys.tasks(self.job_id), "rollout"),
+                                    ("trajectories", Keys.trajectories(self.job_id), "learner")):
+            if not await self.redis.exists(stream):
+                continue
+            for info in await self.redis.xinfo_groups(stream):
+                if info["name"].decode() == group:
+                    QUEUE_DEPTH.labels(self.job_id, name).set(info.get("lag") or 0)
+                    PENDING.labels(self.job_id, name).set(info["pending"])
+        DEAD.labels(self.job_id).set(await self.redis.xlen(Keys.dead(self.job_id)))
+
+    async def check_cancel(self) -> None:
+        if await jobs.cancel_requested(self.redis, self.job_id):
+            raise JobCancelled()
+
+
+def _sample_metric_means(samples: list[protocol.Sample]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for sample in samples:
+        for name, value in sample.metrics.items():
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sums}
+
+
+def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
+    """JSONL of {"messages": [...]} -> SFT samples (mask on assistant tokens)."""
+    from transformers import AutoTokenizer
+
+    from services.tokenization import ChatTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model.path), "off")
+    samples = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            tokens, mask = chat.encode_demonstration(json.loads(line)["messages"])
+            samples.append(protocol.Sample(
+                sample_id=f"sft:{line_number}", tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
+                versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0,
+            ))
+    if not samples:
+        raise ValueError(f"no demonstrations in {path}")
+    return samples

@@ -1,0 +1,162 @@
+"""The policy loss, as pure functions of tensors (DESIGN.md, "Loss").
+
+All tensors are flat over the tokens a rank holds: shape [T], T = tokens of all its
+sequences packed together. Per token: behaviour logprob `mu` (the engine's, at sampling
+time), proximal logprob `prox` (learner weights at the start of the step, no grad) and
+current logprob `theta` (with grad).
+
+    r = exp(theta - prox)            PPO ratio, clipped to [1 - eps_low, 1 + eps_high]
+    w = min(exp(prox - mu), C)       tis  (detached)
+      | 1[1/C <= exp(prox - mu) <= C] mis
+    loss = -sum(w * min(r A, clip(r) A) * mask) / normaliser  (+ kl_coef * KL to a reference)
+
+The normaliser is global (all ranks, all micro-batches), so the gradient is the same
+however the sequences were split across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    correction: Literal["tis", "mis", "none"] = "tis"
+    correction_level: Literal["token", "sequence"] = "token"
+    correction_cap: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    normalise: Literal["token", "sequence"] = "token"
+
+
+@dataclass
+class LossInputs:
+    theta: torch.Tensor
+    """[T] current logprobs, with grad."""
+    prox: torch.Tensor
+    """[T] proximal logprobs, no grad."""
+    mu: torch.Tensor
+    """[T] behaviour logprobs from the engine."""
+    advantages: torch.Tensor
+    """[T] the sequence's advantage repeated on each of its tokens."""
+    mask: torch.Tensor
+    """[T] 1.0 on trained tokens."""
+    seq_ids: torch.Tensor
+    """[T] long, index of the token's sequence within the rank's batch (0..S-1)."""
+    num_seqs: int
+    """S: sequences on this rank (for sequence-level reductions)."""
+    ref: torch.Tensor | None = None
+    """[T] logprobs of the frozen reference policy, when kl_coef > 0."""
+
+
+@dataclass
+class LossOutputs:
+    loss: torch.Tensor
+    """Scalar: this rank's share of the global loss (sum of token terms / global normaliser)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sums over this rank's trained tokens (divide by the global token count to report)."""
+
+
+def ppo_ratio(theta: torch.Tensor, prox: torch.Tensor) -> torch.Tensor:
+    return torch.exp(theta - prox)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(r A, clip(r, 1-eps_low, 1+eps_high) A) and a mask of the tokens where the clip bites."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    return torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[T] -> [S]: sum of each sequence's token values."""
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
+
+
+def behaviour_weight(prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                     num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """[T] importance weight pi_prox / mu correcting for the behaviour policy (detached).
+
+    Sequence level uses the product of the sequence's token ratios, the same for each of
+    its tokens; `tis` truncates at C, `mis` zeroes weights outside [1/C, C]."""
+    log_ratio = (prox - mu).detach() * mask
+    if cfg.correction_level == "sequence":
+        log_ratio = segment_sum(log_ratio, seq_ids, num_seqs)[seq_ids]
+    ratio = torch.exp(log_ratio)
+    if cfg.correction == "tis":
+        return ratio.clamp(max=cfg.correction_cap)
+    if cfg.correction == "mis":
+        cap = cfg.correction_cap
+        return ((ratio >= 1.0 / cap) & (ratio <= cap)).float()
+    return torch.ones_like(ratio)
+
+
+def mismatch_kl(prox: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """[T] k3 estimate of KL(mu || pi_prox) per token: exp(d) - 1 - d with d = prox - mu."""
+    delta = (prox - mu).detach()
+    return torch.exp(delta) - 1.0 - delta
+
+
+def kl_penalty(theta: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """[T] per-token KL(pi_theta || pi_ref) estimate on samples from pi_theta: k1 = log ratio,
+    k3 = exp(-d) - 1 + d with d = theta - ref (unbiased, always >= 0)."""
+    delta = theta - ref
+    if estimator == "k1":
+        return delta
+    return torch.exp(-delta) - 1.0 + delta
+
+
+def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, cfg: LossConfig,
+                  normaliser: float) -> torch.Tensor:
+    """[T] the factor each token's term gets: 1/normaliser per token (token mode) or
+    1/(len(seq) * normaliser) (sequence mode: each sequence's mean counts once)."""
+    if cfg.normalise == "token":
+        return mask / normaliser
+    lengths = segment_sum(mask, seq_ids, num_seqs).clamp(min=1.0)
+    return mask / (lengths[seq_ids] * normaliser)
+
+
+def policy_loss(inputs: LossInputs, cfg: LossConfig, normaliser: float) -> LossOutputs:
+    """The full per-rank loss; `normaliser` is the global count of trained tokens (token
+    mode) or of sequences (sequence mode)."""
+    x = inputs
+    ratio = ppo_ratio(x.theta, x.prox)
+    if cfg.algorithm == "reinforce":
+        # Plain policy gradient through the ratio (value 1 at prox == theta): no trust region.
+        surrogate, clipped = ratio * x.advantages, torch.zeros_like(ratio)
+    else:
+        surrogate, clipped = clipped_surrogate(ratio, x.advantages, cfg.eps_low, cfg.eps_high)
+    weight = behaviour_weight(x.prox, x.mu, x.mask, x.seq_ids, x.num_seqs, cfg)
+    scale = token_weights(x.mask, x.seq_ids, x.num_seqs, cfg, normaliser)
+    loss = -(weight * surrogate * scale).sum()
+    metrics = {
+        "clip_fraction": (clipped * x.mask).sum(),
+        "mismatch_kl": (mismatch_kl(x.prox, x.mu) * x.mask).sum(),
+        "is_weight_mean": (weight * x.mask).sum(),
+        "is_weight_max": (weight * x.mask).max() if x.mask.any() else weight.new_zeros(()),
+        "is_masked_fraction": ((weight == 0).float() * x.mask).sum(),
+        "ratio_mean": (ratio.detach() * x.mask).sum(),
+    }
+    if cfg.kl_coef > 0 and x.ref is not None:
+        kl = kl_penalty(x.theta, x.ref, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * (kl * scale).sum()
+        metrics["kl_ref"] = (kl.detach() * x.mask).sum()
+    return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def sft_loss(theta: torch.Tensor, mask: torch.Tensor, normaliser: float) -> torch.Tensor:
+    """Masked cross-entropy: -sum(logprob of target tokens) / global trained-token count."""
+    return -(theta * mask).sum() / normaliser
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] entropy of softmax(logits)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,82 @@
+"""The sending half of the weight broadcast (mirror of `rollout.weight_receiver`).
+
+All learner ranks call `send` in lockstep, because gathering a parameter's full tensor
+from its FSDP shards is a collective. Rank 0 alone talks to the weight group: it packs each
+bucket into one flat buffer and broadcasts it. The plan (bucket layout, group epoch and
+ranks) is made once per update by rank 0 and announced by the driver before the first
+bucket goes out; a new epoch (new process group) starts whenever membership changes or
+the last update failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from learner.trainer import Trainer
+from services import weight_group
+from services.protocol import WeightPlan
+
+log = logging.getLogger(__name__)
+
+
+class WeightSender:
+    def __init__(self, trainer: Trainer, job_id: str, bucket_mib: int, timeout_s: float,
+                 advertise_host: str, store_port: int) -> None:
+        self.trainer = trainer
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self.dtype = trainer.spec.model.dtype.removeprefix("torch.")
+        self.backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+        specs = trainer.parameter_specs(self.dtype)
+        self.buckets = weight_group.plan_buckets(specs, bucket_mib << 20)
+        self.advertise_host = advertise_host
+        self.store = weight_group.host_store(store_port, timeout_s) if trainer.rank == 0 else None
+        self.store_port = self.store.port if self.store else store_port
+        self.epoch = 0
+        self.ranks: dict[str, int] = {}
+        self.group = None
+
+    def plan(self, version: int, members: list[str]) -> WeightPlan:
+        """Rank 0: the plan for this update; a new epoch if the members changed."""
+        if set(members) != set(self.ranks) or self.group is None:
+            self.epoch += 1
+            self.ranks = {server: rank for rank, server in enumerate(sorted(members), start=1)}
+            self.group = None
+        return WeightPlan(
+            job_id=self.job_id, version=version, epoch=self.epoch, backend=self.backend,
+            store_host=self.advertise_host, store_port=self.store_port,
+            world_size=len(self.ranks) + 1, ranks=dict(self.ranks), buckets=self.buckets,
+            timeout_s=self.timeout_s,
+        )
+
+    def send(self, plan: WeightPlan) -> dict[str, float]:
+        """All ranks: gather each bucket's tensors; rank 0 broadcasts them. A failed
+        collective is logged and ends this epoch; the gathers still run to keep ranks aligned."""
+        started = time.perf_counter()
+        sending = self.trainer.rank == 0 and bool(plan.ranks)
+        failed = False
+        nbytes = 0
+        buf = None
+        for bucket in plan.buckets:
+            tensors = self.trainer.full_tensors([t.name for t in bucket.tensors], self.dtype)
+            if not sending or failed:
+                continue
+            try:
+                if self.group is None:
+                    self.group = weight_group.open_group(
+                        self.store, plan.backend, plan.epoch, 0, plan.world_size, plan.timeout_s
+                    )
+                if buf is None or buf.numel() < bucket.nbytes:
+                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.trainer.device)
+                view = weight_group.pack(bucket, tensors, out=buf[: bucket.nbytes])
+                weight_group.broadcast(self.group, view, plan.timeout_s)
+                nbytes += bucket.nbytes
+            except Exception:
+                log.exception("weight broadcast v%d (epoch %d) failed", plan.version, plan.epoch)
+                self.group = None
+                failed = True
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "bytes": float(nbytes), "failed": float(failed)}
