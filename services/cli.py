@@ -1,0 +1,178 @@
+"""`tandem`: run a process, the whole stack, the demo, or talk to the job API.
+
+Process commands parse their settings (from `TANDEM_*` environment variables), set up
+logging, and only then import the heavy code (torch, vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("tandem")
+
+
+def cmd_api(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.config import ApiSettings
+    from services.logs import setup_logging
+
+    settings = ApiSettings()
+    setup_logging(settings.log_level, "api")
+    log.info("settings: %s", settings.model_dump(exclude={"tokens"}))
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+
+
+def cmd_judge_proxy(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from judge_proxy.app import create_app
+    from services.config import JudgeProxySettings
+    from services.logs import setup_logging
+
+    settings = JudgeProxySettings()
+    setup_logging(settings.log_level, "judge-proxy")
+    log.info("settings: %s", settings.model_dump(exclude={"client_tokens"}))
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+
+
+def cmd_rollout(args: argparse.Namespace) -> None:
+    from services.config import RolloutSettings
+    from services.logs import setup_logging
+
+    settings = RolloutSettings()
+    setup_logging(settings.log_level, "rollout")
+    from rollout.server import RolloutServer
+
+    asyncio.run(RolloutServer(settings).run())
+
+
+def cmd_learner(args: argparse.Namespace) -> None:
+    from services.launcher import learner_command
+
+    os.execv(sys.executable, learner_command(args.nproc))
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    from rollout.tasks import clarify
+    from services.tiny_model import make_tiny_model
+
+    out = make_tiny_model(args.dir, clarify.corpus(), hidden_size=args.hidden, num_layers=args.layers)
+    print(f"tiny model written to {out}")
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from services.launcher import Stack
+
+    with Stack(Path(args.log_dir), learner_ranks=args.learner_ranks) as stack:
+        print(f"tandem is up: API {stack.api_url}, judge proxy {stack.judge_url}, Redis {stack.redis_url}")
+        print(f"logs in {args.log_dir}; Ctrl-C stops everything")
+        try:
+            while True:
+                stack.check_alive()
+                time.sleep(1)
+        except KeyboardInterrupt:
+            print("stopping")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from services.demo import run_demo
+
+    run_demo(Path(args.out), steps=args.steps)
+
+
+def cmd_submit(args: argparse.Namespace) -> None:
+    from services.client import ApiClient, load_spec_file
+
+    job = ApiClient(args.api).submit(load_spec_file(args.file))
+    print(job["id"])
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    from services.client import ApiClient
+
+    for job in ApiClient(args.api).list():
+        print(f"{job['id']:32} {job['status']:10} step {job['step']:>5}  version {job['version']:>5}")
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    import json
+
+    from services.client import ApiClient
+
+    print(json.dumps(ApiClient(args.api).get(args.job_id), indent=2))
+
+
+def cmd_follow(args: argparse.Namespace) -> None:
+    from services.client import ApiClient, follow
+
+    record = follow(ApiClient(args.api), args.job_id)
+    print(f"{args.job_id}: {record['status']} {record.get('error') or ''}")
+
+
+def cmd_cancel(args: argparse.Namespace) -> None:
+    from services.client import ApiClient
+
+    print(ApiClient(args.api).cancel(args.job_id)["status"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    api_url = os.environ.get("TANDEM_API_URL", "http://127.0.0.1:8000")
+
+    sub.add_parser("api", help="the REST job API").set_defaults(run=cmd_api)
+    sub.add_parser("judge-proxy", help="the judge proxy").set_defaults(run=cmd_judge_proxy)
+    sub.add_parser("rollout", help="a rollout server").set_defaults(run=cmd_rollout)
+    p = sub.add_parser("learner", help="the learner under torchrun")
+    p.add_argument("--nproc", type=int, default=2)
+    p.set_defaults(run=cmd_learner)
+
+    p = sub.add_parser("make-tiny-model", help="build the tiny demo model and tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.set_defaults(run=cmd_make_tiny_model)
+
+    p = sub.add_parser("up", help="start every process locally")
+    p.add_argument("--log-dir", default="runs/logs")
+    p.add_argument("--learner-ranks", type=int, default=2)
+    p.set_defaults(run=cmd_up)
+
+    p = sub.add_parser("demo", help="up + the demo job + report")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, default=None)
+    p.set_defaults(run=cmd_demo)
+
+    for name, run, help_text in (("list", cmd_list, "list jobs"),):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--api", default=api_url)
+        p.set_defaults(run=run)
+    p = sub.add_parser("submit", help="submit a job spec (YAML or JSON)")
+    p.add_argument("file")
+    p.add_argument("--api", default=api_url)
+    p.set_defaults(run=cmd_submit)
+    for name, run, help_text in (("status", cmd_status, "show a job"),
+                                 ("follow", cmd_follow, "follow a job with a progress bar"),
+                                 ("cancel", cmd_cancel, "cancel a job")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("job_id")
+        p.add_argument("--api", default=api_url)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A small client of the job API, and `follow`: a job's progress as a progress bar."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from services.jobs import TERMINAL
+
+
+class ApiError(RuntimeError):
+    pass
+
+
+class ApiClient:
+    def __init__(self, base_url: str, token: str = "", timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kwargs):
+        response = self.http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise ApiError(f"{method} {path}: {response.status_code} {response.text}")
+        return response.json()
+
+    def submit(self, spec: dict) -> dict:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def get(self, job_id: str) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/v1/jobs")
+
+    def history(self, job_id: str, start: int = 0) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/history", params={"start": start})
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+
+def load_spec_file(path: str | Path) -> dict:
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+
+        return yaml.safe_load(text)
+    return json.loads(text)
+
+
+def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
+    """Show a job's progress until it ends; returns the final record."""
+    from tqdm import tqdm
+
+    record = client.get(job_id)
+    steps = record["spec"]["train"]["num_steps"]
+    history: list[dict] = []
+    bar = tqdm(total=steps, desc=f"{job_id} {record['status'].lower()}", unit="step", dynamic_ncols=True,
+               mininterval=1.0)
+    while True:
+        record = client.get(job_id)
+        history += client.history(job_id, start=len(history))
+        rl = [h for h in history if h.get("phase") == "rl"]
+        bar.set_description(f"{job_id} {_phase(record, history)}")
+        if rl:
+            bar.n = rl[-1]["step"]
+            bar.set_postfix(_postfix(rl), refresh=False)
+        bar.refresh()
+        if record["status"] in TERMINAL:
+            bar.close()
+            return record
+        time.sleep(poll_s)
+
+
+def _phase(record: dict, history: list[dict]) -> str:
+    if record["status"] != "RUNNING":
+        return record["status"].lower()
+    if history and history[-1].get("phase") == "sft":
+        return f"warm start {history[-1]['sft_step']}"
+    return "rl" if history else "starting"
+
+
+def _postfix(rl: list[dict]) -> dict[str, str]:
+    last = rl[-1]
+    span = rl[-1]["time"] - rl[0]["time"]
+    tokens = sum(h["trained_tokens"] for h in rl[1:])
+    return {
+        "reward": f"{last['reward_mean']:.2f}",
+        "staleness": f"{last['staleness_mean']:.2f}",
+        "tok/s": f"{tokens / span:.0f}" if span > 0 else "-",
+    }

@@ -1,0 +1,132 @@
+"""`tandem up`: every process of the system, started locally, each a separate OS process.
+
+Redis (embedded unless `TANDEM_REDIS_URL` is set), the API, the judge proxy, one rollout
+server and the learner under torchrun. Each gets its settings through `TANDEM_*`
+environment variables, logs to `<log_dir>/<name>.log`, and must answer `/healthz` before
+`up` returns. `stop` sends SIGTERM to every process group, then SIGKILL to stragglers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from services.redis_embed import EmbeddedRedis, free_port
+
+
+@dataclass
+class Ports:
+    api: int = 8000
+    judge_proxy: int = 8001
+    rollout: int = 8002
+    learner: int = 8003
+
+    @classmethod
+    def free(cls) -> "Ports":
+        return cls(free_port(), free_port(), free_port(), free_port())
+
+
+@dataclass
+class Stack:
+    log_dir: Path
+    ports: Ports = field(default_factory=Ports)
+    learner_ranks: int = 2
+    extra_env: dict[str, str] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    redis: EmbeddedRedis | None = None
+    redis_url: str = ""
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.api}"
+
+    @property
+    def judge_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.judge_proxy}"
+
+    def health_urls(self) -> dict[str, str]:
+        p = self.ports
+        return {"api": f"{self.api_url}/healthz", "judge-proxy": f"{self.judge_url}/healthz",
+                "rollout": f"http://127.0.0.1:{p.rollout}/healthz",
+                "learner": f"http://127.0.0.1:{p.learner}/healthz"}
+
+    def start(self, timeout_s: float = 180.0) -> "Stack":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_url = os.environ.get("TANDEM_REDIS_URL", "")
+        if not self.redis_url:
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+        python = sys.executable
+        p = self.ports
+        self.spawn("api", [python, "-m", "services.cli", "api"], TANDEM_PORT=str(p.api))
+        self.spawn("judge-proxy", [python, "-m", "services.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
+        self.spawn("rollout", [python, "-m", "services.cli", "rollout"],
+                   TANDEM_METRICS_PORT=str(p.rollout), TANDEM_JUDGE_URL=self.judge_url)
+        self.spawn("learner", learner_command(self.learner_ranks), TANDEM_METRICS_PORT=str(p.learner))
+        self.wait_healthy(timeout_s)
+        return self
+
+    def spawn(self, name: str, args: list[str], **env: str) -> None:
+        environment = os.environ | {"TANDEM_REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
+        environment |= self.extra_env | env
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.processes[name] = subprocess.Popen(args, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self.health_urls())
+        while pending:
+            for name, url in list(pending.items()):
+                self.check_alive()
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url, timeout=1.0).status_code == 200:
+                        del pending[name]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {sorted(pending)} (logs in {self.log_dir})")
+            time.sleep(0.3)
+
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        self.processes.clear()
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "Stack":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def learner_command(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            "-m", "learner"]
