@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import redis.asyncio as aioredis
 
 from services import protocol
@@ -67,12 +68,21 @@ class Dispatcher:
         return count
 
     async def _replace_dead_tasks(self) -> None:
+        """Replace tasks this dispatcher admitted that a rollout server dead-lettered (bad
+        content, too many failed deliveries); foreign or garbage entries do not count."""
         entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
         tasks_stream = Keys.tasks(self.job_id).encode()
         for entry_id, fields in entries:
             self.dead_cursor = entry_id.decode()
-            if fields.get(b"stream") == tasks_stream:
+            if fields.get(b"stream") == tasks_stream and self._admitted_here(fields.get(FIELD, b"")):
                 self.replace()
+
+    def _admitted_here(self, data: bytes) -> bool:
+        try:
+            task = protocol.decode(data, protocol.Task)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            return False
+        return task.job_id == self.job_id and 0 <= task.task_id < self.next_task_id
 
     def state(self) -> dict:
         return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor}

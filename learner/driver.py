@@ -118,7 +118,9 @@ class JobRun:
         self.step = 0
         self.trained: set[int] = set()
         self.dispatcher = Dispatcher(self.redis, job_id, spec)
-        self.counts = {"stale_dropped": 0, "duplicates": 0, "weight_updates": 0, "sync_failures": 0}
+        self.counts = {"stale_dropped": 0, "duplicates": 0, "weight_updates": 0, "regroups": 0,
+                       "sync_failures": 0}
+        self.membership_checked = 0.0
         self.run_dir = Path(self.settings.runs_dir) / job_id
 
     async def run(self) -> None:
@@ -162,27 +164,57 @@ class JobRun:
                 raise TimeoutError(f"no rollout server joined within {self.settings.rollout_wait_s:.0f}s")
             await asyncio.sleep(0.5)
 
-    async def live_servers(self) -> list[str]:
-        now = time.time()
-        servers = []
-        for raw in (await self.redis.hgetall(Keys.rollout_servers)).values():
-            info = protocol.decode(raw, protocol.ServerInfo)
-            if info.job_id == self.job_id and now - info.heartbeat < self.settings.server_timeout_s:
-                servers.append(info.server_id)
-        return servers
+    async def job_servers(self) -> list[protocol.ServerInfo]:
+        infos = [protocol.decode(raw, protocol.ServerInfo)
+                 for raw in (await self.redis.hgetall(Keys.rollout_servers)).values()]
+        return [info for info in infos if info.job_id == self.job_id]
 
-    async def publish_weights(self) -> dict:
-        """Announce the plan for `self.version`, then broadcast it (all ranks)."""
-        plan = self.worker.sender.plan(self.version, await self.live_servers())
-        await self.redis.hset(Keys.weights(self.job_id),
-                              mapping={"version": self.version, "plan": protocol.encode(plan)})
-        await self.redis.publish(Keys.events(self.job_id),
-                                 protocol.encode(protocol.JobEvent(kind="version", version=self.version)))
-        result = self.worker.run(Command(kind="sync", plan=plan))
-        SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
-        self.counts["weight_updates"] += 1
-        self.counts["sync_failures"] += int(result["failed"])
+    async def live_servers(self) -> list[str]:
+        """Servers on this job whose last heartbeat is younger than `server_timeout_s`."""
+        now = time.time()
+        return [info.server_id for info in await self.job_servers()
+                if now - info.heartbeat < self.settings.server_timeout_s]
+
+    async def settle_membership(self, since: float) -> None:
+        """After a failed update, wait until every server on the job has either sent a
+        heartbeat since `since` (alive) or aged out (dead), so the next group is right."""
+        timeout = self.settings.server_timeout_s
+        while time.time() < since + timeout:
+            now = time.time()
+            if all(info.heartbeat > since or now - info.heartbeat >= timeout for info in await self.job_servers()):
+                return
+            await asyncio.sleep(0.2)
+
+    async def publish_weights(self, servers: list[str] | None = None, regroup: bool = False) -> dict:
+        """Announce the plan for `self.version`, then broadcast it (all ranks). `regroup`
+        re-sends the current version to a new membership (a server joined or vanished).
+        A failed broadcast (a member died) is retried on the settled membership."""
+        for attempt in range(3):
+            plan = self.worker.sender.plan(self.version, await self.live_servers() if servers is None else servers)
+            await self.redis.hset(Keys.weights(self.job_id),
+                                  mapping={"version": self.version, "plan": protocol.encode(plan)})
+            await self.redis.publish(Keys.events(self.job_id),
+                                     protocol.encode(protocol.JobEvent(kind="version", version=self.version)))
+            result = self.worker.run(Command(kind="sync", plan=plan))
+            SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
+            self.counts["regroups" if regroup or attempt else "weight_updates"] += 1
+            if not result["failed"]:
+                return result
+            self.counts["sync_failures"] += 1
+            await self.settle_membership(since=time.time())
+            servers = None
         return result
+
+    async def follow_membership(self) -> None:
+        """While waiting for data: a server that joined (or left) since the last update gets
+        the current weights now, in a new group, instead of idling until the next step."""
+        if time.monotonic() - self.membership_checked < 1.0:
+            return
+        self.membership_checked = time.monotonic()
+        servers = await self.live_servers()
+        if set(servers) != set(self.worker.sender.ranks):
+            log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), self.version)
+            await self.publish_weights(servers, regroup=True)
 
     async def collect_batch(self, backlog: list[Delivery]) -> tuple[list[Delivery], list[Delivery]]:
         """`batch_size` fresh groups of distinct, untrained tasks; over-stale groups are
@@ -197,6 +229,7 @@ class JobRun:
                 deliveries = await self.trajectories.read(need, block_ms=200)
                 if not deliveries:
                     await self.check_cancel()
+                    await self.follow_membership()
             for delivery in deliveries:
                 if await self.admit(delivery, seen):
                     batch.append(delivery)
@@ -243,6 +276,7 @@ class JobRun:
             "staleness_mean": sum(staleness) / max(len(staleness), 1),
             "staleness_max": max(staleness, default=0),
             "groups": len(groups), "samples": len(samples), "trained_tokens": trained_tokens,
+            "task_ids": sorted(g.task_id for g in groups),
             "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
             "step_seconds": step_seconds, "sync_seconds": sync["seconds"],
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),

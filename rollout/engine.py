@@ -92,6 +92,17 @@ class Engine:
             if out.finish_reason != "abort":
                 return out
 
+    async def score(self, tokens: list[int]) -> list[float]:
+        """Logprob of each token of `tokens` given the ones before it (0.0 for the first)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        final = None
+        async for final in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, uuid.uuid4().hex):
+            pass
+        return [0.0] + [entry[token].logprob for entry, token in zip(final.prompt_logprobs[1:], tokens[1:])]
+
     async def update_weights(self, plan: protocol.WeightPlan, plan_bytes: bytes, first_rank: int,
                              pause_mode: str) -> dict:
         """Pause, receive the broadcast into every worker, reload, resume."""
@@ -126,4 +137,10 @@ class Engine:
         return (await self.llm.collective_rpc("tandem_checksum"))[0]
 
     def shutdown(self) -> None:
+        import gc
+
         self.llm.shutdown()
+        # Collect now, while modules are alive: AsyncLLM.__del__ shuts down again and
+        # fails noisily if that first happens at interpreter exit.
+        del self.llm
+        gc.collect()

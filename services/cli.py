@@ -69,9 +69,10 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from services.launcher import Stack
+    from services.launcher import Ports, Stack
 
-    with Stack(Path(args.log_dir), learner_ranks=args.learner_ranks) as stack:
+    ports = Ports(rollout=[8002 + 10 * i for i in range(args.rollout_servers)])
+    with Stack(Path(args.log_dir), ports=ports, learner_ranks=args.learner_ranks) as stack:
         print(f"tandem is up: API {stack.api_url}, judge proxy {stack.judge_url}, Redis {stack.redis_url}")
         print(f"logs in {args.log_dir}; Ctrl-C stops everything")
         try:
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start every process locally")
     p.add_argument("--log-dir", default="runs/logs")
     p.add_argument("--learner-ranks", type=int, default=2)
+    p.add_argument("--rollout-servers", type=int, default=1)
     p.set_defaults(run=cmd_up)
 
     p = sub.add_parser("demo", help="up + the demo job + report")

@@ -1,7 +1,7 @@
 """`tandem up`: every process of the system, started locally, each a separate OS process.
 
-Redis (embedded unless `TANDEM_REDIS_URL` is set), the API, the judge proxy, one rollout
-server and the learner under torchrun. Each gets its settings through `TANDEM_*`
+Redis (embedded unless `TANDEM_REDIS_URL` is set), the API, the judge proxy, rollout
+servers (one by default) and the learner under torchrun. Each gets its settings through `TANDEM_*`
 environment variables, logs to `<log_dir>/<name>.log`, and must answer `/healthz` before
 `up` returns. `stop` sends SIGTERM to every process group, then SIGKILL to stragglers.
 """
@@ -26,12 +26,13 @@ from services.redis_embed import EmbeddedRedis, free_port
 class Ports:
     api: int = 8000
     judge_proxy: int = 8001
-    rollout: int = 8002
     learner: int = 8003
+    rollout: list[int] = field(default_factory=lambda: [8002])
+    """Metrics ports of the rollout servers, one per server."""
 
     @classmethod
-    def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port(), free_port())
+    def free(cls, rollout_servers: int = 1) -> "Ports":
+        return cls(free_port(), free_port(), free_port(), [free_port() for _ in range(rollout_servers)])
 
 
 @dataclass
@@ -53,10 +54,11 @@ class Stack:
         return f"http://127.0.0.1:{self.ports.judge_proxy}"
 
     def health_urls(self) -> dict[str, str]:
-        p = self.ports
-        return {"api": f"{self.api_url}/healthz", "judge-proxy": f"{self.judge_url}/healthz",
-                "rollout": f"http://127.0.0.1:{p.rollout}/healthz",
-                "learner": f"http://127.0.0.1:{p.learner}/healthz"}
+        urls = {"api": f"{self.api_url}/healthz", "judge-proxy": f"{self.judge_url}/healthz",
+                "learner": f"http://127.0.0.1:{self.ports.learner}/healthz"}
+        for i, port in enumerate(self.ports.rollout):
+            urls[f"rollout-{i}"] = f"http://127.0.0.1:{port}/healthz"
+        return urls
 
     def start(self, timeout_s: float = 180.0) -> "Stack":
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -68,8 +70,9 @@ class Stack:
         p = self.ports
         self.spawn("api", [python, "-m", "services.cli", "api"], TANDEM_PORT=str(p.api))
         self.spawn("judge-proxy", [python, "-m", "services.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
-        self.spawn("rollout", [python, "-m", "services.cli", "rollout"],
-                   TANDEM_METRICS_PORT=str(p.rollout), TANDEM_JUDGE_URL=self.judge_url)
+        for i, port in enumerate(p.rollout):
+            self.spawn(f"rollout-{i}", [python, "-m", "services.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
+                       TANDEM_JUDGE_URL=self.judge_url, TANDEM_SERVER_ID=f"rollout-{i}")
         self.spawn("learner", learner_command(self.learner_ranks), TANDEM_METRICS_PORT=str(p.learner))
         self.wait_healthy(timeout_s)
         return self

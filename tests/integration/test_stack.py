@@ -1,0 +1,85 @@
+"""The whole system as separate processes: a rollout server dies mid-task, bad messages
+arrive on both streams, and the job still trains every task exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import redis
+
+from services import protocol
+from services.launcher import Ports, Stack
+from services.queues import FIELD, Keys
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def job_spec(model: str) -> dict:
+    return {
+        "name": "faults",
+        "model": {"path": model, "max_model_len": 512},
+        "task": {"name": "clarify", "num_examples": 64},
+        "rollout": {"group_size": 4, "max_new_tokens": 12, "max_turns": 2, "max_total_tokens": 128},
+        # A server that missed an update lags a version or two; a bound of 3 keeps its
+        # (reclaimed) groups trainable, so "trained exactly once" is deterministic.
+        "train": {"num_steps": 8, "batch_size": 4, "max_staleness": 3, "lr": 1e-4},
+    }
+
+
+def inject_bad_messages(client: redis.Redis, job_id: str) -> None:
+    client.xadd(Keys.tasks(job_id), {FIELD: b"\xc1 not msgpack"})
+    client.xadd(Keys.tasks(job_id), {b"unexpected": b"field"})
+    out_of_range = protocol.Task(job_id=job_id, task_id=10_000, example=10_000, group_size=4, dispatched_version=0)
+    client.xadd(Keys.tasks(job_id), {FIELD: protocol.encode(out_of_range)})
+    client.xadd(Keys.trajectories(job_id), {FIELD: protocol.encode(out_of_range)})  # wrong type here
+
+
+def test_killed_rollout_server_loses_nothing_and_bad_messages_go_to_the_dead_stream(tmp_path, tiny_model):
+    env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
+           "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2"}
+    with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env) as stack:
+        api = httpx.Client(base_url=stack.api_url, timeout=10)
+        client = redis.Redis.from_url(stack.redis_url)
+        job_id = api.post("/v1/jobs", json=job_spec(str(tiny_model))).json()["id"]
+        wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "RUNNING", 60, "the job to start")
+        inject_bad_messages(client, job_id)
+
+        def pending_on_victim():
+            try:
+                entries = client.xpending_range(Keys.tasks(job_id), "rollout", "-", "+", 100, consumername="rollout-1")
+            except redis.ResponseError:  # NOGROUP: the servers are still starting their engines
+                return []
+            return [e["message_id"] for e in entries]
+
+        pending = wait_for(pending_on_victim, 120, "rollout-1 to hold a task")
+        os.killpg(stack.processes.pop("rollout-1").pid, signal.SIGKILL)
+        killed_tasks = {protocol.decode(fields[FIELD], protocol.Task).task_id
+                        for entry_id in pending for _, fields in client.xrange(Keys.tasks(job_id), entry_id, entry_id)}
+
+        final = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
+                         ("SUCCEEDED", "FAILED", "CANCELLED") and r, 300, "the job to end", interval_s=0.5)
+        stack.check_alive()  # nobody else went down
+        history = api.get(f"/v1/jobs/{job_id}/history").json()
+        dead = client.xrange(Keys.dead(job_id))
+
+    assert final["status"] == "SUCCEEDED", final.get("error")
+    trained = [task_id for record in history if record["phase"] == "rl" for task_id in record["task_ids"]]
+    assert len(trained) == len(set(trained)) == 8 * 4
+    assert killed_tasks and killed_tasks <= set(trained)
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert sum("DecodeError" in r or "MsgspecError" in r or "Validation" in r for r in reasons) >= 3, reasons
+    assert any("outside the task set" in r for r in reasons), reasons
