@@ -14,8 +14,8 @@ from rollout.tasks.base import TaskSet
 from services.config import RewardSpec
 
 INVALID_REWARD = 0.0
-Judge = Callable[[str, list[dict]], Awaitable[float]]
-"""(rubric, messages) -> score in [0, 1]; the judge proxy's /v1/judge behind a client."""
+Judge = Callable[[str, list[dict], str | None], Awaitable[float]]
+"""(rubric, messages, reference) -> score in [0, 1]: the judge proxy's /v1/judge."""
 
 
 async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
@@ -27,5 +27,5 @@ async def conversation_reward(task: TaskSet, example: int, episode: Episode, spe
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
-        reward += spec.judge_weight * await judge(spec.judge_rubric, episode.messages)
+        reward += spec.judge_weight * await judge(spec.judge_rubric, episode.messages, task.reference(example))
     return reward

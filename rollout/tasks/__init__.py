@@ -1,13 +1,57 @@
-"""Task datasets. `load_task` picks the implementation by the job spec's task name."""
+"""Task datasets. `load_task` picks the implementation by the job spec's task name; the
+helpers below are shared by the tasks read from JSONL (MATH-Chat, MediumDocEdit-Chat,
+BigCodeBench-Chat)."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 from services.config import TaskSpec
 
+FIXTURES = Path(__file__).parent / "data"
+"""The small built-in datasets a task uses when the spec names no `data` file."""
+_FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 
-def load_task(spec: TaskSpec, seed: int = 0):
+
+def load_task(spec: TaskSpec, seed: int = 0, judge=None):
+    """The task set a job names. `judge` (a `rollout.rewards.conversation.Judge`) is for
+    tasks whose metric asks the judge proxy (MATH-Chat accuracy with metric=judge)."""
     if spec.name == "clarify":
         from rollout.tasks.clarify_task import ClarifyTask
 
         return ClarifyTask(spec, seed)
+    if spec.name == "math_chat":
+        from rollout.tasks.math_chat import MathChatTask
+
+        return MathChatTask(spec, judge)
+    if spec.name == "doc_edit_chat":
+        from rollout.tasks.doc_edit_chat import DocEditChatTask
+
+        return DocEditChatTask(spec)
+    if spec.name == "code_chat":
+        from rollout.tasks.code_chat import CodeChatTask
+
+        return CodeChatTask(spec)
     raise ValueError(f"task {spec.name!r} is not available in this rollout server")
+
+
+def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
+    """The first `spec.num_examples` rows of the JSONL file `spec.data`, or of the built-in
+    `FIXTURES / fixture` when the spec names none (all rows if there are fewer)."""
+    path = Path(spec.data) if spec.data else FIXTURES / fixture
+    with path.open(encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    return rows[:spec.num_examples]
+
+
+def final_reply(messages: list[dict]) -> str:
+    """The content of the last assistant message (a scored conversation has one)."""
+    return [m["content"] for m in messages if m["role"] == "assistant"][-1]
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Each Markdown ``` fenced block of `text`, in order, as (info word lower-cased, body);
+    the info word is '' for a bare fence. Fences open and close at the start of a line."""
+    return [(info.lower(), body) for info, body in _FENCE.findall(text)]

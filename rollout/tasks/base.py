@@ -8,16 +8,27 @@ from rollout.interactions.base import UserSimulator
 
 
 class TaskSet(Protocol):
-    user: UserSimulator
+    name: str
+    rule_user: UserSimulator | None
+    """An exact, rule-based user (synthetic tasks). None: an LLM user simulator (through the
+    judge proxy) role-plays `goal`."""
 
     def __len__(self) -> int: ...
 
     def context(self, example: int) -> list[dict]:
-        """The messages the assistant answers first."""
+        """The messages the assistant answers first (usually the user's opening request)."""
+        ...
+
+    def goal(self, example: int) -> str:
+        """The user's hidden, complete intent, which a user simulator role-plays."""
+        ...
+
+    def reference(self, example: int) -> str:
+        """The reference answer or document the task metric compares against."""
         ...
 
     async def score(self, example: int, messages: list[dict]) -> float:
-        """R_ext in [0, 1]: the task metric of a finished conversation against its reference."""
+        """R_ext in [0, 1]: the task metric of a finished conversation against the reference."""
         ...
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:

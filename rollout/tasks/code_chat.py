@@ -1,0 +1,72 @@
+"""BigCodeBench-Chat: the user asks for a Python function, leaving out parts of its spec;
+the user simulator knows the full spec. Scored by the pass rate of the example's unit tests
+run in the sandbox against the code of the final reply.
+
+Fixture rows: {"opening": the user's first request, "goal": the full spec, "reference": a
+solution that passes every test, "tests": Python snippets, each one test (usually one
+`assert`), run after the solution in its namespace}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from rollout.tasks import fenced_blocks, final_reply, read_examples
+from rollout.tasks.clarify import is_question
+from rollout.tasks.sandbox import run_tests
+from services.config import TaskSpec
+
+_PYTHON_FENCES = ("python", "py", "python3", "")
+
+
+@dataclass(frozen=True)
+class CodeExample:
+    opening: str
+    goal: str
+    reference: str
+    tests: list[str]
+
+
+def python_code(reply: str) -> str | None:
+    """The body of the reply's last fenced block tagged python (or py, python3) or bare;
+    None when it has none, which scores 0 without running anything."""
+    bodies = [body for info, body in fenced_blocks(reply) if info in _PYTHON_FENCES]
+    return bodies[-1] if bodies else None
+
+
+class CodeChatTask:
+    name = "code_chat"
+    rule_user = None
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.examples = [CodeExample(**row) for row in read_examples(spec, "code_chat.jsonl")]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def context(self, example: int) -> list[dict]:
+        return [{"role": "user", "content": self.examples[example].opening}]
+
+    def goal(self, example: int) -> str:
+        return self.examples[example].goal
+
+    def reference(self, example: int) -> str:
+        return self.examples[example].reference
+
+    async def score(self, example: int, messages: list[dict]) -> float:
+        """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""
+        code = python_code(final_reply(messages))
+        if code is None:
+            return 0.0
+        result = await asyncio.to_thread(run_tests, code, self.examples[example].tests)
+        return result.pass_rate
+
+    def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
+        """Cheap scalars only: the pass rate is the score, and rerunning the tests here
+        would block the event loop."""
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        return {
+            "has_code": float(python_code(replies[-1]) is not None),
+            "asked": float(is_question(replies[0])),
+        }

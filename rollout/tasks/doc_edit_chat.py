@@ -1,0 +1,69 @@
+"""MediumDocEdit-Chat: the user asks for edits to a short document without saying all of
+them; the user simulator knows every edit. Scored by sentence BLEU of the final document
+against the reference edit.
+
+Fixture rows: {"request": the user's opening words, "document": the text to edit, "goal":
+every edit the user wants, "reference": the document with those edits made}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sacrebleu
+
+from rollout.tasks import fenced_blocks, final_reply, read_examples
+from rollout.tasks.clarify import is_question
+from services.config import TaskSpec
+
+
+@dataclass(frozen=True)
+class DocEditExample:
+    request: str
+    document: str
+    goal: str
+    reference: str
+
+
+def final_document(reply: str) -> str:
+    """The document a reply delivers: the body of its last ``` fenced block if it has one
+    (so prose around the document does not count), else the whole reply; stripped."""
+    blocks = fenced_blocks(reply)
+    return (blocks[-1][1] if blocks else reply).strip()
+
+
+def document_bleu(hypothesis: str, reference: str) -> float:
+    """sacreBLEU sentence BLEU (13a tokens, exponential smoothing) / 100, in [0, 1]."""
+    return sacrebleu.sentence_bleu(hypothesis, [reference]).score / 100
+
+
+class DocEditChatTask:
+    name = "doc_edit_chat"
+    rule_user = None
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.examples = [DocEditExample(**row) for row in read_examples(spec, "doc_edit_chat.jsonl")]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def context(self, example: int) -> list[dict]:
+        ex = self.examples[example]
+        # The document goes in a fence, which invites a fenced edit back.
+        return [{"role": "user", "content": f"{ex.request}\n\n```\n{ex.document}\n```"}]
+
+    def goal(self, example: int) -> str:
+        return self.examples[example].goal
+
+    def reference(self, example: int) -> str:
+        return self.examples[example].reference
+
+    async def score(self, example: int, messages: list[dict]) -> float:
+        return document_bleu(final_document(final_reply(messages)), self.examples[example].reference)
+
+    def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        return {
+            "bleu": document_bleu(final_document(replies[-1]), self.examples[example].reference),
+            "asked": float(is_question(replies[0])),
+        }

@@ -1,0 +1,178 @@
+"""Run untrusted Python against unit tests in a child process with time, memory and output
+limits, and count the tests that pass.
+
+The parent (`run_tests`) starts `python -I` on this very file in a fresh temporary working
+directory, with a minimal environment and its own process group, and sends the job on
+stdin. The child (`_child_main`) first lowers its own resource limits (CPU seconds, address
+space, size of any file written, its stdout included; no core dumps), then executes the
+solution once and each test in turn in a copy of the solution's namespace. A test passes
+when it runs without raising. The child reports on lines of their own on stdout, each
+starting with a random nonce the parent sent on stdin (so printing from the solution cannot
+forge a report by accident): `<nonce> loaded` once the solution ran, `<nonce> pass <index>`
+after each passing test, `<nonce> done` at the end. Counting line by line keeps the passes
+made before a later test loops or floods.
+
+The wall-clock timeout is the parent's: on expiry it kills the whole process group. Limits
+are set in the child rather than in `preexec_fn`, which is unsafe in a threaded parent
+(the rollout server runs this from worker threads).
+
+Not a security boundary: the solution runs in the same interpreter as the child's harness
+and can reach the network and the file system with the caller's permissions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 10.0
+    """Wall-clock seconds for the whole run (solution and all tests)."""
+    cpu_s: int = 10
+    """CPU seconds (RLIMIT_CPU; SIGXCPU at the limit, SIGKILL a second later)."""
+    memory_bytes: int = 1 << 30
+    """Address space (RLIMIT_AS): a bigger allocation raises MemoryError in the child."""
+    output_bytes: int = 1 << 20
+    """Largest file the child may write, its stdout included (RLIMIT_FSIZE): a write past
+    it raises OSError (EFBIG), as Python ignores SIGXFSZ."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    passed: int
+    """Tests that ran without raising."""
+    total: int
+    timed_out: bool
+    """The wall-clock timeout expired and the process group was killed."""
+    error: str | None
+    """Why the run did not finish normally (the timeout, a signal, the solution failing to
+    load, an exit before the last test), with the last line of stderr when there is one;
+    None when every test ran, passing or failing."""
+
+    @property
+    def pass_rate(self) -> float:
+        """passed / total, in [0, 1]; 0 with no tests."""
+        return self.passed / self.total if self.total else 0.0
+
+
+def run_tests(solution: str, tests: list[str], limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Execute `solution`, then each test snippet (e.g. `assert f(2) == 4`), in a limited
+    child process; blocks for at most about `limits.timeout_s`."""
+    nonce = secrets.token_hex(16)
+    job = {"nonce": nonce, "solution": solution, "tests": tests, "cpu_s": limits.cpu_s,
+           "memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes}
+    with tempfile.TemporaryDirectory() as workdir, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        returncode = _run_child(json.dumps(job).encode(), workdir, out, err, limits.timeout_s)
+        stdout, stderr = _read_capped(out, limits.output_bytes), _read_capped(err, limits.output_bytes)
+    passed, progress = _read_reports(stdout, nonce, len(tests))
+    return SandboxResult(passed=len(passed), total=len(tests), timed_out=returncode is None,
+                         error=_describe_failure(returncode, progress, stderr, limits.timeout_s))
+
+
+def _run_child(job: bytes, workdir: str, out, err, timeout_s: float) -> int | None:
+    """The child's return code (negative: killed by that signal), or None on timeout.
+    Any process the child left behind in its group is killed either way."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=out, stderr=err,
+        cwd=workdir, env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"}, start_new_session=True,
+    )
+    try:
+        proc.communicate(job, timeout=timeout_s)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        returncode = None
+    _kill_group(proc.pid)
+    proc.wait()
+    return returncode
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the child exited and left nothing behind
+
+
+def _read_capped(file, limit_bytes: int) -> str:
+    file.seek(0)
+    return file.read(limit_bytes).decode("utf-8", errors="replace")
+
+
+def _read_reports(stdout: str, nonce: str, num_tests: int) -> tuple[set[int], set[str]]:
+    """The indices of the tests the child reported passed, and its progress reports:
+    'loaded' once the solution ran, 'done' once every test did."""
+    passed, progress = set(), set()
+    for line in stdout.splitlines():
+        parts = line.split()
+        if parts[:1] != [nonce]:
+            continue
+        if len(parts) == 3 and parts[1] == "pass" and parts[2].isdigit() and int(parts[2]) < num_tests:
+            passed.add(int(parts[2]))
+        elif len(parts) == 2:
+            progress.add(parts[1])
+    return passed, progress
+
+
+def _describe_failure(returncode: int | None, progress: set[str], stderr: str, timeout_s: float) -> str | None:
+    if returncode is None:
+        return f"timed out after {timeout_s:g} s"
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    if "loaded" not in progress:
+        reason = "solution failed to load"
+    elif returncode != 0 or "done" not in progress:
+        # e.g. an output flood: the write past RLIMIT_FSIZE fails (Python ignores SIGXFSZ)
+        reason = f"exited with status {returncode} before running every test"
+    else:
+        return None
+    last_line = stderr.strip().rsplit("\n", 1)[-1]
+    return f"{reason}: {last_line}" if last_line else reason
+
+
+# --- the child's side ---------------------------------------------------------------
+
+
+def _limit_self(job: dict) -> None:
+    """Lower soft and hard limits together so the solution cannot raise them again."""
+    resource.setrlimit(resource.RLIMIT_CPU, (job["cpu_s"], job["cpu_s"] + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (job["memory_bytes"], job["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (job["output_bytes"], job["output_bytes"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _child_main() -> None:
+    job = json.loads(sys.stdin.buffer.read())
+    _limit_self(job)
+    namespace = {"__name__": "__solution__"}  # the solution's `if __name__ == "__main__"` stays off
+    try:
+        exec(compile(job["solution"], "<solution>", "exec"), namespace)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the solution did not load
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    _report(job["nonce"], "loaded")
+    for index, test in enumerate(job["tests"]):
+        try:
+            exec(compile(test, f"<test {index}>", "exec"), dict(namespace))
+        except BaseException:  # noqa: BLE001 - a failing test, whatever it raised
+            continue
+        _report(job["nonce"], f"pass {index}")
+    _report(job["nonce"], "done")
+
+
+def _report(nonce: str, message: str) -> None:
+    # Straight to fd 1 on a line of its own: the solution may have replaced sys.stdout or
+    # left a line unfinished.
+    os.write(1, f"\n{nonce} {message}\n".encode())
+
+
+if __name__ == "__main__":
+    _child_main()
