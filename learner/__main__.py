@@ -1,7 +1,9 @@
 """Learner entry point: `torchrun --nproc-per-node N -m learner`.
 
 Rank 0 claims jobs from Redis and drives them; the other ranks follow its commands.
-NCCL and CUDA when a GPU is present, gloo on CPU: the same code either way.
+NCCL and CUDA when a GPU is present, gloo on CPU: the same code either way. A job found
+RUNNING (this learner died or was stopped) continues from its newest checkpoint with
+`--resume`, and is marked FAILED without it.
 """
 
 from __future__ import annotations
@@ -9,14 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from datetime import timedelta
 
 
 def main() -> None:
+    import argparse
+
     from services.config import LearnerSettings
     from services.logs import setup_logging
 
+    parser = argparse.ArgumentParser(prog="python -m learner")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a job left RUNNING from its newest checkpoint (else it is failed)")
+    args = parser.parse_args()
     settings = LearnerSettings()
+    if args.resume:
+        settings.resume = True
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(settings.log_level, f"learner[{rank}]")
     if rank == 0:
@@ -36,11 +47,16 @@ def main() -> None:
     worker = Worker(settings, device, Control())
     try:
         if rank == 0:
+            driver = Driver(settings, worker)
+            # torchrun forwards SIGTERM to every rank: rank 0 checkpoints and then tells the
+            # others to shut down; they must not die in the middle of a collective.
+            signal.signal(signal.SIGTERM, lambda *_: driver.request_stop())
             try:
-                asyncio.run(Driver(settings, worker).serve())
+                asyncio.run(driver.serve())
             finally:
                 worker.run(Command(kind="shutdown"))
         else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             worker.follow()
     finally:
         dist.destroy_process_group()

@@ -46,17 +46,18 @@ def round_robin(lengths: list[int], k: int) -> list[list[int]]:
     return [list(range(len(lengths)))[r::k] for r in range(k)]
 
 
-def partition(lengths: list[int], dp_size: int, max_tokens_per_rank: int) -> list[list[list[int]]]:
+def partition(lengths: list[int], dp_size: int, max_tokens_per_rank: int,
+              split=karmarkar_karp) -> list[list[list[int]]]:
     """Per rank, its micro-batches (lists of sequence indices).
 
-    k grows in steps of `dp_size` until every partition fits under `max_tokens_per_rank`
-    (a single sequence longer than the cap gets a micro-batch of its own)."""
+    k grows in steps of `dp_size` until every partition `split` makes fits under
+    `max_tokens_per_rank` (`round_robin` is the benchmark's baseline)."""
     if any(n > max_tokens_per_rank for n in lengths):
         longest = max(lengths)
         raise ValueError(f"a sequence of {longest} tokens exceeds max_tokens_per_rank={max_tokens_per_rank}")
     k = dp_size
     while True:
-        parts = karmarkar_karp(lengths, k)
+        parts = split(lengths, k)
         if all(sum(lengths[i] for i in p) <= max_tokens_per_rank for p in parts):
             break
         k += dp_size

@@ -9,13 +9,16 @@ instead of leaving the others blocked in a collective.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
 
+from learner import checkpoint
 from learner.trainer import Trainer
 from learner.weight_sender import WeightSender
 from services.config import JobSpec, LearnerSettings
@@ -25,11 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class Command(msgspec.Struct, kw_only=True):
-    kind: Literal["job", "sft", "start_rl", "rl", "sync", "end", "shutdown"]
+    kind: Literal["job", "sft", "start_rl", "rl", "sync", "save", "load", "export", "end", "shutdown"]
     job_id: str = ""
     spec_json: str = ""
     samples: list[Sample] = []
     plan: WeightPlan | None = None
+    path: str = ""
+    meta_json: str = ""
 
 
 class CommandFailed(RuntimeError):
@@ -113,6 +118,14 @@ class Worker:
                 return self.trainer.rl_step(command.samples)
             case "sync":
                 return self.sender.send(command.plan)
+            case "save":
+                checkpoint.save(self.trainer, Path(command.path), json.loads(command.meta_json))
+                return {}
+            case "load":
+                return checkpoint.load(self.trainer, Path(command.path))
+            case "export":
+                self.trainer.export(command.path)
+                return {}
             case "end" | "shutdown":
                 self.trainer = self.sender = None
                 return {}

@@ -20,12 +20,13 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
+from learner import checkpoint
 from learner.control import Command, Worker
 from learner.dispatcher import Dispatcher
 from services import jobs, protocol
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
-from services.queues import Delivery, Keys, StreamConsumer
+from services.queues import FIELD, Delivery, Keys, StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,21 @@ class JobCancelled(Exception):
     pass
 
 
+class LearnerStopping(Exception):
+    """SIGTERM: the job was checkpointed and stays RUNNING for a `--resume` to continue."""
+
+
 class Driver:
     def __init__(self, settings: LearnerSettings, worker: Worker) -> None:
         self.settings = settings
         self.worker = worker
         self.redis = aioredis.from_url(settings.redis_url)
         self.current_job = ""
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """Called from the SIGTERM handler: finish the step, checkpoint, exit."""
+        self.stop_requested = True
 
     def health(self) -> tuple[bool, dict]:
         return True, {"job": self.current_job}
@@ -73,10 +83,16 @@ class Driver:
             deliveries = backlog or await queue.read(1, block_ms=1000)
             backlog = []
             for delivery in deliveries:
-                await self.run_job(delivery.message.job_id)
+                try:
+                    await self.run_job(delivery.message.job_id)
+                except LearnerStopping:
+                    log.info("stopping: job %s checkpointed, left pending for --resume", self.current_job)
+                    return
                 await queue.ack(delivery.entry_id)
                 if once:
                     return
+            if self.stop_requested:
+                return
 
     async def run_job(self, job_id: str) -> None:
         record = await jobs.get_job(self.redis, job_id)
@@ -84,23 +100,31 @@ class Driver:
             log.info("skipping job %s (%s)", job_id, record and record["status"])
             return
         spec = JobSpec.model_validate(record["spec"])
-        log.info("running job %s: %s", job_id, spec.model_dump_json())
+        resuming = record["status"] == jobs.JobStatus.RUNNING.value
+        if resuming and not self.settings.resume:
+            await jobs.set_status(self.redis, job_id, jobs.JobStatus.FAILED,
+                                  "the learner restarted during this job; start it with --resume to continue "
+                                  "from the last checkpoint")
+            return
+        log.info("%s job %s: %s", "resuming" if resuming else "running", job_id, spec.model_dump_json())
         self.current_job = job_id
         status, error = jobs.JobStatus.SUCCEEDED, ""
         await jobs.set_status(self.redis, job_id, jobs.JobStatus.RUNNING)
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
-            await JobRun(self, job_id, spec).run()
+            await JobRun(self, job_id, spec).run(resuming)
+        except LearnerStopping:
+            self.worker.run(Command(kind="end"))
+            raise
         except JobCancelled:
             status = jobs.JobStatus.CANCELLED
         except Exception as err:
             log.exception("job %s failed", job_id)
             status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
-        finally:
-            self.worker.run(Command(kind="end"))
-            await jobs.set_status(self.redis, job_id, status, error)
-            await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
-            self.current_job = ""
+        self.worker.run(Command(kind="end"))
+        await jobs.set_status(self.redis, job_id, status, error)
+        await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
+        self.current_job = ""
         log.info("job %s %s %s", job_id, status.value, error)
 
 
@@ -122,24 +146,82 @@ class JobRun:
                        "sync_failures": 0}
         self.membership_checked = 0.0
         self.run_dir = Path(self.settings.runs_dir) / job_id
+        self.unacked: list[bytes] = []
+        """Trajectory entries trained since the last checkpoint (acknowledged when it is complete)."""
 
-    async def run(self) -> None:
+    async def run(self, resuming: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.trajectories = await StreamConsumer(
             self.redis, Keys.trajectories(self.job_id), "learner", "learner",
             protocol.TrajectoryGroup, Keys.dead(self.job_id),
         ).setup()
-        await self.warm_start()
-        self.worker.run(Command(kind="start_rl"))
+        if resuming:
+            await self.resume()
+        else:
+            await self.warm_start()
+            self.worker.run(Command(kind="start_rl"))
+            await self.checkpoint()
         await self.wait_for_rollout_servers()
         await self.publish_weights()
         backlog = await self.trajectories.read_own_pending(10_000)
+        every = self.spec.train.checkpoint_every
         while self.step < self.spec.train.num_steps:
             await self.check_cancel()
             waited = time.perf_counter()
             batch, backlog = await self.collect_batch(backlog)
             WAIT_SECONDS.labels(self.job_id).observe(time.perf_counter() - waited)
             await self.train(batch)
+            if every and self.step % every == 0:
+                await self.checkpoint()
+            if self.step < self.spec.train.num_steps:
+                await self.check_stop()
+        if not every or self.step % every:
+            await self.checkpoint()
+        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+
+    async def resume(self) -> None:
+        """Continue from the newest complete checkpoint: restore every rank's state and this
+        driver's bookkeeping, drop history written after it, and move the dispatcher past
+        every task already in the stream."""
+        path = checkpoint.latest(self.settings.runs_dir, self.job_id)
+        if path is None:
+            if await self.redis.xlen(Keys.tasks(self.job_id)):
+                raise RuntimeError("cannot resume: tasks were dispatched but there is no checkpoint "
+                                   "(train.checkpoint_every = 0?)")
+            log.info("no checkpoint yet and nothing dispatched: starting job %s over", self.job_id)
+            await self.redis.delete(Keys.history(self.job_id))
+            await self.warm_start()
+            self.worker.run(Command(kind="start_rl"))
+            await self.checkpoint()
+            return
+        self.worker.run(Command(kind="start_rl"))
+        meta = self.worker.run(Command(kind="load", path=str(path)))
+        self.step, self.version = meta["step"], meta["version"]
+        self.trained = set(meta["trained"])
+        self.counts = meta["counts"]
+        self.dispatcher.load_state(meta["dispatcher"])
+        last = await self.redis.xrevrange(Keys.tasks(self.job_id), count=1)
+        if last:
+            last_task = protocol.decode(last[0][1][FIELD], protocol.Task).task_id
+            self.dispatcher.next_task_id = max(self.dispatcher.next_task_id, last_task + 1)
+        await self.redis.ltrim(Keys.history(self.job_id), 0, meta["history_length"] - 1)
+        log.info("resumed job %s from %s (step %d)", self.job_id, path, self.step)
+
+    async def checkpoint(self) -> None:
+        """Write a checkpoint (all ranks), then acknowledge what it covers. With checkpoints
+        off, trained groups are acknowledged right after their step instead."""
+        path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
+        if self.spec.train.checkpoint_every == 0 or (path == checkpoint.latest(self.settings.runs_dir, self.job_id)
+                                                     and not self.unacked):
+            return
+        meta = {
+            "step": self.step, "version": self.version, "trained": sorted(self.trained),
+            "counts": self.counts, "dispatcher": self.dispatcher.state(),
+            "history_length": await self.redis.llen(Keys.history(self.job_id)),
+        }
+        self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
+        await self.trajectories.ack(*self.unacked)
+        self.unacked = []
 
     # ---- phases --------------------------------------------------------------------
 
@@ -229,6 +311,7 @@ class JobRun:
                 deliveries = await self.trajectories.read(need, block_ms=200)
                 if not deliveries:
                     await self.check_cancel()
+                    await self.check_stop()
                     await self.follow_membership()
             for delivery in deliveries:
                 if await self.admit(delivery, seen):
@@ -237,21 +320,32 @@ class JobRun:
         return batch, backlog
 
     async def admit(self, delivery: Delivery, seen: set[int]) -> bool:
+        """Whether a group may join the batch. Rejected: a task already trained (a rollout
+        server died after writing it), over-stale groups and groups from versions newer than
+        ours (sampled by weights a crashed learner published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
             DUPLICATES.labels(self.job_id).inc()
-            await self.trajectories.ack(delivery.entry_id)
+            await self.settle(delivery.entry_id)
             return False
         oldest = group.min_version()
         staleness = self.version - (self.version if oldest is None else oldest)
-        if staleness > self.spec.train.max_staleness:
+        if staleness > self.spec.train.max_staleness or group.max_version() > self.version:
             self.counts["stale_dropped"] += 1
             STALE_DROPPED.labels(self.job_id).inc()
             self.dispatcher.replace()
-            await self.trajectories.ack(delivery.entry_id)
+            await self.settle(delivery.entry_id)
             return False
         return True
+
+    async def settle(self, entry_id: bytes) -> None:
+        """Acknowledge an entry now, or with the next checkpoint when checkpoints are on, so
+        a resumed run sees (and decides on) exactly the entries the lost one had not covered."""
+        if self.spec.train.checkpoint_every:
+            self.unacked.append(entry_id)
+        else:
+            await self.trajectories.ack(entry_id)
 
     async def train(self, batch: list[Delivery]) -> None:
         groups = [d.message for d in batch]
@@ -262,7 +356,8 @@ class JobRun:
         self.version += 1
         self.step += 1
         sync = await self.publish_weights()
-        await self.trajectories.ack(*[d.entry_id for d in batch])
+        for delivery in batch:
+            await self.settle(delivery.entry_id)
         self.trained.update(g.task_id for g in groups)
         staleness = [self.version - 1 - g.min_version() for g in groups if g.min_version() is not None]
         for value in staleness:
@@ -315,6 +410,11 @@ class JobRun:
                     QUEUE_DEPTH.labels(self.job_id, name).set(info.get("lag") or 0)
                     PENDING.labels(self.job_id, name).set(info["pending"])
         DEAD.labels(self.job_id).set(await self.redis.xlen(Keys.dead(self.job_id)))
+
+    async def check_stop(self) -> None:
+        if self.driver.stop_requested:
+            await self.checkpoint()
+            raise LearnerStopping()
 
     async def check_cancel(self) -> None:
         if await jobs.cancel_requested(self.redis, self.job_id):

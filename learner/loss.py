@@ -64,7 +64,8 @@ class LossOutputs:
 
 
 def ppo_ratio(theta: torch.Tensor, prox: torch.Tensor) -> torch.Tensor:
-    return torch.exp(theta - prox)
+    """pi_theta / pi_prox per token; differentiable in theta only."""
+    return torch.exp(theta - prox.detach())
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,

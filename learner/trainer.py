@@ -53,6 +53,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.cfg = loss_config(spec)
+        self.split = batching.karmarkar_karp
+        """How sequences are split across ranks and micro-batches (round-robin in benchmarks)."""
         torch.manual_seed(spec.train.seed)
         self.model = self.setup_model(spec.model.path)
         self.reference: torch.nn.Module | None = None
@@ -117,7 +119,8 @@ class Trainer:
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """This rank's micro-batches for `samples` (same partition on every rank)."""
         lengths = [len(s.tokens) for s in samples]
-        mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank)[self.rank]
+        mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank,
+                                  self.split)[self.rank]
         return [self._collate(samples, indices) for indices in mine]
 
     def _collate(self, samples: list[Sample], indices: list[int]) -> MicroBatch:
@@ -265,12 +268,18 @@ class Trainer:
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            from pathlib import Path
+
             from safetensors.torch import save_file
             from transformers import AutoConfig, AutoTokenizer
 
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/model.safetensors")
             AutoConfig.from_pretrained(self.spec.model.path).save_pretrained(out_dir)
             AutoTokenizer.from_pretrained(self.spec.model.path).save_pretrained(out_dir)
+            generation = Path(self.spec.model.path) / "generation_config.json"
+            if generation.exists():
+                (Path(out_dir) / generation.name).write_text(generation.read_text())
 
 
 def _split(n: int, parts: int) -> list[list[int]]:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-
-import torch
+import uuid
 
 from learner.trainer import Trainer
 from services import weight_group
@@ -35,9 +34,12 @@ class WeightSender:
         self.advertise_host = advertise_host
         self.store = weight_group.host_store(store_port, timeout_s) if trainer.rank == 0 else None
         self.store_port = self.store.port if self.store else store_port
+        self.session = uuid.uuid4().hex
         self.epoch = 0
         self.ranks: dict[str, int] = {}
         self.group = None
+        self.buffers: list = [None, None]
+        """Pack buffers, kept across updates (reallocating costs page faults every time)."""
 
     def plan(self, version: int, members: list[str]) -> WeightPlan:
         """Rank 0: the plan for this update; a new epoch if the members changed."""
@@ -46,7 +48,7 @@ class WeightSender:
             self.ranks = {server: rank for rank, server in enumerate(sorted(members), start=1)}
             self.group = None
         return WeightPlan(
-            job_id=self.job_id, version=version, epoch=self.epoch, backend=self.backend,
+            job_id=self.job_id, session=self.session, version=version, epoch=self.epoch, backend=self.backend,
             store_host=self.advertise_host, store_port=self.store_port,
             world_size=len(self.ranks) + 1, ranks=dict(self.ranks), buckets=self.buckets,
             timeout_s=self.timeout_s,
@@ -56,27 +58,26 @@ class WeightSender:
         """All ranks: gather each bucket's tensors; rank 0 broadcasts them. A failed
         collective is logged and ends this epoch; the gathers still run to keep ranks aligned."""
         started = time.perf_counter()
-        sending = self.trainer.rank == 0 and bool(plan.ranks)
-        failed = False
-        nbytes = 0
-        buf = None
-        for bucket in plan.buckets:
-            tensors = self.trainer.full_tensors([t.name for t in bucket.tensors], self.dtype)
-            if not sending or failed:
-                continue
+        fetched = 0
+
+        def fetch(bucket) -> dict:
+            nonlocal fetched
+            fetched += 1
+            return self.trainer.full_tensors([t.name for t in bucket.tensors], self.dtype)
+
+        nbytes, failed = 0, False
+        if self.trainer.rank == 0 and plan.ranks:
             try:
                 if self.group is None:
                     self.group = weight_group.open_group(
                         self.store, plan.backend, plan.epoch, 0, plan.world_size, plan.timeout_s
                     )
-                if buf is None or buf.numel() < bucket.nbytes:
-                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.trainer.device)
-                view = weight_group.pack(bucket, tensors, out=buf[: bucket.nbytes])
-                weight_group.broadcast(self.group, view, plan.timeout_s)
-                nbytes += bucket.nbytes
+                nbytes = weight_group.send_buckets(self.group, plan.buckets, fetch, plan.timeout_s,
+                                                   self.trainer.device, self.buffers)
             except Exception:
                 log.exception("weight broadcast v%d (epoch %d) failed", plan.version, plan.epoch)
                 self.group = None
                 failed = True
-        seconds = time.perf_counter() - started
-        return {"seconds": seconds, "bytes": float(nbytes), "failed": float(failed)}
+        for bucket in plan.buckets[fetched:]:
+            fetch(bucket)
+        return {"seconds": time.perf_counter() - started, "bytes": float(nbytes), "failed": float(failed)}

@@ -21,25 +21,20 @@ class WeightReceiverExtension:
     _tandem_store_address: tuple[str, int] | None = None
     _tandem_group = None
     _tandem_epoch: int | None = None
+    _tandem_buffers: list = []
 
     def tandem_receive(self, plan_bytes: bytes, first_rank: int) -> dict:
         """Receive the update `plan_bytes` announces; returns timing and a checksum."""
-        import torch
-
         plan = protocol.decode(plan_bytes, protocol.WeightPlan)
         started = time.perf_counter()
         group = self._tandem_join(plan, first_rank + self.rank)
-        buffers = []
         try:
-            for bucket in plan.buckets:
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-                weight_group.broadcast(group, buf, plan.timeout_s)
-                buffers.append((bucket, buf))
+            pairs = weight_group.receive_buckets(group, plan.buckets, plan.timeout_s, self.device,
+                                                 self._tandem_buffers)
         except Exception:
             self.tandem_leave()  # a failed collective leaves the group unusable
             raise
         received = time.perf_counter()
-        pairs = [pair for bucket, buf in buffers for pair in weight_group.unpack(bucket, buf)]
         self.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
         return {
             "version": plan.version,
@@ -60,6 +55,8 @@ class WeightReceiverExtension:
         self._tandem_epoch = None
 
     def _tandem_join(self, plan: protocol.WeightPlan, rank: int):
+        if not self._tandem_buffers:
+            self._tandem_buffers = []  # per worker, not the class-level default
         address = (plan.store_host, plan.store_port)
         if self._tandem_store_address != address:
             self._tandem_store = weight_group.connect_store(*address, plan.timeout_s)

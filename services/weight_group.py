@@ -15,6 +15,7 @@ from datetime import timedelta
 from services.protocol import Bucket, TensorSpec
 
 ALIGN_BYTES = 64
+CHUNK_BYTES = 16 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
@@ -99,11 +100,74 @@ def open_group(store, backend: str, epoch: int, rank: int, world_size: int, time
     return ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
 
 
-def broadcast(group, tensor, timeout_s: float) -> None:
-    """Broadcast from rank 0 in place; raises on timeout instead of hanging."""
+def broadcast_async(group, tensor):
+    """Start a broadcast from rank 0 in place; returns the work handle."""
     from torch.distributed import BroadcastOptions
 
     options = BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
-    group.broadcast([tensor], options).wait(timedelta(seconds=timeout_s))
+    return group.broadcast([tensor], options)
+
+
+def broadcast(group, tensor, timeout_s: float) -> None:
+    """Broadcast from rank 0 in place; raises on timeout instead of hanging."""
+    broadcast_async(group, tensor).wait(timedelta(seconds=timeout_s))
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    """The fixed byte ranges a bucket travels in; both sides derive them from the plan."""
+    return [(start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES)]
+
+
+def send_buckets(group, buckets: list[Bucket], fetch, timeout_s: float, device, buffers: list) -> int:
+    """Rank 0: broadcast every bucket, each in CHUNK_BYTES pieces started as soon as they are
+    packed, so packing overlaps sending (a 512 MiB copy costs about as much as the send).
+    Two buffers alternate between buckets; `buffers` (two slots) keeps them across updates.
+    `fetch(bucket)` returns the bucket's named tensors. Returns the bytes sent."""
+    import torch
+
+    in_flight: list[list] = [[], []]
+    timeout = timedelta(seconds=timeout_s)
+    for i, bucket in enumerate(buckets):
+        slot = i % 2
+        for work in in_flight[slot]:  # the buffer's previous bucket must be off the wire
+            work.wait(timeout)
+        if buffers[slot] is None or buffers[slot].numel() < bucket.nbytes:
+            buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        buf = buffers[slot]
+        tensors = fetch(bucket)
+        chunks = _chunks(bucket.nbytes)
+        works, packed = [], 0
+        for spec in bucket.tensors:
+            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
+            buf[spec.offset : spec.offset + spec.nbytes].copy_(flat)
+            packed = spec.offset + spec.nbytes
+            while len(works) < len(chunks) and chunks[len(works)][1] <= packed:
+                start, stop = chunks[len(works)]
+                works.append(broadcast_async(group, buf[start:stop]))
+        for start, stop in chunks[len(works):]:  # alignment padding at the end
+            works.append(broadcast_async(group, buf[start:stop]))
+        in_flight[slot] = works
+    for works in in_flight:
+        for work in works:
+            work.wait(timeout)
+    return sum(bucket.nbytes for bucket in buckets)
+
+
+def receive_buckets(group, buckets: list[Bucket], timeout_s: float, device,
+                    buffers: list) -> list[tuple[str, object]]:
+    """Ranks > 0: receive every bucket chunk by chunk into `buffers` (one per bucket, kept
+    across updates); returns (name, tensor) views into them, valid until the next update."""
+    import torch
+
+    pairs = []
+    for i, bucket in enumerate(buckets):
+        if len(buffers) <= i:
+            buffers.append(None)
+        if buffers[i] is None or buffers[i].numel() < bucket.nbytes:
+            buffers[i] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for start, stop in _chunks(bucket.nbytes):
+            broadcast(group, buffers[i][start:stop], timeout_s)
+        pairs += unpack(bucket, buffers[i])
+    return pairs

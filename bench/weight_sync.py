@@ -1,0 +1,137 @@
+"""Weight sync throughput: the bucketed sender vs one raw broadcast vs tensor by tensor.
+
+One sender (the learner's rank 0 in the weight group) and N receivers (rollout engines)
+on a gloo group over loopback, as in production on CPU. For each model size, three ways
+to move the same bytes, each timed from the first byte to a barrier after the last:
+
+  raw         one broadcast of a single flat tensor already holding every weight: the
+              transport's ceiling, the baseline of the ratios;
+  bucketed    Tandem's path (`services.weight_group.send_buckets/receive_buckets`): named
+              tensors packed into flat buckets (512 MiB), packing overlapped with sending;
+  per-tensor  one broadcast per parameter, as per-parameter weight-update loops do.
+
+Run: python bench/weight_sync.py [--sizes-mb 100 1000] [--receivers 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from services import weight_group  # noqa: E402
+from services.redis_embed import free_port  # noqa: E402
+
+TIMEOUT_S = 600.0
+METHODS = ("raw", "bucketed", "per-tensor")
+
+
+def model_shapes(target_bytes: int) -> list[tuple[str, list[int]]]:
+    """A Llama-like float32 parameter list of about `target_bytes`: embeddings, then
+    layers of attention (4 H x H) and MLP (3 H x 8H/3) matrices and norms."""
+    hidden = 512 if target_bytes < 400e6 else 1024
+    vocab = 8000 if hidden == 512 else 32000
+    shapes = [("embed_tokens.weight", [vocab, hidden]), ("lm_head.weight", [vocab, hidden])]
+    inner = hidden * 8 // 3
+    layer = 0
+    while sum(_numel(s) for _, s in shapes) * 4 < target_bytes:
+        prefix = f"layers.{layer}."
+        shapes += [(prefix + n, [hidden, hidden]) for n in ("q.weight", "k.weight", "v.weight", "o.weight")]
+        shapes += [(prefix + "gate.weight", [inner, hidden]), (prefix + "up.weight", [inner, hidden]),
+                   (prefix + "down.weight", [hidden, inner]), (prefix + "norm.weight", [hidden])]
+        layer += 1
+    return shapes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def worker(rank: int, world: int, port: int, size_bytes: int, repeats: int, bucket_mib: int, out: str) -> None:
+    torch.set_num_threads(1)
+    store = weight_group.host_store(port, TIMEOUT_S) if rank == 0 else weight_group.connect_store("127.0.0.1", port, TIMEOUT_S)
+    group = weight_group.open_group(store, "gloo", 1, rank, world, TIMEOUT_S)
+    shapes = model_shapes(size_bytes)
+    buckets = weight_group.plan_buckets([(n, s, "float32") for n, s in shapes], bucket_mib << 20)
+    total = sum(b.nbytes for b in buckets)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=generator) for n, s in shapes} if rank == 0 else None
+    flat = torch.empty(total, dtype=torch.uint8).fill_(0)
+    buffers: list = [None, None] if rank == 0 else []
+    per_tensor = tensors if rank == 0 else {n: torch.empty(s) for n, s in shapes}
+    timings: dict[str, list[float]] = {m: [] for m in METHODS}
+    for repeat in range(repeats + 1):  # the first round warms buffers up and is not counted
+        for method in METHODS:
+            group.barrier().wait()
+            started = time.perf_counter()
+            if method == "raw":
+                weight_group.broadcast(group, flat, TIMEOUT_S)
+            elif method == "bucketed" and rank == 0:
+                weight_group.send_buckets(group, buckets, lambda b: tensors, TIMEOUT_S, torch.device("cpu"), buffers)
+            elif method == "bucketed":
+                weight_group.receive_buckets(group, buckets, TIMEOUT_S, torch.device("cpu"), buffers)
+            else:
+                for name, _ in shapes:
+                    weight_group.broadcast(group, per_tensor[name], TIMEOUT_S)
+            group.barrier().wait()
+            if repeat:
+                timings[method].append(time.perf_counter() - started)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"bytes": total, "tensors": len(shapes), "buckets": len(buckets),
+                                         "seconds": timings}))
+
+
+def measure(size_mb: int, receivers: int, repeats: int, bucket_mib: int, tmp: Path) -> dict:
+    out = tmp / f"weight_sync_{size_mb}.json"
+    port = free_port()
+    world = receivers + 1
+    mp.start_processes(worker, args=(world, port, size_mb * 10**6, repeats, bucket_mib, str(out)),
+                       nprocs=world, start_method="spawn")
+    result = json.loads(out.read_text())
+    rows = {}
+    for method, seconds in result["seconds"].items():
+        median = statistics.median(seconds)
+        rows[method] = {"seconds": median, "gb_per_s": result["bytes"] / median / 1e9}
+    raw = rows["raw"]["gb_per_s"]
+    for row in rows.values():
+        row["ratio_to_raw"] = row["gb_per_s"] / raw
+    return {"size_mb": size_mb, "bytes": result["bytes"], "tensors": result["tensors"],
+            "buckets": result["buckets"], "methods": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--receivers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--out", default="bench/results/weight_sync.json")
+    args = parser.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    results = [measure(size, args.receivers, args.repeats, args.bucket_mib, Path(args.out).parent)
+               for size in args.sizes_mb]
+    print(f"\nweight sync, gloo over loopback, 1 sender -> {args.receivers} receivers, "
+          f"{os.cpu_count()} CPU cores, median of {args.repeats}")
+    print(f"{'size':>8} {'tensors':>8} {'method':>11} {'seconds':>9} {'GB/s':>7} {'vs raw':>7}")
+    for r in results:
+        for method, row in r["methods"].items():
+            print(f"{r['size_mb']:>6}MB {r['tensors']:>8} {method:>11} {row['seconds']:>9.3f} "
+                  f"{row['gb_per_s']:>7.2f} {row['ratio_to_raw']:>6.0%}")
+    Path(args.out).write_text(json.dumps({"receivers": args.receivers, "bucket_mib": args.bucket_mib,
+                                          "cpu_cores": os.cpu_count(), "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

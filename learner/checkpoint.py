@@ -1,0 +1,74 @@
+"""Sharded checkpoints that make a resumed job continue exactly where it stopped.
+
+`runs/<job>/checkpoints/step-000003/` holds the FSDP shards of the policy, the optimizer
+(and the KL reference if any) written by torch.distributed.checkpoint, each rank's RNG
+state, and `meta.json` (written last, by rank 0): step, version, scheduler, dispatcher
+cursor, trained task ids and counters. A checkpoint without `meta.json` is incomplete and
+ignored. Trajectories trained since the previous checkpoint stay unacknowledged in Redis
+until this one is complete, so after a crash they are delivered again, in stream order,
+and retrained from the restored state: the resumed run trains what the uninterrupted run
+would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from learner.trainer import Trainer
+
+META = "meta.json"
+
+
+def checkpoint_dir(runs_dir: str | Path, job_id: str, step: int) -> Path:
+    return Path(runs_dir) / job_id / "checkpoints" / f"step-{step:06d}"
+
+
+def latest(runs_dir: str | Path, job_id: str) -> Path | None:
+    """The newest complete checkpoint of a job, if any."""
+    root = Path(runs_dir) / job_id / "checkpoints"
+    complete = sorted(p for p in root.glob("step-*") if (p / META).exists()) if root.exists() else []
+    return complete[-1] if complete else None
+
+
+def _state(trainer: Trainer) -> dict:
+    model, optim = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model, "optim": optim}
+    if trainer.reference is not None:
+        state["reference"], _ = get_state_dict(trainer.reference, [])
+    return state
+
+
+def save(trainer: Trainer, path: Path, meta: dict) -> None:
+    """All ranks: write the shards and RNG; rank 0 then writes meta.json atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(_state(trainer), checkpoint_id=str(path))
+    save_file({"cpu": torch.get_rng_state()}, path / f"rng-{trainer.rank}.safetensors")
+    dist.barrier()
+    if trainer.rank == 0:
+        meta = meta | {"scheduler": trainer.scheduler.state_dict()}
+        tmp = path / (META + ".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, path / META)
+    dist.barrier()
+
+
+def load(trainer: Trainer, path: Path) -> dict:
+    """All ranks: restore shards, optimizer, reference, RNG and scheduler; returns the meta."""
+    state = _state(trainer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    if trainer.reference is not None:
+        set_state_dict(trainer.reference, [], model_state_dict=state["reference"], optim_state_dict={})
+    torch.set_rng_state(load_file(path / f"rng-{trainer.rank}.safetensors")["cpu"])
+    meta = json.loads((path / META).read_text())
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    return meta

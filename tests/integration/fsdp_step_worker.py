@@ -1,0 +1,54 @@
+"""One learner step under torchrun, for tests: python -m torch.distributed.run ... this file.
+
+Arguments: MODEL_DIR OUT.safetensors MAX_TOKENS_PER_RANK SHUFFLE_SEED(-1 = none) KIND(rl|sft).
+Builds a fixed batch from the clarify task, optionally shuffles it (another partition),
+takes one optimizer step and writes the full parameters (rank 0).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from learner.trainer import Trainer
+from rollout.tasks import clarify
+from services.config import JobSpec, ModelSpec, TrainSpec
+from services.protocol import Sample
+from services.tokenization import ChatTokenizer
+
+
+def fixed_batch(model_dir: str) -> list[Sample]:
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(model_dir))
+    rng = random.Random(0)
+    samples = []
+    for i, messages in enumerate(clarify.demonstrations(12, seed=3, ask_share=0.5)):
+        tokens, mask = chat.encode_demonstration(messages)
+        behaviour = [rng.uniform(-4.0, -0.5) if m else 0.0 for m in mask]
+        samples.append(Sample(sample_id=str(i), tokens=tokens, mask=mask, logprobs=behaviour,
+                              versions=[0 if m else -1 for m in mask], reward=0.0,
+                              advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), num_turns=1))
+    return samples
+
+
+def main() -> None:
+    model_dir, out, cap, shuffle, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    dist.init_process_group("gloo")
+    spec = JobSpec(model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap))
+    trainer = Trainer(spec, torch.device("cpu"))
+    samples = fixed_batch(model_dir)
+    if shuffle >= 0:
+        random.Random(shuffle).shuffle(samples)
+    (trainer.rl_step if kind == "rl" else trainer.sft_step)(samples)
+    params = {name: p.detach().full_tensor().contiguous() for name, p in trainer.model.named_parameters()}
+    if dist.get_rank() == 0:
+        save_file(params, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

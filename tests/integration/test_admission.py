@@ -1,0 +1,94 @@
+"""Dispatch under the staleness bound and the learner's admit decisions, on real Redis."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from learner.dispatcher import Dispatcher
+from learner.driver import JobRun
+from services import protocol
+from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
+from services.queues import FIELD, Delivery, Keys
+
+
+def spec(eta: int, batch: int = 4, steps: int = 10) -> JobSpec:
+    return JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=steps))
+
+
+@pytest.mark.parametrize("eta, version, admitted", [
+    (0, 0, 4),    # synchronous: only the batch about to be trained
+    (0, 3, 16),
+    (2, 0, 12),   # (eta + version + 1) * batch_size
+    (2, 5, 32),
+    (8, 5, 40),   # never more than num_steps * batch_size
+])
+async def test_admission_follows_the_staleness_rule(redis_client, eta, version, admitted):
+    dispatcher = Dispatcher(redis_client, "j", spec(eta))
+    await dispatcher.top_up(version)
+    assert dispatcher.next_task_id == admitted
+    assert await redis_client.xlen(Keys.tasks("j")) == admitted
+    assert await dispatcher.top_up(version) == 0  # nothing more until the version moves
+
+
+async def test_replaced_tasks_are_admitted_again_and_examples_are_a_function_of_the_task(redis_client):
+    dispatcher = Dispatcher(redis_client, "j", spec(0))
+    await dispatcher.top_up(0)
+    dispatcher.replace(2)
+    assert await dispatcher.top_up(0) == 2
+    again = Dispatcher(redis_client, "other", spec(0))
+    assert [again.example(t) for t in range(6)] == [dispatcher.example(t) for t in range(6)]
+    assert sorted(dispatcher.example(t) for t in range(512)) == list(range(512))  # a permutation per pass
+
+
+async def test_only_dead_letters_of_its_own_tasks_are_replaced(redis_client):
+    dispatcher = Dispatcher(redis_client, "j", spec(0))
+    await dispatcher.top_up(0)
+    own = protocol.Task(job_id="j", task_id=1, example=3, group_size=8, dispatched_version=0)
+    stranger = protocol.Task(job_id="j", task_id=99, example=3, group_size=8, dispatched_version=0)
+    for data in (protocol.encode(own), protocol.encode(stranger), b"garbage"):
+        await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.tasks("j"), b"reason": b"x", FIELD: data})
+
+    assert await dispatcher.top_up(0) == 1
+
+
+def group(task_id: int, versions: list[int]) -> Delivery:
+    sample = protocol.Sample(sample_id="s", tokens=[1] * (len(versions) + 1), mask=[0] + [1] * len(versions),
+                             logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=1.0,
+                             advantage=0.0, num_turns=1)
+    return Delivery(b"1-0", protocol.TrajectoryGroup(job_id="j", task_id=task_id, samples=[sample],
+                                                     server_id="s", elapsed_s=0.0))
+
+
+@pytest.fixture
+def job_run(redis_client, tmp_path):
+    driver = SimpleNamespace(settings=LearnerSettings(runs_dir=str(tmp_path)), redis=redis_client, worker=None)
+    run = JobRun(driver, "j", spec(eta=1))
+    run.trajectories = SimpleNamespace(ack=lambda *ids: _noop())
+    run.version = 5
+    return run
+
+
+async def _noop():
+    return None
+
+
+async def test_stale_groups_over_bound_are_dropped_counted_and_replaced(job_run):
+    assert await job_run.admit(group(1, [4, 5]), set())          # staleness 1 = eta: kept
+    assert not await job_run.admit(group(2, [3, 5]), set())      # oldest token 2 versions back
+    assert job_run.counts["stale_dropped"] == 1
+    assert job_run.dispatcher.replaced == 1
+
+
+async def test_groups_from_versions_the_learner_never_had_are_dropped(job_run):
+    assert not await job_run.admit(group(3, [5, 6]), set())     # a crashed learner's version 6
+    assert job_run.counts["stale_dropped"] == 1
+
+
+async def test_a_task_trained_before_or_already_in_the_batch_is_skipped(job_run):
+    job_run.trained = {7}
+    assert not await job_run.admit(group(7, [5]), set())
+    assert not await job_run.admit(group(8, [5]), {8})
+    assert job_run.counts["duplicates"] == 2
+    assert job_run.dispatcher.replaced == 0

@@ -1,0 +1,119 @@
+"""The loss against hand-computed values (DESIGN.md, "Loss").
+
+Four tokens with ratios r = [1.0, 1.1, 1.5, 0.6] to the proximal policy, behaviour weights
+exp(prox - mu) = [1.0, 0.5, 3.0, 1.2] and advantages [1, -1, 1, -1]; eps = (0.2, 0.28):
+    surrogate min(rA, clip(r)A) = [1.0, -1.1, 1.28 (clipped), -0.8 (clipped)]
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner import loss
+
+RATIOS = [1.0, 1.1, 1.5, 0.6]
+BEHAVIOUR = [1.0, 0.5, 3.0, 1.2]
+ADVANTAGES = [1.0, -1.0, 1.0, -1.0]
+
+
+def inputs(mask=(1, 1, 1, 1), seq_ids=(0, 0, 0, 0), num_seqs=1, requires_grad=True) -> loss.LossInputs:
+    prox = torch.log(torch.full((4,), 0.5))
+    theta = (prox + torch.log(torch.tensor(RATIOS))).requires_grad_(requires_grad)
+    mu = prox - torch.log(torch.tensor(BEHAVIOUR))
+    return loss.LossInputs(theta=theta, prox=prox, mu=mu, advantages=torch.tensor(ADVANTAGES),
+                           mask=torch.tensor(mask, dtype=torch.float32), seq_ids=torch.tensor(seq_ids),
+                           num_seqs=num_seqs)
+
+
+def cfg(**kw) -> loss.LossConfig:
+    return loss.LossConfig(eps_low=0.2, eps_high=0.28, correction_cap=2.0, **kw)
+
+
+def test_clipped_surrogate_clips_both_sides():
+    surrogate, clipped = loss.clipped_surrogate(torch.tensor(RATIOS), torch.tensor(ADVANTAGES), 0.2, 0.28)
+    assert surrogate.tolist() == pytest.approx([1.0, -1.1, 1.28, -0.8])
+    assert clipped.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("correction, expected", [
+    ("tis", -(1.0 * 1.0 + 0.5 * -1.1 + 2.0 * 1.28 + 1.2 * -0.8) / 4),   # w capped at C = 2: -0.5125
+    ("mis", -(1.0 + -1.1 + 0.0 + -0.8) / 4),                            # w = 3.0 outside [1/2, 2] masked: 0.225
+    ("none", -(1.0 - 1.1 + 1.28 - 0.8) / 4),                            # -0.095
+])
+def test_token_level_behaviour_correction(correction, expected):
+    out = loss.policy_loss(inputs(), cfg(correction=correction), normaliser=4)
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_sequence_level_tis_uses_the_product_of_token_ratios_per_sequence():
+    # seq 0 = tokens 0-1: w = 1.0 * 0.5 = 0.5; seq 1 = tokens 2-3: w = 3.0 * 1.2 = 3.6 -> capped at 2.
+    out = loss.policy_loss(inputs(seq_ids=(0, 0, 1, 1), num_seqs=2),
+                           cfg(correction="tis", correction_level="sequence"), normaliser=4)
+    assert out.loss.item() == pytest.approx(-(0.5 * 1.0 + 0.5 * -1.1 + 2.0 * 1.28 + 2.0 * -0.8) / 4, abs=1e-6)
+
+
+def test_sequence_normalisation_averages_each_sequence_then_sequences():
+    # token 1 untrained: seq 0 has one token (term 1.0), seq 1 two (2*1.28 and 1.2*-0.8).
+    mask, seq_ids = (1, 0, 1, 1), (0, 0, 1, 1)
+    token_mode = loss.policy_loss(inputs(mask, seq_ids, 2), cfg(correction="tis"), normaliser=3)
+    sequence_mode = loss.policy_loss(inputs(mask, seq_ids, 2), cfg(correction="tis", normalise="sequence"), normaliser=2)
+    assert token_mode.loss.item() == pytest.approx(-(1.0 + 2.56 - 0.96) / 3, abs=1e-6)
+    assert sequence_mode.loss.item() == pytest.approx(-(1.0 + (2.56 - 0.96) / 2) / 2, abs=1e-6)
+
+
+def test_reinforce_has_no_ratio_clip():
+    out = loss.policy_loss(inputs(), cfg(algorithm="reinforce", correction="none"), normaliser=4)
+    assert out.loss.item() == pytest.approx(-(1.0 - 1.1 + 1.5 - 0.6) / 4, abs=1e-6)
+    assert out.metrics["clip_fraction"].item() == 0
+
+
+def test_gradient_flows_only_through_current_logprobs_and_not_through_clipped_tokens():
+    x = inputs()
+    x.prox.requires_grad_(True)
+    x.mu.requires_grad_(True)
+    loss.policy_loss(x, cfg(correction="tis"), normaliser=4).loss.backward()
+    # d/dtheta of -w r A / N where unclipped: t0 = -1*1.0*1/4, t1 = -0.5*1.1*(-1)/4; clipped tokens 0.
+    assert x.theta.grad.tolist() == pytest.approx([-0.25, 0.1375, 0.0, 0.0], abs=1e-6)
+    assert x.prox.grad is None and x.mu.grad is None
+
+
+def test_masked_tokens_contribute_nothing():
+    out = loss.policy_loss(inputs(mask=(1, 1, 0, 0)), cfg(correction="tis"), normaliser=2)
+    assert out.loss.item() == pytest.approx(-(1.0 - 0.55) / 2, abs=1e-6)
+
+
+def test_metrics_sum_over_trained_tokens():
+    out = loss.policy_loss(inputs(), cfg(correction="mis"), normaliser=4)
+    assert out.metrics["clip_fraction"].item() == 2
+    assert out.metrics["is_masked_fraction"].item() == 1  # the w = 3.0 token
+    assert out.metrics["is_weight_mean"].item() == 3
+    expected_kl = sum(w - 1 - math.log(w) for w in BEHAVIOUR)  # k3 of exp(prox - mu) = w
+    assert out.metrics["mismatch_kl"].item() == pytest.approx(expected_kl, abs=1e-5)
+
+
+@pytest.mark.parametrize("estimator, expected", [("k1", math.log(2)), ("k3", 0.5 - 1 + math.log(2))])
+def test_kl_penalty_estimators(estimator, expected):
+    theta = torch.tensor([math.log(0.5)])
+    ref = theta - math.log(2)
+    assert loss.kl_penalty(theta, ref, estimator).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_kl_penalty_is_added_with_its_coefficient():
+    x = inputs()
+    x.ref = x.theta.detach() - math.log(2)
+    base = loss.policy_loss(inputs(), cfg(correction="none"), normaliser=4).loss.item()
+    with_kl = loss.policy_loss(x, cfg(correction="none", kl_coef=0.1, kl_estimator="k1"), normaliser=4).loss.item()
+    assert with_kl - base == pytest.approx(0.1 * math.log(2), abs=1e-6)
+
+
+def test_sft_loss_is_masked_mean_negative_logprob():
+    theta = torch.log(torch.tensor([0.5, 0.25, 0.1]))
+    assert loss.sft_loss(theta, torch.tensor([1.0, 1.0, 0.0]), normaliser=2).item() == pytest.approx(
+        (math.log(2) + math.log(4)) / 2, abs=1e-6)
+
+
+def test_entropy_of_uniform_logits_is_log_vocab():
+    assert loss.entropy_from_logits(torch.zeros(2, 8)).tolist() == pytest.approx([math.log(8)] * 2, abs=1e-6)
