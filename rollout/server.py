@@ -55,7 +55,8 @@ class RolloutServer:
         self.engine: Engine | None = None
         self.job_id = ""
         self.synced = asyncio.Event()
-        self.synced_plan: tuple[int, int] | None = None
+        self.synced_plan: tuple[str, int, int] | None = None
+        """(learner session, epoch, version) of the last plan applied."""
         self.inflight: dict[bytes, asyncio.Task] = {}
         self.consumer: StreamConsumer | None = None
         self.judge = None
@@ -81,7 +82,7 @@ class RolloutServer:
         while True:
             info = protocol.ServerInfo(
                 server_id=self.server_id, heartbeat=time.time(), job_id=self.job_id,
-                version=self.synced_plan[1] if self.synced_plan else -1,
+                version=self.synced_plan[2] if self.synced_plan else -1,
                 capacity=self.settings.max_concurrent_tasks, inflight=len(self.inflight),
                 engine=self.engine.model.path if self.engine else "",
             )
@@ -153,7 +154,8 @@ class RolloutServer:
 
     async def apply_plan(self, job_id: str, spec: JobSpec, plan_bytes: bytes) -> None:
         plan = protocol.decode(plan_bytes, protocol.WeightPlan)
-        if (plan.epoch, plan.version) == self.synced_plan or self.server_id not in plan.ranks:
+        key = (plan.session, plan.epoch, plan.version)
+        if key == self.synced_plan or self.server_id not in plan.ranks:
             return
         started = time.perf_counter()
         try:
@@ -162,10 +164,10 @@ class RolloutServer:
             )
         except Exception:  # a missed collective: wait to be included in the next epoch
             log.exception("weight update to version %d failed", plan.version)
-            self.synced_plan = (plan.epoch, plan.version)
+            self.synced_plan = key
             return
         seconds = time.perf_counter() - started
-        self.synced_plan = (plan.epoch, plan.version)
+        self.synced_plan = key
         SYNC_SECONDS.labels(job_id).observe(seconds)
         VERSION.labels(job_id).set(plan.version)
         ack = protocol.WeightAck(server_id=self.server_id, version=plan.version, epoch=plan.epoch,
@@ -230,7 +232,7 @@ class RolloutServer:
         context = task_set.context(task.example)
 
         async def one(index: int) -> protocol.Sample:
-            episode = await run_episode(self.engine, chat, task_set.user, task.example, context,
+            episode = await run_episode(self.engine, chat, task_set.rule_user, task.example, context,
                                         spec.rollout)
             reward = await conversation_reward(task_set, task.example, episode, spec.reward, self.judge)
             TOKENS.labels(job_id).inc(episode.num_generated)

@@ -57,7 +57,7 @@ def cmd_rollout(args: argparse.Namespace) -> None:
 def cmd_learner(args: argparse.Namespace) -> None:
     from services.launcher import learner_command
 
-    os.execv(sys.executable, learner_command(args.nproc))
+    os.execv(sys.executable, learner_command(args.nproc, resume=args.resume))
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rollout", help="a rollout server").set_defaults(run=cmd_rollout)
     p = sub.add_parser("learner", help="the learner under torchrun")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue RUNNING jobs from their checkpoints")
     p.set_defaults(run=cmd_learner)
 
     p = sub.add_parser("make-tiny-model", help="build the tiny demo model and tokenizer")

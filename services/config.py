@@ -26,9 +26,15 @@ class ModelSpec(_Strict):
 class TaskSpec(_Strict):
     name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat"] = "clarify"
     data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
-    num_examples: int = Field(512, ge=1, le=1_000_000, description="Synthetic tasks only.")
+    num_examples: int = Field(
+        512, ge=1, le=1_000_000,
+        description="clarify: examples generated; data tasks: the first N rows of the file.",
+    )
     ask_share: float = Field(
         0.3, ge=0.0, le=1.0, description="clarify: share of asking dialogues in the warm start."
+    )
+    metric: Literal["exact_match", "judge"] = Field(
+        "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric."
     )
 
 
@@ -123,7 +129,19 @@ class JudgeProxySettings(_ProcessSettings):
     port: int = 8001
     upstreams: str = Field("", description="YAML/JSON file listing upstreams; empty = none.")
     client_tokens: str = Field("", description="Comma-separated tokens; empty disables auth.")
-    queue_deadline_s: float = Field(30.0, gt=0)
+    queue_deadline_s: float = Field(30.0, gt=0, description="Longest wait for budget before a 429.")
+    judge_model: str = Field("judge", min_length=1, description="Model /v1/judge asks when a request names none.")
+    default_max_tokens: int = Field(
+        1024, ge=1, description="Reserved and sent upstream when a chat request sets no max_tokens."
+    )
+    max_attempts: int = Field(4, ge=1, le=16, description="Upstream calls per request (failover, 429 retries).")
+    max_backoff_s: float = Field(30.0, gt=0, description="Cap on the pause after an upstream 429.")
+    failure_cooldown_s: float = Field(
+        5.0, ge=0, description="How long a replica avoids an upstream after a 5xx, timeout or refused connection."
+    )
+    judge_priority_weight: int = Field(
+        3, ge=1, le=100, description="Judge requests admitted per simulator request while both wait."
+    )
 
 
 class RolloutSettings(_ProcessSettings):
@@ -144,9 +162,10 @@ class LearnerSettings(_ProcessSettings):
     runs_dir: str = "runs"
     weight_bucket_mib: int = Field(512, ge=1)
     weight_timeout_s: float = Field(120.0, gt=0)
-    min_rollout_servers: int = Field(1, ge=1)
+    min_rollout_servers: int = Field(1, ge=0, description="0: train on whatever arrives (tests, replays).")
     rollout_wait_s: float = Field(600.0, gt=0)
     collective_timeout_s: float = Field(1800.0, gt=0)
     advertise_host: str = Field("127.0.0.1", description="Address rollout servers reach us at.")
     weight_store_port: int = Field(0, ge=0, description="Rendezvous port; 0 picks a free one.")
     server_timeout_s: float = Field(10.0, gt=0, description="Heartbeat age that drops a server.")
+    resume: bool = Field(False, description="Continue RUNNING jobs from their last checkpoint.")

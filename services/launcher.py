@@ -103,17 +103,20 @@ class Stack:
                 raise RuntimeError(f"{name} exited with {process.returncode}; see {self.log_dir / (name + '.log')}")
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM each process (torchrun forwards it to its ranks, which checkpoint), then
+        SIGKILL whatever is left of each process tree after `grace_s`."""
+        trees = {name: process_tree(process.pid) for name, process in self.processes.items()}
         for process in self.processes.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
+        for name, process in self.processes.items():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
+                process.kill()
                 process.wait()
+            kill_all(trees[name] + process_tree(process.pid))
         self.processes.clear()
         if self.redis:
             self.redis.stop()
@@ -130,6 +133,28 @@ class Stack:
         self.stop()
 
 
-def learner_command(ranks: int) -> list[str]:
+def process_tree(pid: int) -> list:
+    """A process and all its descendants (torchrun's ranks and vLLM's engine processes live
+    in sessions of their own, out of reach of a process-group signal)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_all(processes: list) -> None:
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=10)
+
+
+def learner_command(ranks: int, resume: bool = True) -> list[str]:
+    """torchrun with `ranks` processes; locally a restarted learner resumes its job."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            "-m", "learner"]
+            "-m", "learner", *(["--resume"] if resume else [])]

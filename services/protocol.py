@@ -59,6 +59,10 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     elapsed_s: float
     """Wall time from the task's arrival at the rollout server to this message."""
 
+    def max_version(self) -> int:
+        """Newest weight version behind any generated token (-1: none)."""
+        return max((v for s in self.samples for v in s.versions), default=-1)
+
     def min_version(self) -> int | None:
         """Oldest weight version behind any trained token (None: nothing to train)."""
         return min((v for s in self.samples for v, m in zip(s.versions, s.mask) if m), default=None)
@@ -92,6 +96,8 @@ class WeightPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     schema: int = SCHEMA
     job_id: str
+    session: str
+    """Identifies the learner process: a restarted learner counts epochs from 1 again."""
     version: int
     epoch: int
     """Group generation; a new epoch (new membership) means a new process group."""

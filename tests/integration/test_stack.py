@@ -3,8 +3,6 @@ arrive on both streams, and the job still trains every task exactly once."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import httpx
@@ -12,7 +10,7 @@ import pytest
 import redis
 
 from services import protocol
-from services.launcher import Ports, Stack
+from services.launcher import Ports, Stack, kill_all, process_tree
 from services.queues import FIELD, Keys
 
 pytestmark = pytest.mark.slow
@@ -66,7 +64,7 @@ def test_killed_rollout_server_loses_nothing_and_bad_messages_go_to_the_dead_str
             return [e["message_id"] for e in entries]
 
         pending = wait_for(pending_on_victim, 120, "rollout-1 to hold a task")
-        os.killpg(stack.processes.pop("rollout-1").pid, signal.SIGKILL)
+        kill_all(process_tree(stack.processes.pop("rollout-1").pid))  # the server and its engine
         killed_tasks = {protocol.decode(fields[FIELD], protocol.Task).task_id
                         for entry_id in pending for _, fields in client.xrange(Keys.tasks(job_id), entry_id, entry_id)}
 
