@@ -27,6 +27,7 @@ from services import jobs, protocol
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
+from services.stats import mean_by_key
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ class JobRun:
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
         await self.trajectories.ack(*self.unacked)
         self.unacked = []
+        await self.redis.rpush(Keys.checkpoints(self.job_id), json.dumps(
+            {"step": self.step, "version": self.version, "path": str(path), "time": time.time()}))
 
     # ---- phases --------------------------------------------------------------------
 
@@ -237,6 +240,8 @@ class JobRun:
             batch = rng.sample(samples, min(warm.batch_size, len(samples)))
             metrics = self.worker.run(Command(kind="sft", samples=batch))
             await self.record({"phase": "sft", "sft_step": step + 1, **metrics})
+        # The policy RL starts from, kept for evaluation against the trained one.
+        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy-warm-start")))
 
     async def wait_for_rollout_servers(self) -> None:
         deadline = time.monotonic() + self.settings.rollout_wait_s
@@ -375,7 +380,7 @@ class JobRun:
             "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
             "step_seconds": step_seconds, "sync_seconds": sync["seconds"],
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
-            **_sample_metric_means(samples), **metrics, **self.counts,
+            **mean_by_key([s.metrics for s in samples]), **metrics, **self.counts,
         }
         await self.record(record)
 
@@ -419,16 +424,6 @@ class JobRun:
     async def check_cancel(self) -> None:
         if await jobs.cancel_requested(self.redis, self.job_id):
             raise JobCancelled()
-
-
-def _sample_metric_means(samples: list[protocol.Sample]) -> dict[str, float]:
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for sample in samples:
-        for name, value in sample.metrics.items():
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
-    return {name: sums[name] / counts[name] for name in sums}
 
 
 def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:

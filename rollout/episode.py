@@ -7,7 +7,7 @@ decoded for the user simulator and the judge but never re-encoded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rollout.engine import Engine
@@ -23,21 +23,24 @@ class Episode:
     messages: list[dict]
     tokens: list[int]
     mask: list[int] = field(default_factory=list)
-    """1 on tokens this episode's policy turns produced (the trained ones)."""
+    """1 on the tokens this sample trains (the policy's own turns, or only m_j)."""
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     end: End = "user_ended"
     num_turns: int = 0
     """Assistant turns generated in this episode."""
+    policy_tokens: int = 0
+    """Tokens the policy generated in this episode, trained or not (the token penalty's count)."""
 
     @classmethod
     def from_context(cls, messages: list[dict], tokens: list[int]) -> "Episode":
         n = len(tokens)
         return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n)
 
-    @property
-    def num_generated(self) -> int:
-        return sum(self.mask)
+    def fork(self) -> "Episode":
+        """An independent copy to extend with a sampled future."""
+        return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
+                       logprobs=list(self.logprobs), versions=list(self.versions))
 
     def well_formed(self) -> bool:
         """The format filter: no truncated turn, no empty reply."""
@@ -51,63 +54,68 @@ class Episode:
         self.versions += versions if versions is not None else [-1] * len(tokens)
 
 
-async def policy_turn(episode: Episode, engine: Engine, chat: ChatTokenizer, spec: RolloutSpec,
-                      trained: bool = True) -> bool:
-    """Generate one assistant turn into `episode`; False if it was cut at a length limit."""
-    budget = min(spec.max_new_tokens, spec.max_total_tokens - len(episode.tokens))
-    if budget <= 0:
-        episode.end = "max_tokens"
-        return False
-    gen = await engine.generate(episode.tokens, budget, spec.temperature, [chat.eot_id])
-    episode.append(gen.tokens, int(trained), gen.logprobs, gen.versions)
-    text = chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-    episode.messages.append({"role": "assistant", "content": text})
-    episode.num_turns += 1
-    if gen.finish_reason != "stop":
-        episode.end = "truncated"
-        return False
-    return True
+@dataclass
+class EpisodeRunner:
+    """Everything that plays out conversations for one task: the policy's engine, the
+    tokenizer, the user and the rollout limits."""
 
+    engine: Engine
+    chat: ChatTokenizer
+    user: UserSimulator
+    spec: RolloutSpec
 
-async def user_turn(episode: Episode, user: UserSimulator, example: int, chat: ChatTokenizer,
-                    spec: RolloutSpec) -> bool:
-    """Append the simulated user's reply; False when the conversation is over."""
-    reply = await user.respond(example, episode.messages)
-    if reply is None:
-        episode.end = "user_ended"
-        return False
-    message = {"role": "user", "content": reply}
-    delta = chat.delta([message])
-    if len(episode.tokens) + len(delta) >= spec.max_total_tokens:
-        episode.end = "max_tokens"
-        return False
-    episode.messages.append(message)
-    episode.append(delta, 0)
-    return True
+    def start(self, context: list[dict]) -> Episode:
+        return Episode.from_context(context, self.chat.prompt(context))
 
+    async def policy_turn(self, episode: Episode, trained: bool = True) -> bool:
+        """Generate one assistant turn into `episode`; False if it ended the episode (cut at a
+        length limit)."""
+        budget = min(self.spec.max_new_tokens, self.spec.max_total_tokens - len(episode.tokens))
+        if budget <= 0:
+            episode.end = "max_tokens"
+            return False
+        gen = await self.engine.generate(episode.tokens, budget, self.spec.temperature, [self.chat.eot_id])
+        episode.append(gen.tokens, int(trained), gen.logprobs, gen.versions)
+        episode.policy_tokens += len(gen.tokens)
+        text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+        episode.messages.append({"role": "assistant", "content": text})
+        episode.num_turns += 1
+        if gen.finish_reason != "stop":
+            episode.end = "truncated"
+            return False
+        return True
 
-async def continue_episode(episode: Episode, engine: Engine, chat: ChatTokenizer,
-                           user: UserSimulator, example: int, spec: RolloutSpec,
-                           max_turns: int, trained: bool = True) -> Episode:
-    """Alternate user and policy turns after an assistant turn, up to `max_turns` more
-    policy turns, then run the tokenization sanity check."""
-    for _ in range(max_turns):
-        if not await user_turn(episode, user, example, chat, spec):
-            break
-        if not await policy_turn(episode, engine, chat, spec, trained):
-            break
-    else:
-        if episode.end == "user_ended":
-            episode.end = "max_turns"
-    if episode.end != "truncated":
-        chat.check(episode.tokens, episode.messages)
-    return episode
+    async def user_turn(self, episode: Episode, example: int) -> bool:
+        """Append the simulated user's reply; False when the conversation is over."""
+        reply = await self.user.respond(example, episode.messages)
+        if reply is None:
+            episode.end = "user_ended"
+            return False
+        message = {"role": "user", "content": reply}
+        delta = self.chat.delta([message])
+        if len(episode.tokens) + len(delta) >= self.spec.max_total_tokens:
+            episode.end = "max_tokens"
+            return False
+        episode.messages.append(message)
+        episode.append(delta, 0)
+        return True
 
-
-async def run_episode(engine: Engine, chat: ChatTokenizer, user: UserSimulator, example: int,
-                      context: list[dict], spec: RolloutSpec) -> Episode:
-    """A whole conversation from `context`: at most `spec.max_turns` assistant turns."""
-    episode = Episode.from_context(context, chat.prompt(context))
-    if not await policy_turn(episode, engine, chat, spec):
+    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True) -> Episode:
+        """Alternate user and policy turns after an assistant turn, at most `max_turns` more
+        policy turns, then run the tokenization sanity check. A truncated episode stays as it is."""
+        if episode.end == "truncated":
+            return episode
+        episode.end = "max_turns"
+        for _ in range(max_turns):
+            if not await self.user_turn(episode, example) or not await self.policy_turn(episode, trained):
+                break
+        if episode.end != "truncated":
+            self.chat.check(episode.tokens, episode.messages)
         return episode
-    return await continue_episode(episode, engine, chat, user, example, spec, spec.max_turns - 1)
+
+    async def run(self, example: int, context: list[dict]) -> Episode:
+        """A whole conversation from `context`: at most `spec.max_turns` assistant turns."""
+        episode = self.start(context)
+        if await self.policy_turn(episode):
+            await self.extend(episode, example, self.spec.max_turns - 1)
+        return episode

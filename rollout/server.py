@@ -19,12 +19,16 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from rollout.engine import Engine
-from rollout.episode import run_episode
+from rollout.episode import Episode, EpisodeRunner
+from rollout.interactions.llm_user import LLMUser
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import conversation_reward
+from rollout.rewards.multiturn import score_response
+from services.stats import mean_by_key
 from rollout.tasks import load_task
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
+from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, publish
 from services.tokenization import ChatTokenizer
@@ -59,7 +63,9 @@ class RolloutServer:
         """(learner session, epoch, version) of the last plan applied."""
         self.inflight: dict[bytes, asyncio.Task] = {}
         self.consumer: StreamConsumer | None = None
-        self.judge = None
+        self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token)
+        self.judge_model: str | None = None
+        self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
 
     def health(self) -> tuple[bool, dict]:
         return True, {"server_id": self.server_id, "job": self.job_id,
@@ -75,6 +81,7 @@ class RolloutServer:
                 group.create_task(self.serve_jobs())
         finally:
             await self.redis.hdel(Keys.rollout_servers, self.server_id)
+            await self.judge_client.aclose()
             if self.engine:
                 self.engine.shutdown()
 
@@ -104,7 +111,10 @@ class RolloutServer:
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await self.prepare_engine(spec)
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
-        task_set = load_task(spec.task, spec.train.seed)
+        task_set = load_task(spec.task, spec.train.seed, judge=self.judge)
+        user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
+        runner = EpisodeRunner(self.engine, chat, user, spec.rollout)
+        self.judge_model = spec.reward.judge_model
         consumer = await StreamConsumer(
             self.redis, Keys.tasks(job_id), "rollout", self.server_id, protocol.Task,
             Keys.dead(job_id), max_deliveries=3,
@@ -114,7 +124,7 @@ class RolloutServer:
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.follow_weights(job_id, spec))
-                consume = group.create_task(self.consume_tasks(job_id, spec, consumer, chat, task_set))
+                group.create_task(self.consume_tasks(job_id, spec, consumer, runner, task_set))
                 await self.wait_until_job_ends(job_id)
                 raise _JobEnded
         except* _JobEnded:
@@ -177,7 +187,7 @@ class RolloutServer:
         self.synced.set()
 
     async def consume_tasks(self, job_id: str, spec: JobSpec, consumer: StreamConsumer,
-                            chat: ChatTokenizer, task_set) -> None:
+                            runner: EpisodeRunner, task_set) -> None:
         """Keep up to `max_concurrent_tasks` tasks in flight: first this consumer's own
         pending ones (a restart), then new ones, then ones idle consumers left behind."""
         await self.synced.wait()
@@ -196,19 +206,19 @@ class RolloutServer:
                 last_reclaim = time.monotonic()
                 deliveries = await consumer.reclaim(int(self.settings.task_reclaim_idle_s * 1000), free)
             for delivery in deliveries:
-                task = asyncio.create_task(self.run_task(job_id, spec, consumer, chat, task_set, delivery))
+                task = asyncio.create_task(self.run_task(job_id, spec, consumer, runner, task_set, delivery))
                 self.inflight[delivery.entry_id] = task
                 task.add_done_callback(lambda _, key=delivery.entry_id: self.inflight.pop(key, None))
             INFLIGHT.labels(job_id).set(len(self.inflight))
 
     async def run_task(self, job_id: str, spec: JobSpec, consumer: StreamConsumer,
-                       chat: ChatTokenizer, task_set, delivery: Delivery) -> None:
+                       runner: EpisodeRunner, task_set, delivery: Delivery) -> None:
         task = delivery.message
         started = time.perf_counter()
         try:
             if not 0 <= task.example < len(task_set):
                 raise ValueError(f"example {task.example} outside the task set (size {len(task_set)})")
-            group = await self.rollout_group(job_id, spec, chat, task_set, task)
+            group = await self.rollout_group(job_id, spec, runner, task_set, task)
             group.elapsed_s = time.perf_counter() - started
             await publish(self.redis, Keys.trajectories(job_id), group)
             await consumer.ack(delivery.entry_id)
@@ -225,24 +235,27 @@ class RolloutServer:
         TASKS.labels(job_id, "ok").inc()
         EPISODE_SECONDS.labels(job_id).observe(time.perf_counter() - started)
 
-    async def rollout_group(self, job_id: str, spec: JobSpec, chat: ChatTokenizer, task_set,
+    async def rollout_group(self, job_id: str, spec: JobSpec, runner: EpisodeRunner, task_set,
                             task: protocol.Task) -> protocol.TrajectoryGroup:
-        """Episode mode: `group_size` whole conversations from the task's context, each
-        scored by R* of the conversation and trained on all its assistant turns."""
+        """`group_size` responses to the task's context. Episode mode: each is a whole
+        conversation, scored by R* and trained on all its assistant turns. Multiturn mode:
+        each is one response m_j, scored by MR over sampled futures and trained alone."""
         context = task_set.context(task.example)
 
         async def one(index: int) -> protocol.Sample:
-            episode = await run_episode(self.engine, chat, task_set.rule_user, task.example, context,
-                                        spec.rollout)
-            reward = await conversation_reward(task_set, task.example, episode, spec.reward, self.judge)
-            TOKENS.labels(job_id).inc(episode.num_generated)
+            if spec.reward.mode == "episode":
+                episode = await runner.run(task.example, context)
+            else:
+                episode = runner.start(context)
+                await runner.policy_turn(episode)
+            async with self.reward_slots:
+                reward, scored = await self.score(spec, runner, task_set, task.example, episode)
+            TOKENS.labels(job_id).inc(episode.policy_tokens)
             REWARD.labels(job_id).observe(reward)
-            metrics = task_set.metrics(task.example, episode.messages) if episode.well_formed() else {}
-            metrics |= {"tokens": float(episode.num_generated), "well_formed": float(episode.well_formed())}
             return protocol.Sample(
-                sample_id=f"{job_id}:{task.task_id}:{index}", tokens=episode.tokens,
-                mask=episode.mask, logprobs=episode.logprobs, versions=episode.versions,
-                reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
+                sample_id=f"{job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
+                logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,
+                num_turns=episode.num_turns, metrics=sample_metrics(task_set, task.example, episode, scored),
             )
 
         samples = await asyncio.gather(*(one(i) for i in range(task.group_size)))
@@ -251,6 +264,26 @@ class RolloutServer:
             sample.advantage = advantage
         return protocol.TrajectoryGroup(job_id=job_id, task_id=task.task_id, samples=list(samples),
                                         server_id=self.server_id, elapsed_s=0.0)
+
+    async def score(self, spec: JobSpec, runner: EpisodeRunner, task_set, example: int,
+                    episode: Episode) -> tuple[float, list[Episode]]:
+        """The sample's reward and the conversations it was computed from."""
+        if spec.reward.mode == "episode":
+            return await conversation_reward(task_set, example, episode, spec.reward, self.judge), [episode]
+        return await score_response(runner, episode, task_set, example, spec.reward, self.judge)
+
+    async def judge(self, rubric: str, messages: list[dict], reference: str | None) -> float:
+        """R_llm through the judge proxy (the `Judge` callable rewards take)."""
+        result = await self.judge_client.judge(rubric, messages, reference, job=self.job_id, model=self.judge_model)
+        return result.score
+
+
+def sample_metrics(task_set, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:
+    """Task metrics averaged over the scored conversations (the episode itself, or the
+    futures behind MR), plus the response's own length and format."""
+    rows = [task_set.metrics(example, c.messages) | {"conversation_tokens": float(c.policy_tokens)}
+            for c in scored if c.well_formed()]
+    return mean_by_key(rows) | {"tokens": float(episode.policy_tokens), "well_formed": float(episode.well_formed())}
 
 
 class _JobEnded(Exception):

@@ -92,14 +92,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_submit(args: argparse.Namespace) -> None:
     from services.client import ApiClient, load_spec_file
 
-    job = ApiClient(args.api).submit(load_spec_file(args.file))
+    job = ApiClient(args.api, args.token).submit(load_spec_file(args.file))
     print(job["id"])
 
 
 def cmd_list(args: argparse.Namespace) -> None:
     from services.client import ApiClient
 
-    for job in ApiClient(args.api).list():
+    for job in ApiClient(args.api, args.token).list():
         print(f"{job['id']:32} {job['status']:10} step {job['step']:>5}  version {job['version']:>5}")
 
 
@@ -108,26 +108,27 @@ def cmd_status(args: argparse.Namespace) -> None:
 
     from services.client import ApiClient
 
-    print(json.dumps(ApiClient(args.api).get(args.job_id), indent=2))
+    print(json.dumps(ApiClient(args.api, args.token).get(args.job_id), indent=2))
 
 
 def cmd_follow(args: argparse.Namespace) -> None:
     from services.client import ApiClient, follow
 
-    record = follow(ApiClient(args.api), args.job_id)
+    record = follow(ApiClient(args.api, args.token), args.job_id)
     print(f"{args.job_id}: {record['status']} {record.get('error') or ''}")
 
 
 def cmd_cancel(args: argparse.Namespace) -> None:
     from services.client import ApiClient
 
-    print(ApiClient(args.api).cancel(args.job_id)["status"])
+    print(ApiClient(args.api, args.token).cancel(args.job_id)["status"])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     api_url = os.environ.get("TANDEM_API_URL", "http://127.0.0.1:8000")
+    api_token = os.environ.get("TANDEM_API_TOKEN", "")
 
     sub.add_parser("api", help="the REST job API").set_defaults(run=cmd_api)
     sub.add_parser("judge-proxy", help="the judge proxy").set_defaults(run=cmd_judge_proxy)
@@ -157,10 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, run, help_text in (("list", cmd_list, "list jobs"),):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--api", default=api_url)
+        p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
         p.set_defaults(run=run)
     p = sub.add_parser("submit", help="submit a job spec (YAML or JSON)")
     p.add_argument("file")
     p.add_argument("--api", default=api_url)
+    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
     p.set_defaults(run=cmd_submit)
     for name, run, help_text in (("status", cmd_status, "show a job"),
                                  ("follow", cmd_follow, "follow a job with a progress bar"),
@@ -168,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("job_id")
         p.add_argument("--api", default=api_url)
+        p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
         p.set_defaults(run=run)
     return parser
 

@@ -41,6 +41,9 @@ class ApiClient:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
+    def checkpoints(self, job_id: str) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+
 
 def load_spec_file(path: str | Path) -> dict:
     text = Path(path).read_text()

@@ -14,7 +14,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Job-spec sections: unknown fields and coercions (`false` for an integer) are errors,
+    so the API accepts exactly what its OpenAPI schema says."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ModelSpec(_Strict):
@@ -33,6 +36,11 @@ class TaskSpec(_Strict):
     ask_share: float = Field(
         0.3, ge=0.0, le=1.0, description="clarify: share of asking dialogues in the warm start."
     )
+    followup_share: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="clarify: share of contexts that already hold the question and the user's answer, "
+                    "so the turn after asking is trained too (CollabLLM trains every turn j).",
+    )
     metric: Literal["exact_match", "judge"] = Field(
         "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric."
     )
@@ -50,6 +58,9 @@ class RewardSpec(_Strict):
     extrinsic_weight: float = Field(1.0, ge=0.0)
     judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
     judge_weight: float = Field(1.0, ge=0.0)
+    judge_model: str | None = Field(None, description="Model name at the judge proxy; its default if unset.")
+    user_model: str = Field("user-simulator", min_length=1,
+                            description="Model name at the judge proxy that plays the user (LLM-user tasks).")
     scale_advantage_by_std: bool = True
 
 
@@ -148,6 +159,7 @@ class RolloutSettings(_ProcessSettings):
     server_id: str = ""
     metrics_port: int = 8002
     judge_url: str = "http://127.0.0.1:8001"
+    judge_token: str = Field("", description="Bearer token for the judge proxy, if it requires one.")
     max_concurrent_tasks: int = Field(16, ge=1)
     max_concurrent_rewards: int = Field(32, ge=1)
     kv_cache_gib: float = Field(1.0, gt=0)

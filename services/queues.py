@@ -64,6 +64,10 @@ class Keys:
         return f"{PREFIX}job:{job_id}:history"
 
     @staticmethod
+    def checkpoints(job_id: str) -> str:
+        return f"{PREFIX}job:{job_id}:checkpoints"
+
+    @staticmethod
     def judge_budget(upstream: str) -> str:
         return f"{PREFIX}judge:budget:{upstream}"
 

@@ -22,8 +22,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HEAD_DIM = 64
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer."""
+def train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS,
+                    eos_token: str = "<|im_end|>", chat_template: str = CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer (the first
+    special token pads, `eos_token` ends an assistant turn)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,7 +34,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -41,9 +43,9 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
     tokenizer.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
+        eos_token=eos_token,
+        pad_token=special_tokens[0],
+        chat_template=chat_template,
     )
 
 

@@ -7,9 +7,12 @@ blocks) give the same delta whatever the real history is. The delta starts right
 the end-of-turn token that closed the assistant's message, so the template's separator
 after it (ChatML's newline) is kept, a classic source of train/inference drift.
 
-`check` compares an episode's tokens with a fresh rendering of the whole conversation:
-`strict` requires equality, `ignore_strippable` compares the decoded text with `<think>`
-blocks and whitespace removed, `off` skips it.
+`check` compares an episode with a fresh rendering of the whole conversation, as text: the
+policy's own token ids need not be the canonical encoding of what they spell (a sampled
+model often picks another segmentation, which is exactly why nothing is re-tokenized), but
+every template token around them must match. `strict` requires the decoded texts to be
+equal, `ignore_strippable` compares them with `<think>` blocks and whitespace removed (for
+templates that rewrite earlier reasoning), `off` skips the check.
 """
 
 from __future__ import annotations
@@ -54,20 +57,20 @@ class ChatTokenizer:
         return full[self._cut :]
 
     def check(self, tokens: list[int], messages: list[dict]) -> None:
-        """Raise `TokenizationMismatch` if `tokens` do not match `messages` under the mode."""
+        """Raise `TokenizationMismatch` if `tokens` do not spell `messages` under the mode."""
         if self.check_mode == "off":
             return
         expected = self.render(messages)
         expected = expected[: _after_last(expected, self.eot_id)] if tokens[-1] == self.eot_id else expected
-        if self.check_mode == "strict":
-            if tokens != expected:
-                at = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
-                at = min(len(tokens), len(expected)) if at is None else at
-                raise TokenizationMismatch(
-                    f"token {at} differs: episode {tokens[at:at + 8]} vs rendering {expected[at:at + 8]}"
-                )
-        elif _strip(self.tokenizer.decode(tokens)) != _strip(self.tokenizer.decode(expected)):
-            raise TokenizationMismatch("decoded text differs beyond think blocks and whitespace")
+        ours, theirs = self.tokenizer.decode(tokens), self.tokenizer.decode(expected)
+        if self.check_mode == "ignore_strippable":
+            ours, theirs = _strip(ours), _strip(theirs)
+        if ours != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise TokenizationMismatch(
+                f"{self.check_mode}: character {at} differs: episode {ours[at:at + 40]!r} "
+                f"vs rendering {theirs[at:at + 40]!r}"
+            )
 
     def encode_demonstration(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """A complete conversation as (tokens, mask), mask 1 on assistant content + end token:

@@ -1,6 +1,7 @@
 """R*(conversation): the conversation-level reward CollabLLM averages over futures.
 
-R* = extrinsic_weight * R_ext - min(lambda * generated_tokens, 1) + judge_weight * R_llm.
+R* = extrinsic_weight * R_ext - min(lambda * policy_tokens, 1) + judge_weight * R_llm, where
+policy_tokens counts every token the policy generated in the scored conversation.
 The format filter runs first: a truncated or empty reply gets `INVALID_REWARD` and no
 judge call is made.
 """
@@ -23,7 +24,7 @@ async def conversation_reward(task: TaskSet, example: int, episode: Episode, spe
     if not episode.well_formed():
         return INVALID_REWARD
     reward = spec.extrinsic_weight * await task.score(example, episode.messages) if spec.extrinsic_weight else 0.0
-    reward -= min(spec.token_penalty * episode.num_generated, 1.0)
+    reward -= min(spec.token_penalty * episode.policy_tokens, 1.0)
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from rollout.interactions.rule_based import ClarifyUser
 from rollout.tasks import clarify
 from services.config import TaskSpec
@@ -13,12 +15,20 @@ class ClarifyTask:
     def __init__(self, spec: TaskSpec, seed: int) -> None:
         self.examples = clarify.make_examples(spec.num_examples, seed)
         self.rule_user = ClarifyUser(self.examples)
+        rng = random.Random(seed + 1)
+        self.followups = {i for i in range(len(self.examples)) if rng.random() < spec.followup_share}
+        """Examples whose context already holds the question and the clarification."""
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def context(self, example: int) -> list[dict]:
-        return [{"role": "user", "content": clarify.request(self.examples[example])}]
+        ex = self.examples[example]
+        messages = [{"role": "user", "content": clarify.request(ex)}]
+        if example in self.followups:
+            messages += [{"role": "assistant", "content": clarify.question(ex.category)},
+                         {"role": "user", "content": clarify.clarification(ex.target)}]
+        return messages
 
     def goal(self, example: int) -> str:
         ex = self.examples[example]
@@ -32,8 +42,10 @@ class ClarifyTask:
         return float(clarify.is_correct_answer(self.examples[example], messages[-1]["content"]))
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
+        """success; and `asked` (the policy's first reply is a question) for contexts that
+        start with the request alone."""
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        return {
-            "success": float(clarify.is_correct_answer(self.examples[example], replies[-1])),
-            "asked": float(clarify.is_question(replies[0])),
-        }
+        metrics = {"success": float(clarify.is_correct_answer(self.examples[example], replies[-1]))}
+        if example not in self.followups:
+            metrics["asked"] = float(clarify.is_question(replies[0]))
+        return metrics

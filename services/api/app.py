@@ -3,14 +3,24 @@
 `create_app(settings)` builds the app; routes are thin and the Redis client lives on
 `app.state`. A spec that fails validation gets FastAPI's 422, whose `detail[].loc` names
 the offending field (e.g. `["body", "train", "lr"]`).
+
+Auth: with `settings.tokens` set ("token:tenant,..."), every /v1 route needs
+`Authorization: Bearer <token>` (401 otherwise); a tenant sees and controls only its own
+jobs (403 for another tenant's). Tokens are compared in constant time and never logged.
+Bodies over `max_body_bytes` get 413.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 
 import redis.asyncio as aioredis
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.routing import Match
 from pydantic import BaseModel, Field
 
 from services import jobs
@@ -38,47 +48,158 @@ class JobCreated(BaseModel):
     status: jobs.JobStatus
 
 
+class Checkpoint(BaseModel):
+    step: int
+    version: int
+    path: str
+    time: float
+
+
+class Error(BaseModel):
+    detail: str
+
+
+ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
+SSE_POLL_S = 0.5
+SSE_KEEPALIVE_S = 15.0
+
+
+def parse_tokens(spec: str) -> dict[str, str]:
+    """'token:tenant,token2:tenant2' -> {token: tenant}."""
+    pairs = [item.strip().split(":", 1) for item in spec.split(",") if item.strip()]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise ValueError("TANDEM_TOKENS must look like 'token:tenant,token2:tenant2'")
+    return {token: tenant for token, tenant in pairs}
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for bodies over `limit` bytes, declared or streamed."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse({"detail": f"body over {self.limit} bytes"}, 413)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, f"body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def create_app(settings: ApiSettings) -> FastAPI:
-    app = FastAPI(title="Tandem job API", version="0.1.0")
+    app = FastAPI(title="Tandem job API", version="0.1.0",
+                  description="Submit asynchronous RL jobs, follow their progress, cancel them.")
     app.state.settings = settings
     app.state.redis = aioredis.from_url(settings.redis_url)
+    app.state.tokens = parse_tokens(settings.tokens)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
+    app.add_exception_handler(405, method_not_allowed)
 
-    async def load(request: Request, job_id: str) -> dict:
+    def tenant(request: Request) -> str:
+        tokens: dict[str, str] = request.app.state.tokens
+        if not tokens:
+            return ""
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        found = ""
+        for token, owner in tokens.items():  # every token compared: timing reveals nothing
+            if hmac.compare_digest(presented.encode(), token.encode()) and scheme.lower() == "bearer":
+                found = owner
+        if not found:
+            raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return found
+
+    async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
         record = await jobs.get_job(request.app.state.redis, job_id)
         if record is None:
             raise HTTPException(404, f"no job {job_id!r}")
+        if record.get("tenant", "") != who:
+            raise HTTPException(403, f"job {job_id!r} belongs to another tenant")
         return record
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
-    async def submit(spec: JobSpec, request: Request) -> JobCreated:
-        job_id = await jobs.create_job(request.app.state.redis, spec)
+    @app.post("/v1/jobs", status_code=201, response_model=JobCreated,
+              responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
+    async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
+        job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 
-    @app.get("/v1/jobs", response_model=list[JobView])
-    async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000)) -> list[JobView]:
+    @app.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
+    async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
+                        who: str = Depends(tenant)) -> list[JobView]:
         client = request.app.state.redis
         records = [await jobs.get_job(client, i) for i in await jobs.list_job_ids(client, limit)]
-        return [JobView(**r) for r in records if r]
+        return [JobView(**r) for r in records if r and r.get("tenant", "") == who]
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView)
-    async def get(job_id: str, request: Request) -> JobView:
-        return JobView(**await load(request, job_id))
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
+    async def get(record: dict = Depends(owned)) -> JobView:
+        return JobView(**record)
 
-    @app.get("/v1/jobs/{job_id}/history", response_model=list[dict])
-    async def history(job_id: str, request: Request, start: int = Query(0, ge=0)) -> list[dict]:
-        await load(request, job_id)
-        raw = await request.app.state.redis.lrange(Keys.history(job_id), start, -1)
+    @app.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
+    async def history(request: Request, start: int = Query(0, ge=0), record: dict = Depends(owned)) -> list[dict]:
+        raw = await request.app.state.redis.lrange(Keys.history(record["id"]), start, -1)
         return [json.loads(r) for r in raw]
 
-    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView)
-    async def cancel(job_id: str, request: Request) -> JobView:
-        record = await load(request, job_id)
+    @app.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
+    async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
+        raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
+        return [Checkpoint(**json.loads(r)) for r in raw]
+
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
+    async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
         client = request.app.state.redis
         if record["status"] == jobs.JobStatus.PENDING.value:
-            await jobs.set_status(client, job_id, jobs.JobStatus.CANCELLED)
+            await jobs.set_status(client, record["id"], jobs.JobStatus.CANCELLED)
         elif record["status"] == jobs.JobStatus.RUNNING.value:
-            await jobs.request_cancel(client, job_id)
-        return JobView(**await load(request, job_id))
+            await jobs.request_cancel(client, record["id"])
+        return JobView(**await jobs.get_job(client, record["id"]))
+
+    @app.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
+    async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
+        """Server-sent events: `status` on every status change, `step` for every SFT/RL step
+        record, until the job ends."""
+        return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
 
     return app
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+    """405 whose `Allow` lists every method of the path (Starlette names only the first
+    route that matched it, e.g. POST for /v1/jobs, which also has GET)."""
+    allowed = {method for route in request.app.routes if isinstance(route, APIRoute)
+               and route.matches(request.scope)[0] != Match.NONE for method in route.methods}
+    return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(allowed))})
+
+
+async def job_events(client: aioredis.Redis, job_id: str):
+    """The event stream of one job (polls Redis; ends after the terminal status)."""
+    status, sent, idle = None, 0, 0.0
+    while True:
+        record = await jobs.get_job(client, job_id)
+        for raw in await client.lrange(Keys.history(job_id), sent, -1):
+            sent += 1
+            yield f"event: step\ndata: {raw.decode()}\n\n"
+            idle = 0.0
+        if record["status"] != status:
+            status = record["status"]
+            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error")}
+            yield f"event: status\ndata: {json.dumps(body)}\n\n"
+            idle = 0.0
+        if status in jobs.TERMINAL:
+            return
+        if idle >= SSE_KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            idle = 0.0
+        await asyncio.sleep(SSE_POLL_S)
+        idle += SSE_POLL_S

@@ -1,0 +1,103 @@
+"""An LLM that plays the user, through the judge proxy's chat completions.
+
+It knows the user's hidden goal (the task's `goal`), keeps to the style of the user's
+earlier messages, reveals details only as the assistant earns them, and ends the chat with
+END_MARKER. It answers with a JSON object {current_answer, thought, response}; only
+`response` reaches the conversation. Replies are parsed leniently (code fences, text
+around the object, a bare "response" field); an unparseable reply is asked for once more
+with a stricter instruction, then reported as an error (the task is retried), never
+guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+END_MARKER = "[[TERMINATE CHAT]]"
+_RESPONSE_FIELD = re.compile(r'"response"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+
+SYSTEM_PROMPT = """You play a user who is talking with an AI assistant. Stay in that role.
+
+Your hidden goal (the assistant has not seen it):
+{goal}
+
+How to act:
+- Write as this user: match the length, tone and wording of your earlier messages.
+- Do not hand over the whole goal at once. Answer the assistant's questions truthfully, react
+  to what it proposes, and add details only when they are asked for or clearly needed.
+- Never mention that you are simulated, and never write the assistant's part.
+- When the goal is reached, or the assistant clearly cannot help further, your response is
+  exactly {end}
+
+Reply with one JSON object and nothing else:
+{{"current_answer": "<the assistant's best answer so far, or an empty string>",
+  "thought": "<one or two sentences on what you still need>",
+  "response": "<your next message to the assistant>"}}"""
+
+STRICTER = ("Your last reply was not a JSON object with a \"response\" field. Reply again with only the "
+            "JSON object, no other text.")
+
+
+class UserSimulatorError(RuntimeError):
+    pass
+
+
+@dataclass
+class UserReply:
+    current_answer: str
+    thought: str
+    response: str
+
+
+def parse_user_reply(text: str) -> UserReply | None:
+    """The simulator's JSON object, found inside fences or surrounding text; failing that,
+    a bare "response" field; None when neither is there."""
+    start, end = text.find("{"), text.rfind("}")
+    if 0 <= start < end:
+        try:
+            obj = json.loads(text[start : end + 1])
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
+            return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
+    match = _RESPONSE_FIELD.search(text)
+    if match:
+        return UserReply("", "", json.loads(f'"{match.group(1)}"'))
+    return None
+
+
+def transcript(messages: list[dict]) -> str:
+    """The conversation as the simulator reads it: it is the USER."""
+    names = {"user": "USER", "assistant": "ASSISTANT", "system": "SYSTEM"}
+    lines = [f"{names[m['role']]}: {m['content']}" for m in messages]
+    return "The conversation so far:\n\n" + "\n\n".join(lines) + "\n\nYour JSON reply as the USER:"
+
+
+class LLMUser:
+    def __init__(self, client, goal: Callable[[int], str], model: str, job: str = "",
+                 max_tokens: int = 512, temperature: float = 1.0) -> None:
+        self.client = client
+        self.goal = goal
+        self.model = model
+        self.job = job
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+
+    async def respond(self, example: int, messages: list[dict]) -> str | None:
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), end=END_MARKER)},
+                  {"role": "user", "content": transcript(messages)}]
+        reply = await self._ask(prompt)
+        if reply is None:
+            reply = await self._ask(prompt + [{"role": "user", "content": STRICTER}])
+        if reply is None:
+            raise UserSimulatorError("the user simulator's reply had no parseable response, twice")
+        response = reply.response.strip()
+        return None if not response or END_MARKER in response else response
+
+    async def _ask(self, prompt: list[dict]) -> UserReply | None:
+        result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
+                                        temperature=self.temperature, job=self.job, priority="simulator")
+        return parse_user_reply(result.content)

@@ -1,0 +1,136 @@
+"""The job API against a real Redis, in-process (httpx ASGI transport)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.api.app import create_app
+from services.config import ApiSettings
+from services.queues import Keys
+
+SPEC = {"name": "t", "model": {"path": "/models/tiny"}}
+
+
+@pytest.fixture
+async def api(redis_url, redis_client):
+    app = create_app(ApiSettings(redis_url=redis_url))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        yield client
+
+
+async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, redis_client):
+    created = await api.post("/v1/jobs", json=SPEC)
+    assert created.status_code == 201
+    job_id = created.json()["id"]
+
+    job = (await api.get(f"/v1/jobs/{job_id}")).json()
+    assert job["status"] == "PENDING" and job["spec"]["model"]["path"] == "/models/tiny"
+    assert job["spec"]["train"]["max_staleness"] == 1  # defaults filled in
+    assert [j["id"] for j in (await api.get("/v1/jobs")).json()] == [job_id]
+    assert await redis_client.xlen(Keys.jobs_pending) == 1
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"name": "t"}, ["body", "model"]),
+    ({**SPEC, "train": {"lr": -1}}, ["body", "train", "lr"]),
+    ({**SPEC, "train": {"max_staleness": "soon"}}, ["body", "train", "max_staleness"]),
+    ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
+    ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
+    ({**SPEC, "surprise": 1}, ["body", "surprise"]),
+])
+async def test_a_malformed_spec_gets_422_naming_the_field(api, redis_client, spec, field):
+    response = await api.post("/v1/jobs", json=spec)
+
+    assert response.status_code == 422
+    assert field in [error["loc"] for error in response.json()["detail"]]
+    assert await redis_client.xlen(Keys.jobs_pending) == 0
+
+
+async def test_malformed_json_gets_422_and_the_api_keeps_serving(api):
+    response = await api.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert (await api.get("/healthz")).status_code == 200
+
+
+async def test_unknown_job_is_404(api):
+    assert (await api.get("/v1/jobs/nope")).status_code == 404
+
+
+async def test_cancelling_a_pending_job_ends_it_and_a_running_one_is_flagged(api, redis_client):
+    pending = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    assert (await api.post(f"/v1/jobs/{pending}/cancel")).json()["status"] == "CANCELLED"
+
+    running = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.hset(Keys.job(running), "status", "RUNNING")
+    assert (await api.post(f"/v1/jobs/{running}/cancel")).json()["status"] == "RUNNING"
+    assert await redis_client.hget(Keys.job(running), "cancel_requested") == b"1"
+
+
+TOKENS = "alpha-token-0123456789:alpha,beta-token-9876543210:beta"
+
+
+@pytest.fixture
+async def secured(redis_url, redis_client):
+    app = create_app(ApiSettings(redis_url=redis_url, tokens=TOKENS, max_body_bytes=4096))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        yield client
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_no_or_a_wrong_token_is_401(secured):
+    assert (await secured.post("/v1/jobs", json=SPEC)).status_code == 401
+    response = await secured.get("/v1/jobs", headers=bearer("alpha-token-0123456788"))
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert (await secured.get("/v1/jobs", headers={"Authorization": "Basic alpha-token-0123456789"})).status_code == 401
+    assert (await secured.get("/healthz")).status_code == 200  # probes need no token
+
+
+async def test_a_tenant_sees_and_controls_only_its_own_jobs(secured):
+    alpha = (await secured.post("/v1/jobs", json=SPEC, headers=bearer("alpha-token-0123456789"))).json()["id"]
+
+    for path in ("", "/history", "/checkpoints"):
+        assert (await secured.get(f"/v1/jobs/{alpha}{path}", headers=bearer("beta-token-9876543210"))).status_code == 403
+    assert (await secured.post(f"/v1/jobs/{alpha}/cancel", headers=bearer("beta-token-9876543210"))).status_code == 403
+    assert (await secured.get("/v1/jobs", headers=bearer("beta-token-9876543210"))).json() == []
+    assert [j["id"] for j in (await secured.get("/v1/jobs", headers=bearer("alpha-token-0123456789"))).json()] == [alpha]
+
+
+async def test_tokens_never_reach_the_logs(secured, caplog):
+    caplog.set_level("DEBUG")
+    await secured.post("/v1/jobs", json=SPEC, headers=bearer("alpha-token-0123456789"))
+    await secured.get("/v1/jobs", headers=bearer("beta-token-9876543210"))
+    await secured.get("/v1/jobs", headers=bearer("not-a-token-at-all"))
+    assert "token-" not in caplog.text and "not-a-token" not in caplog.text
+
+
+async def test_a_body_over_the_limit_is_413(secured):
+    big = {**SPEC, "name": "x" * 5000}
+    response = await secured.post("/v1/jobs", json=big, headers=bearer("alpha-token-0123456789"))
+    assert response.status_code == 413
+
+
+async def test_events_stream_steps_and_statuses_until_the_job_ends(api, redis_client):
+    import json
+
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
+    await redis_client.rpush(Keys.history(job_id), json.dumps({"phase": "rl", "step": 1}))
+    await redis_client.hset(Keys.job(job_id), "status", "SUCCEEDED")
+
+    body = (await api.get(f"/v1/jobs/{job_id}/events")).text
+    events = [(block.split("\n")[0], json.loads(block.split("data: ", 1)[1])) for block in body.strip().split("\n\n")]
+    assert events == [("event: step", {"phase": "rl", "step": 1}),
+                      ("event: status", {"id": job_id, "status": "SUCCEEDED", "step": 0, "version": 0, "error": None})]
+
+
+async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
+    import json
+
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.rpush(Keys.checkpoints(job_id), json.dumps({"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}))
+    assert (await api.get(f"/v1/jobs/{job_id}/checkpoints")).json() == [{"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}]

@@ -1,0 +1,68 @@
+"""The LLM user simulator: reply parsing, ending, the stricter retry."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.interactions.llm_user import END_MARKER, LLMUser, UserSimulatorError, parse_user_reply, transcript
+from services.judge_client import ChatResult
+
+
+@pytest.mark.parametrize("text, response", [
+    ('{"current_answer": "", "thought": "t", "response": "I mean the blue one."}', "I mean the blue one."),
+    ('```json\n{"current_answer": "x", "thought": "t", "response": "shorter please"}\n```', "shorter please"),
+    ('Sure! {"thought": "t", "response": "ok \\"quoted\\""} hope that helps', 'ok "quoted"'),
+    ('{"thought": "unterminated", "response": "still here", ', "still here"),  # broken JSON, field survives
+])
+def test_replies_are_parsed_leniently(text, response):
+    assert parse_user_reply(text).response == response
+
+
+@pytest.mark.parametrize("text", ["I mean the blue one.", '{"thought": "no response field"}', ""])
+def test_replies_without_a_response_are_unparseable(text):
+    assert parse_user_reply(text) is None
+
+
+def test_the_transcript_casts_the_simulator_as_the_user():
+    text = transcript([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "which one?"}])
+    assert "USER: hi\n\nASSISTANT: which one?" in text
+
+
+class ScriptedClient:
+    """Answers chat calls from a list, as the judge proxy would relay an upstream's replies."""
+
+    def __init__(self, *replies: str) -> None:
+        self.replies = list(replies)
+        self.prompts: list[list[dict]] = []
+
+    async def chat(self, messages, *, model, max_tokens, temperature, job, priority) -> ChatResult:
+        assert priority == "simulator"
+        self.prompts.append(messages)
+        return ChatResult(self.replies.pop(0), {})
+
+
+def user(client: ScriptedClient) -> LLMUser:
+    return LLMUser(client, goal=lambda example: f"goal number {example}", model="sim")
+
+
+async def test_the_hidden_goal_reaches_the_simulator_and_the_response_the_conversation():
+    client = ScriptedClient('{"current_answer": "", "thought": "", "response": "the second one"}')
+    reply = await user(client).respond(7, [{"role": "user", "content": "help"}, {"role": "assistant", "content": "?"}])
+
+    assert reply == "the second one"
+    assert "goal number 7" in client.prompts[0][0]["content"]
+
+
+async def test_the_end_marker_or_an_empty_response_ends_the_conversation():
+    client = ScriptedClient(f'{{"response": "{END_MARKER}"}}', '{"response": "  "}')
+    assert await user(client).respond(0, []) is None
+    assert await user(client).respond(0, []) is None
+
+
+async def test_an_unparseable_reply_is_asked_for_once_more_then_is_an_error():
+    client = ScriptedClient("no json here", '{"response": "fine"}')
+    assert await user(client).respond(0, []) == "fine"
+    assert "only the JSON object" in client.prompts[1][-1]["content"]
+
+    with pytest.raises(UserSimulatorError):
+        await user(ScriptedClient("nope", "still nope")).respond(0, [])
