@@ -33,8 +33,20 @@ log = logging.getLogger(__name__)
 
 STEP = Gauge("tandem_learner_step", "Learner steps done", ["job"])
 VERSION = Gauge("tandem_learner_version", "Policy version", ["job"])
-STEP_METRIC = Gauge("tandem_learner_step_metric", "Last step's training metrics", ["job", "name"])
 REWARD = Gauge("tandem_learner_reward_mean", "Mean reward of the last batch", ["job"])
+STEP_GAUGES = {  # record key -> gauge of the last step's value
+    "loss": Gauge("tandem_learner_loss", "Policy loss of the last step", ["job"]),
+    "sft_loss": Gauge("tandem_learner_sft_loss", "Warm-start (SFT) loss of the last step", ["job"]),
+    "grad_norm": Gauge("tandem_learner_grad_norm", "Gradient norm before clipping", ["job"]),
+    "entropy": Gauge("tandem_learner_entropy", "Mean policy entropy on trained tokens", ["job"]),
+    "mismatch_kl": Gauge("tandem_learner_mismatch_kl", "KL(behaviour || proximal), k3, per token", ["job"]),
+    "kl_ref": Gauge("tandem_learner_kl_ref", "KL to the reference policy per token", ["job"]),
+    "clip_fraction": Gauge("tandem_learner_clip_fraction", "Share of tokens where the PPO clip bites", ["job"]),
+    "is_weight_mean": Gauge("tandem_learner_importance_weight_mean", "Mean behaviour importance weight", ["job"]),
+    "is_weight_max": Gauge("tandem_learner_importance_weight_max", "Largest behaviour importance weight", ["job"]),
+    "is_masked_fraction": Gauge("tandem_learner_importance_masked_fraction", "Share of tokens masked by MIS", ["job"]),
+    "success": Gauge("tandem_learner_task_success", "Task success in the last batch", ["job"]),
+}
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
 TRAINED_TOKENS = Counter("tandem_learner_trained_tokens_total", "Tokens trained on", ["job"])
@@ -400,10 +412,9 @@ class JobRun:
         VERSION.labels(self.job_id).set(self.version)
         if "reward_mean" in record:
             REWARD.labels(self.job_id).set(record["reward_mean"])
-        for name in ("loss", "sft_loss", "grad_norm", "entropy", "mismatch_kl", "clip_fraction",
-                     "is_weight_mean", "is_weight_max", "is_masked_fraction", "kl_ref", "success"):
+        for name, gauge in STEP_GAUGES.items():
             if name in record:
-                STEP_METRIC.labels(self.job_id, name).set(record[name])
+                gauge.labels(self.job_id).set(record[name])
 
     async def export_queue_gauges(self) -> None:
         for name, stream, group in (("tasks", Keys.tasks(self.job_id), "rollout"),

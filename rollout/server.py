@@ -41,6 +41,10 @@ EPISODE_SECONDS = Histogram(
     "tandem_rollout_task_seconds", "Wall time of one task (all episodes and rewards)",
     ["job"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
+EPISODE = Histogram(
+    "tandem_rollout_episode_seconds", "One sample: its conversation (or response) and its reward", ["job"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
 SYNC_SECONDS = Histogram(
     "tandem_rollout_weight_sync_seconds", "Pause, receive, reload, resume", ["job"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
@@ -142,7 +146,7 @@ class RolloutServer:
         if self.engine:
             self.engine.shutdown()
         self.engine = await asyncio.to_thread(
-            Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed
+            Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed, self.settings.memory_utilization
         )
 
     async def wait_until_job_ends(self, job_id: str) -> None:
@@ -243,6 +247,7 @@ class RolloutServer:
         context = task_set.context(task.example)
 
         async def one(index: int) -> protocol.Sample:
+            started = time.perf_counter()
             if spec.reward.mode == "episode":
                 episode = await runner.run(task.example, context)
             else:
@@ -252,6 +257,7 @@ class RolloutServer:
                 reward, scored = await self.score(spec, runner, task_set, task.example, episode)
             TOKENS.labels(job_id).inc(episode.policy_tokens)
             REWARD.labels(job_id).observe(reward)
+            EPISODE.labels(job_id).observe(time.perf_counter() - started)
             return protocol.Sample(
                 sample_id=f"{job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
                 logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,

@@ -162,7 +162,12 @@ class RolloutSettings(_ProcessSettings):
     judge_token: str = Field("", description="Bearer token for the judge proxy, if it requires one.")
     max_concurrent_tasks: int = Field(16, ge=1)
     max_concurrent_rewards: int = Field(32, ge=1)
-    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="vLLM's gpu_memory_utilization (on CPU: share of RAM); default 0.85 on GPU, 0.3 on CPU. "
+                    "Lower it to share one GPU with the learner.",
+    )
     heartbeat_s: float = Field(2.0, gt=0)
     task_reclaim_idle_s: float = Field(
         15.0, gt=0, description="Take over tasks another server left idle this long."

@@ -1,0 +1,60 @@
+"""The example job files in deploy/configs: each one is a job the API accepts as it stands.
+
+A file is read the way `tandem submit` reads it and validated the way the API validates
+the JSON it receives. The compose examples load their models from /models, the folder
+docker-compose.yml mounts into the rollout servers and the learner, and name only judge
+rubrics and models the judge proxy can serve.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from judge_proxy.rubrics import RUBRICS
+from services.client import load_spec_file
+from services.config import JobSpec, JudgeProxySettings
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+UPSTREAMS_EXAMPLE = CONFIGS / "judge_upstreams.example.yaml"
+JOB_FILES = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("judge_upstreams"))
+COMPOSE_JOB_FILES = [p for p in JOB_FILES if p.name != "demo.yaml"]
+"""demo.yaml's model path is filled in by `tandem demo`; the others run under compose."""
+
+
+def load(path: Path) -> JobSpec:
+    return JobSpec.model_validate_json(json.dumps(load_spec_file(path)))
+
+
+def test_the_compose_examples_are_there():
+    assert {"clarify-mr.yaml", "math-chat.yaml"} <= {p.name for p in COMPOSE_JOB_FILES}
+
+
+@pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name)
+def test_job_file_is_a_job_spec_the_api_accepts(path):
+    spec = load(path)
+    assert spec.name == path.stem
+
+
+@pytest.mark.parametrize("path", COMPOSE_JOB_FILES, ids=lambda p: p.name)
+def test_compose_job_file_loads_its_model_from_the_models_mount(path):
+    assert load(path).model.path.startswith("/models/")
+
+
+@pytest.mark.parametrize("path", COMPOSE_JOB_FILES, ids=lambda p: p.name)
+def test_compose_job_file_names_rubrics_and_models_the_example_upstreams_serve(path):
+    spec = load(path)
+    served = {u["model"] for u in yaml.safe_load(UPSTREAMS_EXAMPLE.read_text())["upstreams"]}
+    if spec.reward.judge_rubric is not None:
+        assert spec.reward.judge_rubric in RUBRICS
+        assert (spec.reward.judge_model or JudgeProxySettings.model_fields["judge_model"].default) in served
+    if spec.task.name != "clarify":  # every other task's user is an LLM behind the judge proxy
+        assert spec.reward.user_model in served
+
+
+def test_clarify_mr_uses_the_papers_multiturn_reward():
+    reward = load(CONFIGS / "clarify-mr.yaml").reward
+    assert (reward.mode, reward.window, reward.num_futures, reward.token_penalty) == ("multiturn", 2, 3, 0.0005)
