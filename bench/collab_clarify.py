@@ -9,7 +9,7 @@ MR, next-turn) are then evaluated on whole conversations that start from the bar
 with held-out examples: task success, policy tokens per conversation, share of first turns
 that ask.
 
-Run: python bench/collab_clarify.py [--steps 30] [--eval 256]
+Run: python bench/collab_clarify.py [--steps 60] [--eval 512]
 """
 
 from __future__ import annotations
@@ -31,10 +31,14 @@ from services.demo import DEMO_SPEC, prepare  # noqa: E402
 from services.launcher import Ports, Stack  # noqa: E402
 
 # Both runs: half the contexts are follow-ups (the question already asked and answered),
-# so the answer turn is trained too, and a KL penalty to the warm start keeps the tokens
-# no reward looks at (the wording of a question) from drifting.
+# so the answer turn is trained too. Advantages are centred but not divided by the group's
+# std (Dr. GRPO): when every response in a group asks, their MRs differ only by the luck of
+# the futures, and std scaling turned that luck into full-size updates that garbled the
+# wording of the question; a small KL penalty to the warm start does the rest.
 FOLLOWUP_SHARE = 0.5
-KL_COEF = 0.05
+KL_COEF = 0.0
+LR = 5e-4
+WARM_START_STEPS = 400
 REWARDS = {
     "multiturn (w=2, S=3)": {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5e-4},
     "next-turn (w=0)": {"mode": "multiturn", "window": 0, "token_penalty": 5e-4},
@@ -44,14 +48,15 @@ REWARDS = {
 def train(out: Path, steps: int) -> dict[str, dict]:
     """Both RL jobs, one after the other, on one running system; their history and runs."""
     base = prepare(out, load_spec_file(DEMO_SPEC))
-    base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF}
+    base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
     base["task"]["followup_share"] = FOLLOWUP_SHARE
+    base["warm_start"]["steps"] = WARM_START_STEPS
     jobs = {}
     with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
         client = ApiClient(stack.api_url)
         for label, reward in REWARDS.items():
             spec = copy.deepcopy(base) | {"name": "clarify-" + label.split()[0]}
-            spec["reward"] = reward
+            spec["reward"] = reward | {"scale_advantage_by_std": False}
             job_id = client.submit(spec)["id"]
             started = time.monotonic()
             record = follow(client, job_id)
@@ -90,8 +95,8 @@ async def evaluate_policies(policies: dict[str, Path], examples: int, seed: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--out", default="bench/results/collab_clarify")
     args = parser.parse_args()
     out = Path(args.out).resolve()

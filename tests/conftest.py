@@ -6,24 +6,21 @@ that needs it shares one (on the session's event loop, which AsyncLLM binds to).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from services.redis_embed import EmbeddedRedis, free_port
+from services.redis_embed import free_port
+from services.redis_embed import redis_url as embedded_or_configured_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url():
-    url = os.environ.get("TANDEM_REDIS_URL")
-    if url:
+    """`TANDEM_REDIS_URL` if set, else a private redis-server for the session."""
+    with embedded_or_configured_redis() as url:
         yield url
-        return
-    with EmbeddedRedis() as server:
-        yield server.url
 
 
 @pytest_asyncio.fixture

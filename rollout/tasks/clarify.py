@@ -70,8 +70,9 @@ def request(example: ClarifyExample) -> str:
 
 
 def question(category: str) -> str:
-    options = CATEGORIES[category]
-    return f"Which {category} do you mean: {', '.join(options[:-1])} or {options[-1]}?"
+    """An open clarifying question. (Listing the options made RL drift the list, words no
+    reward looks at, and gave a tiny model five distractors to copy from.)"""
+    return f"Which {category} do you mean?"
 
 
 def clarification(target: str) -> str:

@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,18 +22,13 @@ import yaml
 from services.launcher import Ports, Stack
 from services.redis_embed import free_port
 
+from helpers import wait_for
+
 pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards"
 METRIC = re.compile(r"\b(tandem_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

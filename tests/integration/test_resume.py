@@ -32,6 +32,8 @@ from services.queues import Keys, StreamConsumer, publish
 from services.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
+from helpers import wait_for
+
 pytestmark = pytest.mark.slow
 
 
@@ -87,13 +89,6 @@ def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subpro
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def job_record(client: redis.Redis, job_id: str) -> dict:

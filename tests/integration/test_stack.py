@@ -3,7 +3,6 @@ arrive on both streams, and the job still trains every task exactly once."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
@@ -13,17 +12,11 @@ from services import protocol
 from services.launcher import Ports, Stack, kill_all, process_tree
 from services.queues import FIELD, Keys
 
+from helpers import wait_for
+
 pytestmark = pytest.mark.slow
 
 
-def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def job_spec(model: str) -> dict:
