@@ -1,22 +1,221 @@
-"""The judge proxy: every LLM call of the system goes through here."""
+"""The judge proxy's HTTP API: every LLM call of the system goes through here.
+
+- `POST /v1/chat/completions`: OpenAI-compatible; the upstream's reply (with `usage`) is
+  passed through. `stream` is not supported.
+- `POST /v1/judge`: `{rubric, messages, reference?, model?}` -> `{score, criteria, verdict,
+  raw, usage}`; 404 for an unknown rubric, 502 `unparseable verdict` (with the raw replies)
+  when the judge's reply cannot be read twice.
+- `GET /v1/budget`: limits and shared usage per upstream (never keys).
+- `/metrics`, `/healthz`.
+
+Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set),
+`X-Tandem-Job` (queue fairness: jobs take turns) and `X-Tandem-Priority: judge|simulator`
+(default simulator for chat; /v1/judge is always judge). Response headers:
+`X-Tandem-Upstream` (who answered) and `Server-Timing: queue;dur=<ms>, upstream;dur=<ms>`.
+Errors are `{"error": {"message", "type"}}`: malformed JSON or a bad field 400 (the message
+names the field), unknown model or rubric 404, no budget before the deadline 429 with
+`Retry-After`, failing upstreams 502.
+"""
 
 from __future__ import annotations
 
-import httpx
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+import asyncio
+import hmac
+import json
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
+from judge_proxy.queue import PRIORITIES
+from judge_proxy.rubrics import RUBRICS
 from services.config import JudgeProxySettings
 from services.metrics import metrics_router
 
 
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(BaseModel):
+    """The fields the proxy reads; every other field goes upstream unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _not_streaming(cls, stream: bool) -> bool:
+        if stream:
+            raise ValueError("streaming is not supported by the judge proxy; send stream=false")
+        return stream
+
+
+class Turn(BaseModel):
+    role: str = Field(min_length=1)
+    content: str
+
+
+class JudgeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rubric: str = Field(min_length=1)
+    messages: list[Turn] = Field(min_length=1)
+    reference: str | None = None
+    model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
+
+
+class JudgeResponse(BaseModel):
+    score: float = Field(ge=0, le=1, description="The rubric's combination of its criteria.")
+    criteria: dict[str, float] = Field(description="Each criterion's score in [0, 1].")
+    verdict: str = Field(description="The judge's one-sentence verdict.")
+    raw: str = Field(description="The judge's reply the scores were read from.")
+    usage: dict[str, int]
+
+
+class UpstreamBudget(BaseModel):
+    name: str
+    model: str
+    tpm: int
+    rpm: int
+    max_concurrency: int
+    weight: float
+    available_tokens: float
+    available_requests: float
+    paused_for_s: float
+    inflight: int
+    used_tokens_total: int
+    used_requests_total: int
+
+
+class BudgetResponse(BaseModel):
+    upstreams: list[UpstreamBudget]
+
+
 def create_app(settings: JudgeProxySettings) -> FastAPI:
-    app = FastAPI(title="Tandem judge proxy", version="0.1.0")
-    app.state.settings = settings
-    app.include_router(metrics_router())
+    proxy = Proxy.from_settings(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await proxy.aclose()
+
+    app = FastAPI(title="Tandem judge proxy", version="0.1.0", lifespan=lifespan)
+    app.state.proxy = proxy
+    app.include_router(metrics_router(proxy.health))
+    app.add_exception_handler(ProxyError, proxy_error)
+    app.add_exception_handler(UpstreamClientError, upstream_client_error)
+    authorize = client_auth(settings.client_tokens)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
-        raise HTTPException(404, "no upstream configured")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = await json_object(request)
+        chat = validated(ChatRequest, body)
+        max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
+        completion = await proxy.complete(body, max_tokens, chat.n, job=job_of(request),
+                                          priority=priority_of(request))
+        return Response(completion.body, media_type="application/json", headers=timing_headers(completion),
+                        background=BackgroundTask(completion.settle))
+
+    @app.post("/v1/judge", response_model=JudgeResponse)
+    async def judge(request: Request) -> JudgeResponse:
+        authorize(request)
+        ask = validated(JudgeRequest, await json_object(request))
+        rubric = RUBRICS.get(ask.rubric)
+        if rubric is None:
+            raise ProxyError(404, f"unknown rubric {ask.rubric!r}; known: {sorted(RUBRICS)}", "rubric_not_found")
+        if rubric.needs_reference and ask.reference is None:
+            raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error")
+        result = await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
+                                   ask.model or settings.judge_model, job_of(request))
+        return JudgeResponse(score=result.verdict.score, criteria=result.verdict.criteria,
+                             verdict=result.verdict.verdict, raw=result.raw, usage=result.usage)
+
+    @app.get("/v1/budget", response_model=BudgetResponse)
+    async def budget(request: Request) -> BudgetResponse:
+        authorize(request)
+        views = await asyncio.gather(*(u.budget.view() for u in proxy.upstreams))
+        return BudgetResponse(upstreams=[
+            UpstreamBudget(name=u.name, model=u.config.model, tpm=u.config.tpm, rpm=u.config.rpm,
+                           max_concurrency=u.config.max_concurrency, weight=u.config.weight, **vars(view))
+            for u, view in zip(proxy.upstreams, views)
+        ])
 
     return app
+
+
+def client_auth(tokens: str) -> Callable[[Request], None]:
+    """A check accepting `Authorization: Bearer <one of tokens>`; open when there are none."""
+    allowed = [t.strip().encode() for t in tokens.split(",") if t.strip()]
+
+    def check(request: Request) -> None:
+        if not allowed:
+            return
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        matched = False
+        for token in allowed:  # compare with every token, in constant time each
+            matched |= hmac.compare_digest(token, presented.strip().encode())
+        if scheme.lower() != "bearer" or not matched:
+            raise ProxyError(401, "missing or unknown bearer token", "unauthorized")
+
+    return check
+
+
+async def json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ProxyError(400, f"malformed JSON body: {err}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "the JSON body must be an object", "invalid_request_error")
+    return body
+
+
+def validated(model: type[BaseModel], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ProxyError(400, f"invalid request: {fields}", "invalid_request_error") from None
+
+
+def job_of(request: Request) -> str:
+    return request.headers.get("x-tandem-job", "")
+
+
+def priority_of(request: Request) -> str:
+    priority = request.headers.get("x-tandem-priority", "simulator").lower()
+    if priority not in PRIORITIES:
+        raise ProxyError(400, f"X-Tandem-Priority must be one of {list(PRIORITIES)}, not {priority!r}",
+                         "invalid_request_error")
+    return priority
+
+
+def timing_headers(completion: Completion) -> dict[str, str]:
+    return {"x-tandem-upstream": completion.upstream,
+            "server-timing": f"queue;dur={completion.queue_s * 1e3:.3f}, upstream;dur={completion.upstream_s * 1e3:.3f}"}
+
+
+async def proxy_error(request: Request, error: ProxyError) -> JSONResponse:
+    headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    content = {"error": {"message": error.message, "type": error.kind}, **error.extra}
+    return JSONResponse(content, status_code=error.status, headers=headers)
+
+
+async def upstream_client_error(request: Request, error: UpstreamClientError) -> Response:
+    return Response(error.body, status_code=error.status, media_type="application/json")

@@ -1,0 +1,291 @@
+"""A local OpenAI-compatible upstream for tests and benchmarks: real HTTP, its own limits.
+
+It behaves like a provider:
+- Budgets are continuously refilled buckets, the same window semantics as the proxy's
+  limiter (`budget.py`): tokens hold at most `tpm` and refill at `tpm / 60` per second,
+  requests likewise with `rpm`. A request is admitted when the buckets hold
+  `prompt_tokens + n * max_tokens` and one request (what OpenAI counts up front); else it
+  gets 429 with `retry-after` (seconds, rounded up) and `retry-after-ms`. When the reply is
+  ready the unused completion tokens go back, so in the end it charges `usage.total_tokens`.
+- Its tokenizer counts words and punctuation marks (`\\w+|[^\\w\\s]`) plus the chat format's
+  per-message overhead: on purpose not the proxy's characters/4 rule, so the proxy's
+  estimates are off and must be reconciled.
+- Completion lengths are uniform in [1, max_tokens] (seeded); every reply carries
+  `x-ratelimit-limit|remaining|reset-requests|tokens` and `usage`.
+- With an API key configured, a request with another key gets 401 quoting the key it sent,
+  as providers do.
+
+Admin routes (no auth: a test double). `POST /admin/script {"replies": [...]}` queues replies
+taken one per chat request: `{"content": "..."}` answers with that text, `{"status": 500}`
+(or 429 with optional `retry_after_s` / `retry_after_ms`, or 400 with a `message` in which
+`{authorization}` becomes the key received) answers that error without charging, and
+`{"delay_s": 1.5}` waits that long first. `GET /admin/stats` gives the counters,
+`GET /admin/requests` the last request bodies, `POST /admin/reset` starts afresh.
+
+Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from judge_proxy.upstream import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, message_text
+
+WORD = re.compile(r"\w+|[^\w\s]")
+FILLER = ("the", "judge", "reads", "each", "turn", "and", "scores", "it", "with", "care")
+
+
+class LocalUpstreamConfig(BaseModel):
+    tpm: int = Field(60_000, gt=0)
+    rpm: int = Field(600, gt=0)
+    models: list[str] = ["local-model"]
+    service_ms: float = Field(2.0, ge=0, description="Fixed time to produce a reply.")
+    default_max_tokens: int = Field(256, ge=1)
+    seed: int = 0
+    api_key: str | None = None
+
+
+class Bucket:
+    """A continuously refilled bucket: holds at most `capacity`, refills `capacity` a minute."""
+
+    def __init__(self, capacity: float, now: float) -> None:
+        self.capacity = capacity
+        self.level = capacity
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.capacity / 60)
+        self.updated = now
+
+    def wait_s(self, amount: float) -> float:
+        return max(0.0, (amount - self.level) * 60 / self.capacity)
+
+    def reset_s(self) -> float:
+        return (self.capacity - self.level) * 60 / self.capacity
+
+
+def count_tokens(text: str) -> int:
+    return len(WORD.findall(text))
+
+
+def count_prompt_tokens(messages: list[dict]) -> int:
+    return sum(count_tokens(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS
+               for m in messages) + REPLY_PRIMING_TOKENS
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: `20ms`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
+
+
+class LocalUpstream:
+    def __init__(self, config: LocalUpstreamConfig) -> None:
+        self.config = config
+        self.reset()
+
+    def reset(self) -> None:
+        """Full buckets, no script, zero counters: as just started."""
+        now = time.monotonic()
+        self.tokens = Bucket(self.config.tpm, now)
+        self.requests = Bucket(self.config.rpm, now)
+        self.rng = random.Random(self.config.seed)
+        self.script: deque[dict] = deque()
+        self.recent: deque[dict] = deque(maxlen=100)
+        self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0,
+                      "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0}
+        self.started = now
+
+    def limit_headers(self) -> dict[str, str]:
+        now = time.monotonic()
+        self.tokens.refill(now)
+        self.requests.refill(now)
+        return {
+            "x-ratelimit-limit-requests": str(self.config.rpm),
+            "x-ratelimit-limit-tokens": str(self.config.tpm),
+            "x-ratelimit-remaining-requests": str(max(0, math.floor(self.requests.level))),
+            "x-ratelimit-remaining-tokens": str(max(0, math.floor(self.tokens.level))),
+            "x-ratelimit-reset-requests": duration(self.requests.reset_s()),
+            "x-ratelimit-reset-tokens": duration(self.tokens.reset_s()),
+        }
+
+    def error(self, status: int, message: str, kind: str, extra_headers: dict | None = None) -> JSONResponse:
+        headers = {**self.limit_headers(), **(extra_headers or {})}
+        return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+    def admit(self, cost: int) -> float:
+        """Charge `cost` tokens and one request, or return the seconds until they fit."""
+        now = time.monotonic()
+        self.tokens.refill(now)
+        self.requests.refill(now)
+        wait_s = max(self.tokens.wait_s(cost), self.requests.wait_s(1))
+        if wait_s == 0:
+            self.tokens.level -= cost
+            self.requests.level -= 1
+        return wait_s
+
+    def rate_limited(self, wait_s: float) -> JSONResponse:
+        self.stats["rejected_429"] += 1
+        headers = {"retry-after": str(math.ceil(wait_s)), "retry-after-ms": str(math.ceil(wait_s * 1000))}
+        return self.error(429, "rate limit reached: tokens or requests per minute", "rate_limit_exceeded", headers)
+
+    def scripted_error(self, script: dict, authorization: str) -> JSONResponse:
+        self.stats["scripted_errors"] += 1
+        headers = {}
+        if "retry_after_s" in script:
+            headers["retry-after"] = str(script["retry_after_s"])
+        if "retry_after_ms" in script:
+            headers["retry-after-ms"] = str(script["retry_after_ms"])
+        message = script.get("message", "scripted error").replace("{authorization}", authorization)
+        return self.error(script["status"], message, "scripted", headers)
+
+    def filler(self, num_words: int) -> str:
+        return " ".join(self.rng.choice(FILLER) for _ in range(num_words))
+
+    def completion(self, body: dict, prompt_tokens: int, max_tokens: int, content: str | None) -> dict:
+        choices, completion_tokens = [], 0
+        for index in range(body.get("n", 1)):
+            text = content if content is not None else self.filler(self.rng.randint(1, max_tokens))
+            completion_tokens += count_tokens(text)
+            choices.append({"index": index, "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": text}})
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return {"id": f"local-{self.stats['requests']}", "object": "chat.completion", "created": int(time.time()),
+                "model": body["model"], "choices": choices, "usage": usage}
+
+    async def chat(self, request: Request) -> JSONResponse:
+        self.stats["requests"] += 1
+        authorization = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if self.config.api_key is not None and authorization != self.config.api_key:
+            return self.error(401, f"Incorrect API key provided: {authorization}", "invalid_api_key")
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as err:
+            return self.error(400, f"malformed JSON: {err}", "invalid_request_error")
+        self.recent.append(body)
+        script = self.script.popleft() if self.script else {}
+        if script.get("delay_s"):
+            await asyncio.sleep(script["delay_s"])
+        if "status" in script:
+            return self.scripted_error(script, authorization)
+        if body.get("model") not in self.config.models:
+            return self.error(404, f"The model `{body.get('model')}` does not exist", "model_not_found")
+        return await self.answer(body, script.get("content"))
+
+    async def answer(self, body: dict, content: str | None) -> JSONResponse:
+        prompt_tokens = count_prompt_tokens(body.get("messages", []))
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.config.default_max_tokens
+        reserved = prompt_tokens + body.get("n", 1) * max_tokens
+        if reserved > self.config.tpm:
+            return self.error(400, f"request needs {reserved} tokens, more than the {self.config.tpm} TPM limit",
+                              "invalid_request_error")
+        wait_s = self.admit(reserved)
+        if wait_s > 0:
+            return self.rate_limited(wait_s)
+        if self.config.service_ms:
+            await asyncio.sleep(self.config.service_ms / 1000)
+        reply = self.completion(body, prompt_tokens, max_tokens, content)
+        used = reply["usage"]["total_tokens"]
+        self.tokens.refill(time.monotonic())
+        self.tokens.level = min(self.tokens.capacity, self.tokens.level + reserved - used)
+        self.stats["accepted"] += 1
+        self.stats["prompt_tokens"] += prompt_tokens
+        self.stats["completion_tokens"] += reply["usage"]["completion_tokens"]
+        self.stats["tokens_accepted"] += used
+        return JSONResponse(reply, headers=self.limit_headers())
+
+    def snapshot(self) -> dict:
+        self.limit_headers()  # refills both buckets to now
+        return {**self.stats, "tpm": self.config.tpm, "rpm": self.config.rpm,
+                "tokens_level": self.tokens.level, "requests_level": self.requests.level,
+                "uptime_s": time.monotonic() - self.started}
+
+
+def create_app(config: LocalUpstreamConfig) -> FastAPI:
+    upstream = LocalUpstream(config)
+    app = FastAPI(title="Tandem local upstream")
+    app.state.upstream = upstream
+    app.add_api_route("/v1/chat/completions", upstream.chat, methods=["POST"])
+
+    @app.post("/admin/script")
+    async def script(request: Request) -> dict:
+        replies = (await request.json())["replies"]
+        upstream.script.extend(replies)
+        return {"queued": len(upstream.script)}
+
+    @app.post("/admin/reset")
+    async def reset() -> dict:
+        upstream.reset()
+        return {"reset": True}
+
+    @app.get("/admin/stats")
+    async def stats() -> dict:
+        return upstream.snapshot()
+
+    @app.get("/admin/requests")
+    async def requests() -> list[dict]:
+        return list(upstream.recent)
+
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, port: int, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a daemon thread for the block; yields its base URL."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--tpm", type=int, default=60_000)
+    parser.add_argument("--rpm", type=int, default=600)
+    parser.add_argument("--model", action="append", dest="models", help="a model it serves (repeatable)")
+    parser.add_argument("--service-ms", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key-env", help="environment variable holding the key clients must send")
+    args = parser.parse_args(argv)
+    config = LocalUpstreamConfig(tpm=args.tpm, rpm=args.rpm, models=args.models or ["local-model"],
+                                 service_ms=args.service_ms, seed=args.seed,
+                                 api_key=os.environ[args.api_key_env] if args.api_key_env else None)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

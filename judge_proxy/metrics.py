@@ -1,0 +1,40 @@
+"""The judge proxy's Prometheus metrics (DESIGN.md, Metrics). Labels are bounded: upstream
+names come from the config, priorities and kinds from fixed sets."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+BUDGET_TPM = Gauge("tandem_judge_budget_tokens_per_minute", "Configured token budget", ["upstream"])
+BUDGET_RPM = Gauge("tandem_judge_budget_requests_per_minute", "Configured request budget", ["upstream"])
+TOKENS = Counter(
+    "tandem_judge_tokens_total",
+    "Tokens per upstream: reserved at admission, actual (usage.total_tokens), refunded "
+    "(reserved - actual when positive), charged (actual - reserved when positive)",
+    ["upstream", "kind"],
+)
+REQUESTS = Counter(
+    "tandem_judge_upstream_requests_total",
+    "Calls made upstream by outcome (ok, rate_limited, client_error, auth_error, server_error, timeout, "
+    "connect_error)",
+    ["upstream", "outcome"],
+)
+UPSTREAM_429 = Counter("tandem_judge_upstream_429_total", "429 answers received from an upstream", ["upstream"])
+REJECTED = Counter("tandem_judge_rejected_total", "429 answers returned to clients", ["priority"])
+QUEUE_WAIT = Histogram(
+    "tandem_judge_queue_wait_seconds", "Time from arrival to admission (0 when budget was free)", ["priority"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+UPSTREAM_LATENCY = Histogram(
+    "tandem_judge_upstream_latency_seconds", "Duration of one upstream call", ["upstream"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+# Negative buckets: prometheus_client then exports _bucket and _count but no _sum.
+RECONCILIATION_ERROR = Histogram(
+    "tandem_judge_reconciliation_error_tokens", "Reserved estimate minus usage.total_tokens", ["upstream"],
+    buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384),
+)
+VERDICTS = Counter(
+    "tandem_judge_verdicts_total", "Judge verdicts by outcome (parsed, parsed_on_retry, unparseable)",
+    ["rubric", "outcome"],
+)

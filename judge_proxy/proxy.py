@@ -1,0 +1,352 @@
+"""The proxy's core: admit a chat request into an upstream's budget, call the upstream,
+settle the budget with what it charged, and retry where that helps.
+
+One call of `complete` makes at most `max_attempts` upstream calls:
+- 2xx: the reply is passed through; once it is sent, `usage.total_tokens` settles the
+  reservation and the reply's `x-ratelimit-remaining-*` clamp the shared budget.
+- 429: nothing was charged; the upstream is paused for every replica for `retry-after-ms`
+  / `retry-after` (else exponential backoff with jitter), at most `max_backoff_s`, and the
+  request waits in the queue again (any upstream of the group may take it).
+- 5xx, 401/403, a timeout or a connection error: the reservation stays charged (the
+  upstream may have counted it), the upstream is avoided by this replica for
+  `failure_cooldown_s`, and the request goes to another upstream of the group.
+- any other 4xx is the client's: passed through, with the API key redacted.
+Waiting for budget, over all attempts, ends at `queue_deadline_s` with a 429.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import redis.asyncio as aioredis
+
+from judge_proxy import metrics
+from judge_proxy.budget import Budget, Lease, Limits
+from judge_proxy.queue import Admitter, QueueTimeout
+from judge_proxy.rubrics import Rubric, Verdict, parse_verdict, render
+from judge_proxy.upstream import (
+    Reply, Upstream, UpstreamConfig, load_upstreams, remaining, retry_after_s, weighted_order,
+)
+from services.config import JudgeProxySettings
+from services.judge_client import backoff_s
+
+log = logging.getLogger(__name__)
+LEASE_MARGIN_S = 10.0
+"""A concurrency lease outlives its call's timeout by this much before Redis drops it."""
+
+
+class ProxyError(Exception):
+    """An error answered to the client as `{"error": {"message", "type"}, **extra}`."""
+
+    def __init__(self, status: int, message: str, kind: str, *, retry_after_s: int | None = None,
+                 extra: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.retry_after_s = retry_after_s
+        self.extra = extra or {}
+
+
+class UpstreamClientError(Exception):
+    """An upstream's 4xx about the request itself, passed through (key redacted)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status, self.body = status, body
+
+
+@dataclass
+class Grant:
+    upstream: Upstream
+    lease: Lease
+
+
+@dataclass
+class Group:
+    """The upstreams clients reach under one model name, and this replica's queue for them."""
+
+    model: str
+    upstreams: list[Upstream]
+    admitter: Admitter[Grant]
+
+
+@dataclass
+class Completion:
+    upstream: str
+    body: bytes
+    """The upstream's JSON reply, passed through unchanged."""
+    data: dict
+    settle: Callable[[], Awaitable[None]]
+    """Reconciles the budget with this reply's usage. Call it once, after replying: the
+    client need not wait for the bookkeeping (the reservation holds until then)."""
+    queue_s: float = 0.0
+    upstream_s: float = 0.0
+
+
+@dataclass
+class Attempts:
+    """What one request's attempts have met so far."""
+
+    failed: dict[str, str] = field(default_factory=dict)
+    """Upstream name -> why it failed (5xx, timeout, ...)."""
+    rate_limited_last: bool = False
+    last_pause_s: float = 0.0
+    queue_s: float = 0.0
+    upstream_s: float = 0.0
+
+
+@dataclass
+class JudgeResult:
+    verdict: Verdict
+    raw: str
+    usage: dict[str, int]
+
+
+def outcome_of(status: int) -> str:
+    """How an upstream's HTTP status is handled (also the `outcome` label of its metric)."""
+    if 200 <= status < 300:
+        return "ok"
+    if status == 429:
+        return "rate_limited"
+    if status in (401, 403):
+        return "auth_error"
+    if status == 408:
+        return "timeout"
+    return "server_error" if status >= 500 else "client_error"
+
+
+def content_of(data: dict) -> str:
+    try:
+        return data["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        raise ProxyError(502, "upstream reply has no choices[0].message.content", "bad_upstream_reply") from None
+
+
+class Proxy:
+    def __init__(self, settings: JudgeProxySettings, configs: list[UpstreamConfig], redis: aioredis.Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.rng = random.Random()
+        self.cooldown_until: dict[str, float] = {}
+        self.groups: dict[str, Group] = {}
+        self.setup_groups(configs)
+
+    @classmethod
+    def from_settings(cls, settings: JudgeProxySettings) -> "Proxy":
+        return cls(settings, load_upstreams(settings.upstreams), aioredis.from_url(settings.redis_url))
+
+    def setup_groups(self, configs: list[UpstreamConfig]) -> None:
+        for config in configs:
+            limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S)
+            upstream = Upstream(config, Budget(self.redis, config.name, limits))
+            if config.model not in self.groups:
+                admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
+                self.groups[config.model] = Group(config.model, [], admitter)
+            group = self.groups[config.model]
+            group.upstreams.append(upstream)
+            group.admitter.tokens_per_s += config.tpm / 60
+            metrics.BUDGET_TPM.labels(config.name).set(config.tpm)
+            metrics.BUDGET_RPM.labels(config.name).set(config.rpm)
+
+    def group(self, model: str) -> Group:
+        group = self.groups.get(model)
+        if group is None:
+            raise ProxyError(404, f"unknown model {model!r}; this proxy serves {sorted(self.groups)}",
+                             "model_not_found")
+        return group
+
+    @property
+    def upstreams(self) -> list[Upstream]:
+        return [u for g in self.groups.values() for u in g.upstreams]
+
+    async def complete(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str) -> Completion:
+        """Send one chat request (`body`, already validated) through the budget."""
+        group = self.group(body["model"])
+        costs = {u.name: u.cost(body["messages"], max_tokens, n) for u in group.upstreams}
+        self.check_fits(group, costs)
+        # The reservation holds only if the upstream cannot write more than it: pin the limit.
+        payload = body if "max_completion_tokens" in body else {**body, "max_tokens": max_tokens}
+        deadline = time.monotonic() + self.settings.queue_deadline_s
+        attempts = Attempts()
+        for attempt in range(self.settings.max_attempts):
+            grant = await self.admit(group, costs, attempts, deadline, job, priority)
+            upstream_payload = msgspec.json.encode({**payload, "model": grant.upstream.config.upstream_model
+                                                    or group.model})
+            completion = await self.call(group, grant, upstream_payload, attempt, attempts)
+            if completion is not None:
+                completion.queue_s = attempts.queue_s
+                return completion
+        raise self.exhausted(group, attempts, priority)
+
+    def check_fits(self, group: Group, costs: dict[str, int]) -> None:
+        if all(costs[u.name] > u.config.tpm for u in group.upstreams):
+            raise ProxyError(400, f"the request needs {min(costs.values())} tokens (estimated prompt + "
+                                  f"n * max_tokens), more than any upstream of {group.model!r} allows per minute",
+                             "request_too_large")
+
+    async def admit(self, group: Group, costs: dict[str, int], attempts: Attempts, deadline: float,
+                    job: str, priority: str) -> Grant:
+        candidates = [u for u in group.upstreams
+                      if u.name not in attempts.failed and costs[u.name] <= u.config.tpm]
+        if not candidates:
+            raise self.exhausted(group, attempts, priority)
+
+        async def try_admit() -> tuple[Grant | None, float]:
+            wait_s = math.inf
+            for upstream in self.preference(candidates):
+                admission = await upstream.budget.reserve(costs[upstream.name])
+                if admission.lease is not None:
+                    return Grant(upstream, admission.lease), 0.0
+                wait_s = min(wait_s, admission.wait_s)
+            return None, wait_s
+
+        try:
+            grant, waited_s = await group.admitter.admit(job, priority, min(costs.values()),
+                                                         deadline - time.monotonic(), try_admit)
+        except QueueTimeout as timeout:
+            metrics.REJECTED.labels(priority).inc()
+            raise ProxyError(429, f"no budget for model {group.model!r} within the queue deadline",
+                             "rate_limited", retry_after_s=timeout.retry_after_s) from None
+        attempts.queue_s += waited_s
+        return grant
+
+    async def release(self, grant: Grant) -> None:
+        """Give back a grant whose request left the queue before using it."""
+        await grant.upstream.budget.settle(grant.lease, 0, used_request=False)
+
+    def preference(self, candidates: list[Upstream]) -> list[Upstream]:
+        """By weight, upstreams that failed here recently last."""
+        now = time.monotonic()
+        ordered = weighted_order(candidates, self.rng)
+        return sorted(ordered, key=lambda u: self.cooldown_until.get(u.name, 0.0) > now)
+
+    async def call(self, group: Group, grant: Grant, payload: bytes, attempt: int,
+                   attempts: Attempts) -> Completion | None:
+        """One upstream call; None when another attempt should follow. A failure settles the
+        budget here, a success once its reply has been sent (`Completion.settle`)."""
+        upstream = grant.upstream
+        started = time.perf_counter()
+        try:
+            reply = await upstream.post(payload)
+        except httpx.TimeoutException:
+            reply, outcome, detail = None, "timeout", ""
+        except httpx.TransportError as err:
+            reply, outcome, detail = None, "connect_error", type(err).__name__
+        else:
+            outcome, detail = outcome_of(reply.status), f"HTTP {reply.status}"
+        elapsed_s = time.perf_counter() - started
+        attempts.upstream_s += elapsed_s
+        metrics.UPSTREAM_LATENCY.labels(upstream.name).observe(elapsed_s)
+        if outcome == "ok":
+            return await self.succeed(group, grant, reply, attempts)
+        if outcome == "rate_limited":
+            await self.back_off(group, grant, reply, attempt, attempts)
+            return None
+        if outcome == "client_error":
+            metrics.REQUESTS.labels(upstream.name, outcome).inc()
+            await self.settle(group, upstream, grant.lease, 0, reply)
+            raise UpstreamClientError(reply.status, upstream.redact(reply.body))
+        await self.fail(group, grant, outcome, attempts, detail)
+        return None
+
+    async def succeed(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts) -> Completion | None:
+        upstream, lease = grant.upstream, grant.lease
+        try:
+            data = msgspec.json.decode(reply.body)
+        except msgspec.DecodeError:
+            await self.fail(group, grant, "server_error", attempts, detail="reply is not JSON")
+            return None
+        used = _total_tokens(data)
+        if used is None:  # no usage: the upstream may have charged all we reserved
+            used = lease.tokens
+        metrics.REQUESTS.labels(upstream.name, "ok").inc()
+        _record_usage(upstream.name, lease.tokens, used)
+        settle = functools.partial(self.settle, group, upstream, lease, used, reply)
+        return Completion(upstream.name, reply.body, data, settle, upstream_s=attempts.upstream_s)
+
+    async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
+        upstream = grant.upstream
+        requested = retry_after_s(reply.headers)
+        pause_s = min(self.settings.max_backoff_s,
+                      backoff_s(attempt, self.settings.max_backoff_s, self.rng) if requested is None else requested)
+        attempts.rate_limited_last, attempts.last_pause_s = True, pause_s
+        metrics.UPSTREAM_429.labels(upstream.name).inc()
+        metrics.REQUESTS.labels(upstream.name, "rate_limited").inc()
+        log.warning("upstream %s answered 429; pausing it for %.3f s", upstream.name, pause_s)
+        await self.settle(group, upstream, grant.lease, 0, reply, used_request=False, pause_s=pause_s)
+
+    async def fail(self, group: Group, grant: Grant, outcome: str, attempts: Attempts, detail: str = "") -> None:
+        upstream = grant.upstream
+        metrics.REQUESTS.labels(upstream.name, outcome).inc()
+        log.warning("upstream %s failed (%s %s); trying another", upstream.name, outcome, detail)
+        attempts.failed[upstream.name] = f"{outcome} {detail}".strip()
+        attempts.rate_limited_last = False
+        self.cooldown_until[upstream.name] = time.monotonic() + self.settings.failure_cooldown_s
+        await self.settle(group, upstream, grant.lease, grant.lease.tokens, None)
+
+    async def settle(self, group: Group, upstream: Upstream, lease: Lease, used_tokens: int, reply: Reply | None,
+                     *, used_request: bool = True, pause_s: float = 0.0) -> None:
+        headers = reply.headers if reply is not None else httpx.Headers()
+        await upstream.budget.settle(lease, used_tokens, used_request=used_request, pause_s=pause_s,
+                                     remaining_tokens=remaining(headers, "tokens"),
+                                     remaining_requests=remaining(headers, "requests"))
+        group.admitter.wake()
+
+    def exhausted(self, group: Group, attempts: Attempts, priority: str) -> ProxyError:
+        """The error once no attempt is left: the last upstream's 429, or every failure."""
+        if attempts.rate_limited_last:
+            metrics.REJECTED.labels(priority).inc()
+            return ProxyError(429, f"upstreams of {group.model!r} kept answering 429", "rate_limited",
+                              retry_after_s=max(1, math.ceil(attempts.last_pause_s)))
+        reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
+        return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
+
+    async def judge(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str,
+                    job: str) -> JudgeResult:
+        """Ask for a verdict; ask once more, strictly, when the first cannot be read."""
+        raws: list[str] = []
+        usage: dict[str, int] = {}
+        for strict in (False, True):
+            prompt = render(rubric, messages, reference, strict=strict, previous_reply=raws[-1] if raws else "")
+            body = {"model": model, "messages": prompt, "temperature": 0.0}
+            completion = await self.complete(body, rubric.max_tokens, 1, job=job, priority="judge")
+            await completion.settle()
+            raws.append(content_of(completion.data))
+            for key, value in (completion.data.get("usage") or {}).items():
+                if isinstance(value, int):
+                    usage[key] = usage.get(key, 0) + value
+            verdict = parse_verdict(rubric, raws[-1])
+            if verdict is not None:
+                metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
+                return JudgeResult(verdict, raws[-1], usage)
+        metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
+        raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
+
+    def health(self) -> tuple[bool, dict]:
+        return True, {"models": sorted(self.groups), "upstreams": [u.name for u in self.upstreams]}
+
+    async def aclose(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.http.aclose()
+        await self.redis.aclose()
+
+
+def _total_tokens(data: dict) -> int | None:
+    usage = data.get("usage") if isinstance(data, dict) else None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) else None
+
+
+def _record_usage(upstream: str, reserved: int, actual: int) -> None:
+    metrics.TOKENS.labels(upstream, "reserved").inc(reserved)
+    metrics.TOKENS.labels(upstream, "actual").inc(actual)
+    metrics.TOKENS.labels(upstream, "refunded").inc(max(reserved - actual, 0))
+    metrics.TOKENS.labels(upstream, "charged").inc(max(actual - reserved, 0))
+    metrics.RECONCILIATION_ERROR.labels(upstream).observe(reserved - actual)

@@ -1,0 +1,162 @@
+"""Waiting for budget: a per-process queue, fair across jobs, weighted between priorities.
+
+Order: the priority classes take turns by weight (with `judge_weight` 3 and both classes
+waiting, admissions go judge, judge, judge, simulator, ...); inside a class, jobs take
+turns; inside a job, first come first served. Only the head of the queue tries to reserve,
+so a large request is never starved by smaller ones behind it. When the head does not fit,
+the queue sleeps until the budget says it should or until this process settles a call
+(which may refund tokens). A waiter past its deadline leaves with `QueueTimeout` and a
+`Retry-After` estimate. Each replica has its own queue; Redis keeps the replicas'
+admissions inside the shared budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from judge_proxy import metrics
+
+PRIORITIES = ("judge", "simulator")
+T = TypeVar("T")
+TryAdmit = Callable[[], Awaitable[tuple[T | None, float]]]
+"""One reservation attempt: (grant, 0) or (None, seconds until it could succeed)."""
+
+
+class QueueTimeout(Exception):
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"no budget before the deadline; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_s(queued_tokens: int, tokens_per_s: float) -> int:
+    """Whole seconds until the tokens queued here could drain at the group's refill rate."""
+    return max(1, math.ceil(queued_tokens / tokens_per_s))
+
+
+@dataclass(eq=False)
+class Waiter(Generic[T]):
+    job: str
+    priority: str
+    cost_tokens: int
+    deadline: float
+    """Event-loop time after which the waiter gets `QueueTimeout`."""
+    try_admit: TryAdmit
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class FairQueue:
+    def __init__(self, judge_weight: int) -> None:
+        self.turns = ["judge"] * judge_weight + ["simulator"]
+        self.cursor = 0
+        self.head_turn = 0
+        self.classes: dict[str, OrderedDict[str, deque[Waiter]]] = {p: OrderedDict() for p in PRIORITIES}
+
+    def __len__(self) -> int:
+        return sum(len(q) for jobs in self.classes.values() for q in jobs.values())
+
+    def __iter__(self):
+        return (w for jobs in self.classes.values() for q in jobs.values() for w in q)
+
+    def push(self, waiter: Waiter) -> None:
+        self.classes[waiter.priority].setdefault(waiter.job, deque()).append(waiter)
+
+    def head(self) -> Waiter | None:
+        for step in range(len(self.turns)):
+            turn = (self.cursor + step) % len(self.turns)
+            jobs = self.classes[self.turns[turn]]
+            if jobs:
+                self.head_turn = turn
+                return next(iter(jobs.values()))[0]
+        return None
+
+    def served(self, waiter: Waiter) -> None:
+        """Remove the head just admitted: its job goes to the back, the next turn comes up."""
+        self.discard(waiter)
+        jobs = self.classes[waiter.priority]
+        if waiter.job in jobs:
+            jobs.move_to_end(waiter.job)
+        self.cursor = (self.head_turn + 1) % len(self.turns)
+
+    def discard(self, waiter: Waiter) -> None:
+        jobs = self.classes[waiter.priority]
+        waiting = jobs.get(waiter.job)
+        if waiting is not None and waiter in waiting:
+            waiting.remove(waiter)
+            if not waiting:
+                del jobs[waiter.job]
+
+
+class Admitter(Generic[T]):
+    """The queue of one model group in one replica, and the task that works it."""
+
+    def __init__(self, judge_weight: int, tokens_per_s: float, release: Callable[[T], Awaitable[None]]) -> None:
+        self.queue = FairQueue(judge_weight)
+        self.tokens_per_s = tokens_per_s
+        self.release = release
+        """Gives back a grant whose waiter left (deadline, cancellation) while it was won."""
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def admit(self, job: str, priority: str, cost_tokens: int, timeout_s: float,
+                    try_admit: TryAdmit) -> tuple[T, float]:
+        """A grant and the seconds spent queued for it (0 when the budget was free at once)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if not len(self.queue):
+            grant, _ = await try_admit()
+            if grant is not None:
+                metrics.QUEUE_WAIT.labels(priority).observe(0.0)
+                return grant, 0.0
+        waiter = Waiter(job, priority, cost_tokens, started + timeout_s, try_admit)
+        self.queue.push(waiter)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._work())
+        try:
+            async with asyncio.timeout_at(waiter.deadline):
+                grant = await waiter.future
+        except TimeoutError:
+            self.queue.discard(waiter)  # before counting what is still queued
+            raise QueueTimeout(retry_after_s(self.queued_tokens(), self.tokens_per_s)) from None
+        finally:
+            self.queue.discard(waiter)
+        waited_s = loop.time() - started
+        metrics.QUEUE_WAIT.labels(priority).observe(waited_s)
+        return grant, waited_s
+
+    def queued_tokens(self) -> int:
+        return sum(w.cost_tokens for w in self.queue)
+
+    def wake(self) -> None:
+        """Budget may have come back (a call settled here): let the head try again now."""
+        self._wake.set()
+
+    async def _work(self) -> None:
+        while (waiter := self.queue.head()) is not None:
+            self._wake.clear()
+            try:
+                grant, wait_s = await waiter.try_admit()
+            except Exception as err:  # e.g. Redis unreachable: this waiter fails, the rest go on
+                self.queue.discard(waiter)
+                if not waiter.future.done():
+                    waiter.future.set_exception(err)
+                continue
+            if grant is None:
+                await self._sleep(wait_s)
+            elif waiter.future.done():  # it left while its grant was being won
+                self.queue.discard(waiter)
+                await self.release(grant)
+            else:
+                self.queue.served(waiter)
+                waiter.future.set_result(grant)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass

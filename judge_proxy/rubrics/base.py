@@ -1,0 +1,150 @@
+"""Judge rubrics: the prompt for a conversation, and the verdict read back from the judge.
+
+Each criterion is scored on an anchored 0-10 scale (fine-grained: a coarse pass/fail scale
+leaves the judge little room to tell two good responses apart) and normalised to [0, 1].
+A rubric's score is the mean of its criteria; `interactivity` is therefore the mean of
+understanding, clarification and suggestions.
+
+A verdict is read from the first JSON object in the reply that holds every criterion, or
+else from tags (`<understanding>7</understanding>`). A reply that gives neither is
+unparseable: the caller asks once more with `strict=True`, then reports an error. No score
+is ever filled in, clamped or guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+SCALE_MAX = 10
+
+
+@dataclass(frozen=True)
+class Criterion:
+    name: str
+    question: str
+    anchors: tuple[tuple[int, str], ...]
+    """(score, what earns it), from the worst to the best."""
+
+
+@dataclass(frozen=True)
+class Rubric:
+    name: str
+    task: str
+    criteria: tuple[Criterion, ...]
+    needs_reference: bool = False
+    max_tokens: int = 400
+    """Room for the judge's reply (the verdict sentence and the scores)."""
+
+    def combine(self, scores: dict[str, float]) -> float:
+        return sum(scores[c.name] for c in self.criteria) / len(self.criteria)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    score: float
+    criteria: dict[str, float]
+    """Each criterion's score in [0, 1]."""
+    verdict: str
+
+
+def render(rubric: Rubric, messages: list[dict], reference: str | None, *, strict: bool = False,
+           previous_reply: str = "") -> list[dict]:
+    """The chat messages that ask the judge for a verdict. `strict` re-asks after an
+    unparseable `previous_reply` and insists on the bare JSON object."""
+    prompt = [{"role": "system", "content": _instructions(rubric)},
+              {"role": "user", "content": _case(messages, reference)}]
+    if strict:
+        prompt += [{"role": "assistant", "content": previous_reply},
+                   {"role": "user", "content": _strict_instruction(rubric)}]
+    return prompt
+
+
+def parse_verdict(rubric: Rubric, text: str) -> Verdict | None:
+    """The verdict in `text`, or None when it does not give every criterion a 0-10 score."""
+    names = [c.name for c in rubric.criteria]
+    found = _from_json(text, names) or _from_tags(text, names)
+    if found is None:
+        return None
+    raw_scores, verdict = found
+    scores = {name: raw_scores[name] / SCALE_MAX for name in names}
+    return Verdict(rubric.combine(scores), scores, verdict)
+
+
+def _instructions(rubric: Rubric) -> str:
+    sections = [
+        "You grade conversations between a user and an AI assistant. Be strict and consistent: "
+        "judge only what the assistant actually wrote, and use the whole scale.",
+        rubric.task,
+        "Score each criterion with an integer from 0 to 10. The anchors describe some levels; "
+        "use the numbers between them for cases in between.",
+    ]
+    for criterion in rubric.criteria:
+        anchors = "\n".join(f"  {score}: {text}" for score, text in criterion.anchors)
+        sections.append(f"{criterion.name}: {criterion.question}\n{anchors}")
+    sections.append("First think briefly, then end your reply with one JSON object:\n" + _format(rubric))
+    return "\n\n".join(sections)
+
+
+def _format(rubric: Rubric) -> str:
+    fields = ", ".join(f'"{c.name}": <0-10>' for c in rubric.criteria)
+    return "{" + fields + ', "verdict": "<one sentence>"}'
+
+
+def _strict_instruction(rubric: Rubric) -> str:
+    return ("Your reply could not be read. Answer again with exactly one JSON object and "
+            "nothing before or after it, every score an integer from 0 to 10:\n" + _format(rubric))
+
+
+def _case(messages: list[dict], reference: str | None) -> str:
+    turns = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
+    case = f"<conversation>\n{turns}\n</conversation>"
+    if reference is not None:
+        case += f"\n\n<reference>\n{reference}\n</reference>"
+    return case
+
+
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*10)?\s*$")
+
+
+def _score(value: object) -> float | None:
+    """A 0-10 score from a JSON number or a numeric string ('7', '7.5', '7/10')."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str) and (match := _NUMBER.match(value)):
+        number = float(match.group(1))
+    else:
+        return None
+    return number if 0 <= number <= SCALE_MAX else None
+
+
+def _from_json(text: str, names: list[str]) -> tuple[dict[str, float], str] | None:
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            obj, _ = decoder.raw_decode(text, match.start())
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        fields = {str(k).lower(): v for k, v in obj.items()}
+        scores = {name: _score(fields.get(name)) for name in names}
+        if all(s is not None for s in scores.values()):
+            verdict = fields.get("verdict")
+            return scores, verdict if isinstance(verdict, str) else ""
+    return None
+
+
+def _from_tags(text: str, names: list[str]) -> tuple[dict[str, float], str] | None:
+    scores = {}
+    for name in names:
+        match = re.search(rf"<{name}>(.*?)</{name}>", text, re.IGNORECASE | re.DOTALL)
+        scores[name] = _score(match.group(1)) if match else None
+    if any(s is None for s in scores.values()):
+        return None
+    verdict = re.search(r"<verdict>(.*?)</verdict>", text, re.IGNORECASE | re.DOTALL)
+    return scores, verdict.group(1).strip() if verdict else ""
+

@@ -1,0 +1,168 @@
+"""Upstreams: their configuration, the cost of a request, the HTTP call, and what their
+rate-limit headers say.
+
+An upstream is one OpenAI-compatible endpoint with its own key and budget. Upstreams that
+list the same `model` (the name clients ask for) form a group that shares the load and
+fails over. API keys are read from the environment variable the config names and live in
+a `SecretStr`: they are sent upstream and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from judge_proxy.budget import Budget
+
+MESSAGE_OVERHEAD_TOKENS = 4
+"""Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
+REPLY_PRIMING_TOKENS = 3
+"""Tokens of the assistant header every reply starts with."""
+
+
+class UpstreamConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Label in metrics, logs, /v1/budget, Redis keys.")
+    model: str = Field(min_length=1, description="The model name clients ask for; upstreams sharing it share the load.")
+    upstream_model: str | None = Field(None, description="The model name sent upstream; `model` when unset.")
+    base_url: str = Field(pattern=r"^https?://", description="Up to and including /v1.")
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key.")
+    tpm: int = Field(gt=0, description="Tokens per minute (prompt + completion).")
+    rpm: int = Field(gt=0, description="Requests per minute.")
+    max_concurrency: int = Field(16, ge=1, description="Calls in flight at once, across all replicas.")
+    weight: float = Field(1.0, gt=0, description="Share of the group's load when several have budget.")
+    timeout_s: float = Field(60.0, gt=0)
+    tokenizer: str | None = Field(None, description="Local tokenizer.json for prompt estimates; chars/4 when unset.")
+
+
+class UpstreamsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    upstreams: list[UpstreamConfig]
+
+    @field_validator("upstreams")
+    @classmethod
+    def _unique_names(cls, upstreams: list[UpstreamConfig]) -> list[UpstreamConfig]:
+        names = [u.name for u in upstreams]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"upstream names must be unique; repeated: {duplicates}")
+        return upstreams
+
+
+def load_upstreams(path: str) -> list[UpstreamConfig]:
+    """The upstreams listed in a YAML (or JSON) file; none when `path` is empty."""
+    if not path:
+        return []
+    return UpstreamsFile.model_validate(yaml.safe_load(Path(path).read_text())).upstreams
+
+
+def api_key(config: UpstreamConfig) -> SecretStr | None:
+    if config.api_key_env is None:
+        return None
+    value = os.environ.get(config.api_key_env)
+    if not value:
+        raise ValueError(f"upstream {config.name!r}: environment variable {config.api_key_env} is not set")
+    return SecretStr(value)
+
+
+def chars_over_4(text: str) -> int:
+    """The documented fallback estimate: one token per four characters, rounded up."""
+    return -(-len(text) // 4)
+
+
+def tokenizer_counter(path: str) -> Callable[[str], int]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(path)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def message_text(content: str | list | None) -> str:
+    """The text of a message's `content`: a string, or the text parts of a parts list."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def estimate_prompt_tokens(messages: list[dict], count_tokens: Callable[[str], int] = chars_over_4) -> int:
+    per_message = (count_tokens(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+    return sum(per_message) + REPLY_PRIMING_TOKENS
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    headers: httpx.Headers
+
+
+class Upstream:
+    def __init__(self, config: UpstreamConfig, budget: Budget) -> None:
+        self.config = config
+        self.name = config.name
+        self.budget = budget
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self._key = api_key(config)
+        self.count_tokens = tokenizer_counter(config.tokenizer) if config.tokenizer else chars_over_4
+        # One pool per upstream: httpcore scans its whole pool on every request, and a dead
+        # upstream's sockets stay out of the others' way.
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=config.max_concurrency),
+                                      timeout=config.timeout_s)
+
+    def __repr__(self) -> str:
+        return f"Upstream({self.name!r}, {self.url!r})"
+
+    def cost(self, messages: list[dict], max_tokens: int, n: int) -> int:
+        """Tokens to reserve: the estimated prompt plus every completion at its maximum."""
+        return estimate_prompt_tokens(messages, self.count_tokens) + n * max_tokens
+
+    async def post(self, payload: bytes) -> Reply:
+        headers = {"content-type": "application/json"}
+        if self._key is not None:
+            headers["authorization"] = f"Bearer {self._key.get_secret_value()}"
+        response = await self.http.post(self.url, content=payload, headers=headers)
+        return Reply(response.status_code, response.content, response.headers)
+
+    def redact(self, body: bytes) -> bytes:
+        """`body` without the API key (providers echo a rejected key in their error text)."""
+        if self._key is None:
+            return body
+        return body.replace(self._key.get_secret_value().encode(), b"[redacted]")
+
+
+def retry_after_s(headers: httpx.Headers) -> float | None:
+    """The upstream's requested pause: `retry-after-ms` when given, else `retry-after` seconds."""
+    for name, per_second in (("retry-after-ms", 1000), ("retry-after", 1)):
+        value = _number(headers.get(name))
+        if value is not None and value >= 0:
+            return value / per_second
+    return None
+
+
+def remaining(headers: httpx.Headers, limit: str) -> float | None:
+    """`x-ratelimit-remaining-tokens` or `-requests` (`limit`), when the upstream sends it."""
+    return _number(headers.get(f"x-ratelimit-remaining-{limit}"))
+
+
+def weighted_order(upstreams: list[Upstream], rng: random.Random) -> list[Upstream]:
+    """Upstreams in a random order where each comes first with probability weight / total
+    (Efraimidis-Spirakis keys)."""
+    return sorted(upstreams, key=lambda u: rng.random() ** (1.0 / u.config.weight), reverse=True)
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None

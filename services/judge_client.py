@@ -1,0 +1,118 @@
+"""The async client rollout servers use to reach the judge proxy.
+
+It speaks only the proxy's HTTP API (`POST /v1/chat/completions`, `POST /v1/judge`), so
+rollout never imports `judge_proxy`. One pooled httpx client per `JudgeClient`. A 429 is
+retried after its `Retry-After`; a 502/503/504 or a connection failure after exponential
+backoff with jitter; at most `max_retries` times, each wait at most `max_retry_wait_s`.
+Then, or at once for any other error, it raises `JudgeError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import httpx
+
+RETRIED_STATUSES = (0, 429, 502, 503, 504)
+"""Unreachable, over budget, upstreams failing: worth another try."""
+BACKOFF_BASE_S = 0.5
+
+
+class JudgeError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(f"judge proxy answered {status}: {message}" if status else message)
+        self.status = status
+        """HTTP status; 0 when the proxy could not be reached."""
+        self.kind = kind
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    content: str
+    usage: dict[str, int]
+
+
+@dataclass(frozen=True)
+class JudgeResult:
+    score: float
+    """The rubric's score in [0, 1]."""
+    criteria: dict[str, float]
+    verdict: str
+    raw: str
+    usage: dict[str, int]
+
+
+def backoff_s(attempt: int, cap_s: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: attempt 0 waits 0.25-0.5 s, each further attempt
+    doubles it, never past `cap_s`."""
+    return min(cap_s, BACKOFF_BASE_S * 2**attempt) * rng.uniform(0.5, 1.0)
+
+
+class JudgeClient:
+    def __init__(self, base_url: str, token: str = "", timeout_s: float = 120.0, max_connections: int = 64,
+                 max_retries: int = 2, max_retry_wait_s: float = 60.0) -> None:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits)
+        self.max_retries = max_retries
+        self.max_retry_wait_s = max_retry_wait_s
+        self.rng = random.Random()
+
+    async def chat(self, messages: list[dict], *, model: str, max_tokens: int, temperature: float = 1.0,
+                   job: str = "", priority: str = "simulator") -> ChatResult:
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        reply = await self._post("/v1/chat/completions", body, job, priority)
+        return ChatResult(reply["choices"][0]["message"]["content"] or "", reply.get("usage", {}))
+
+    async def judge(self, rubric: str, messages: list[dict], reference: str | None = None, *, job: str = "",
+                    model: str | None = None) -> JudgeResult:
+        body = {"rubric": rubric, "messages": messages, "reference": reference, "model": model}
+        reply = await self._post("/v1/judge", body, job, "judge")
+        return JudgeResult(reply["score"], reply["criteria"], reply["verdict"], reply["raw"], reply["usage"])
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, body: dict, job: str, priority: str) -> dict:
+        headers = {"x-tandem-job": job, "x-tandem-priority": priority}
+        attempt = 0
+        while True:
+            reply = await self._try(path, body, headers)
+            if isinstance(reply, dict):
+                return reply
+            if not _retried(reply) or attempt == self.max_retries:
+                raise reply
+            wait_s = reply.retry_after_s
+            if wait_s is None:
+                wait_s = backoff_s(attempt, self.max_retry_wait_s, self.rng)
+            await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
+            attempt += 1
+
+    async def _try(self, path: str, body: dict, headers: dict) -> dict | JudgeError:
+        try:
+            response = await self.http.post(path, json=body, headers=headers)
+        except httpx.TransportError as err:
+            return JudgeError(0, f"judge proxy unreachable: {type(err).__name__}: {err}")
+        return response.json() if response.status_code == 200 else _error(response)
+
+
+def _retried(error: JudgeError) -> bool:
+    # The proxy already asked the judge twice for a readable verdict; asking again won't help.
+    return error.status in RETRIED_STATUSES and error.kind != "unparseable_verdict"
+
+
+def _error(response: httpx.Response) -> JudgeError:
+    """The proxy's `{"error": {"message", "type"}}`, or the body's text for anything else."""
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = None
+    detail = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(detail, dict):
+        detail = {"message": response.text[:500]}
+    retry_after = response.headers.get("retry-after", "")
+    retry_after_s = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
+    return JudgeError(response.status_code, detail.get("message", ""), detail.get("type", ""), retry_after_s)

@@ -1,0 +1,182 @@
+"""The shared TPM/RPM budget on a real Redis: levels, waits, reconciliation, clamping,
+pauses, leases, and replicas racing from separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import redis.asyncio as aioredis
+
+from judge_proxy.budget import CONCURRENCY_POLL_S, Budget, Limits
+from services.queues import Keys
+
+
+def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_ttl_s: float = 30.0) -> Limits:
+    return Limits(tpm, rpm, max_concurrency, lease_ttl_s)
+
+
+async def test_reservations_stop_at_the_level_and_say_how_long_the_refill_takes(redis_client):
+    budget = Budget(redis_client, "a", limits(tpm=600))  # 10 tokens a second
+
+    first = await budget.reserve(400)
+    too_big = await budget.reserve(300)
+    rest = await budget.reserve(200)
+    one_more = await budget.reserve(1)
+
+    assert first.lease is not None and rest.lease is not None
+    assert too_big.lease is None and too_big.wait_s == pytest.approx((300 - 200) / 10, abs=0.1)
+    assert one_more.lease is None and one_more.wait_s == pytest.approx(0.1, abs=0.05)
+
+
+async def test_requests_per_minute_bound_admissions_too(redis_client):
+    budget = Budget(redis_client, "a", limits(tpm=60_000, rpm=2))
+
+    admissions = [await budget.reserve(1) for _ in range(3)]
+
+    assert [a.lease is not None for a in admissions] == [True, True, False]
+    assert admissions[2].wait_s == pytest.approx(30.0, abs=0.1)
+
+
+async def test_reconciliation_refunds_an_overestimate_and_charges_an_underestimate(redis_client):
+    budget = Budget(redis_client, "a", limits(tpm=60))  # 1 token a second: refill stays under 0.1 here
+
+    lease = (await budget.reserve(50)).lease
+    level_after_refund = await budget.settle(lease, used_tokens=20)
+    lease = (await budget.reserve(40)).lease
+    level_after_charge = await budget.settle(lease, used_tokens=55)
+    waiting = await budget.reserve(1)
+    view = await budget.view()
+
+    assert level_after_refund == pytest.approx(60 - 20, abs=0.1)
+    assert level_after_charge == pytest.approx(40 - 40 - (55 - 40), abs=0.1)  # the overshoot is owed
+    assert waiting.lease is None and waiting.wait_s == pytest.approx(16.0, abs=0.2)
+    assert (view.used_tokens_total, view.used_requests_total) == (75, 2)
+
+
+async def test_a_lower_remaining_header_from_the_upstream_clamps_the_shared_level(redis_client):
+    budget = Budget(redis_client, "a", limits(tpm=60, rpm=60))
+
+    lease = (await budget.reserve(10)).lease
+    clamped = await budget.settle(lease, used_tokens=10, remaining_tokens=20, remaining_requests=5)
+    lease = (await budget.reserve(1)).lease
+    not_raised = await budget.settle(lease, used_tokens=1, remaining_tokens=59)
+    view = await budget.view()
+
+    assert clamped == pytest.approx(20, abs=0.1)
+    assert not_raised == pytest.approx(19, abs=0.1)
+    assert view.available_requests == pytest.approx(4, abs=0.1)
+
+
+async def test_an_upstream_429_pauses_every_replica_and_costs_nothing(redis_url, redis_client):
+    other_client = aioredis.from_url(redis_url)
+    replica_a = Budget(redis_client, "a", limits(tpm=600))
+    replica_b = Budget(other_client, "a", limits(tpm=600))
+
+    lease = (await replica_a.reserve(100)).lease
+    await replica_a.settle(lease, used_tokens=0, used_request=False, pause_s=0.5)
+    paused = await replica_b.reserve(1)
+    view = await replica_b.view()
+    await other_client.aclose()
+
+    assert paused.lease is None and paused.wait_s == pytest.approx(0.5, abs=0.05)
+    assert view.available_tokens == pytest.approx(600, abs=0.5)
+    assert view.available_requests == pytest.approx(6000, abs=0.5)
+    assert view.paused_for_s == pytest.approx(0.5, abs=0.05)
+
+
+async def test_the_concurrency_cap_holds_until_a_lease_is_settled_or_expires(redis_client):
+    budget = Budget(redis_client, "a", limits(tpm=60_000, max_concurrency=1, lease_ttl_s=0.2))
+
+    held = (await budget.reserve(1)).lease
+    blocked = await budget.reserve(1)
+    await budget.settle(held, used_tokens=1)
+    abandoned = (await budget.reserve(1)).lease
+    blocked_again = await budget.reserve(1)
+    await asyncio.sleep(0.25)
+    after_expiry = await budget.reserve(1)
+
+    assert blocked.lease is None and blocked.wait_s == CONCURRENCY_POLL_S
+    assert abandoned is not None and blocked_again.lease is None
+    assert after_expiry.lease is not None
+    assert (await budget.view()).inflight == 1
+
+
+RACER = """
+import asyncio, json, random, sys, time
+import redis.asyncio as aioredis
+from judge_proxy.budget import Budget, Limits
+
+async def main(url, start_at, seconds, tpm, rpm, max_concurrency, hold_s, seed):
+    client = aioredis.from_url(url)
+    budget = Budget(client, "race", Limits(tpm, rpm, max_concurrency, 30.0))
+    rng = random.Random(seed)
+    totals = {"tokens": 0, "requests": 0, "peak_inflight": 0}
+
+    async def one_caller():
+        while time.time() < start_at + seconds:
+            cost = rng.randint(5, 50)
+            admission = await budget.reserve(cost)
+            if admission.lease is None:
+                await asyncio.sleep(min(admission.wait_s, 0.005))
+                continue
+            totals["peak_inflight"] = max(totals["peak_inflight"], await client.incr("race:inflight"))
+            await asyncio.sleep(hold_s)
+            await client.decr("race:inflight")
+            await budget.settle(admission.lease, used_tokens=cost)
+            totals["tokens"] += cost
+            totals["requests"] += 1
+
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    await asyncio.gather(*(one_caller() for _ in range(8)))
+    print(json.dumps(totals))
+
+a = sys.argv
+asyncio.run(main(a[1], float(a[2]), float(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]), int(a[8])))
+"""
+
+
+async def race(redis_url: str, redis_client, *, tpm: int, rpm: int, max_concurrency: int, hold_s: float,
+               seconds: float = 1.0, replicas: int = 4) -> list[dict]:
+    """`replicas` processes with 8 callers each hammer one budget that starts empty."""
+    now_s, now_us = await redis_client.time()
+    start_at = now_s + now_us / 1e6 + 1.0  # after the processes have imported
+    await redis_client.hset(Keys.judge_budget("race"), mapping={"tokens": 0, "requests": 0, "ts": f"{start_at:.6f}"})
+    args = [str(a) for a in (start_at, seconds, tpm, rpm, max_concurrency, hold_s)]
+    processes = [subprocess.Popen([sys.executable, "-c", RACER, redis_url, *args, str(seed)],
+                                  stdout=subprocess.PIPE, text=True) for seed in range(replicas)]
+    outputs = await asyncio.gather(*(asyncio.to_thread(p.communicate, timeout=30) for p in processes))
+    assert all(p.returncode == 0 for p in processes)
+    return [json.loads(out) for out, _ in outputs]
+
+
+async def test_replicas_racing_never_admit_more_than_the_token_budget_and_use_nearly_all(redis_url, redis_client):
+    tpm, seconds = 60_000, 1.0  # 1000 tokens a second from an empty bucket
+
+    results = await race(redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0,
+                         seconds=seconds)
+
+    admitted = sum(r["tokens"] for r in results)
+    assert admitted <= tpm / 60 * (seconds + 0.05)
+    assert admitted >= 0.9 * tpm / 60 * seconds
+    assert all(r["requests"] > 0 for r in results)
+
+
+async def test_replicas_racing_never_admit_more_than_the_request_budget(redis_url, redis_client):
+    rpm, seconds = 6000, 1.0  # 100 requests a second from an empty bucket
+
+    results = await race(redis_url, redis_client, tpm=10**9, rpm=rpm, max_concurrency=1000, hold_s=0.0,
+                         seconds=seconds)
+
+    admitted = sum(r["requests"] for r in results)
+    assert 0.9 * rpm / 60 * seconds <= admitted <= rpm / 60 * (seconds + 0.05)
+
+
+async def test_replicas_racing_share_one_concurrency_cap(redis_url, redis_client):
+    results = await race(redis_url, redis_client, tpm=10**9, rpm=10**9, max_concurrency=3, hold_s=0.02,
+                         seconds=0.5)
+
+    assert max(r["peak_inflight"] for r in results) == 3
