@@ -88,14 +88,15 @@ class Worker:
                 return
 
     def _execute_and_agree(self, command: Command) -> dict:
-        result, ok = {}, True
+        result, error = {}, None
         try:
             result = self.execute(command)
-        except Exception:
+        except Exception as err:
             log.exception("rank %d: command %s failed", self.control.rank, command.kind)
-            ok = False
-        if not self.control.agree(ok):
-            raise CommandFailed(f"command {command.kind!r} failed on at least one learner rank (see logs)")
+            error = err
+        if not self.control.agree(error is None):
+            reason = f"{type(error).__name__}: {error}" if error else "see the other ranks' logs"
+            raise CommandFailed(f"command {command.kind!r} failed on rank {self.control.rank}: {reason}")
         return result
 
     def execute(self, command: Command) -> dict:

@@ -259,6 +259,9 @@ class JobRun:
         deadline = time.monotonic() + self.settings.rollout_wait_s
         while len(await self.live_servers()) < self.settings.min_rollout_servers:
             await self.check_cancel()
+            error = await self.redis.hget(Keys.job(self.job_id), "rollout_error")
+            if error:
+                raise RuntimeError(f"a rollout server cannot serve this job: {error.decode()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no rollout server joined within {self.settings.rollout_wait_s:.0f}s")
             await asyncio.sleep(0.5)

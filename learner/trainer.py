@@ -56,7 +56,7 @@ class Trainer:
         self.split = batching.karmarkar_karp
         """How sequences are split across ranks and micro-batches (round-robin in benchmarks)."""
         torch.manual_seed(spec.train.seed)
-        self.model = self.setup_model(spec.model.path)
+        self.model = self.setup_model(spec.model.local_folder())
         self.reference: torch.nn.Module | None = None
         warm = spec.warm_start
         self.optimizer, self.scheduler = self.setup_optimizer(warm.lr if warm.steps else spec.train.lr,

@@ -51,7 +51,7 @@ class Engine:
         on_gpu = torch.cuda.is_available()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         args = AsyncEngineArgs(
-            model=model.path,
+            model=model.local_folder(),
             dtype=model.dtype,
             max_model_len=model.max_model_len,
             skip_tokenizer_init=True,

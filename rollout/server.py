@@ -108,17 +108,28 @@ class RolloutServer:
             if not running:
                 await asyncio.sleep(0.5)
                 continue
-            await self.serve_job(running[0])
+            job_id = running[0]
+            try:
+                spec = await jobs.job_spec(self.redis, job_id)
+                runner, task_set = await self.prepare_job(job_id, spec)
+            except Exception as err:  # a model that does not load, an unknown task...
+                log.exception("cannot serve job %s", job_id)
+                await self.redis.hset(Keys.job(job_id), "rollout_error", f"{self.server_id}: {type(err).__name__}: {err}")
+                await self.wait_until_job_ends(job_id)  # the learner fails it; do not retry in a loop
+                continue
+            await self.serve_job(job_id, spec, runner, task_set)
 
-    async def serve_job(self, job_id: str) -> None:
-        spec = await jobs.job_spec(self.redis, job_id)
+    async def prepare_job(self, job_id: str, spec: JobSpec) -> tuple[EpisodeRunner, object]:
+        """The engine with the job's model, its tokenizer, task set and user."""
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await self.prepare_engine(spec)
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
         task_set = load_task(spec.task, spec.train.seed, judge=self.judge)
         user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
-        runner = EpisodeRunner(self.engine, chat, user, spec.rollout)
         self.judge_model = spec.reward.judge_model
+        return EpisodeRunner(self.engine, chat, user, spec.rollout), task_set
+
+    async def serve_job(self, job_id: str, spec: JobSpec, runner: EpisodeRunner, task_set) -> None:
         consumer = await StreamConsumer(
             self.redis, Keys.tasks(job_id), "rollout", self.server_id, protocol.Task,
             Keys.dead(job_id), max_deliveries=3,
@@ -126,6 +137,8 @@ class RolloutServer:
         self.job_id, self.synced_plan, self.consumer = job_id, None, consumer
         self.synced.clear()
         try:
+            # Weights and tasks run until the job leaves `jobs:running`; leaving the group by
+            # an exception cancels both (and a failure in either one propagates).
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.follow_weights(job_id, spec))
                 group.create_task(self.consume_tasks(job_id, spec, consumer, runner, task_set))

@@ -7,6 +7,7 @@ turns that into a 422 that names the field).
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -24,6 +25,13 @@ class ModelSpec(_Strict):
     path: str = Field(min_length=1, description="Local Hugging Face model folder.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int = Field(1024, ge=64, le=131072)
+
+    def local_folder(self) -> str:
+        """`path`, checked where it is used (the API may not see the same files)."""
+        if not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise FileNotFoundError(f"model.path {self.path!r} is not a model folder on this machine "
+                                    "(Tandem loads local Hugging Face folders; it downloads nothing)")
+        return self.path
 
 
 class TaskSpec(_Strict):

@@ -39,12 +39,17 @@ def inject_bad_messages(client: redis.Redis, job_id: str) -> None:
     client.xadd(Keys.trajectories(job_id), {FIELD: protocol.encode(out_of_range)})  # wrong type here
 
 
-def test_killed_rollout_server_loses_nothing_and_bad_messages_go_to_the_dead_stream(tmp_path, tiny_model):
+def test_killed_rollout_server_loses_nothing_and_bad_input_takes_nothing_down(tmp_path, tiny_model):
     env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
-           "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2"}
+           "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2",
+           "TANDEM_MIN_ROLLOUT_SERVERS": "2"}  # both servers take tasks from the start
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         client = redis.Redis.from_url(stack.redis_url)
+        broken = api.post("/v1/jobs", json=job_spec("/no/such/model")).json()["id"]
+        failed = wait_for(lambda: (r := api.get(f"/v1/jobs/{broken}").json())["status"] == "FAILED" and r,
+                          120, "the job without a model to fail", interval_s=0.5)
+        stack.check_alive()  # a job that cannot run takes no process down
         job_id = api.post("/v1/jobs", json=job_spec(str(tiny_model))).json()["id"]
         wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "RUNNING", 60, "the job to start")
         inject_bad_messages(client, job_id)
@@ -67,6 +72,7 @@ def test_killed_rollout_server_loses_nothing_and_bad_messages_go_to_the_dead_str
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         dead = client.xrange(Keys.dead(job_id))
 
+    assert "'/no/such/model' is not a model folder" in failed["error"]
     assert final["status"] == "SUCCEEDED", final.get("error")
     trained = [task_id for record in history if record["phase"] == "rl" for task_id in record["task_ids"]]
     assert len(trained) == len(set(trained)) == 8 * 4
