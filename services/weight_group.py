@@ -115,50 +115,78 @@ def broadcast(group, tensor, timeout_s: float) -> None:
     broadcast_async(group, tensor).wait(timedelta(seconds=timeout_s))
 
 
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
-    """The fixed byte ranges a bucket travels in; both sides derive them from the plan."""
-    return [(start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES)]
+def segments(bucket: Bucket) -> list[tuple[int, int, str | None]]:
+    """How a bucket travels, as (start, stop, name) byte ranges both sides derive from the
+    plan: a tensor of at least CHUNK_BYTES goes alone, straight from its own memory (`name`);
+    runs of smaller tensors go packed, in pieces of at most CHUNK_BYTES (`name` None).
+    Alignment gaps between tensors are not sent."""
+    out: list[tuple[int, int, str | None]] = []
+    run: list[int] = []  # [start, stop] of the current run of small tensors
+
+    def flush() -> None:
+        if run:
+            out.extend((a, min(a + CHUNK_BYTES, run[1]), None) for a in range(run[0], run[1], CHUNK_BYTES))
+            run.clear()
+
+    for spec in bucket.tensors:
+        if spec.nbytes >= CHUNK_BYTES:
+            flush()
+            out.append((spec.offset, spec.offset + spec.nbytes, spec.name))
+        else:
+            run[:] = [run[0] if run else spec.offset, spec.offset + spec.nbytes]
+            if run[1] - run[0] >= CHUNK_BYTES:
+                flush()
+    flush()
+    return out
 
 
 def send_buckets(group, buckets: list[Bucket], fetch, timeout_s: float, device, buffers: list) -> int:
-    """Rank 0: broadcast every bucket, each in CHUNK_BYTES pieces started as soon as they are
-    packed, so packing overlaps sending (a 512 MiB copy costs about as much as the send).
-    Two buffers alternate between buckets; `buffers` (two slots) keeps them across updates.
-    `fetch(bucket)` returns the bucket's named tensors. Returns the bytes sent."""
+    """Rank 0: broadcast every bucket segment by segment (see `segments`): large tensors
+    without a copy, small ones packed into a buffer piece by piece while earlier pieces are
+    on the wire. Two buffers alternate between buckets; `buffers` (two slots) keeps them
+    across updates. `fetch(bucket)` returns the bucket's named tensors. Returns bytes sent."""
     import torch
 
     in_flight: list[list] = [[], []]
     timeout = timedelta(seconds=timeout_s)
+    sent = 0
     for i, bucket in enumerate(buckets):
         slot = i % 2
         for work in in_flight[slot]:  # the buffer's previous bucket must be off the wire
             work.wait(timeout)
         if buffers[slot] is None or buffers[slot].numel() < bucket.nbytes:
             buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        buf = buffers[slot]
-        tensors = fetch(bucket)
-        chunks = _chunks(bucket.nbytes)
-        works, packed = [], 0
-        for spec in bucket.tensors:
-            flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-            buf[spec.offset : spec.offset + spec.nbytes].copy_(flat)
-            packed = spec.offset + spec.nbytes
-            while len(works) < len(chunks) and chunks[len(works)][1] <= packed:
-                start, stop = chunks[len(works)]
-                works.append(broadcast_async(group, buf[start:stop]))
-        for start, stop in chunks[len(works):]:  # alignment padding at the end
-            works.append(broadcast_async(group, buf[start:stop]))
-        in_flight[slot] = works
+        buf, tensors = buffers[slot], fetch(bucket)
+        small = iter([spec for spec in bucket.tensors if spec.nbytes < CHUNK_BYTES])  # offset order
+        unpacked = next(small, None)
+        works = []
+        for start, stop, name in segments(bucket):
+            if name is not None:
+                data = _as_bytes(tensors[name])
+            else:
+                while unpacked is not None and unpacked.offset < stop:  # everything this piece holds
+                    buf[unpacked.offset : unpacked.offset + unpacked.nbytes].copy_(_as_bytes(tensors[unpacked.name]))
+                    unpacked = next(small, None)
+                data = buf[start:stop]
+            works.append((broadcast_async(group, data), data))  # `data` must outlive its send
+            sent += stop - start
+        in_flight[slot] = [work for work, _ in works]
     for works in in_flight:
         for work in works:
             work.wait(timeout)
-    return sum(bucket.nbytes for bucket in buckets)
+    return sent
+
+
+def _as_bytes(tensor):
+    import torch
+
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
 def receive_buckets(group, buckets: list[Bucket], timeout_s: float, device,
                     buffers: list) -> list[tuple[str, object]]:
-    """Ranks > 0: receive every bucket chunk by chunk into `buffers` (one per bucket, kept
-    across updates); returns (name, tensor) views into them, valid until the next update."""
+    """Ranks > 0: receive every bucket segment by segment into `buffers` (one per bucket,
+    kept across updates); returns (name, tensor) views into them, valid until the next update."""
     import torch
 
     pairs = []
@@ -167,7 +195,10 @@ def receive_buckets(group, buckets: list[Bucket], timeout_s: float, device,
             buffers.append(None)
         if buffers[i] is None or buffers[i].numel() < bucket.nbytes:
             buffers[i] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        for start, stop in _chunks(bucket.nbytes):
-            broadcast(group, buffers[i][start:stop], timeout_s)
+        # All of a bucket's receives are posted at once: gloo runs them in order, and the
+        # sender's next piece does not wait for a round trip per piece.
+        works = [broadcast_async(group, buffers[i][start:stop]) for start, stop, _ in segments(bucket)]
+        for work in works:
+            work.wait(timedelta(seconds=timeout_s))
         pairs += unpack(bucket, buffers[i])
     return pairs

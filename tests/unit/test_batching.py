@@ -57,3 +57,21 @@ def test_pack_restarts_positions_at_every_sequence():
     assert tokens == [7, 8, 9, 4, 5]
     assert positions == [0, 1, 2, 0, 1]
     assert seq_ids == [0, 0, 0, 1, 1]
+
+
+def test_weight_segments_send_big_tensors_alone_and_pack_small_runs_in_chunks():
+    from services import weight_group
+    from services.weight_group import CHUNK_BYTES
+
+    small, big = CHUNK_BYTES // 8, CHUNK_BYTES * 2  # float32 bytes
+    specs = [("a", [small // 4], "float32"), ("b", [small // 4], "float32"), ("big", [big // 4], "float32")]
+    specs += [(f"s{i}", [small // 4], "float32") for i in range(10)]
+    bucket = weight_group.plan_buckets(specs, 1 << 40)[0]
+    offsets = {t.name: t.offset for t in bucket.tensors}
+
+    parts = weight_group.segments(bucket)
+
+    assert parts[0] == (0, 2 * small, None)                               # a, b packed
+    assert parts[1] == (offsets["big"], offsets["big"] + big, "big")      # straight from memory
+    run_start, run_stop = offsets["s0"], offsets["s9"] + small
+    assert parts[2:] == [(run_start, run_start + CHUNK_BYTES, None), (run_start + CHUNK_BYTES, run_stop, None)]
