@@ -5,7 +5,8 @@ on a gloo group over loopback, as in production on CPU. For each model size, thr
 to move the same bytes, each timed from the first byte to a barrier after the last:
 
   raw         one broadcast of a single flat tensor already holding every weight: the
-              transport's ceiling, the baseline of the ratios;
+              transport's ceiling, the baseline of the ratios (median over rounds of
+              raw time / method time, each round timing all three back to back);
   bucketed    Tandem's path (`services.weight_group.send_buckets/receive_buckets`): named
               tensors packed into flat buckets (512 MiB), packing overlapped with sending;
   per-tensor  one broadcast per parameter, as per-parameter weight-update loops do.
@@ -72,7 +73,8 @@ def worker(rank: int, world: int, port: int, size_bytes: int, repeats: int, buck
     per_tensor = tensors if rank == 0 else {n: torch.empty(s) for n, s in shapes}
     timings: dict[str, list[float]] = {m: [] for m in METHODS}
     for repeat in range(repeats + 1):  # the first round warms buffers up and is not counted
-        for method in METHODS:
+        shift = repeat % len(METHODS)  # rotate the order: no method always runs first
+        for method in METHODS[shift:] + METHODS[:shift]:
             group.barrier().wait()
             started = time.perf_counter()
             if method == "raw":
@@ -99,13 +101,15 @@ def measure(size_mb: int, receivers: int, repeats: int, bucket_mib: int, tmp: Pa
     mp.start_processes(worker, args=(world, port, size_mb * 10**6, repeats, bucket_mib, str(out)),
                        nprocs=world, start_method="spawn")
     result = json.loads(out.read_text())
+    seconds = result["seconds"]
     rows = {}
-    for method, seconds in result["seconds"].items():
-        median = statistics.median(seconds)
-        rows[method] = {"seconds": median, "gb_per_s": result["bytes"] / median / 1e9}
-    raw = rows["raw"]["gb_per_s"]
-    for row in rows.values():
-        row["ratio_to_raw"] = row["gb_per_s"] / raw
+    for method, times in seconds.items():
+        median = statistics.median(times)
+        # Paired: each round times every method back to back, so the ratio to the raw
+        # broadcast of the same round cancels most of the machine's noise.
+        ratios = [raw / t for raw, t in zip(seconds["raw"], times)]
+        rows[method] = {"seconds": median, "gb_per_s": result["bytes"] / median / 1e9,
+                        "ratio_to_raw": statistics.median(ratios), "rounds": times}
     return {"size_mb": size_mb, "bytes": result["bytes"], "tensors": result["tensors"],
             "buckets": result["buckets"], "methods": rows}
 
@@ -114,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--receivers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--out", default="bench/results/weight_sync.json")
     args = parser.parse_args()
@@ -122,7 +126,7 @@ def main() -> None:
     results = [measure(size, args.receivers, args.repeats, args.bucket_mib, Path(args.out).parent)
                for size in args.sizes_mb]
     print(f"\nweight sync, gloo over loopback, 1 sender -> {args.receivers} receivers, "
-          f"{os.cpu_count()} CPU cores, median of {args.repeats}")
+          f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds")
     print(f"{'size':>8} {'tensors':>8} {'method':>11} {'seconds':>9} {'GB/s':>7} {'vs raw':>7}")
     for r in results:
         for method, row in r["methods"].items():

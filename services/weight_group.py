@@ -16,6 +16,9 @@ from services.protocol import Bucket, TensorSpec
 
 ALIGN_BYTES = 64
 CHUNK_BYTES = 16 << 20
+"""Runs of small tensors are packed and sent in pieces of at most this size."""
+DIRECT_BYTES = 4 << 20
+"""A tensor at least this large is sent from its own memory (no pack copy)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
@@ -117,9 +120,9 @@ def broadcast(group, tensor, timeout_s: float) -> None:
 
 def segments(bucket: Bucket) -> list[tuple[int, int, str | None]]:
     """How a bucket travels, as (start, stop, name) byte ranges both sides derive from the
-    plan: a tensor of at least CHUNK_BYTES goes alone, straight from its own memory (`name`);
-    runs of smaller tensors go packed, in pieces of at most CHUNK_BYTES (`name` None).
-    Alignment gaps between tensors are not sent."""
+    plan: a tensor of at least DIRECT_BYTES goes alone, straight from its own memory
+    (`name`); runs of smaller tensors go packed, in pieces of at most CHUNK_BYTES (`name`
+    None). Alignment gaps between tensors are not sent."""
     out: list[tuple[int, int, str | None]] = []
     run: list[int] = []  # [start, stop] of the current run of small tensors
 
@@ -129,7 +132,7 @@ def segments(bucket: Bucket) -> list[tuple[int, int, str | None]]:
             run.clear()
 
     for spec in bucket.tensors:
-        if spec.nbytes >= CHUNK_BYTES:
+        if spec.nbytes >= DIRECT_BYTES:
             flush()
             out.append((spec.offset, spec.offset + spec.nbytes, spec.name))
         else:
@@ -157,7 +160,7 @@ def send_buckets(group, buckets: list[Bucket], fetch, timeout_s: float, device, 
         if buffers[slot] is None or buffers[slot].numel() < bucket.nbytes:
             buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         buf, tensors = buffers[slot], fetch(bucket)
-        small = iter([spec for spec in bucket.tensors if spec.nbytes < CHUNK_BYTES])  # offset order
+        small = iter([spec for spec in bucket.tensors if spec.nbytes < DIRECT_BYTES])  # offset order
         unpacked = next(small, None)
         works = []
         for start, stop, name in segments(bucket):

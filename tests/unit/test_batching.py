@@ -61,11 +61,11 @@ def test_pack_restarts_positions_at_every_sequence():
 
 def test_weight_segments_send_big_tensors_alone_and_pack_small_runs_in_chunks():
     from services import weight_group
-    from services.weight_group import CHUNK_BYTES
+    from services.weight_group import CHUNK_BYTES, DIRECT_BYTES
 
-    small, big = CHUNK_BYTES // 8, CHUNK_BYTES * 2  # float32 bytes
+    small, big = DIRECT_BYTES // 2, CHUNK_BYTES * 2  # float32 bytes
     specs = [("a", [small // 4], "float32"), ("b", [small // 4], "float32"), ("big", [big // 4], "float32")]
-    specs += [(f"s{i}", [small // 4], "float32") for i in range(10)]
+    specs += [(f"s{i}", [small // 4], "float32") for i in range(10)]  # 10 x 2 MiB: a 16 MiB piece + 4 MiB
     bucket = weight_group.plan_buckets(specs, 1 << 40)[0]
     offsets = {t.name: t.offset for t in bucket.tensors}
 
