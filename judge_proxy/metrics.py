@@ -3,7 +3,7 @@ names come from the config, priorities and kinds from fixed sets."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Summary
 
 BUDGET_TPM = Gauge("tandem_judge_budget_tokens_per_minute", "Configured token budget", ["upstream"])
 BUDGET_RPM = Gauge("tandem_judge_budget_requests_per_minute", "Configured request budget", ["upstream"])
@@ -29,11 +29,14 @@ UPSTREAM_LATENCY = Histogram(
     "tandem_judge_upstream_latency_seconds", "Duration of one upstream call", ["upstream"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
-# Negative buckets: prometheus_client then exports _bucket and _count but no _sum.
+# Negative buckets: prometheus_client then exports _bucket and _count but no _sum, so the
+# mean error comes from the summary beside it.
 RECONCILIATION_ERROR = Histogram(
     "tandem_judge_reconciliation_error_tokens", "Reserved estimate minus usage.total_tokens", ["upstream"],
     buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384),
 )
+RECONCILIATION_MEAN = Summary(
+    "tandem_judge_reconciliation_tokens", "Reserved estimate minus usage.total_tokens, for its mean", ["upstream"])
 VERDICTS = Counter(
     "tandem_judge_verdicts_total", "Judge verdicts by outcome (parsed, parsed_on_retry, unparseable)",
     ["rubric", "outcome"],

@@ -350,3 +350,4 @@ def _record_usage(upstream: str, reserved: int, actual: int) -> None:
     metrics.TOKENS.labels(upstream, "refunded").inc(max(reserved - actual, 0))
     metrics.TOKENS.labels(upstream, "charged").inc(max(actual - reserved, 0))
     metrics.RECONCILIATION_ERROR.labels(upstream).observe(reserved - actual)
+    metrics.RECONCILIATION_MEAN.labels(upstream).observe(reserved - actual)

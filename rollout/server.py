@@ -16,7 +16,7 @@ import socket
 import time
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Summary
 
 from rollout.engine import Engine
 from rollout.episode import Episode, EpisodeRunner
@@ -53,6 +53,9 @@ INFLIGHT = Gauge("tandem_rollout_inflight_tasks", "Tasks being worked on", ["job
 VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
 REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
                    buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2))
+# A histogram with a negative bucket exports no _sum (the client leaves it out, since such a
+# sum need not grow monotonically), so the mean reward comes from this summary's _sum/_count.
+REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
 
 
 class RolloutServer:
@@ -270,6 +273,7 @@ class RolloutServer:
                 reward, scored = await self.score(spec, runner, task_set, task.example, episode)
             TOKENS.labels(job_id).inc(episode.policy_tokens)
             REWARD.labels(job_id).observe(reward)
+            REWARD_TOTAL.labels(job_id).observe(reward)
             EPISODE.labels(job_id).observe(time.perf_counter() - started)
             return protocol.Sample(
                 sample_id=f"{job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,

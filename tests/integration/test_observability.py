@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import Ports, Stack
 from services.redis_embed import free_port
@@ -27,8 +28,6 @@ from helpers import wait_for
 pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards"
 METRIC = re.compile(r"\b(tandem_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
-
-
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +67,23 @@ def run_a_job(api_url: str, model: Path) -> str:
     return job_id
 
 
+# The sample names a metric type exports, for a family declared but not yet observed (a
+# labelled metric has no series until its first label set; rejections need not happen here).
+SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum"),
+            "summary": ("_count", "_sum")}
+
+
 def exported_names(stack: Stack) -> set[str]:
+    """Sample names each process exports. A family with samples counts by the samples it has
+    (a histogram with a negative bucket has no _sum, and a dashboard must not rely on one)."""
     names = set()
     for url in stack.health_urls().values():
         text = httpx.get(url.replace("/healthz", "/metrics"), timeout=10).text
-        names |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+        for family in text_string_to_metric_families(text):
+            if family.samples:
+                names |= {sample.name for sample in family.samples}
+            else:
+                names |= {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}
     return names
 
 
