@@ -34,3 +34,24 @@ class TaskSet(Protocol):
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         """Task-specific scalars for dashboards (success, asked, ...)."""
         ...
+
+
+class FixtureTask:
+    """What the tasks read from a JSONL fixture share: each example has an `opening` (the
+    user's first message), a `goal` and a `reference`; no rule-based user, so an LLM user
+    simulator plays the goal. Subclasses set `examples` and add `score` and `metrics`."""
+
+    rule_user: UserSimulator | None = None
+    examples: list
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def context(self, example: int) -> list[dict]:
+        return [{"role": "user", "content": self.examples[example].opening}]
+
+    def goal(self, example: int) -> str:
+        return self.examples[example].goal
+
+    def reference(self, example: int) -> str:
+        return self.examples[example].reference

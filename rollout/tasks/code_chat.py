@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rollout.tasks import fenced_blocks, final_reply, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.sandbox import run_tests
+from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
 
 _PYTHON_FENCES = ("python", "py", "python3", "")
@@ -35,24 +36,11 @@ def python_code(reply: str) -> str | None:
     return bodies[-1] if bodies else None
 
 
-class CodeChatTask:
+class CodeChatTask(FixtureTask):
     name = "code_chat"
-    rule_user = None
 
     def __init__(self, spec: TaskSpec) -> None:
         self.examples = [CodeExample(**row) for row in read_examples(spec, "code_chat.jsonl")]
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def context(self, example: int) -> list[dict]:
-        return [{"role": "user", "content": self.examples[example].opening}]
-
-    def goal(self, example: int) -> str:
-        return self.examples[example].goal
-
-    def reference(self, example: int) -> str:
-        return self.examples[example].reference
 
     async def score(self, example: int, messages: list[dict]) -> float:
         """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""

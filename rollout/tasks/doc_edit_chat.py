@@ -14,6 +14,7 @@ import sacrebleu
 
 from rollout.tasks import fenced_blocks, final_reply, read_examples
 from rollout.tasks.clarify import is_question
+from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
 
 
@@ -37,26 +38,16 @@ def document_bleu(hypothesis: str, reference: str) -> float:
     return sacrebleu.sentence_bleu(hypothesis, [reference]).score / 100
 
 
-class DocEditChatTask:
+class DocEditChatTask(FixtureTask):
     name = "doc_edit_chat"
-    rule_user = None
 
     def __init__(self, spec: TaskSpec) -> None:
         self.examples = [DocEditExample(**row) for row in read_examples(spec, "doc_edit_chat.jsonl")]
-
-    def __len__(self) -> int:
-        return len(self.examples)
 
     def context(self, example: int) -> list[dict]:
         ex = self.examples[example]
         # The document goes in a fence, which invites a fenced edit back.
         return [{"role": "user", "content": f"{ex.request}\n\n```\n{ex.document}\n```"}]
-
-    def goal(self, example: int) -> str:
-        return self.examples[example].goal
-
-    def reference(self, example: int) -> str:
-        return self.examples[example].reference
 
     async def score(self, example: int, messages: list[dict]) -> float:
         return document_bleu(final_document(final_reply(messages)), self.examples[example].reference)

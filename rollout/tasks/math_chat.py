@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from rollout.tasks import final_reply, read_examples
 from rollout.tasks.clarify import is_question
+from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
 
 if TYPE_CHECKING:
@@ -83,9 +84,8 @@ def is_correct(reply: str, answer: str) -> bool:
     return normalise_answer(final_answer(reply)) == normalise_answer(answer)
 
 
-class MathChatTask:
+class MathChatTask(FixtureTask):
     name = "math_chat"
-    rule_user = None
 
     def __init__(self, spec: TaskSpec, judge: Judge | None = None) -> None:
         if spec.metric == "judge" and judge is None:
@@ -93,15 +93,6 @@ class MathChatTask:
         self.examples = [MathExample(**row) for row in read_examples(spec, "math_chat.jsonl")]
         self.metric = spec.metric
         self.judge = judge
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def context(self, example: int) -> list[dict]:
-        return [{"role": "user", "content": self.examples[example].opening}]
-
-    def goal(self, example: int) -> str:
-        return self.examples[example].goal
 
     def reference(self, example: int) -> str:
         return self.examples[example].answer
