@@ -5,7 +5,7 @@ waiting, admissions go judge, judge, judge, simulator, ...); inside a class, job
 turns; inside a job, first come first served. Only the head of the queue tries to reserve,
 so a large request is never starved by smaller ones behind it. When the head does not fit,
 the queue sleeps until the budget says it should or until this process settles a call
-(which may refund tokens). A waiter past its deadline leaves with `QueueTimeout` and a
+(which may refund tokens) or the head leaves. A waiter past its deadline leaves with `QueueTimeout` and a
 `Retry-After` estimate. Each replica has its own queue; Redis keeps the replicas'
 admissions inside the shared budget.
 """
@@ -47,6 +47,11 @@ class Waiter(Generic[T]):
     """Event-loop time after which the waiter gets `QueueTimeout`."""
     try_admit: TryAdmit
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def won(future: asyncio.Future) -> bool:
+    """Whether the worker set a grant on the future (it may have, even if the waiter left)."""
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 class FairQueue:
@@ -120,13 +125,25 @@ class Admitter(Generic[T]):
             async with asyncio.timeout_at(waiter.deadline):
                 grant = await waiter.future
         except TimeoutError:
-            self.queue.discard(waiter)  # before counting what is still queued
-            raise QueueTimeout(retry_after_s(self.queued_tokens(), self.tokens_per_s)) from None
-        finally:
-            self.queue.discard(waiter)
+            self.leave(waiter)  # before counting what is still queued
+            if not won(waiter.future):
+                raise QueueTimeout(retry_after_s(self.queued_tokens(), self.tokens_per_s)) from None
+            grant = waiter.future.result()  # won in the same loop pass as the deadline: keep it
+        except asyncio.CancelledError:  # the client went away
+            self.leave(waiter)
+            if won(waiter.future):
+                await self.release(waiter.future.result())
+            raise
         waited_s = loop.time() - started
         metrics.QUEUE_WAIT.labels(priority).observe(waited_s)
         return grant, waited_s
+
+    def leave(self, waiter: Waiter) -> None:
+        """A waiter gives up; if it was the head, the worker must stop sleeping on its cost."""
+        was_head = waiter is self.queue.head()
+        self.queue.discard(waiter)
+        if was_head:
+            self.wake()
 
     def queued_tokens(self) -> int:
         return sum(w.cost_tokens for w in self.queue)

@@ -131,5 +131,48 @@ async def test_a_grant_won_for_a_waiter_that_timed_out_is_released():
     assert released == ["lease"]
 
 
+async def test_a_grant_set_as_its_client_goes_away_is_released():
+    released = []
+
+    async def release(grant) -> None:
+        released.append(grant)
+
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=release)
+    calls = 0
+
+    async def grant_on_second_try() -> tuple[str | None, float]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return None, 0.0  # the arrival's own try
+        # Runs after the worker sets the grant and before the client resumes: the client is
+        # cancelled although its future holds a grant.
+        asyncio.get_running_loop().call_soon(client.cancel)
+        return "lease", 0.0
+
+    client = asyncio.create_task(admitter.admit("a", "judge", 1, 5.0, grant_on_second_try))
+    with pytest.raises(asyncio.CancelledError):
+        await client
+
+    assert released == ["lease"]
+
+
+async def test_when_the_head_leaves_the_next_waiter_tries_at_once():
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
+
+    async def free() -> tuple[str, float]:
+        return "lease", 0.0
+
+    head = asyncio.create_task(admitter.admit("a", "judge", 5000, 0.05, never))  # fits in a minute
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+
+    grant, _ = await admitter.admit("b", "judge", 1, 3.0, free)
+
+    assert grant == "lease" and time.monotonic() - started < 0.5
+    with pytest.raises(QueueTimeout):
+        await head
+
+
 def test_retry_after_is_the_time_to_drain_the_queued_tokens_at_least_one_second():
     assert [retry_after_s(t, 100.0) for t in (0, 50, 100, 101, 1000)] == [1, 1, 1, 2, 10]
