@@ -4,9 +4,9 @@ Order: the priority classes take turns by weight (with `judge_weight` 3 and both
 waiting, admissions go judge, judge, judge, simulator, ...); inside a class, jobs take
 turns; inside a job, first come first served. Only the head of the queue tries to reserve,
 so a large request is never starved by smaller ones behind it. When the head does not fit,
-the queue sleeps until the budget says it should or until this process settles a call
-(which may refund tokens) or the head leaves. A waiter past its deadline leaves with `QueueTimeout` and a
-`Retry-After` estimate. Each replica has its own queue; Redis keeps the replicas'
+the queue sleeps until the budget says it should, until this process settles a call (which
+may refund tokens) or until the head leaves. A waiter past its deadline leaves with
+`QueueTimeout` and a `Retry-After` estimate. Each replica has its own queue; Redis keeps the replicas'
 admissions inside the shared budget.
 """
 
