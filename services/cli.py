@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,9 +69,24 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     print(f"tiny model written to {out}")
 
 
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP end the process as Ctrl-C would end `up` and `demo`: by unwinding,
+    so the stack's context manager stops the processes it started. They run in sessions of
+    their own, out of reach of the terminal's signals, and would otherwise be orphaned."""
+
+    def leave(signum, frame) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from services.launcher import Ports, Stack
 
+    exit_on_termination()
     ports = Ports(rollout=[8002 + 10 * i for i in range(args.rollout_servers)])
     with Stack(Path(args.log_dir), ports=ports, learner_ranks=args.learner_ranks) as stack:
         print(f"tandem is up: API {stack.api_url}, judge proxy {stack.judge_url}, Redis {stack.redis_url}")
@@ -86,6 +102,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from services.demo import run_demo
 
+    exit_on_termination()
     run_demo(Path(args.out), steps=args.steps)
 
 

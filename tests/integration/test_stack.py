@@ -3,7 +3,6 @@ arrive on both streams, and the job still trains every task exactly once."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 import redis
@@ -15,8 +14,6 @@ from services.queues import FIELD, Keys
 from helpers import wait_for
 
 pytestmark = pytest.mark.slow
-
-
 
 
 def job_spec(model: str) -> dict:
