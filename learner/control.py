@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +26,11 @@ from services.config import JobSpec, LearnerSettings
 from services.protocol import Sample, WeightPlan
 
 log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)
+"""How long a rank may wait for the next command. Followers idle in `broadcast` for as
+long as no job is queued, so torch's 30-minute default would kill them; a dead rank 0
+still ends the wait, since torchrun then tears down every rank."""
 
 
 class Command(msgspec.Struct, kw_only=True):
@@ -43,7 +49,7 @@ class CommandFailed(RuntimeError):
 
 class Control:
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.rank = dist.get_rank()
 
     def broadcast(self, command: Command | None) -> Command:

@@ -1,0 +1,42 @@
+"""The learner's control channel: follower ranks wait for rank 0's commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from services.redis_embed import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+c10d.default_pg_timeout = timedelta(seconds=1)  # stands in for torch's 30-minute default
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+from learner.control import Command, Control
+
+control = Control()
+if rank == 0:
+    time.sleep(3)  # no job queued: longer than the default timeout
+    control.broadcast(Command(kind="shutdown"))
+else:
+    print("got", control.broadcast(None).kind)
+dist.destroy_process_group()
+"""
+
+
+def test_a_follower_waits_for_the_next_command_longer_than_the_default_group_timeout():
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), port], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert "got shutdown" in outputs[1]
