@@ -38,11 +38,32 @@ from services.config import JudgeProxySettings
 from services.metrics import metrics_router
 
 
+class ContentPart(BaseModel):
+    """One part of a parts-list `content`; the text of `text` parts is counted against the budget."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(min_length=1)
+    text: str | None = Field(None, description="A string; required when `type` is 'text'.")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_are_well_formed(cls, content: str | list[dict[str, Any]] | None) -> str | list | None:
+        for index, part in enumerate(content if isinstance(content, list) else []):
+            try:
+                parsed = ContentPart.model_validate(part)
+            except ValidationError as err:
+                raise ValueError(f"part {index}: {describe(err)}") from None
+            if parsed.type == "text" and parsed.text is None:
+                raise ValueError(f"part {index}: a 'text' part needs a string 'text'")
+        return content
 
 
 class ChatRequest(BaseModel):
@@ -190,8 +211,12 @@ def validated(model: type[BaseModel], body: dict) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise ProxyError(400, f"invalid request: {fields}", "invalid_request_error") from None
+        raise ProxyError(400, f"invalid request: {describe(err)}", "invalid_request_error") from None
+
+
+def describe(err: ValidationError) -> str:
+    """Each error as `field.path: message`."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
 
 
 def job_of(request: Request) -> str:

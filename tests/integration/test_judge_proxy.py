@@ -142,6 +142,11 @@ async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions(make_
     (json.dumps(chat(model="gpt-nope")).encode(), 404, "unknown model 'gpt-nope'"),
     (json.dumps(chat(stream=True)).encode(), 400, "streaming is not supported"),
     (json.dumps(chat(max_tokens=10**6)).encode(), 400, "more than any upstream of 'judge' allows per minute"),
+    (json.dumps(chat([{"type": "text", "text": 123}])).encode(), 400,
+     "messages.0.content: Value error, part 0: text: Input should be a valid string"),
+    (json.dumps(chat([{"type": "text", "text": None}])).encode(), 400,
+     "messages.0.content: Value error, part 0: a 'text' part needs a string 'text'"),
+    (json.dumps(chat([{"text": "no type"}])).encode(), 400, "messages.0.content: Value error, part 0: type: Field"),
 ])
 async def test_a_bad_request_gets_400_or_404_with_a_clear_message(make_proxy, upstreams, content, status, message):
     proxy = await make_proxy(entry("a", upstreams["a"]))
