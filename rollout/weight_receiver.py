@@ -18,7 +18,7 @@ from services import protocol, weight_group
 
 class WeightReceiverExtension:
     _tandem_store = None
-    _tandem_store_address: tuple[str, int] | None = None
+    _tandem_store_key: tuple[str, int, str] | None = None
     _tandem_group = None
     _tandem_epoch: int | None = None
     _tandem_buffers: list = []
@@ -27,12 +27,12 @@ class WeightReceiverExtension:
         """Receive the update `plan_bytes` announces; returns timing and a checksum."""
         plan = protocol.decode(plan_bytes, protocol.WeightPlan)
         started = time.perf_counter()
-        group = self._tandem_join(plan, first_rank + self.rank)
         try:
+            group = self._tandem_join(plan, first_rank + self.rank)
             pairs = weight_group.receive_buckets(group, plan.buckets, plan.timeout_s, self.device,
                                                  self._tandem_buffers)
         except Exception:
-            self.tandem_leave()  # a failed collective leaves the group unusable
+            self.tandem_leave()  # a failed join or collective leaves group and store unusable
             raise
         received = time.perf_counter()
         self.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
@@ -51,16 +51,21 @@ class WeightReceiverExtension:
             return float(sum(p.double().abs().sum() for p in self.model_runner.model.parameters()))
 
     def tandem_leave(self) -> None:
+        """Forget the group and the store connection: the next plan connects afresh."""
         self._tandem_group = None
         self._tandem_epoch = None
+        self._tandem_store = None
+        self._tandem_store_key = None
 
     def _tandem_join(self, plan: protocol.WeightPlan, rank: int):
         if not self._tandem_buffers:
             self._tandem_buffers = []  # per worker, not the class-level default
-        address = (plan.store_host, plan.store_port)
-        if self._tandem_store_address != address:
-            self._tandem_store = weight_group.connect_store(*address, plan.timeout_s)
-            self._tandem_store_address = address
+        # A restarted learner may reuse the address (a fixed port) but not the session: a
+        # connection to the store it had is broken, and its epochs count from 1 again.
+        key = (plan.store_host, plan.store_port, plan.session)
+        if self._tandem_store_key != key:
+            self._tandem_store = weight_group.connect_store(plan.store_host, plan.store_port, plan.timeout_s)
+            self._tandem_store_key = key
             self._tandem_epoch = None
         if self._tandem_epoch != plan.epoch:
             self._tandem_group = weight_group.open_group(

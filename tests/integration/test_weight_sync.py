@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from learner.weight_sender import WeightSender
 from rollout.tasks import clarify
 from services import protocol
 from services.config import JobSpec, ModelSpec
+from services.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
@@ -94,3 +96,21 @@ async def test_a_new_epoch_forms_a_new_group_when_membership_changes(engine, tra
 
     assert sender.epoch == first_epoch + 1
     assert engine.version == 2
+
+
+async def test_a_learner_restarted_on_the_same_port_reaches_the_engine_again(engine, trainer, tokenizer):
+    """A fixed store port (as in docker compose): the restarted learner's store is new and
+    its epochs count from 1 again; only the session tells the receiver to reconnect."""
+    port = free_port()
+    first = WeightSender(trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1",
+                         store_port=port)
+    await broadcast(engine, first, version=1)
+    first.group = first.store = None  # the learner process ends: its group and store go
+    del first
+    gc.collect()
+
+    again = WeightSender(trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1",
+                         store_port=port)
+    received = await broadcast(engine, again, version=2)
+
+    assert again.epoch == 1 and received["version"] == engine.version == 2
