@@ -192,7 +192,7 @@ class LocalUpstream:
 
     async def answer(self, body: dict, content: str | None) -> JSONResponse:
         prompt_tokens = count_prompt_tokens(body.get("messages", []))
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.config.default_max_tokens
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         reserved = prompt_tokens + body.get("n", 1) * max_tokens
         if reserved > self.config.tpm:
             return self.error(400, f"request needs {reserved} tokens, more than the {self.config.tpm} TPM limit",

@@ -122,6 +122,15 @@ def outcome_of(status: int) -> str:
     return "server_error" if status >= 500 else "client_error"
 
 
+def pin_output_cap(body: dict, max_tokens: int) -> dict:
+    """`body` as sent upstream: the reservation holds only if the upstream cannot write more
+    than `max_tokens`, so a missing or null cap becomes `max_tokens: max_tokens` (a set
+    `max_completion_tokens` is the cap the proxy reserved, and takes precedence upstream)."""
+    if body.get("max_completion_tokens") is not None:
+        return body
+    return {**{k: v for k, v in body.items() if k != "max_completion_tokens"}, "max_tokens": max_tokens}
+
+
 def content_of(data: dict) -> str:
     try:
         return data["choices"][0]["message"]["content"] or ""
@@ -171,8 +180,7 @@ class Proxy:
         group = self.group(body["model"])
         costs = {u.name: u.cost(body["messages"], max_tokens, n) for u in group.upstreams}
         self.check_fits(group, costs)
-        # The reservation holds only if the upstream cannot write more than it: pin the limit.
-        payload = body if "max_completion_tokens" in body else {**body, "max_tokens": max_tokens}
+        payload = pin_output_cap(body, max_tokens)
         deadline = time.monotonic() + self.settings.queue_deadline_s
         attempts = Attempts()
         for attempt in range(self.settings.max_attempts):

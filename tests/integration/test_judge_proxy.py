@@ -158,6 +158,20 @@ async def test_a_bad_request_gets_400_or_404_with_a_clear_message(make_proxy, up
     assert (await upstreams["a"].stats())["requests"] == 0
 
 
+@pytest.mark.parametrize("caps", [{"max_completion_tokens": None}, {"max_tokens": None},
+                                  {"max_tokens": None, "max_completion_tokens": None}, {}])
+async def test_a_missing_or_null_output_cap_is_pinned_to_the_reserved_default(make_proxy, upstreams, caps):
+    proxy = await make_proxy(entry("a", upstreams["a"]), default_max_tokens=7)
+    await upstreams["a"].script({"content": "ok"})
+    body = {"model": "judge", "messages": [{"role": "user", "content": "hi"}], **caps}
+
+    response = await proxy.post("/v1/chat/completions", json=body)
+
+    assert response.status_code == 200
+    sent = (await upstreams["a"].requests())[-1]
+    assert sent["max_tokens"] == 7 and sent.get("max_completion_tokens") is None
+
+
 async def test_an_unknown_priority_header_is_400(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
 
