@@ -2,7 +2,7 @@
 
 A task may be admitted only while `outstanding < (eta + version + 1) * batch_size`, where
 `outstanding` counts tasks admitted minus those replaced (their group was dropped as too
-stale, or the task went to the dead stream). With eta = 0 no task is admitted before the
+stale, or the task or its group went to the dead stream). With eta = 0 no task is admitted before the
 previous batch trained: synchronous RL from the same code. The example of task t is a
 deterministic function of t (a reshuffle every pass over the dataset), so the dispatch
 state is two integers, cheap to checkpoint and exact to resume.
@@ -68,21 +68,32 @@ class Dispatcher:
         return count
 
     async def _replace_dead_tasks(self) -> None:
-        """Replace tasks this dispatcher admitted that a rollout server dead-lettered (bad
-        content, too many failed deliveries); foreign or garbage entries do not count."""
+        """Replace tasks this dispatcher admitted that will never be trained because their
+        entry went to the dead stream: the task (a rollout server found bad content or
+        too many failed deliveries) or its trajectory group (the learner could not decode
+        or validate it, or read it too often). Foreign or garbage task entries do not count."""
         entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
-        tasks_stream = Keys.tasks(self.job_id).encode()
         for entry_id, fields in entries:
             self.dead_cursor = entry_id.decode()
-            if fields.get(b"stream") == tasks_stream and self._admitted_here(fields.get(FIELD, b"")):
+            if self._lost_here(fields.get(b"stream", b""), fields.get(FIELD, b"")):
                 self.replace()
 
-    def _admitted_here(self, data: bytes) -> bool:
+    def _lost_here(self, stream: bytes, data: bytes) -> bool:
+        if stream == Keys.tasks(self.job_id).encode():
+            return self._admitted_here(data, protocol.Task)
+        if stream == Keys.trajectories(self.job_id).encode():
+            # Only rollout servers write this job's trajectories, each group for a task
+            # admitted here: an undecodable one still stands for a lost task.
+            return self._admitted_here(data, protocol.TrajectoryGroup, undecodable=True)
+        return False
+
+    def _admitted_here(self, data: bytes, kind: type[protocol.Task | protocol.TrajectoryGroup],
+                       undecodable: bool = False) -> bool:
         try:
-            task = protocol.decode(data, protocol.Task)
+            message = protocol.decode(data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-            return False
-        return task.job_id == self.job_id and 0 <= task.task_id < self.next_task_id
+            return undecodable
+        return message.job_id == self.job_id and 0 <= message.task_id < self.next_task_id
 
     def state(self) -> dict:
         return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor}

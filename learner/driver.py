@@ -176,7 +176,7 @@ class JobRun:
             await self.checkpoint()
         await self.wait_for_rollout_servers()
         await self.publish_weights()
-        backlog = await self.trajectories.read_own_pending(10_000)
+        backlog = await self.read_backlog()
         every = self.spec.train.checkpoint_every
         while self.step < self.spec.train.num_steps:
             await self.check_cancel()
@@ -317,6 +317,14 @@ class JobRun:
         if set(servers) != set(self.worker.sender.ranks):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), self.version)
             await self.publish_weights(servers, regroup=True)
+
+    async def read_backlog(self) -> list[Delivery]:
+        """Every trajectory entry an earlier run of this job read and never acknowledged, in
+        stream order: all of them, since what a capped read leaves out is never read again."""
+        consumer = self.trajectories
+        summary = await self.redis.xpending(consumer.stream, consumer.group)
+        pending = sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == consumer.consumer)
+        return await consumer.read_own_pending(pending) if pending else []
 
     async def collect_batch(self, backlog: list[Delivery]) -> tuple[list[Delivery], list[Delivery]]:
         """`batch_size` fresh groups of distinct, untrained tasks; over-stale groups are

@@ -10,7 +10,7 @@ from learner.dispatcher import Dispatcher
 from learner.driver import JobRun
 from services import protocol
 from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
-from services.queues import FIELD, Delivery, Keys
+from services.queues import FIELD, Delivery, Keys, StreamConsumer
 
 
 def spec(eta: int, batch: int = 4, steps: int = 10) -> JobSpec:
@@ -53,11 +53,11 @@ async def test_only_dead_letters_of_its_own_tasks_are_replaced(redis_client):
     assert await dispatcher.top_up(0) == 1
 
 
-def group(task_id: int, versions: list[int]) -> Delivery:
+def group(task_id: int, versions: list[int], job_id: str = "j") -> Delivery:
     sample = protocol.Sample(sample_id="s", tokens=[1] * (len(versions) + 1), mask=[0] + [1] * len(versions),
                              logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=1.0,
                              advantage=0.0, num_turns=1)
-    return Delivery(b"1-0", protocol.TrajectoryGroup(job_id="j", task_id=task_id, samples=[sample],
+    return Delivery(b"1-0", protocol.TrajectoryGroup(job_id=job_id, task_id=task_id, samples=[sample],
                                                      server_id="s", elapsed_s=0.0))
 
 
@@ -92,3 +92,35 @@ async def test_a_task_trained_before_or_already_in_the_batch_is_skipped(job_run)
     assert not await job_run.admit(group(8, [5]), {8})
     assert job_run.counts["duplicates"] == 2
     assert job_run.dispatcher.replaced == 0
+
+
+async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis_client):
+    dispatcher = Dispatcher(redis_client, "j", spec(0))
+    await dispatcher.top_up(0)
+    consumer = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
+                                    protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    await redis_client.xadd(Keys.trajectories("j"), {FIELD: b"garbage"})
+    assert await consumer.read(10) == []  # undecodable: dead-lettered by the learner's consumer
+    for task_id, job_id in ((2, "j"), (99, "j"), (1, "other")):  # e.g. over-delivered groups
+        data = protocol.encode(group(task_id, [0], job_id).message)
+        await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("j"), b"reason": b"x", FIELD: data})
+    await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("other"), b"reason": b"x",
+                                             FIELD: b"garbage"})
+
+    assert await dispatcher.top_up(0) == 2  # the garbage group and task 2's group
+    assert dispatcher.replaced == 2
+
+
+async def test_a_resumed_run_reads_back_every_entry_it_left_pending(job_run, redis_client):
+    consumer = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
+                                    protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    num_pending = 10_050
+    data = protocol.encode(group(1, [0]).message)
+    async with redis_client.pipeline(transaction=False) as pipe:
+        for _ in range(num_pending):
+            pipe.xadd(Keys.trajectories("j"), {FIELD: data})
+        await pipe.execute()
+    assert len(await consumer.read(num_pending)) == num_pending  # read, never acknowledged
+    job_run.trajectories = consumer
+
+    assert len(await job_run.read_backlog()) == num_pending
