@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import time
 import uuid
 
@@ -19,6 +20,9 @@ from services import protocol
 from services.queues import FIELD, Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}-[0-9a-f]{8}")
+"""The ids `create_job` makes: the spec's name (JobSpec.name's pattern), a dash, 8 hex digits.
+No ':' can occur, so an id never names a job's sub-key (`job:{id}:tasks`, ...)."""
 
 
 class JobStatus(str, enum.Enum):
@@ -44,11 +48,19 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") ->
     return job_id
 
 
+def is_job_id(job_id: str) -> bool:
+    return JOB_ID.fullmatch(job_id) is not None
+
+
 async def get_job(client: aioredis.Redis, job_id: str) -> dict | None:
-    raw = await client.hgetall(Keys.job(job_id))
-    if not raw:
-        return None
+    """The job's record, or None when there is none (a hash without a spec is no job)."""
+    return parse_record(await client.hgetall(Keys.job(job_id)))
+
+
+def parse_record(raw: dict[bytes, bytes]) -> dict | None:
     record = {k.decode(): v.decode() for k, v in raw.items()}
+    if "spec" not in record:
+        return None
     for key in ("created", "started", "finished"):
         if key in record:
             record[key] = float(record[key])

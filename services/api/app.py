@@ -122,7 +122,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return found
 
     async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
-        record = await jobs.get_job(request.app.state.redis, job_id)
+        record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
         if record is None:
             raise HTTPException(404, f"no job {job_id!r}")
         if record.get("tenant", "") != who:

@@ -57,6 +57,20 @@ async def test_unknown_job_is_404(api):
     assert (await api.get("/v1/jobs/nope")).status_code == 404
 
 
+@pytest.mark.parametrize("method, path", [("GET", ""), ("GET", "/history"), ("GET", "/checkpoints"),
+                                          ("GET", "/events"), ("POST", "/cancel")])
+async def test_an_id_naming_a_sub_key_or_a_record_without_a_spec_is_404(api, redis_client, method, path):
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.xadd(Keys.tasks(job_id), {"m": "x"})  # a stream: HGETALL fails WRONGTYPE
+    await redis_client.hset(Keys.weights(job_id), "version", 1)  # a hash without a spec
+    await redis_client.hset(Keys.job("t-0123abcd"), "rollout_error", "late")  # ditto, well-formed id
+
+    for bad in (f"{job_id}:tasks", f"{job_id}:weights", "t-0123abcd"):
+        response = await api.request(method, f"/v1/jobs/{bad}{path}")
+        assert response.status_code == 404, (bad, response.text)
+        assert response.json() == {"detail": f"no job {bad!r}"}
+
+
 async def test_cancelling_a_pending_job_ends_it_and_a_running_one_is_flagged(api, redis_client):
     pending = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
     assert (await api.post(f"/v1/jobs/{pending}/cancel")).json()["status"] == "CANCELLED"
