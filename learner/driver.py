@@ -202,7 +202,7 @@ class JobRun:
                 raise RuntimeError("cannot resume: tasks were dispatched but there is no checkpoint "
                                    "(train.checkpoint_every = 0?)")
             log.info("no checkpoint yet and nothing dispatched: starting job %s over", self.job_id)
-            await self.redis.delete(Keys.history(self.job_id))
+            await self.trim_history(0)
             await self.warm_start()
             self.worker.run(Command(kind="start_rl"))
             await self.checkpoint()
@@ -217,8 +217,15 @@ class JobRun:
         if last:
             last_task = protocol.decode(last[0][1][FIELD], protocol.Task).task_id
             self.dispatcher.next_task_id = max(self.dispatcher.next_task_id, last_task + 1)
-        await self.redis.ltrim(Keys.history(self.job_id), 0, meta["history_length"] - 1)
+        await self.trim_history(meta["history_length"])
         log.info("resumed job %s from %s (step %d)", self.job_id, path, self.step)
+
+    async def trim_history(self, length: int) -> None:
+        """Keep the first `length` history records: those a checkpoint covers."""
+        if length:
+            await self.redis.ltrim(Keys.history(self.job_id), 0, length - 1)
+        else:  # LTRIM 0 -1 would keep every record
+            await self.redis.delete(Keys.history(self.job_id))
 
     async def checkpoint(self) -> None:
         """Write a checkpoint (all ranks), then acknowledge what it covers. With checkpoints

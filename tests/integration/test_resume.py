@@ -17,24 +17,24 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 from safetensors.torch import load_file
 
+from learner.driver import JobRun
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
 from services import jobs, protocol
-from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
+from services.config import JobSpec, LearnerSettings, ModelSpec, RolloutSpec, TrainSpec
 from services.launcher import kill_all, process_tree
 from services.queues import Keys, StreamConsumer, publish
 from services.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
 from helpers import wait_for
-
-pytestmark = pytest.mark.slow
 
 
 class Producer(threading.Thread):
@@ -152,6 +152,7 @@ def straight_run(redis_url, tiny_model, tokenizer, tmp_path_factory):
     return run_job(redis_url, tiny_model, tokenizer, tmp_path_factory.mktemp("straight"), None)
 
 
+@pytest.mark.slow
 def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis_url, tiny_model, tokenizer,
                                                               tmp_path):
     straight, straight_tasks, _ = straight_run
@@ -164,6 +165,7 @@ def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis
     assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(straight_run, redis_url, tiny_model,
                                                                           tokenizer, tmp_path):
     """SIGKILL of every learner process: the groups of steps 4-5, trained but not covered by
@@ -175,3 +177,14 @@ def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(strai
     assert tasks == straight_tasks
     assert len(tasks) == len(set(tasks)) == 6 * 2
     assert max((straight[n] - killed[n]).abs().max().item() for n in straight) < 1e-6
+
+
+@pytest.mark.parametrize("covered", [0, 2])
+async def test_resuming_drops_the_history_records_written_after_the_checkpoint(redis_client, tmp_path, covered):
+    run = JobRun(SimpleNamespace(settings=LearnerSettings(runs_dir=str(tmp_path)), redis=redis_client, worker=None),
+                 "j", JobSpec(model=ModelSpec(path="/m")))
+    await redis_client.rpush(Keys.history("j"), "a", "b", "c")
+
+    await run.trim_history(covered)
+
+    assert await redis_client.lrange(Keys.history("j"), 0, -1) == [b"a", b"b", b"c"][:covered]
