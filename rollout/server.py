@@ -31,7 +31,7 @@ from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, publish
-from services.tokenization import ChatTokenizer
+from services.tokenization import ChatTokenizer, TokenizationMismatch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
 # A histogram with a negative bucket exports no _sum (the client leaves it out, since such a
 # sum need not grow monotonically), so the mean reward comes from this summary's _sum/_count.
 REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
+
+
+class BadTask(ValueError):
+    """A task message whose content no retry can fix; it goes to the dead-letter stream."""
 
 
 class RolloutServer:
@@ -237,14 +241,14 @@ class RolloutServer:
         started = time.perf_counter()
         try:
             if not 0 <= task.example < len(task_set):
-                raise ValueError(f"example {task.example} outside the task set (size {len(task_set)})")
+                raise BadTask(f"example {task.example} outside the task set (size {len(task_set)})")
             group = await self.rollout_group(job_id, spec, runner, task_set, task)
             group.elapsed_s = time.perf_counter() - started
             await publish(self.redis, Keys.trajectories(job_id), group)
             await consumer.ack(delivery.entry_id)
         except asyncio.CancelledError:
             raise
-        except ValueError as err:  # bad task content: no retry can fix it
+        except (BadTask, TokenizationMismatch) as err:  # bad task content: no retry can fix it
             await consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
             TASKS.labels(job_id, "dead").inc()
             return

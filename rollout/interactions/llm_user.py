@@ -57,15 +57,18 @@ def parse_user_reply(text: str) -> UserReply | None:
     a bare "response" field; None when neither is there."""
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
-        try:
-            obj = json.loads(text[start : end + 1])
+        try:  # strict=False: LLMs often put raw newlines inside strings
+            obj = json.loads(text[start : end + 1], strict=False)
         except json.JSONDecodeError:
             obj = None
         if isinstance(obj, dict) and isinstance(obj.get("response"), str):
             return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
     match = _RESPONSE_FIELD.search(text)
     if match:
-        return UserReply("", "", json.loads(f'"{match.group(1)}"'))
+        try:
+            return UserReply("", "", json.loads(f'"{match.group(1)}"', strict=False))
+        except json.JSONDecodeError:  # e.g. an invalid escape such as C:\Users: the raw text will do
+            return UserReply("", "", match.group(1))
     return None
 
 

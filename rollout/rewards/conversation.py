@@ -2,8 +2,9 @@
 
 R* = extrinsic_weight * R_ext - min(lambda * policy_tokens, 1) + judge_weight * R_llm, where
 policy_tokens counts every token the policy generated in the scored conversation.
-The format filter runs first: a truncated or empty reply gets `INVALID_REWARD` and no
-judge call is made.
+The format filter runs first: a truncated or empty reply gets the lowest reward R* can
+take (`minimum_reward`) and no judge call is made, so cutting a reply short never escapes
+the token penalty.
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ from rollout.episode import Episode
 from rollout.tasks.base import TaskSet
 from services.config import RewardSpec
 
-INVALID_REWARD = 0.0
 Judge = Callable[[str, list[dict], str | None], Awaitable[float]]
 """(rubric, messages, reference) -> score in [0, 1]: the judge proxy's /v1/judge."""
+
+
+def minimum_reward(spec: RewardSpec) -> float:
+    """The lowest R* can be: R_ext and R_llm at 0 (their weights are not negative) and the
+    token penalty at its cap of 1."""
+    return -1.0 if spec.token_penalty > 0 else 0.0
 
 
 async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
                               judge: Judge | None = None) -> float:
     if not episode.well_formed():
-        return INVALID_REWARD
+        return minimum_reward(spec)
     reward = spec.extrinsic_weight * await task.score(example, episode.messages) if spec.extrinsic_weight else 0.0
     reward -= min(spec.token_penalty * episode.policy_tokens, 1.0)
     if spec.judge_rubric and spec.judge_weight:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from rollout.episode import Episode, EpisodeRunner
-from rollout.rewards.conversation import INVALID_REWARD, Judge, conversation_reward
+from rollout.rewards.conversation import Judge, conversation_reward, minimum_reward
 from rollout.tasks.base import TaskSet
 from services.config import RewardSpec
 
@@ -36,6 +36,6 @@ async def score_response(runner: EpisodeRunner, episode: Episode, task: TaskSet,
                          spec: RewardSpec, judge: Judge | None = None) -> tuple[float, list[Episode]]:
     """MR of the response that ends `episode`, with the futures it was computed from."""
     if not episode.well_formed():
-        return INVALID_REWARD, []
+        return minimum_reward(spec), []
     futures = await sample_futures(runner, episode, example, spec)
     return await multiturn_reward(futures, task, example, spec, judge), futures

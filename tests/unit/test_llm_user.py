@@ -13,6 +13,8 @@ from services.judge_client import ChatResult
     ('```json\n{"current_answer": "x", "thought": "t", "response": "shorter please"}\n```', "shorter please"),
     ('Sure! {"thought": "t", "response": "ok \\"quoted\\""} hope that helps', 'ok "quoted"'),
     ('{"thought": "unterminated", "response": "still here", ', "still here"),  # broken JSON, field survives
+    ('{"thought": "t", "response": "two\nlines"}', "two\nlines"),  # a raw newline inside the string
+    ('{"thought": "t", "response": "see C:\\Users\\me", ', "see C:\\Users\\me"),  # a bad escape, truncated
 ])
 def test_replies_are_parsed_leniently(text, response):
     assert parse_user_reply(text).response == response

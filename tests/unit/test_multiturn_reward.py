@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.episode import Episode
-from rollout.rewards.conversation import INVALID_REWARD, conversation_reward
+from rollout.rewards.conversation import conversation_reward
 from rollout.rewards.multiturn import multiturn_reward, score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify_task import ClarifyTask
@@ -61,11 +61,15 @@ async def test_a_malformed_response_gets_the_minimum_without_simulation_or_judge
     truncated = conversation("Which fruit do you", policy_tokens=48, end="truncated")
     empty = conversation("   ", policy_tokens=1)
     spec = RewardSpec(mode="multiturn", judge_rubric="interactivity")
+    penalised = RewardSpec(mode="multiturn", judge_rubric="interactivity", token_penalty=5e-4)
 
     for episode in (truncated, empty):
         reward, futures = await score_response(None, episode, TASK, EXAMPLE, spec, judge)  # runner unused
-        assert (reward, futures) == (INVALID_REWARD, [])
-    assert await conversation_reward(TASK, EXAMPLE, truncated, spec, judge) == INVALID_REWARD
+        assert (reward, futures) == (0.0, [])
+        # With a token penalty R* can reach -1 (a long failed conversation); so does a cut-off reply.
+        assert (await score_response(None, episode, TASK, EXAMPLE, penalised, judge))[0] == -1.0
+    assert await conversation_reward(TASK, EXAMPLE, truncated, spec, judge) == 0.0
+    assert await conversation_reward(TASK, EXAMPLE, truncated, penalised, judge) == -1.0
     assert judge.calls == []
 
 
