@@ -8,6 +8,7 @@ the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into t
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import re
 import time
@@ -71,8 +72,25 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
     return record
 
 
-async def list_job_ids(client: aioredis.Redis, limit: int = 100) -> list[str]:
-    return [i.decode() for i in await client.zrevrange(Keys.jobs_index, 0, limit - 1)]
+LIST_PAGE = 200
+"""Index entries read per round trip when listing one tenant's jobs."""
+
+
+async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dict]:
+    """The tenant's newest `limit` job records, newest first. Pages down the index (one
+    pipeline of reads per page) until `limit` are found or it ends, so other tenants' newer
+    jobs do not hide older ones; an id read twice (a job created meanwhile shifts the pages)
+    keeps its first place."""
+    found: dict[str, dict] = {}
+    for start in itertools.count(0, LIST_PAGE):
+        ids = [i.decode() for i in await client.zrevrange(Keys.jobs_index, start, start + LIST_PAGE - 1)]
+        async with client.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(Keys.job(job_id))
+            records = [parse_record(raw) for raw in await pipe.execute()]
+        found.update((r["id"], r) for r in records if r and r.get("tenant", "") == tenant)
+        if len(found) >= limit or len(ids) < LIST_PAGE:
+            return list(found.values())[:limit]
 
 
 async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:

@@ -138,9 +138,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
     async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
                         who: str = Depends(tenant)) -> list[JobView]:
-        client = request.app.state.redis
-        records = [await jobs.get_job(client, i) for i in await jobs.list_job_ids(client, limit)]
-        return [JobView(**r) for r in records if r and r.get("tenant", "") == who]
+        return [JobView(**r) for r in await jobs.list_jobs(request.app.state.redis, who, limit)]
 
     @app.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
     async def get(record: dict = Depends(owned)) -> JobView:

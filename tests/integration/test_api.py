@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services import jobs
 from services.api.app import create_app
 from services.config import ApiSettings
 from services.queues import Keys
@@ -112,6 +113,23 @@ async def test_a_tenant_sees_and_controls_only_its_own_jobs(secured):
     assert (await secured.post(f"/v1/jobs/{alpha}/cancel", headers=bearer("beta-token-9876543210"))).status_code == 403
     assert (await secured.get("/v1/jobs", headers=bearer("beta-token-9876543210"))).json() == []
     assert [j["id"] for j in (await secured.get("/v1/jobs", headers=bearer("alpha-token-0123456789"))).json()] == [alpha]
+
+
+@pytest.mark.parametrize("page", [2, jobs.LIST_PAGE])
+async def test_a_tenant_lists_its_newest_jobs_however_many_newer_jobs_others_have(secured, monkeypatch, page):
+    monkeypatch.setattr(jobs, "LIST_PAGE", page)
+    alpha, beta = bearer("alpha-token-0123456789"), bearer("beta-token-9876543210")
+    submitted = {"alpha": [], "beta": []}
+    for who, headers in [("alpha", alpha), ("beta", beta), ("beta", beta), ("alpha", alpha)] + [("beta", beta)] * 5:
+        submitted[who].append((await secured.post("/v1/jobs", json=SPEC, headers=headers)).json()["id"])
+
+    async def ids(headers: dict, limit: int) -> list[str]:
+        return [j["id"] for j in (await secured.get(f"/v1/jobs?limit={limit}", headers=headers)).json()]
+
+    assert await ids(alpha, 1) == submitted["alpha"][::-1][:1]
+    assert await ids(alpha, 2) == await ids(alpha, 100) == submitted["alpha"][::-1]
+    assert await ids(beta, 3) == submitted["beta"][::-1][:3]
+    assert await ids(beta, 7) == submitted["beta"][::-1]
 
 
 async def test_tokens_never_reach_the_logs(secured, caplog):
