@@ -18,6 +18,7 @@ import time
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram, Summary
 
+from rollout.concurrent import gather_all
 from rollout.engine import Engine
 from rollout.episode import Episode, EpisodeRunner
 from rollout.interactions.llm_user import LLMUser
@@ -285,7 +286,7 @@ class RolloutServer:
                 num_turns=episode.num_turns, metrics=sample_metrics(task_set, task.example, episode, scored),
             )
 
-        samples = await asyncio.gather(*(one(i) for i in range(task.group_size)))
+        samples = await gather_all(*(one(i) for i in range(task.group_size)))
         advantages = group_advantages([s.reward for s in samples], spec.reward.scale_advantage_by_std)
         for sample, advantage in zip(samples, advantages):
             sample.advantage = advantage

@@ -9,8 +9,7 @@ format filter rejects gets the minimum reward before any simulation or judge cal
 
 from __future__ import annotations
 
-import asyncio
-
+from rollout.concurrent import gather_all
 from rollout.episode import Episode, EpisodeRunner
 from rollout.rewards.conversation import Judge, conversation_reward, minimum_reward
 from rollout.tasks.base import TaskSet
@@ -22,13 +21,13 @@ async def sample_futures(runner: EpisodeRunner, episode: Episode, example: int, 
     if spec.window == 0:
         return [episode]
     forks = [runner.extend(episode.fork(), example, spec.window, trained=False) for _ in range(spec.num_futures)]
-    return list(await asyncio.gather(*forks))
+    return await gather_all(*forks)
 
 
 async def multiturn_reward(futures: list[Episode], task: TaskSet, example: int, spec: RewardSpec,
                            judge: Judge | None = None) -> float:
     """Mean R* over the sampled futures (concurrently: judge calls overlap)."""
-    rewards = await asyncio.gather(*(conversation_reward(task, example, f, spec, judge) for f in futures))
+    rewards = await gather_all(*(conversation_reward(task, example, f, spec, judge) for f in futures))
     return sum(rewards) / len(rewards)
 
 
