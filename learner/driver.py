@@ -356,14 +356,21 @@ class JobRun:
 
     async def admit(self, delivery: Delivery, seen: set[int]) -> bool:
         """Whether a group may join the batch. Rejected: a task already trained (a rollout
-        server died after writing it), over-stale groups and groups from versions newer than
-        ours (sampled by weights a crashed learner published and this one never had)."""
+        server died after writing it), malformed groups (dead-lettered), over-stale groups
+        and groups from versions newer than ours (sampled by weights a crashed learner
+        published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
             DUPLICATES.labels(self.job_id).inc()
             await self.settle(delivery.entry_id)
             return False
+        problem = invalid_reason(group, self.spec.train.max_tokens_per_rank)
+        if problem:
+            # Refused here, on rank 0, for all ranks: in a step it would fail on some ranks
+            # only and leave the others blocked in a collective.
+            await self.trajectories.dead_letter(delivery.entry_id, protocol.encode(group), problem)
+            return False  # the dispatcher replaces its task when it reads the dead stream
         oldest = group.min_version()
         staleness = self.version - (self.version if oldest is None else oldest)
         if staleness > self.spec.train.max_staleness or group.max_version() > self.version:
@@ -453,6 +460,23 @@ class JobRun:
     async def check_cancel(self) -> None:
         if await jobs.cancel_requested(self.redis, self.job_id):
             raise JobCancelled()
+
+
+def invalid_reason(group: protocol.TrajectoryGroup, max_tokens_per_rank: int) -> str:
+    """Why the trainer could not train `group` ("" if it can): no samples, a sample without
+    tokens, per-token fields of different lengths, or a sequence longer than a rank takes."""
+    if not group.samples:
+        return "the group has no samples"
+    for sample in group.samples:
+        lengths = {field: len(getattr(sample, field)) for field in ("tokens", "mask", "logprobs", "versions")}
+        if len(set(lengths.values())) > 1:
+            return f"sample {sample.sample_id}: per-token fields differ in length {lengths}"
+        if not sample.tokens:
+            return f"sample {sample.sample_id} has no tokens"
+        if len(sample.tokens) > max_tokens_per_rank:
+            return (f"sample {sample.sample_id}: {len(sample.tokens)} tokens exceed "
+                    f"train.max_tokens_per_rank={max_tokens_per_rank}")
+    return ""
 
 
 def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:

@@ -124,3 +124,16 @@ async def test_a_resumed_run_reads_back_every_entry_it_left_pending(job_run, red
     job_run.trajectories = consumer
 
     assert len(await job_run.read_backlog()) == num_pending
+
+
+async def test_a_malformed_group_is_dead_lettered_with_the_reason_and_its_task_replaced(job_run, redis_client):
+    await job_run.dispatcher.top_up(job_run.version)
+    job_run.trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
+                                                protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    bad = group(2, [5, 5])
+    bad.message.samples[0].logprobs.pop()
+
+    assert not await job_run.admit(bad, set())
+    [(_, fields)] = await redis_client.xrange(Keys.dead("j"))
+    assert b"differ in length" in fields[b"reason"]
+    assert await job_run.dispatcher.top_up(job_run.version) == 1
