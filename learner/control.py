@@ -9,6 +9,7 @@ instead of leaving the others blocked in a collective.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from datetime import timedelta
@@ -135,5 +136,10 @@ class Worker:
                 return {}
             case "end" | "shutdown":
                 self.trainer = self.sender = None
+                # The model sits in reference cycles (FSDP hooks): free it before the next
+                # job loads its own, and hand its cached blocks back to the device.
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 return {}
         raise ValueError(f"unknown command {command.kind}")

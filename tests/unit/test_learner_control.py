@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
+import torch
+
+from learner.control import Command, Worker
+from services.config import LearnerSettings
 from services.redis_embed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,3 +46,24 @@ def test_a_follower_waits_for_the_next_command_longer_than_the_default_group_tim
     outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "got shutdown" in outputs[1]
+
+
+class Model:
+    def __init__(self) -> None:
+        self.hooks = [self]  # a reference cycle, as FSDP's hooks make one
+
+
+def test_ending_a_job_frees_its_model_and_the_device_cache(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    worker = Worker(LearnerSettings(), torch.device("cpu"), control=None)
+    worker.trainer = Model()
+    model = weakref.ref(worker.trainer)
+    gc.disable()
+    try:
+        worker.execute(Command(kind="end"))
+        assert model() is None
+    finally:
+        gc.enable()
+    assert emptied == [True]
