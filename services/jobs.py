@@ -97,19 +97,50 @@ async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
     return JobSpec.model_validate_json(await client.hget(Keys.job(job_id), "spec"))
 
 
-async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "") -> None:
-    fields: dict = {"status": status.value}
-    async with client.pipeline(transaction=True) as pipe:
-        if status == JobStatus.RUNNING:
-            fields["started"] = time.time()
-            pipe.sadd(Keys.jobs_running, job_id)
-        if status.value in TERMINAL:
-            fields["finished"] = time.time()
-            pipe.srem(Keys.jobs_running, job_id)
-        if error:
-            fields["error"] = error[:4000]
-        pipe.hset(Keys.job(job_id), mapping=fields)
-        await pipe.execute()
+# Status changes are compare-and-set in Redis: a job that has ended (or has no record) never
+# changes again, so the learner's claim (PENDING -> RUNNING) and a cancel cannot both win.
+_ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"
+SET_STATUS_LUA = _ENDED + """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current or ended[current] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+if ARGV[1] == 'RUNNING' then
+  redis.call('HSET', KEYS[1], 'started', ARGV[2])
+  redis.call('SADD', KEYS[2], ARGV[4])
+elseif ended[ARGV[1]] then
+  redis.call('HSET', KEYS[1], 'finished', ARGV[2])
+  redis.call('SREM', KEYS[2], ARGV[4])
+end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
+return 1
+"""
+CANCEL_LUA = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current == 'PENDING' then
+  redis.call('HSET', KEYS[1], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
+  return 'CANCELLED'
+elseif current == 'RUNNING' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', 1)
+end
+return current
+"""
+
+
+async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "") -> bool:
+    """Move the job to `status` (RUNNING joins `jobs:running`, an end leaves it) unless it
+    has already ended; True when it moved. A learner whose claim lost to a cancel finds the
+    job CANCELLED with `cancel_requested` set, so it stops at its first cancel check."""
+    moved = await client.register_script(SET_STATUS_LUA)(
+        keys=[Keys.job(job_id), Keys.jobs_running], args=[status.value, time.time(), error[:4000], job_id])
+    return moved == 1
+
+
+async def cancel(client: aioredis.Redis, job_id: str) -> str | None:
+    """Cancel atomically against the learner's claim: a PENDING job ends CANCELLED, a RUNNING
+    one gets `cancel_requested` (the learner ends it CANCELLED at its next check), an ended
+    one is left alone. Returns the status it leaves (None without a record)."""
+    status = await client.register_script(CANCEL_LUA)(keys=[Keys.job(job_id)], args=[time.time()])
+    return status.decode() if status else None
 
 
 async def record_progress(client: aioredis.Redis, job_id: str, step: int, version: int,
@@ -117,10 +148,6 @@ async def record_progress(client: aioredis.Redis, job_id: str, step: int, versio
     await client.hset(Keys.job(job_id), mapping={
         "step": step, "version": version, "metrics": json.dumps(metrics), "updated": time.time(),
     })
-
-
-async def request_cancel(client: aioredis.Redis, job_id: str) -> None:
-    await client.hset(Keys.job(job_id), "cancel_requested", 1)
 
 
 async def cancel_requested(client: aioredis.Redis, job_id: str) -> bool:

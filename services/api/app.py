@@ -156,11 +156,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
     async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
+        """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
+        CANCELLED at its next step); an ended one is left as it is."""
         client = request.app.state.redis
-        if record["status"] == jobs.JobStatus.PENDING.value:
-            await jobs.set_status(client, record["id"], jobs.JobStatus.CANCELLED)
-        elif record["status"] == jobs.JobStatus.RUNNING.value:
-            await jobs.request_cancel(client, record["id"])
+        await jobs.cancel(client, record["id"])
         return JobView(**await jobs.get_job(client, record["id"]))
 
     @app.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
