@@ -47,10 +47,17 @@ def _state(trainer: Trainer) -> dict:
 
 
 def save(trainer: Trainer, path: Path, meta: dict) -> None:
-    """All ranks: write the shards and RNG; rank 0 then writes meta.json atomically."""
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(trainer), checkpoint_id=str(path))
-    save_file({"cpu": torch.get_rng_state()}, path / f"rng-{trainer.rank}.safetensors")
+    """All ranks: write the shards and RNG; rank 0 then writes meta.json atomically.
+
+    A checkpoint already complete at this step (a stop right after a scheduled checkpoint)
+    holds exactly the current state, since only a training step changes it: only its meta
+    is replaced. Rewriting its shards in place, a kill could leave them torn under the old
+    meta.json; removing that first would make a kill fall back to an older checkpoint
+    whose trained groups this one has already acknowledged."""
+    if not (path / META).exists():
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save(_state(trainer), checkpoint_id=str(path))
+        save_file({"cpu": torch.get_rng_state()}, path / f"rng-{trainer.rank}.safetensors")
     dist.barrier()
     if trainer.rank == 0:
         meta = meta | {"scheduler": trainer.scheduler.state_dict()}
