@@ -22,6 +22,9 @@ from services.protocol import Sample
 
 log = logging.getLogger(__name__)
 
+MAXIMA = frozenset({"is_weight_max"})
+"""Metrics that are maxima over tokens: they combine by max, across ranks and minibatches."""
+
 
 @dataclass
 class MicroBatch:
@@ -163,7 +166,8 @@ class Trainer:
 
     def rl_step(self, samples: list[Sample]) -> dict[str, float]:
         """Decoupled PPO on one batch: proximal logprobs first, then `num_minibatches`
-        optimizer steps. Returns metrics averaged over trained tokens (all ranks)."""
+        optimizer steps. Returns metrics averaged over trained tokens (all ranks), maxima
+        as maxima."""
         chunks = _split(len(samples), self.spec.train.num_minibatches)
         plans = [[samples[i] for i in chunk] for chunk in chunks]
         with torch.no_grad():
@@ -175,12 +179,8 @@ class Trainer:
         self.model.reshard()
         if self.reference is not None:
             self.reference.reshard()
-        totals: dict[str, float] = {}
-        for k, plan in enumerate(plans):
-            stats = self._rl_minibatch(plan, prox[k], ref[k] if ref else None)
-            for name, value in stats.items():
-                totals[name] = totals.get(name, 0.0) + value / len(plans)
-        return totals
+        return merge_minibatches([self._rl_minibatch(plan, prox[k], ref[k] if ref else None)
+                                  for k, plan in enumerate(plans)])
 
     def _rl_minibatch(self, samples: list[Sample], prox: list[torch.Tensor],
                       ref: list[torch.Tensor] | None) -> dict[str, float]:
@@ -280,6 +280,12 @@ class Trainer:
             generation = Path(self.spec.model.path) / "generation_config.json"
             if generation.exists():
                 (Path(out_dir) / generation.name).write_text(generation.read_text())
+
+
+def merge_minibatches(stats: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its minibatches': the mean of each, the max of maxima."""
+    return {name: max(s[name] for s in stats) if name in MAXIMA else sum(s[name] for s in stats) / len(stats)
+            for name in stats[0]}
 
 
 def _split(n: int, parts: int) -> list[list[int]]:
