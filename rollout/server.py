@@ -16,6 +16,8 @@ import socket
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from prometheus_client import Counter, Gauge, Histogram, Summary
 
 from rollout.concurrent import gather_all
@@ -87,10 +89,20 @@ class RolloutServer:
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
         log.info("rollout server %s up: %s", self.server_id, self.settings.model_dump())
+        backoff_s = 1.0
         try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self.heartbeat())
-                group.create_task(self.serve_jobs())
+            while True:
+                started = time.monotonic()
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        group.create_task(self.heartbeat())
+                        group.create_task(self.serve_jobs())
+                except* (RedisConnectionError, RedisTimeoutError) as errors:
+                    # Redis restarting or a network blip: keep the loaded engine, start over
+                    # (the job's pending tasks wait in Redis; the learner regroups weights).
+                    backoff_s = 1.0 if time.monotonic() - started > 60 else min(2 * backoff_s, 30.0)
+                    log.warning("Redis unreachable (%s); serving again in %.0f s", errors.exceptions[0], backoff_s)
+                    await asyncio.sleep(backoff_s)
         finally:
             await self.redis.hdel(Keys.rollout_servers, self.server_id)
             await self.judge_client.aclose()
