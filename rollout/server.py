@@ -88,7 +88,7 @@ class RolloutServer:
 
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
-        log.info("rollout server %s up: %s", self.server_id, self.settings.model_dump())
+        log.info("rollout server %s up: %s", self.server_id, self.settings.loggable())
         backoff_s = 1.0
         try:
             while True:

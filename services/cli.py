@@ -27,7 +27,7 @@ def cmd_api(args: argparse.Namespace) -> None:
 
     settings = ApiSettings()
     setup_logging(settings.log_level, "api")
-    log.info("settings: %s", settings.model_dump(exclude={"tokens"}))
+    log.info("settings: %s", settings.loggable())
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 
@@ -40,7 +40,7 @@ def cmd_judge_proxy(args: argparse.Namespace) -> None:
 
     settings = JudgeProxySettings()
     setup_logging(settings.log_level, "judge-proxy")
-    log.info("settings: %s", settings.model_dump(exclude={"client_tokens"}))
+    log.info("settings: %s", settings.loggable())
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 

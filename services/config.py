@@ -8,7 +8,8 @@ turns that into a 422 that names the field).
 from __future__ import annotations
 
 import os
-from typing import Literal
+import re
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -134,6 +135,16 @@ class _ProcessSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     log_level: str = "INFO"
+
+    SECRETS: ClassVar[frozenset[str]] = frozenset({"tokens", "client_tokens", "judge_token"})
+
+    def loggable(self) -> dict:
+        """The settings with secrets masked: bearer tokens, and a password in the Redis URL."""
+        shown = self.model_dump()
+        for name in self.SECRETS & shown.keys():
+            shown[name] = "***" if shown[name] else ""
+        shown["redis_url"] = re.sub(r"//([^@/]*)@", "//***@", self.redis_url)
+        return shown
 
 
 class ApiSettings(_ProcessSettings):
