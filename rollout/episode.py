@@ -80,7 +80,9 @@ class EpisodeRunner:
         text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         episode.messages.append({"role": "assistant", "content": text})
         episode.num_turns += 1
-        if gen.finish_reason != "stop":
+        # vLLM also stops on the model's other EOS ids (generation_config); a turn that does
+        # not end in the chat template's end-of-turn token cannot be continued: malformed.
+        if gen.finish_reason != "stop" or not gen.tokens or gen.tokens[-1] != self.chat.eot_id:
             episode.end = "truncated"
             return False
         return True
