@@ -119,10 +119,12 @@ class Driver:
                                   "the learner restarted during this job; start it with --resume to continue "
                                   "from the last checkpoint")
             return
+        if not await jobs.set_status(self.redis, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
+            log.info("job %s was cancelled before it started", job_id)
+            return
         log.info("%s job %s: %s", "resuming" if resuming else "running", job_id, spec.model_dump_json())
         self.current_job = job_id
         status, error = jobs.JobStatus.SUCCEEDED, ""
-        await jobs.set_status(self.redis, job_id, jobs.JobStatus.RUNNING)
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
             await JobRun(self, job_id, spec).run(resuming)

@@ -137,3 +137,27 @@ async def test_a_malformed_group_is_dead_lettered_with_the_reason_and_its_task_r
     [(_, fields)] = await redis_client.xrange(Keys.dead("j"))
     assert b"differ in length" in fields[b"reason"]
     assert await job_run.dispatcher.top_up(job_run.version) == 1
+
+
+async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(redis_client, redis_url, monkeypatch,
+                                                                               tmp_path):
+    from learner.driver import Driver
+    from services import jobs
+
+    job_id = await jobs.create_job(redis_client, spec(0))
+    read = jobs.get_job
+
+    async def read_then_cancel(client, job):  # the API's cancel lands right after the learner's read
+        record = await read(client, job)
+        assert await jobs.cancel(redis_client, job) == "CANCELLED"
+        return record
+
+    monkeypatch.setattr(jobs, "get_job", read_then_cancel)
+    commands = []
+    driver = Driver(LearnerSettings(redis_url=redis_url, runs_dir=str(tmp_path)), SimpleNamespace(run=commands.append))
+
+    await driver.run_job(job_id)
+
+    assert commands == []  # no model loaded, no warm start
+    assert (await read(redis_client, job_id))["status"] == "CANCELLED"
+    assert not await redis_client.sismember(Keys.jobs_running, job_id)
