@@ -114,7 +114,10 @@ class Engine:
             results = await self.llm.collective_rpc(
                 "tandem_receive", timeout=timeout, args=(plan_bytes, first_rank)
             )
-            await self.llm.reset_prefix_cache()
+            # Kept requests hold KV computed by the old weights: preempting them makes the
+            # engine recompute it with the new ones (the prefix cache cannot be reset while
+            # any request holds blocks, and vLLM then only warns).
+            await self.llm.reset_prefix_cache(reset_running_requests=pause_mode == "keep")
             self.version = plan.version
             return results[0]
         finally:

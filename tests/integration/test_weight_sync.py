@@ -114,3 +114,22 @@ async def test_a_learner_restarted_on_the_same_port_reaches_the_engine_again(eng
     received = await broadcast(engine, again, version=2)
 
     assert again.epoch == 1 and received["version"] == engine.version == 2
+
+
+async def test_keep_mode_continues_a_generation_on_the_new_weights(engine, trainer, tokenizer, tiny_model):
+    """A request kept across an update goes on with the new weights (its KV recomputed):
+    its tokens after the update score as the learner scores them."""
+    await engine.reload_from_disk(str(tiny_model))
+    prompt = ChatTokenizer(tokenizer).prompt([{"role": "user", "content": "I want a fruit."}])
+    sender = WeightSender(trainer, "job-sync-5", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1", store_port=0)
+    generating = asyncio.create_task(engine.generate(prompt, 400, 1.0, []))  # no stop: runs its length
+    await asyncio.sleep(0.3)
+    plan = sender.plan(7, ["server-a"])
+    await asyncio.gather(asyncio.to_thread(sender.send, plan),
+                         engine.update_weights(plan, protocol.encode(plan), plan.ranks["server-a"], "keep"))
+    generation = await generating
+
+    assert generation.versions[0] == 0 and generation.versions[-1] == 7, "the update must land mid-generation"
+    first_new = generation.versions.index(7)
+    learner = learner_logprobs(trainer, prompt + generation.tokens)[len(prompt):]
+    assert max(abs(a - b) for a, b in zip(generation.logprobs[first_new:], learner[first_new:])) < 1e-4
