@@ -179,13 +179,26 @@ async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(allowed))})
 
 
+async def new_history(client: aioredis.Redis, job_id: str, sent: list[bytes]) -> list[bytes]:
+    """History records not in `sent` yet (appended to it). A resumed learner trims the records
+    after its checkpoint and writes those steps again: they are sent again, from where the
+    list parts from what was sent."""
+    key = Keys.history(job_id)
+    if sent and await client.lindex(key, len(sent) - 1) != sent[-1]:
+        current = await client.lrange(key, 0, -1)
+        same = next((i for i, (a, b) in enumerate(zip(sent, current)) if a != b), min(len(sent), len(current)))
+        del sent[same:]
+    new = await client.lrange(key, len(sent), -1)
+    sent += new
+    return new
+
+
 async def job_events(client: aioredis.Redis, job_id: str):
     """The event stream of one job (polls Redis; ends after the terminal status)."""
-    status, sent, idle = None, 0, 0.0
+    status, sent, idle = None, [], 0.0
     while True:
         record = await jobs.get_job(client, job_id)
-        for raw in await client.lrange(Keys.history(job_id), sent, -1):
-            sent += 1
+        for raw in await new_history(client, job_id, sent):
             yield f"event: step\ndata: {raw.decode()}\n\n"
             idle = 0.0
         if record["status"] != status:

@@ -166,3 +166,28 @@ async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
     job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
     await redis_client.rpush(Keys.checkpoints(job_id), json.dumps({"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}))
     assert (await api.get(f"/v1/jobs/{job_id}/checkpoints")).json() == [{"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}]
+
+
+async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_client, monkeypatch):
+    import asyncio
+    import json
+
+    from services.api import app as api_app
+
+    monkeypatch.setattr(api_app, "SSE_POLL_S", 0.01)
+    job_id = await jobs.create_job(redis_client, jobs.JobSpec.model_validate(SPEC))
+    await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
+    history = Keys.history(job_id)
+    await redis_client.rpush(history, *[json.dumps({"step": s, "run": 1}) for s in (1, 2, 3)])
+    events = api_app.job_events(redis_client, job_id)
+    first = [await anext(events) for _ in range(4)]  # three steps, then the status
+
+    # The learner crashed after step 3 and resumed from its step-1 checkpoint: it trims the
+    # history back to step 1 and runs steps 2 and 3 again, as many records as before.
+    await redis_client.ltrim(history, 0, 0)
+    await redis_client.rpush(history, *[json.dumps({"step": s, "run": 2}) for s in (2, 3)])
+    again = [json.loads((await asyncio.wait_for(anext(events), 5)).split("data: ", 1)[1]) for _ in range(2)]
+    await events.aclose()
+
+    assert [e.split("\n")[0] for e in first] == ["event: step"] * 3 + ["event: status"]
+    assert again == [{"step": 2, "run": 2}, {"step": 3, "run": 2}]
