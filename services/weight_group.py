@@ -48,18 +48,6 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def pack(bucket: Bucket, tensors: dict, out=None):
-    """Copy named tensors into one flat uint8 buffer laid out as `bucket` says."""
-    import torch
-
-    first = next(iter(tensors.values()))
-    buf = out if out is not None else torch.empty(bucket.nbytes, dtype=torch.uint8, device=first.device)
-    for spec in bucket.tensors:
-        flat = tensors[spec.name].detach().contiguous().view(-1).view(torch.uint8)
-        buf[spec.offset : spec.offset + spec.nbytes].copy_(flat)
-    return buf
-
-
 def unpack(bucket: Bucket, buf) -> list[tuple[str, object]]:
     """Views of `buf` as the bucket's named tensors (no copies)."""
     import torch
