@@ -20,6 +20,13 @@ from services.config import JobSpec
 from services.queues import FIELD, Keys
 
 
+class TaskRef(msgspec.Struct):
+    """The task a message names, whatever else it carries (unknown fields are ignored)."""
+
+    job_id: str
+    task_id: int
+
+
 class Dispatcher:
     def __init__(self, client: aioredis.Redis, job_id: str, spec: JobSpec) -> None:
         self.client = client
@@ -82,17 +89,16 @@ class Dispatcher:
         if stream == Keys.tasks(self.job_id).encode():
             return self._admitted_here(data, protocol.Task)
         if stream == Keys.trajectories(self.job_id).encode():
-            # Only rollout servers write this job's trajectories, each group for a task
-            # admitted here: an undecodable one still stands for a lost task.
-            return self._admitted_here(data, protocol.TrajectoryGroup, undecodable=True)
+            # A group that does not validate (malformed samples, another schema) still
+            # names its task; bytes that name none were not written for a task of ours.
+            return self._admitted_here(data, TaskRef)
         return False
 
-    def _admitted_here(self, data: bytes, kind: type[protocol.Task | protocol.TrajectoryGroup],
-                       undecodable: bool = False) -> bool:
+    def _admitted_here(self, data: bytes, kind: type[protocol.Task | TaskRef]) -> bool:
         try:
-            message = protocol.decode(data, kind)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-            return undecodable
+            message = msgspec.msgpack.decode(data, type=kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
         return message.job_id == self.job_id and 0 <= message.task_id < self.next_task_id
 
     def state(self) -> dict:

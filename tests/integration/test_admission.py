@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from learner.dispatcher import Dispatcher
@@ -99,15 +100,18 @@ async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis
     await dispatcher.top_up(0)
     consumer = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
                                     protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    malformed = msgspec.msgpack.encode({"schema": 1, "job_id": "j", "task_id": 3, "samples": "?"})
+    await redis_client.xadd(Keys.trajectories("j"), {FIELD: malformed})
     await redis_client.xadd(Keys.trajectories("j"), {FIELD: b"garbage"})
-    assert await consumer.read(10) == []  # undecodable: dead-lettered by the learner's consumer
+    assert await consumer.read(10) == []  # neither decodes: dead-lettered by the learner's consumer
     for task_id, job_id in ((2, "j"), (99, "j"), (1, "other")):  # e.g. over-delivered groups
         data = protocol.encode(group(task_id, [0], job_id).message)
         await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("j"), b"reason": b"x", FIELD: data})
     await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("other"), b"reason": b"x",
                                              FIELD: b"garbage"})
 
-    assert await dispatcher.top_up(0) == 2  # the garbage group and task 2's group
+    # Task 3's malformed group and task 2's group; garbage names no task and replaces none.
+    assert await dispatcher.top_up(0) == 2
     assert dispatcher.replaced == 2
 
 
