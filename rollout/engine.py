@@ -67,8 +67,11 @@ class Engine:
         return cls(AsyncLLM.from_engine_args(args), model)
 
     async def generate(
-        self, prompt: list[int], max_tokens: int, temperature: float, stop_ids: list[int]
+        self, prompt: list[int], max_tokens: int, temperature: float, stop_ids: list[int],
+        ignore_eos: bool = False,
     ) -> Generation:
+        """Sample up to `max_tokens` after `prompt`, stopping at `stop_ids` (and the model's
+        EOS ids unless `ignore_eos`); each token tagged with the version that produced it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -79,7 +82,8 @@ class Engine:
             submitted = self.version
             params = SamplingParams(
                 max_tokens=max_tokens - len(out.tokens), temperature=temperature, logprobs=0,
-                detokenize=False, stop_token_ids=stop_ids, output_kind=RequestOutputKind.DELTA,
+                detokenize=False, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
             )
             request = TokensPrompt(prompt_token_ids=prompt + out.tokens)
             async for chunk in self.llm.generate(request, params, uuid.uuid4().hex):

@@ -122,7 +122,7 @@ async def test_keep_mode_continues_a_generation_on_the_new_weights(engine, train
     await engine.reload_from_disk(str(tiny_model))
     prompt = ChatTokenizer(tokenizer).prompt([{"role": "user", "content": "I want a fruit."}])
     sender = WeightSender(trainer, "job-sync-5", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1", store_port=0)
-    generating = asyncio.create_task(engine.generate(prompt, 400, 1.0, []))  # no stop: runs its length
+    generating = asyncio.create_task(engine.generate(prompt, 400, 1.0, [], ignore_eos=True))  # runs its length
     await asyncio.sleep(0.3)
     plan = sender.plan(7, ["server-a"])
     await asyncio.gather(asyncio.to_thread(sender.send, plan),
