@@ -12,9 +12,13 @@ forge a report by accident): `<nonce> loaded` once the solution ran, `<nonce> pa
 after each passing test, `<nonce> done` at the end. Counting line by line keeps the passes
 made before a later test loops or floods.
 
-The wall-clock timeout is the parent's: on expiry it kills the whole process group. Limits
-are set in the child rather than in `preexec_fn`, which is unsafe in a threaded parent
-(the rollout server runs this from worker threads).
+Between the parent and the child sits a trusted reaper (this file with `--reaper`): it
+makes itself the subreaper of everything below it (Linux `PR_SET_CHILD_SUBREAPER`), so a
+process the solution starts in a session of its own, and orphans, still lands under it;
+when the child ends, or on the parent's SIGTERM at the wall-clock timeout, it kills every
+descendant before it exits. The parent then kills the whole process group as a fallback.
+Limits are set in the child rather than in `preexec_fn`, which is unsafe in a threaded
+parent (the rollout server runs this from worker threads).
 
 Not a security boundary: the solution runs in the same interpreter as the child's harness
 and can reach the network and the file system with the caller's permissions.
@@ -31,6 +35,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+
+
+REAPER_GRACE_S = 2.0
+"""How long the parent waits for the reaper's clean-up after the timeout before SIGKILL."""
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass(frozen=True)
@@ -80,16 +89,21 @@ def run_tests(solution: str, tests: list[str], limits: SandboxLimits = SandboxLi
 
 def _run_child(job: bytes, workdir: str, out, err, timeout_s: float) -> int | None:
     """The child's return code (negative: killed by that signal), or None on timeout.
-    Any process the child left behind in its group is killed either way."""
+    Every process the child left behind is killed either way."""
     proc = subprocess.Popen(
-        [sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=out, stderr=err,
-        cwd=workdir, env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"}, start_new_session=True,
+        [sys.executable, "-I", os.path.abspath(__file__), "--reaper"], stdin=subprocess.PIPE, stdout=out,
+        stderr=err, cwd=workdir, env={"PATH": os.defpath, "LC_ALL": "C.UTF-8"}, start_new_session=True,
     )
     try:
         proc.communicate(job, timeout=timeout_s)
         returncode = proc.returncode
     except subprocess.TimeoutExpired:
         returncode = None
+        proc.terminate()  # the reaper kills the child and everything below it, then exits
+        try:
+            proc.wait(timeout=REAPER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
     _kill_group(proc.pid)
     proc.wait()
     return returncode
@@ -174,5 +188,102 @@ def _report(nonce: str, message: str) -> None:
     os.write(1, f"\n{nonce} {message}\n".encode())
 
 
+# --- the reaper, between the parent and the child ---------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def _reaper_main() -> int:
+    """Run the child (stdin, stdout and stderr are passed on), then kill whatever is left
+    below this process; exit as the child did. SIGTERM (the parent's timeout) cuts the wait short."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _become_subreaper()
+
+    def stop(signum, frame) -> None:
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, stop)
+    child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)])
+    try:
+        returncode = child.wait()
+    except _Stop:
+        returncode = -signal.SIGTERM
+    _kill_descendants()
+    return returncode
+
+
+def _become_subreaper() -> None:
+    """Orphans below this process are re-parented to it rather than to init (Linux only;
+    elsewhere a process that leaves its session escapes the clean-up)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every live process below this one and reap the ones re-parented here, until
+    none is left (a process may fork while the others are being killed)."""
+    for _ in range(100):
+        live = _descendants(os.getpid())
+        if not live:
+            return
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap()
+    _reap()
+
+
+def _descendants(root: int) -> list[int]:
+    """Live (non-zombie) processes below `root`, from /proc."""
+    children: dict[int, list[tuple[int, bool]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append((int(entry), fields[0] == "Z"))
+    found, todo = [], [root]
+    while todo:
+        for pid, zombie in children.get(todo.pop(), []):
+            todo.append(pid)
+            if not zombie:
+                found.append(pid)
+    return found
+
+
+def _reap() -> None:
+    """Collect every child of this process that has ended (re-parented ones included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _exit_like(returncode: int) -> None:
+    """End this process the way the child ended: its exit status, or its signal."""
+    if returncode >= 0:
+        sys.exit(returncode)
+    signal.signal(-returncode, signal.SIG_DFL)
+    os.kill(os.getpid(), -returncode)
+    sys.exit(128 - returncode)  # a signal that does not end a process by default
+
+
 if __name__ == "__main__":
-    _child_main()
+    if sys.argv[1:] == ["--reaper"]:
+        _exit_like(_reaper_main())
+    else:
+        _child_main()

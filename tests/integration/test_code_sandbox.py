@@ -117,3 +117,46 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_process_that_leaves_the_session_is_killed_too(tmp_path):
+    pid_file = tmp_path / "pid"
+    # A grandchild in a session (and process group) of its own, its parent gone: out of reach
+    # of a process-group kill; it outlived the run before the reaper.
+    escaper = ("import os, time\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               "    if os.fork() == 0:\n"
+               f"        open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+               "        time.sleep(60)\n"
+               "    os._exit(0)\n"
+               "time.sleep(0.3)\n")
+
+    result = run_tests(escaper, ["assert True"], FAST)
+
+    assert result.passed == 1
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 2.0
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(pid)
+
+
+def test_a_process_that_leaves_the_session_is_killed_at_the_timeout(tmp_path):
+    pid_file = tmp_path / "pid"
+    escaper = ("import os, time\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+               "    time.sleep(60)\n"
+               "    os._exit(0)\n"
+               "def spin():\n    while True:\n        pass\n")
+
+    result = run_tests(escaper, ["spin()"], FAST)
+
+    assert result.timed_out
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 2.0
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(pid)
