@@ -81,3 +81,21 @@ async def test_a_restarted_consumer_reads_its_own_pending_entries_first(redis_cl
 
     assert [d.message.task_id for d in await after.read_own_pending(10)] == [1, 2]
     assert await after.read(10, block_ms=10) == []
+
+
+async def test_reclaim_goes_on_where_the_last_scan_stopped(redis_client):
+    stream = "tandem:test:cursor"
+    await redis_client.delete(stream)
+    for task_id in range(6):
+        await publish(redis_client, stream, protocol.Task(job_id="j", task_id=task_id, example=0, group_size=1,
+                                                          dispatched_version=0))
+    gone = await StreamConsumer(redis_client, stream, "g", "gone", protocol.Task, "tandem:test:dead").setup()
+    taker = await StreamConsumer(redis_client, stream, "g", "taker", protocol.Task, "tandem:test:dead").setup()
+    await gone.read(6)
+
+    first = await taker.reclaim(0, 2)
+    second = await taker.reclaim(0, 2)
+
+    assert [d.message.task_id for d in first] == [0, 1]
+    assert [d.message.task_id for d in second] == [2, 3]  # not 0, 1 again: those are idle too now
+    assert taker.reclaim_cursor != "0-0"
