@@ -31,7 +31,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(settings.log_level, f"learner[{rank}]")
     if rank == 0:
-        logging.getLogger(__name__).info("settings: %s", settings.model_dump())
+        logging.getLogger(__name__).info("settings: %s", settings.loggable())
 
     import torch
     import torch.distributed as dist

@@ -33,7 +33,8 @@ if rank == 0:
     time.sleep(3)  # no job queued: longer than the default timeout
     control.broadcast(Command(kind="shutdown"))
 else:
-    print("got", control.broadcast(None).kind)
+    print("got", control.broadcast(None).kind, flush=True)
+dist.barrier()  # both ranks done before either tears gloo down (an early exit can abort the other)
 dist.destroy_process_group()
 """
 
