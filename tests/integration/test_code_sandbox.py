@@ -103,11 +103,14 @@ def test_processes_the_solution_starts_are_killed_with_it(tmp_path):
 
     run_tests(spawner, ["assert True"], FAST)
 
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 2.0
+    assert _dies_soon(int(pid_file.read_text()))
+
+
+def _dies_soon(pid: int, within_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + within_s
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _alive(pid)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -135,11 +138,7 @@ def test_a_process_that_leaves_the_session_is_killed_too(tmp_path):
     result = run_tests(escaper, ["assert True"], FAST)
 
     assert result.passed == 1
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 2.0
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _alive(pid)
+    assert _dies_soon(int(pid_file.read_text()))
 
 
 def test_a_process_that_leaves_the_session_is_killed_at_the_timeout(tmp_path):
@@ -155,8 +154,4 @@ def test_a_process_that_leaves_the_session_is_killed_at_the_timeout(tmp_path):
     result = run_tests(escaper, ["spin()"], FAST)
 
     assert result.timed_out
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 2.0
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _alive(pid)
+    assert _dies_soon(int(pid_file.read_text()))
