@@ -16,9 +16,9 @@ import socket
 import time
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram, Summary
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from prometheus_client import Counter, Gauge, Histogram, Summary
 
 from rollout.concurrent import gather_all
 from rollout.engine import Engine

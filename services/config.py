@@ -14,6 +14,9 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+JOB_NAME = r"[A-Za-z0-9_.-]{1,128}"
+"""A job's name (JobSpec.name); job ids are a name, a dash and 8 hex digits."""
+
 
 class _Strict(BaseModel):
     """Job-spec sections: unknown fields and coercions (`false` for an integer) are errors,
@@ -115,7 +118,7 @@ class WarmStartSpec(_Strict):
 class JobSpec(_Strict):
     """What a user submits: the model, the task, and how to roll out, score and train."""
 
-    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("job", min_length=1, max_length=128, pattern=rf"^{JOB_NAME}$")
     model: ModelSpec
     task: TaskSpec = TaskSpec()
     rollout: RolloutSpec = RolloutSpec()

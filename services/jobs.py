@@ -16,13 +16,13 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from services.config import JobSpec
+from services.config import JOB_NAME, JobSpec
 from services import protocol
 from services.queues import FIELD, Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
-JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}-[0-9a-f]{8}")
-"""The ids `create_job` makes: the spec's name (JobSpec.name's pattern), a dash, 8 hex digits.
+JOB_ID = re.compile(rf"{JOB_NAME}-[0-9a-f]{{8}}")
+"""The ids `create_job` makes: the spec's name, a dash, 8 hex digits.
 No ':' can occur, so an id never names a job's sub-key (`job:{id}:tasks`, ...)."""
 
 

@@ -18,6 +18,13 @@ async def forget(grant) -> None:
     pass
 
 
+class Released(list):
+    """A `release` callback that keeps the grants given back."""
+
+    async def __call__(self, grant) -> None:
+        self.append(grant)
+
+
 async def test_priorities_take_turns_by_weight_and_jobs_take_turns_inside_a_priority():
     queue = FairQueue(judge_weight=3)
     for name in ["A1", "A2", "A3", "B1", "B2"]:
@@ -108,12 +115,8 @@ async def test_a_failing_budget_fails_its_waiter_instead_of_the_queue():
 
 
 async def test_a_grant_won_for_a_waiter_that_timed_out_is_released():
-    released = []
-
-    async def release(grant) -> None:
-        released.append(grant)
-
-    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=release)
+    released = Released()
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=released)
     calls = 0
 
     async def slow_grant() -> tuple[str | None, float]:
@@ -132,12 +135,8 @@ async def test_a_grant_won_for_a_waiter_that_timed_out_is_released():
 
 
 async def test_a_grant_set_as_its_client_goes_away_is_released():
-    released = []
-
-    async def release(grant) -> None:
-        released.append(grant)
-
-    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=release)
+    released = Released()
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=released)
     calls = 0
 
     async def grant_on_second_try() -> tuple[str | None, float]:
