@@ -15,7 +15,11 @@ from rollout.interactions.base import UserSimulator
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
-End = Literal["user_ended", "max_turns", "max_tokens", "truncated"]
+End = Literal["user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop"]
+MALFORMED_ENDS = ("truncated", "wrong_stop")
+"""Ends that a malformed policy turn causes: cut at the length limit, or stopped on a token
+other than the chat template's end-of-turn (vLLM also stops on the model's other EOS ids)."""
+MALFORMED_REASONS = (*MALFORMED_ENDS, "empty")
 
 
 @dataclass
@@ -42,10 +46,17 @@ class Episode:
         return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
                        logprobs=list(self.logprobs), versions=list(self.versions))
 
-    def well_formed(self) -> bool:
-        """The format filter: no truncated turn, no empty reply."""
+    def malformed_reason(self) -> str:
+        """Why the format filter rejects this episode: `truncated`, `wrong_stop` (a policy
+        turn that cannot be continued ended it) or `empty` (no reply, or a blank one); ""
+        when it passes."""
+        if self.end in MALFORMED_ENDS:
+            return self.end
         replies = [m["content"] for m in self.messages if m["role"] == "assistant"]
-        return self.end != "truncated" and bool(replies) and all(r.strip() for r in replies)
+        return "" if replies and all(r.strip() for r in replies) else "empty"
+
+    def well_formed(self) -> bool:
+        return not self.malformed_reason()
 
     def append(self, tokens: list[int], mask: int, logprobs=None, versions=None) -> None:
         self.tokens += tokens
@@ -80,12 +91,11 @@ class EpisodeRunner:
         text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         episode.messages.append({"role": "assistant", "content": text})
         episode.num_turns += 1
-        # vLLM also stops on the model's other EOS ids (generation_config); a turn that does
-        # not end in the chat template's end-of-turn token cannot be continued: malformed.
-        if gen.finish_reason != "stop" or not gen.tokens or gen.tokens[-1] != self.chat.eot_id:
+        if gen.finish_reason != "stop":
             episode.end = "truncated"
-            return False
-        return True
+        elif not gen.tokens or gen.tokens[-1] != self.chat.eot_id:
+            episode.end = "wrong_stop"
+        return episode.end not in MALFORMED_ENDS
 
     async def user_turn(self, episode: Episode, example: int) -> bool:
         """Append the simulated user's reply; False when the conversation is over."""
@@ -104,14 +114,15 @@ class EpisodeRunner:
 
     async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True) -> Episode:
         """Alternate user and policy turns after an assistant turn, at most `max_turns` more
-        policy turns, then run the tokenization sanity check. A truncated episode stays as it is."""
-        if episode.end == "truncated":
+        policy turns, then run the tokenization sanity check. An episode a malformed turn
+        ended stays as it is."""
+        if episode.end in MALFORMED_ENDS:
             return episode
         episode.end = "max_turns"
         for _ in range(max_turns):
             if not await self.user_turn(episode, example) or not await self.policy_turn(episode, trained):
                 break
-        if episode.end != "truncated":
+        if episode.end not in MALFORMED_ENDS:
             self.chat.check(episode.tokens, episode.messages)
         return episode
 

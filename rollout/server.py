@@ -25,7 +25,7 @@ from rollout.engine import Engine
 from rollout.episode import Episode, EpisodeRunner
 from rollout.interactions.llm_user import LLMUser
 from rollout.rewards.advantage import group_advantages
-from rollout.rewards.conversation import conversation_reward
+from rollout.rewards.conversation import episode_reward
 from rollout.rewards.multiturn import score_response
 from services.stats import mean_by_key
 from rollout.tasks import load_task
@@ -309,7 +309,7 @@ class RolloutServer:
                     episode: Episode) -> tuple[float, list[Episode]]:
         """The sample's reward and the conversations it was computed from."""
         if spec.reward.mode == "episode":
-            return await conversation_reward(task_set, example, episode, spec.reward, self.judge), [episode]
+            return await episode_reward(task_set, example, episode, spec.reward, self.judge), [episode]
         return await score_response(runner, episode, task_set, example, spec.reward, self.judge)
 
     async def judge(self, rubric: str, messages: list[dict], reference: str | None) -> float:

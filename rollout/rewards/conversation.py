@@ -2,9 +2,17 @@
 
 R* = extrinsic_weight * R_ext - min(lambda * policy_tokens, 1) + judge_weight * R_llm, where
 policy_tokens counts every token the policy generated in the scored conversation.
-The format filter runs first: a truncated or empty reply gets the lowest reward R* can
+
+The format filter belongs to the text a sample trains. When that text is malformed
+(truncated, stopped on the wrong token, empty) the sample gets the lowest reward R* can
 take (`minimum_reward`) and no judge call is made, so cutting a reply short never escapes
-the token penalty.
+the token penalty: `episode_reward` applies it to a whole trained conversation,
+`rollout.rewards.multiturn.score_response` to a response m_j. A forward-sampled future is
+never trained; when the policy cuts one short, that future is an unfinished conversation:
+it achieved nothing (R_ext = R_llm = 0, no judge call) and pays for its tokens. It is not
+floored, because the response being scored did not write the malformed turn: a floor there
+would score every response of a policy drifting into malformed turns -1 alike, a group with
+no spread and so no gradient to pull the policy back (DESIGN.md, "Multi-turn episodes").
 """
 
 from __future__ import annotations
@@ -27,12 +35,23 @@ def minimum_reward(spec: RewardSpec) -> float:
 
 async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
                               judge: Judge | None = None) -> float:
+    """R* of a conversation; one the policy left unfinished scores only its token penalty."""
+    reward = -min(spec.token_penalty * episode.policy_tokens, 1.0)
     if not episode.well_formed():
-        return minimum_reward(spec)
-    reward = spec.extrinsic_weight * await task.score(example, episode.messages) if spec.extrinsic_weight else 0.0
-    reward -= min(spec.token_penalty * episode.policy_tokens, 1.0)
+        return reward
+    if spec.extrinsic_weight:
+        reward += spec.extrinsic_weight * await task.score(example, episode.messages)
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
         reward += spec.judge_weight * await judge(spec.judge_rubric, episode.messages, task.reference(example))
     return reward
+
+
+async def episode_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
+                         judge: Judge | None = None) -> float:
+    """R* of a conversation all of whose assistant turns are trained (episode mode): the
+    format filter, then R*."""
+    if not episode.well_formed():
+        return minimum_reward(spec)
+    return await conversation_reward(task, example, episode, spec, judge)

@@ -4,7 +4,9 @@ Each future forks the conversation right after the response m_j and lets the use
 simulator and the current policy go on for at most `window` more assistant turns; R* then
 scores the whole conversation (task metric, token penalty, judge). window = 0 scores the
 conversation as it stands after m_j: a next-turn reward, for ablations. A response the
-format filter rejects gets the minimum reward before any simulation or judge call.
+format filter rejects gets the minimum reward before any simulation or judge call; a
+future that a later policy turn leaves malformed scores as an unfinished conversation
+(`rollout.rewards.conversation`), not as the minimum.
 """
 
 from __future__ import annotations

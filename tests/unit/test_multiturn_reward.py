@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollout.episode import Episode
-from rollout.rewards.conversation import conversation_reward
+from rollout.rewards.advantage import group_advantages
+from rollout.rewards.conversation import conversation_reward, episode_reward
 from rollout.rewards.multiturn import multiturn_reward, score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify_task import ClarifyTask
@@ -68,9 +69,46 @@ async def test_a_malformed_response_gets_the_minimum_without_simulation_or_judge
         assert (reward, futures) == (0.0, [])
         # With a token penalty R* can reach -1 (a long failed conversation); so does a cut-off reply.
         assert (await score_response(None, episode, TASK, EXAMPLE, penalised, judge))[0] == -1.0
-    assert await conversation_reward(TASK, EXAMPLE, truncated, spec, judge) == 0.0
-    assert await conversation_reward(TASK, EXAMPLE, truncated, penalised, judge) == -1.0
+    assert await episode_reward(TASK, EXAMPLE, truncated, spec, judge) == 0.0
+    assert await episode_reward(TASK, EXAMPLE, truncated, penalised, judge) == -1.0
     assert judge.calls == []
+
+
+async def test_a_future_cut_short_scores_as_unfinished_not_at_the_floor():
+    """The scored response did not write its futures' malformed turns: such a future earns
+    no task reward and pays its tokens' penalty, but is not floored at -1."""
+    right = clarify.answer(TARGET.category, TARGET.target)
+    asked = clarify.question(TARGET.category)
+    judge = RecordingJudge({4: 0.5})
+    spec = RewardSpec(mode="multiturn", token_penalty=5e-4, judge_rubric="interactivity")
+    futures = [
+        conversation(asked, right, policy_tokens=20),                              # 1 - 0.01 + 0.5
+        conversation(asked, right, policy_tokens=20),                              # 1 - 0.01 + 0.5
+        conversation(asked, "Your fruit is", policy_tokens=40, end="truncated"),   # 0 - 0.02, no judge
+    ]
+
+    assert await conversation_reward(TASK, EXAMPLE, futures[2], spec, judge) == pytest.approx(-0.02)
+    assert await multiturn_reward(futures, TASK, EXAMPLE, spec, judge) == pytest.approx((1.49 + 1.49 - 0.02) / 3)
+    assert judge.calls == [4, 4]  # the two finished futures; never the one cut short
+
+
+async def test_a_group_whose_futures_all_go_malformed_keeps_the_spread_that_rejects_a_malformed_response():
+    """The collapse of the clarify MR run: the policy's later turns went malformed, so every
+    future of every well-formed question was cut short. With those futures at R*'s floor
+    the three questions scored -1 like the malformed response: zero spread, zero
+    advantage, no gradient. Scored as unfinished conversations they keep the spread."""
+    asked = clarify.question(TARGET.category)
+    spec = RewardSpec(mode="multiturn", token_penalty=5e-4)
+    cut_short = [conversation(asked, "Your fruit is your fruit is", policy_tokens=40, end=end)
+                 for end in ("truncated", "wrong_stop", "truncated")]
+    questions = [await multiturn_reward(cut_short, TASK, EXAMPLE, spec) for _ in range(3)]
+    malformed, _ = await score_response(None, conversation("Which fruit do", policy_tokens=32, end="truncated"),
+                                        TASK, EXAMPLE, spec)
+
+    rewards = questions + [malformed]
+    assert rewards == pytest.approx([-0.02, -0.02, -0.02, -1.0])
+    # mean -0.265: each question +0.245, the malformed response -0.735 (no std scaling).
+    assert group_advantages(rewards, scale_by_std=False) == pytest.approx([0.245, 0.245, 0.245, -0.735])
 
 
 async def test_window_zero_is_a_next_turn_reward():

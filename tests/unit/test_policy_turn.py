@@ -25,12 +25,12 @@ def reply(chat: ChatTokenizer, text: str, last: list[int], finish_reason: str) -
     return Generation(tokens, [-0.5] * len(tokens), [0] * len(tokens), finish_reason)
 
 
-@pytest.mark.parametrize("last, finish_reason, truncated", [
-    ("eot", "stop", False),         # a complete turn
-    ("", "length", True),           # cut at max_new_tokens
-    ("other", "stop", True),        # stopped on another EOS id: cannot be continued
+@pytest.mark.parametrize("last, finish_reason, reason", [
+    ("eot", "stop", ""),                # a complete turn
+    ("", "length", "truncated"),        # cut at max_new_tokens
+    ("other", "stop", "wrong_stop"),    # stopped on another EOS id: cannot be continued
 ])
-async def test_only_a_turn_ending_in_the_end_of_turn_token_goes_on(tokenizer, last, finish_reason, truncated):
+async def test_only_a_turn_ending_in_the_end_of_turn_token_goes_on(tokenizer, last, finish_reason, reason):
     chat = ChatTokenizer(tokenizer)
     other = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert other != chat.eot_id
@@ -41,5 +41,15 @@ async def test_only_a_turn_ending_in_the_end_of_turn_token_goes_on(tokenizer, la
 
     goes_on = await runner.policy_turn(episode)
 
-    assert goes_on is not truncated and (episode.end == "truncated") is truncated
-    assert episode.well_formed() is not truncated
+    assert goes_on is (reason == "")
+    assert episode.malformed_reason() == reason and episode.well_formed() is (reason == "")
+
+
+async def test_a_blank_reply_is_malformed_as_empty_and_the_conversation_goes_on(tokenizer):
+    chat = ChatTokenizer(tokenizer)
+    runner = EpisodeRunner(ScriptedEngine(reply(chat, "  ", [chat.eot_id], "stop")), chat, None,
+                           RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200))
+    episode = runner.start([{"role": "user", "content": "I want a fruit."}])
+
+    assert await runner.policy_turn(episode)
+    assert episode.malformed_reason() == "empty"
