@@ -9,7 +9,11 @@ MR, next-turn) are then evaluated on whole conversations that start from the bar
 with held-out examples: task success, policy tokens per conversation, share of first turns
 that ask.
 
-Run: python bench/collab_clarify.py [--steps 60] [--eval 512]
+With `--seeds N` every reward is trained N times (train.seed 0..N-1, each job with its own
+warm start) and the table gives every run and, per policy, the mean, min and max over seeds,
+with the longest stretch of steps whose mean reward sat at R*'s floor.
+
+Run: python bench/collab_clarify.py [--seeds 5] [--steps 60] [--eval 512]
 """
 
 from __future__ import annotations
@@ -45,29 +49,47 @@ REWARDS = {
 }
 
 
-def train(out: Path, steps: int) -> dict[str, dict]:
-    """Both RL jobs, one after the other, on one running system; their history and runs."""
+def train(out: Path, steps: int, seeds: list[int]) -> dict[str, list[dict]]:
+    """Both RL jobs for every seed, one after the other, on one running system: per reward,
+    one record per seed (job id, seconds, RL history)."""
     base = prepare(out, load_spec_file(DEMO_SPEC))
     base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
     base["task"]["followup_share"] = FOLLOWUP_SHARE
     base["warm_start"]["steps"] = WARM_START_STEPS
-    jobs = {}
+    runs: dict[str, list[dict]] = {label: [] for label in REWARDS}
     with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
         client = ApiClient(stack.api_url)
-        for label, reward in REWARDS.items():
-            spec = copy.deepcopy(base) | {"name": "clarify-" + label.split()[0]}
-            spec["reward"] = reward | {"scale_advantage_by_std": False}
-            job_id = client.submit(spec)["id"]
-            started = time.monotonic()
-            record = follow(client, job_id)
-            if record["status"] != "SUCCEEDED":
-                raise RuntimeError(f"{label}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
-            jobs[label] = {"job_id": job_id, "seconds": time.monotonic() - started,
-                           "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]}
-    return jobs
+        for seed in seeds:
+            for label, reward in REWARDS.items():
+                spec = copy.deepcopy(base) | {"name": f"clarify-{label.split()[0]}-s{seed}"}
+                spec["train"]["seed"] = seed
+                spec["reward"] = reward | {"scale_advantage_by_std": False}
+                job_id = client.submit(spec)["id"]
+                started = time.monotonic()
+                record = follow(client, job_id)
+                if record["status"] != "SUCCEEDED":
+                    raise RuntimeError(f"{label} seed {seed}: {record['status']} {record.get('error')} "
+                                       f"(logs in {out / 'logs'})")
+                runs[label].append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
+                                    "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
+    return runs
 
 
-async def evaluate_policies(policies: dict[str, Path], examples: int, seed: int) -> dict[str, dict]:
+def floor_stretch(rewards: list[float], floor: float = -1.0, within: float = 0.05) -> int:
+    """The longest run of consecutive steps whose mean reward sits at R*'s floor."""
+    longest = current = 0
+    for reward in rewards:
+        current = current + 1 if reward <= floor + within else 0
+        longest = max(longest, current)
+    return longest
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int, seed: int) -> dict:
+    """Each policy ((label, seed) -> folder) on the same held-out conversations, one engine."""
     from transformers import AutoTokenizer
 
     from rollout.engine import Engine
@@ -85,9 +107,9 @@ async def evaluate_policies(policies: dict[str, Path], examples: int, seed: int)
                            RolloutSpec(**spec["rollout"]))
     results = {}
     try:
-        for label, path in policies.items():
+        for key, path in policies.items():
             await engine.reload_from_disk(str(path))
-            results[label] = await evaluate(runner, task, list(range(examples)))
+            results[key] = await evaluate(runner, task, list(range(examples)))
     finally:
         engine.shutdown()
     return results
@@ -96,52 +118,97 @@ async def evaluate_policies(policies: dict[str, Path], examples: int, seed: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", type=int, default=1, help="runs per reward, train.seed = 0..N-1")
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--out", default="bench/results/collab_clarify")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    jobs = train(out, args.steps)
-    runs = out / "runs"
-    policies = {"warm start (SFT)": runs / jobs[next(iter(REWARDS))]["job_id"] / "policy-warm-start"}
-    policies |= {label: runs / job["job_id"] / "policy" for label, job in jobs.items()}
+    seeds = list(range(args.seeds))
+    runs = train(out, args.steps, seeds)
+    (out / "training.json").write_text(json.dumps(runs))  # the runs, should evaluation fail
+    policies = {}
+    for i, seed in enumerate(seeds):
+        first = runs[next(iter(REWARDS))][i]["job_id"]
+        policies[(WARM, seed)] = out / "runs" / first / "policy-warm-start"
+        policies |= {(label, seed): out / "runs" / runs[label][i]["job_id"] / "policy" for label in REWARDS}
     results = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
     total = time.monotonic() - started
-
-    mr, nt = (results[label]["success"] for label in REWARDS)
-    print(f"\nclarify task, {args.steps} RL steps per reward, {args.eval} held-out conversations per policy, "
-          f"{os.cpu_count()} CPU cores, {total / 60:.1f} min in all")
-    print(f"{'policy':>22} {'success':>8} {'tokens/conv':>12} {'first turn asks':>16} {'train min':>10}")
-    for label, r in results.items():
-        minutes = f"{jobs[label]['seconds'] / 60:.1f}" if label in jobs else "-"
-        print(f"{label:>22} {r['success']:>8.3f} {r['tokens']:>12.1f} {r.get('asked', 0.0):>16.3f} {minutes:>10}")
-    print(f"multiturn - next-turn success: {mr - nt:+.3f}")
-    report = {"steps": args.steps, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
-              "total_seconds": total, "results": results, "mr_minus_next_turn": mr - nt,
-              "training": {label: {"job_id": j["job_id"], "seconds": j["seconds"],
-                                   "asked": [h.get("asked") for h in j["history"]],
-                                   "reward": [h["reward_mean"] for h in j["history"]]}
-                           for label, j in jobs.items()}}
+    report = make_report(args, runs, results, total)
+    print_report(report)
     (out / "collab_clarify.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "collab_clarify.png")
     print(f"wrote {out / 'collab_clarify.json'} and {out / 'collab_clarify.png'}")
 
 
+WARM = "warm start (SFT)"
+
+
+def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total: float) -> dict:
+    """Every run (policy x seed) with its held-out results and training curve, and per
+    policy the spread over seeds."""
+    rows = []
+    for (label, seed), result in results.items():
+        run = next((r for r in runs.get(label, []) if r["seed"] == seed), None)
+        rewards = [h["reward_mean"] for h in run["history"]] if run else []
+        rows.append({"policy": label, "seed": seed, **result,
+                     "train_seconds": run["seconds"] if run else None, "job_id": run["job_id"] if run else None,
+                     "floor_stretch": floor_stretch(rewards) if run else None,
+                     "curve": {key: [h.get(key) for h in run["history"]]
+                               for key in ("reward_mean", "asked", "zero_spread_share", "well_formed",
+                                           "futures_malformed", "entropy", "is_capped_tokens")} if run else {}})
+    summary = {label: {"success": spread([r["success"] for r in rows if r["policy"] == label]),
+                       "asked": spread([r.get("asked", 0.0) for r in rows if r["policy"] == label])}
+               for label in [WARM, *REWARDS]}
+    mr, nt = (summary[label]["success"]["mean"] for label in REWARDS)
+    return {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
+            "total_seconds": total, "summary": summary, "mr_minus_next_turn_mean": mr - nt, "runs": rows}
+
+
+def print_report(report: dict) -> None:
+    print(f"\nclarify task, {report['steps']} RL steps per run, {report['seeds']} seed(s) per reward, "
+          f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
+          f"{report['total_seconds'] / 60:.1f} min in all")
+    print(f"{'policy':>22} {'seed':>4} {'success':>8} {'tokens/conv':>12} {'first turn asks':>16} "
+          f"{'floor stretch':>14} {'train min':>10}")
+    for r in report["runs"]:
+        minutes = f"{r['train_seconds'] / 60:.1f}" if r["train_seconds"] else "-"
+        stretch = "-" if r["floor_stretch"] is None else str(r["floor_stretch"])
+        print(f"{r['policy']:>22} {r['seed']:>4} {r['success']:>8.3f} {r['tokens']:>12.1f} "
+              f"{r.get('asked', 0.0):>16.3f} {stretch:>14} {minutes:>10}")
+    print(f"\n{'policy':>22} {'success mean':>13} {'min':>6} {'max':>6}")
+    for label, s in report["summary"].items():
+        print(f"{label:>22} {s['success']['mean']:>13.3f} {s['success']['min']:>6.3f} {s['success']['max']:>6.3f}")
+    print(f"multiturn - next-turn success (means): {report['mr_minus_next_turn_mean']:+.3f}")
+
+
 def plot(report: dict, path: Path) -> None:
+    """Per step, for every run: the share of first turns that ask and the mean reward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, run in report["training"].items():
-        ax.plot(range(1, len(run["asked"]) + 1), run["asked"], label=f"{label}: share of responses that ask")
-    ax.set_xlabel("learner step")
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="center right")
-    ax.set_title("Clarify task: what each reward teaches the first turn")
+    fig, (asks, reward) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = dict(zip(REWARDS, ("tab:blue", "tab:orange")))
+    for run in report["runs"]:
+        if run["policy"] not in colours:
+            continue
+        label = run["policy"] if run["seed"] == 0 else None
+        for ax, key in ((asks, "asked"), (reward, "reward_mean")):
+            values = run["curve"][key]
+            ax.plot(range(1, len(values) + 1), [float("nan") if v is None else v for v in values],
+                    color=colours[run["policy"]], alpha=0.6, lw=1.2, label=label)
+    asks.set_title("share of first turns that ask")
+    reward.set_title("mean training reward (R* floor = -1)")
+    for ax in (asks, reward):
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    asks.set_ylim(-0.05, 1.05)
+    reward.set_ylim(-1.05, 1.05)
+    asks.legend(loc="center right", fontsize=8)
+    fig.suptitle(f"Clarify task: {report['seeds']} seed(s) per reward, one line per run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -46,7 +46,18 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
     "is_weight_max": Gauge("tandem_learner_importance_weight_max", "Largest behaviour importance weight", ["job"]),
     "is_masked_fraction": Gauge("tandem_learner_importance_masked_fraction", "Share of tokens masked by MIS", ["job"]),
     "success": Gauge("tandem_learner_task_success", "Task success in the last batch", ["job"]),
+    "zero_spread_share": Gauge("tandem_learner_zero_spread_group_share",
+                               "Share of the last batch's groups whose advantages are all 0 (trained on nothing)", ["job"]),
+    "is_capped_tokens": Gauge("tandem_learner_importance_capped_tokens",
+                              "Trained tokens of the last step whose importance weight the cap C set", ["job"]),
+    "futures_malformed": Gauge("tandem_learner_futures_malformed_share",
+                               "Share of MR futures a later policy turn left malformed, last batch", ["job"]),
+    "skipped_updates": Gauge("tandem_learner_skipped_updates",
+                             "Optimizer updates of the last step skipped for an exactly zero gradient", ["job"]),
 }
+MALFORMED = Gauge("tandem_learner_malformed_share",
+                  "Share of the last batch's trained responses the format filter rejected, by reason",
+                  ["job", "reason"])
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
 TRAINED_TOKENS = Counter("tandem_learner_trained_tokens_total", "Tokens trained on", ["job"])
@@ -415,6 +426,7 @@ class JobRun:
             "staleness_mean": sum(staleness) / max(len(staleness), 1),
             "staleness_max": max(staleness, default=0),
             "groups": len(groups), "samples": len(samples), "trained_tokens": trained_tokens,
+            "zero_spread_share": sum(not g.has_spread() for g in groups) / len(groups),
             "task_ids": sorted(g.task_id for g in groups),
             "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
             "step_seconds": step_seconds, "sync_seconds": sync["seconds"],
@@ -442,6 +454,9 @@ class JobRun:
         for name, gauge in STEP_GAUGES.items():
             if name in record:
                 gauge.labels(self.job_id).set(record[name])
+        for name, value in record.items():
+            if name.startswith("malformed_"):
+                MALFORMED.labels(self.job_id, name.removeprefix("malformed_")).set(value)
 
     async def export_queue_gauges(self) -> None:
         for name, stream, group in (("tasks", Keys.tasks(self.job_id), "rollout"),

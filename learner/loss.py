@@ -60,7 +60,8 @@ class LossOutputs:
     loss: torch.Tensor
     """Scalar: this rank's share of the global loss (sum of token terms / global normaliser)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Sums over this rank's trained tokens (divide by the global token count to report)."""
+    """Sums over this rank's trained tokens (divide by the global token count to report,
+    except counts such as `is_capped_tokens`) and `is_weight_max`, a maximum."""
 
 
 def ppo_ratio(theta: torch.Tensor, prox: torch.Tensor) -> torch.Tensor:
@@ -81,22 +82,37 @@ def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> t
     return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
 
 
-def behaviour_weight(prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
-                     num_seqs: int, cfg: LossConfig) -> torch.Tensor:
-    """[T] importance weight pi_prox / mu correcting for the behaviour policy (detached).
-
-    Sequence level uses the product of the sequence's token ratios, the same for each of
-    its tokens; `tis` truncates at C, `mis` zeroes weights outside [1/C, C]."""
+def behaviour_ratio(prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                    num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """[T] pi_prox / mu per token (detached); at sequence level the product of the
+    sequence's token ratios, the same for each of its tokens."""
     log_ratio = (prox - mu).detach() * mask
     if cfg.correction_level == "sequence":
         log_ratio = segment_sum(log_ratio, seq_ids, num_seqs)[seq_ids]
-    ratio = torch.exp(log_ratio)
+    return torch.exp(log_ratio)
+
+
+def behaviour_weight(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """[T] the importance weight correcting for the behaviour policy: `tis` truncates the
+    ratio at C, `mis` zeroes weights outside [1/C, C], `none` is 1."""
+    cap = cfg.correction_cap
     if cfg.correction == "tis":
-        return ratio.clamp(max=cfg.correction_cap)
+        return ratio.clamp(max=cap)
     if cfg.correction == "mis":
-        cap = cfg.correction_cap
         return ((ratio >= 1.0 / cap) & (ratio <= cap)).float()
     return torch.ones_like(ratio)
+
+
+def at_cap(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """[T] 1.0 on tokens whose weight the cap C decides rather than their ratio: above C
+    (`tis`, truncated) or outside [1/C, C] (`mis`, masked). Many of them mean the behaviour
+    policy is far from the proximal one: the data is more off-policy than C corrects."""
+    cap = cfg.correction_cap
+    if cfg.correction == "tis":
+        return (ratio > cap).float()
+    if cfg.correction == "mis":
+        return ((ratio < 1.0 / cap) | (ratio > cap)).float()
+    return torch.zeros_like(ratio)
 
 
 def mismatch_kl(prox: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
@@ -134,7 +150,8 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig, normaliser: float) -> LossO
         surrogate, clipped = ratio * x.advantages, torch.zeros_like(ratio)
     else:
         surrogate, clipped = clipped_surrogate(ratio, x.advantages, cfg.eps_low, cfg.eps_high)
-    weight = behaviour_weight(x.prox, x.mu, x.mask, x.seq_ids, x.num_seqs, cfg)
+    behaviour = behaviour_ratio(x.prox, x.mu, x.mask, x.seq_ids, x.num_seqs, cfg)
+    weight = behaviour_weight(behaviour, cfg)
     scale = token_weights(x.mask, x.seq_ids, x.num_seqs, cfg, normaliser)
     loss = -(weight * surrogate * scale).sum()
     metrics = {
@@ -143,6 +160,7 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig, normaliser: float) -> LossO
         "is_weight_mean": (weight * x.mask).sum(),
         "is_weight_max": (weight * x.mask).max() if x.mask.any() else weight.new_zeros(()),
         "is_masked_fraction": ((weight == 0).float() * x.mask).sum(),
+        "is_capped_tokens": (at_cap(behaviour, cfg) * x.mask).sum(),
         "ratio_mean": (ratio.detach() * x.mask).sum(),
     }
     if cfg.kl_coef > 0 and x.ref is not None:

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 MAXIMA = frozenset({"is_weight_max"})
 """Metrics that are maxima over tokens: they combine by max, across ranks and minibatches."""
+COUNTS = frozenset({"is_capped_tokens", "skipped_updates"})
+"""Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
 
 
 @dataclass
@@ -212,11 +214,13 @@ class Trainer:
                     sums[name] = sums.get(name, 0) + value
             entropy_sum += (entropy * mask).sum()
         sums["entropy"] = entropy_sum
-        grad_norm = self._optimizer_step()
+        grad_norm, stepped = self._optimizer_step()
         reduced = self._all_reduce(sums)
         dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
-        metrics = {name: value / max(num_tokens, 1) for name, value in reduced.items() if name != "loss"}
-        metrics |= {"loss": reduced["loss"], "grad_norm": grad_norm, "is_weight_max": float(is_max)}
+        metrics = {name: value if name in COUNTS else value / max(num_tokens, 1)
+                   for name, value in reduced.items() if name != "loss"}
+        metrics |= {"loss": reduced["loss"], "grad_norm": grad_norm, "is_weight_max": float(is_max),
+                    "skipped_updates": float(not stepped)}
         return metrics
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -228,16 +232,11 @@ class Trainer:
             step_loss = loss.sft_loss(theta, self._token_tensor(samples, mb, "mask"), max(num_tokens, 1))
             (step_loss * self.world_size).backward()
             total += step_loss.detach()
-        grad_norm = self._optimizer_step()
+        grad_norm, _ = self._optimizer_step()
         return {"sft_loss": self._all_reduce({"loss": total})["loss"], "grad_norm": grad_norm}
 
-    def _optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.train.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+    def _optimizer_step(self) -> tuple[float, bool]:
+        return optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)
 
     def _all_reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(sums)
@@ -282,10 +281,33 @@ class Trainer:
                 (Path(out_dir) / generation.name).write_text(generation.read_text())
 
 
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the gradient and step, unless it is exactly zero; returns (norm before
+    clipping, stepped). A zero gradient (every advantage of the batch 0, no KL term) is no
+    reason to move, yet AdamW would: its momentum carries the last real update on, about ten
+    updates' worth with beta1 = 0.9, so a policy whose groups have no spread would keep
+    drifting the way it last went. The norm is global (all ranks), so all ranks agree."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    stepped = grad_norm > 0.0
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
 def merge_minibatches(stats: list[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from its minibatches': the mean of each, the max of maxima."""
-    return {name: max(s[name] for s in stats) if name in MAXIMA else sum(s[name] for s in stats) / len(stats)
-            for name in stats[0]}
+    """One step's metrics from its minibatches': the mean of each, the max of maxima, the
+    sum of counts."""
+    def merge(name: str) -> float:
+        values = [s[name] for s in stats]
+        if name in MAXIMA:
+            return max(values)
+        return sum(values) if name in COUNTS else sum(values) / len(values)
+
+    return {name: merge(name) for name in stats[0]}
 
 
 def _split(n: int, parts: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout.concurrent import gather_all
 from rollout.engine import Engine
-from rollout.episode import Episode, EpisodeRunner
+from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
 from rollout.interactions.llm_user import LLMUser
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import episode_reward
@@ -320,10 +320,17 @@ class RolloutServer:
 
 def sample_metrics(task_set, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:
     """Task metrics averaged over the scored conversations (the episode itself, or the
-    futures behind MR), plus the response's own length and format."""
+    futures behind MR), the response's own length and format (`malformed_<reason>`: 1.0 for
+    the reason the format filter rejected it), and, when futures were sampled, the share
+    of them a later policy turn left malformed."""
     rows = [task_set.metrics(example, c.messages) | {"conversation_tokens": float(c.policy_tokens)}
             for c in scored if c.well_formed()]
-    return mean_by_key(rows) | {"tokens": float(episode.policy_tokens), "well_formed": float(episode.well_formed())}
+    reason = episode.malformed_reason()
+    own = {"tokens": float(episode.policy_tokens), "well_formed": float(not reason)}
+    own |= {f"malformed_{r}": float(reason == r) for r in MALFORMED_REASONS}
+    if scored and scored[0] is not episode:
+        own["futures_malformed"] = sum(not c.well_formed() for c in scored) / len(scored)
+    return mean_by_key(rows) | own
 
 
 class _JobEnded(Exception):

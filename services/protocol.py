@@ -67,6 +67,11 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Oldest weight version behind any trained token (None: nothing to train)."""
         return min((v for s in self.samples for v, m in zip(s.versions, s.mask) if m), default=None)
 
+    def has_spread(self) -> bool:
+        """Whether any advantage is non-zero: a group without spread adds nothing to the
+        policy gradient (it is trained on nothing)."""
+        return any(s.advantage != 0.0 for s in self.samples)
+
 
 class JobRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """An entry of `jobs:pending`: a submitted job for a learner to claim."""

@@ -117,3 +117,16 @@ def test_sft_loss_is_masked_mean_negative_logprob():
 
 def test_entropy_of_uniform_logits_is_log_vocab():
     assert loss.entropy_from_logits(torch.zeros(2, 8)).tolist() == pytest.approx([math.log(8)] * 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("correction, capped", [
+    ("tis", [0, 0, 1, 0]),      # only w = 3.0 is above C = 2
+    ("mis", [0, 1, 1, 0]),      # 0.4 below 1/C and 3.0 above C are outside [1/C, C]
+    ("none", [0, 0, 0, 0]),
+])
+def test_tokens_at_the_importance_cap_are_counted(correction, capped):
+    behaviour = torch.tensor([1.0, 0.4, 3.0, 1.2])  # 0.4 < 1/C: outside the MIS band
+    assert loss.at_cap(behaviour, cfg(correction=correction)).tolist() == capped
+    out = loss.policy_loss(inputs(mask=(1, 1, 1, 0)), cfg(correction=correction), normaliser=3)
+    # BEHAVIOUR = [1.0, 0.5, 3.0, 1.2]: 0.5 sits exactly at 1/C, so MIS keeps it; token 3 untrained.
+    assert out.metrics["is_capped_tokens"].item() == (0 if correction == "none" else 1)

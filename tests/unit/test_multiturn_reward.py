@@ -118,3 +118,12 @@ async def test_window_zero_is_a_next_turn_reward():
 
     assert (await score_response(None, question, TASK, EXAMPLE, spec))[0] == 0.0   # a question earns nothing now
     assert (await score_response(None, guess, TASK, EXAMPLE, spec))[0] == 1.0
+
+
+def test_a_group_without_spread_has_advantages_of_exactly_zero():
+    # 0.1 * 3 / 3 = 0.10000000000000002: centring alone would leave -2e-17 on every sample.
+    assert sum([0.1] * 3) / 3 != 0.1
+    for scale in (True, False):
+        assert group_advantages([0.1, 0.1, 0.1], scale_by_std=scale) == [0.0, 0.0, 0.0]
+        assert group_advantages([0.1, 0.1, 0.1 + 1e-7], scale_by_std=scale) == [0.0, 0.0, 0.0]
+    assert group_advantages([0.0, 1.0], scale_by_std=True) == pytest.approx([-1.0, 1.0], abs=1e-5)
