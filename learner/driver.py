@@ -20,7 +20,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from learner import checkpoint
+from learner import checkpoint, health
 from learner.control import Command, Worker
 from learner.dispatcher import Dispatcher
 from services import jobs, protocol
@@ -72,10 +72,16 @@ WAIT_SECONDS = Histogram("tandem_learner_batch_wait_seconds", "Time waiting for 
 QUEUE_DEPTH = Gauge("tandem_queue_depth", "Entries in a job stream not yet read", ["job", "stream"])
 PENDING = Gauge("tandem_queue_pending", "Entries read but not acknowledged", ["job", "stream"])
 DEAD = Gauge("tandem_queue_dead_letters", "Entries in the job's dead stream", ["job"])
+HEALTH_ALERTS = Counter("tandem_learner_health_alerts_total", "Health rules that fired, by metric and action",
+                        ["job", "metric", "action"])
 
 
 class JobCancelled(Exception):
     pass
+
+
+class JobUnhealthy(Exception):
+    """A health rule with action `stop` fired; the message says which and why."""
 
 
 class LearnerStopping(Exception):
@@ -144,6 +150,8 @@ class Driver:
             raise
         except JobCancelled:
             status = jobs.JobStatus.CANCELLED
+        except JobUnhealthy as err:
+            status, error = jobs.JobStatus.FAILED, str(err)
         except Exception as err:
             log.exception("job %s failed", job_id)
             status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
@@ -433,7 +441,30 @@ class JobRun:
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
             **mean_by_key([s.metrics for s in samples]), **metrics, **self.counts,
         }
+        fired = await self.judge_health(record)
         await self.record(record)
+        await self.act_on(fired)
+
+    async def judge_health(self, record: dict) -> list[health.Alert]:
+        """The job's health rules that fire at this step, also listed in its record."""
+        if not self.spec.health:
+            return []
+        raw = await self.redis.lrange(Keys.history(self.job_id), 1 - health.history_needed(self.spec.health), -1)
+        recent = [r for r in map(json.loads, raw) if r.get("phase") == "rl"] + [record]
+        fired = health.alerts(self.spec.health, recent)
+        if fired:
+            record["health"] = [alert.message for alert in fired]
+        return fired
+
+    async def act_on(self, fired: list[health.Alert]) -> None:
+        """Warnings go to the log, the job's alerts and a counter; a `stop` ends the job."""
+        for alert in fired:
+            log.warning("job %s: %s", self.job_id, alert.message)
+            HEALTH_ALERTS.labels(self.job_id, alert.rule.metric, alert.rule.action).inc()
+            await jobs.add_alert(self.redis, self.job_id, alert.message)
+        stops = [alert.message for alert in fired if alert.stops]
+        if stops:
+            raise JobUnhealthy("; ".join(stops))
 
     # ---- bookkeeping ---------------------------------------------------------------
 

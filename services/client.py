@@ -55,7 +55,8 @@ def load_spec_file(path: str | Path) -> dict:
 
 
 def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
-    """Show a job's progress until it ends; returns the final record."""
+    """Show a job's progress until it ends, printing each health alert as it fires;
+    returns the final record."""
     from tqdm import tqdm
 
     record = client.get(job_id)
@@ -65,7 +66,10 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
                mininterval=1.0)
     while True:
         record = client.get(job_id)
-        history += client.history(job_id, start=len(history))
+        new = client.history(job_id, start=len(history))
+        history += new
+        for message in (m for h in new for m in h.get("health", [])):
+            bar.write(f"{job_id}: {message}")
         rl = [h for h in history if h.get("phase") == "rl"]
         bar.set_description(f"{job_id} {_phase(record, history)}")
         if rl:
@@ -92,6 +96,9 @@ def _postfix(rl: list[dict]) -> dict[str, str]:
     tokens = sum(h["trained_tokens"] for h in rl[1:])
     return {
         "reward": f"{last['reward_mean']:.2f}",
+        "zero-spread": f"{last.get('zero_spread_share', 0.0):.2f}",
+        "malformed": f"{1.0 - last.get('well_formed', 1.0):.2f}",
+        "entropy": f"{last.get('entropy', 0.0):.2f}",
         "staleness": f"{last['staleness_mean']:.2f}",
         "tok/s": f"{tokens / span:.0f}" if span > 0 else "-",
     }

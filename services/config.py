@@ -115,6 +115,31 @@ class WarmStartSpec(_Strict):
     data: str | None = Field(None, description="JSONL of {messages: [...]}; task's own if unset.")
 
 
+HEALTH_METRICS = (
+    "reward_mean", "success", "zero_spread_share", "well_formed", "malformed_truncated", "malformed_wrong_stop",
+    "malformed_empty", "futures_malformed", "entropy", "is_capped_tokens", "is_weight_max", "mismatch_kl",
+    "clip_fraction", "grad_norm", "skipped_updates", "kl_ref", "staleness_mean",
+)
+"""Per-step history metrics a health rule can watch."""
+
+
+class HealthRule(_Strict):
+    """A condition on one per-step metric; when it has held for `steps` consecutive RL steps
+    the learner warns (once per such stretch) or stops the job, saying which rule and why."""
+
+    metric: Literal[HEALTH_METRICS]
+    above: float | None = Field(None, description="Holds when the metric is greater than this.")
+    below: float | None = Field(None, description="Holds when the metric is less than this.")
+    steps: int = Field(5, ge=1, le=10_000, description="Consecutive RL steps it must hold.")
+    action: Literal["warn", "stop"] = "warn"
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> "HealthRule":
+        if (self.above is None) == (self.below is None):
+            raise ValueError("a health rule sets exactly one of above and below")
+        return self
+
+
 class JobSpec(_Strict):
     """What a user submits: the model, the task, and how to roll out, score and train."""
 
@@ -125,6 +150,11 @@ class JobSpec(_Strict):
     reward: RewardSpec = RewardSpec()
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
+    health: list[HealthRule] = Field(
+        default_factory=list, max_length=64,
+        description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "
+                    "for 5 steps: the job trains on nothing).",
+    )
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> "JobSpec":

@@ -69,6 +69,7 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
         record[key] = int(record.get(key, 0))
     record["spec"] = json.loads(record["spec"])
     record["metrics"] = json.loads(record.get("metrics", "{}"))
+    record["alerts"] = json.loads(record.get("alerts", "[]"))
     return record
 
 
@@ -148,6 +149,13 @@ async def record_progress(client: aioredis.Redis, job_id: str, step: int, versio
     await client.hset(Keys.job(job_id), mapping={
         "step": step, "version": version, "metrics": json.dumps(metrics), "updated": time.time(),
     })
+
+
+async def add_alert(client: aioredis.Redis, job_id: str, message: str) -> None:
+    """Append a fired health rule's message to the job's `alerts` (the learner is the only
+    writer of a running job's record fields)."""
+    alerts = json.loads(await client.hget(Keys.job(job_id), "alerts") or "[]")
+    await client.hset(Keys.job(job_id), "alerts", json.dumps(alerts + [message]))
 
 
 async def cancel_requested(client: aioredis.Redis, job_id: str) -> bool:

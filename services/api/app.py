@@ -40,6 +40,7 @@ class JobView(BaseModel):
     step: int = 0
     error: str | None = None
     metrics: dict = Field(default_factory=dict, description="The latest step's metrics.")
+    alerts: list[str] = Field(default_factory=list, description="Health rules that fired, oldest first.")
     spec: JobSpec
 
 
@@ -165,7 +166,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
     async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
         """Server-sent events: `status` on every status change, `step` for every SFT/RL step
-        record, until the job ends."""
+        record, `health` for every health rule that fired, until the job ends."""
         return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
 
     return app
@@ -200,6 +201,8 @@ async def job_events(client: aioredis.Redis, job_id: str):
         record = await jobs.get_job(client, job_id)
         for raw in await new_history(client, job_id, sent):
             yield f"event: step\ndata: {raw.decode()}\n\n"
+            for message in json.loads(raw).get("health", []):
+                yield f"event: health\ndata: {json.dumps({'message': message})}\n\n"
             idle = 0.0
         if record["status"] != status:
             status = record["status"]

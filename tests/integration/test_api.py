@@ -39,6 +39,9 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
     ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
     ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
     ({**SPEC, "surprise": 1}, ["body", "surprise"]),
+    ({**SPEC, "health": [{"metric": "vibes", "above": 1}]}, ["body", "health", 0, "metric"]),
+    ({**SPEC, "health": [{"metric": "entropy", "below": 0.1, "steps": 0}]}, ["body", "health", 0, "steps"]),
+    ({**SPEC, "health": [{"metric": "entropy"}]}, ["body", "health", 0]),   # neither above nor below
 ])
 async def test_a_malformed_spec_gets_422_naming_the_field(api, redis_client, spec, field):
     response = await api.post("/v1/jobs", json=spec)

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,70 +21,12 @@ import redis.asyncio as aioredis
 from safetensors.torch import load_file
 
 from learner.driver import JobRun
-from rollout.rewards.advantage import group_advantages
-from rollout.tasks import clarify
-from services import jobs, protocol
+from services import jobs
 from services.config import JobSpec, LearnerSettings, ModelSpec, RolloutSpec, TrainSpec
 from services.launcher import kill_all, process_tree
-from services.queues import Keys, StreamConsumer, publish
-from services.redis_embed import free_port
-from services.tokenization import ChatTokenizer
+from services.queues import Keys
 
-from helpers import wait_for
-
-
-class Producer(threading.Thread):
-    """Answers tasks with groups that depend only on the task (tokens, logprobs, rewards),
-    but only tasks below `gate`: the learner then provably waits at a known step."""
-
-    def __init__(self, redis_url: str, job_id: str, tokenizer, gate: int) -> None:
-        super().__init__(daemon=True)
-        self.redis_url, self.job_id, self.gate = redis_url, job_id, gate
-        self.chat = ChatTokenizer(tokenizer)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        asyncio.run(self.serve())
-
-    async def serve(self) -> None:
-        client = aioredis.from_url(self.redis_url)
-        tasks = await StreamConsumer(client, Keys.tasks(self.job_id), "rollout", "producer", protocol.Task,
-                                     Keys.dead(self.job_id)).setup()
-        held = []
-        while not self.stop.is_set():
-            held += await tasks.read(16, block_ms=100)
-            ready = [d for d in held if d.message.task_id < self.gate]
-            held = [d for d in held if d.message.task_id >= self.gate]
-            for delivery in ready:
-                await publish(client, Keys.trajectories(self.job_id), self.group(delivery.message))
-                await tasks.ack(delivery.entry_id)
-        await client.aclose()
-
-    def group(self, task: protocol.Task) -> protocol.TrajectoryGroup:
-        samples = []
-        for i in range(task.group_size):
-            rng = random.Random(task.task_id * 1000 + i)
-            messages = clarify.demonstration(clarify.make_examples(1, seed=task.example)[0], rng.random() < 0.5, rng)
-            tokens, mask = self.chat.encode_demonstration(messages)
-            samples.append(protocol.Sample(
-                sample_id=f"{task.task_id}:{i}", tokens=tokens, mask=mask,
-                logprobs=[rng.uniform(-3.0, -0.2) if m else 0.0 for m in mask],
-                versions=[task.dispatched_version if m else -1 for m in mask],
-                reward=float(rng.random() < 0.5), advantage=0.0, num_turns=1))
-        for sample, advantage in zip(samples, group_advantages([s.reward for s in samples])):
-            sample.advantage = advantage
-        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
-                                        server_id="producer", elapsed_s=0.0)
-
-
-def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subprocess.Popen:
-    env = os.environ | {"TANDEM_REDIS_URL": redis_url, "TANDEM_RUNS_DIR": str(runs), "TANDEM_MIN_ROLLOUT_SERVERS": "0",
-                        "TANDEM_METRICS_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "learner"]
-    return subprocess.Popen(command + (["--resume"] if resume else []), env=env, stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
+from helpers import Producer, start_learner, wait_for
 
 
 def job_record(client: redis.Redis, job_id: str) -> dict:
