@@ -290,7 +290,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     drifting the way it last went. The norm is global (all ranks), so all ranks agree."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    stepped = grad_norm > 0.0
+    stepped = grad_norm != 0.0
     if stepped:
         optimizer.step()
         scheduler.step()

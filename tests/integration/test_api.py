@@ -163,6 +163,26 @@ async def test_events_stream_steps_and_statuses_until_the_job_ends(api, redis_cl
                       ("event: status", {"id": job_id, "status": "SUCCEEDED", "step": 0, "version": 0, "error": None})]
 
 
+async def test_a_stop_rule_is_streamed_as_a_health_event_and_named_in_the_status_and_alerts(api, redis_client):
+    import json
+
+    from services import jobs
+
+    reason = "health rule (stop): zero_spread_share > 0.9 for 1 steps (step 1: 1)"
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
+    await redis_client.rpush(Keys.history(job_id), json.dumps({"phase": "rl", "step": 1, "health": [reason]}))
+    await jobs.add_alert(redis_client, job_id, reason)
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.FAILED, reason)
+
+    body = (await api.get(f"/v1/jobs/{job_id}/events")).text
+    events = [(block.split("\n")[0], json.loads(block.split("data: ", 1)[1])) for block in body.strip().split("\n\n")]
+    assert events[1:] == [("event: health", {"message": reason}),
+                          ("event: status", {"id": job_id, "status": "FAILED", "step": 0, "version": 0, "error": reason})]
+    job = (await api.get(f"/v1/jobs/{job_id}")).json()
+    assert (job["status"], job["error"], job["alerts"]) == ("FAILED", reason, [reason])
+
+
 async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
     import json
 
