@@ -15,10 +15,14 @@ from rollout.interactions.base import UserSimulator
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
-End = Literal["user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop"]
-MALFORMED_ENDS = ("truncated", "wrong_stop")
-"""Ends that a malformed policy turn causes: cut at the length limit, or stopped on a token
-other than the chat template's end-of-turn (vLLM also stops on the model's other EOS ids)."""
+End = Literal["user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop", "special_token"]
+MALFORMED_ENDS = ("truncated", "wrong_stop", "special_token")
+"""Ends that a malformed policy turn causes: cut at the length limit, stopped on a token
+other than the chat template's end-of-turn (vLLM also stops on the model's other EOS ids),
+or a token the template reserves (a turn marker, end of text) inside the reply. None of
+them can be continued as the template would render the conversation, and each is the
+policy's doing: it is scored (at R*'s floor when trained), never dead-lettered as bad task
+content, which would keep it from ever being penalised."""
 MALFORMED_REASONS = (*MALFORMED_ENDS, "empty")
 
 
@@ -47,9 +51,9 @@ class Episode:
                        logprobs=list(self.logprobs), versions=list(self.versions))
 
     def malformed_reason(self) -> str:
-        """Why the format filter rejects this episode: `truncated`, `wrong_stop` (a policy
-        turn that cannot be continued ended it) or `empty` (no reply, or a blank one); ""
-        when it passes."""
+        """Why the format filter rejects this episode: `truncated`, `wrong_stop`,
+        `special_token` (a policy turn that cannot be continued ended it) or `empty` (no
+        reply, or a blank one); "" when it passes."""
         if self.end in MALFORMED_ENDS:
             return self.end
         replies = [m["content"] for m in self.messages if m["role"] == "assistant"]
@@ -95,6 +99,8 @@ class EpisodeRunner:
             episode.end = "truncated"
         elif not gen.tokens or gen.tokens[-1] != self.chat.eot_id:
             episode.end = "wrong_stop"
+        elif self.chat.special_ids.intersection(gen.tokens[:-1]):
+            episode.end = "special_token"
         return episode.end not in MALFORMED_ENDS
 
     async def user_turn(self, episode: Episode, example: int) -> bool:

@@ -61,6 +61,13 @@ REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
 REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
 
 
+REDIS_REPLY_TIMEOUT_S = 30.0
+"""The longest wait for any Redis reply. Every blocking read here blocks for well under a
+second, so a reply this late is lost: the wait ends in a TimeoutError, which `run` treats
+as an outage (serve again), instead of a silent hang. A blocking XREADGROUP that never
+returned once held a server between two jobs, its task group unable to finish."""
+
+
 class BadTask(ValueError):
     """A task message whose content no retry can fix; it goes to the dead-letter stream."""
 
@@ -69,7 +76,7 @@ class RolloutServer:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
         self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = aioredis.from_url(settings.redis_url)
+        self.redis = aioredis.from_url(settings.redis_url, socket_timeout=REDIS_REPLY_TIMEOUT_S)
         self.engine: Engine | None = None
         self.job_id = ""
         self.synced = asyncio.Event()

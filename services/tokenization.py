@@ -35,6 +35,10 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.check_mode = check_mode
         self.eot_id: int = tokenizer.eos_token_id
+        self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(
+            i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+        """Tokens the template reserves (turn markers, end of text): never inside a reply.
+        Added tokens not marked special (Qwen's `<tool_call>`, `<think>`) are text."""
         self._base = self.render(BASE)
         self._cut = _after_last(self._base, self.eot_id)
 
