@@ -38,7 +38,7 @@ from services.launcher import Ports, Stack  # noqa: E402
 # so the answer turn is trained too. Advantages are centred but not divided by the group's
 # std (Dr. GRPO): when every response in a group asks, their MRs differ only by the luck of
 # the futures, and std scaling turned that luck into full-size updates that garbled the
-# wording of the question; a small KL penalty to the warm start does the rest.
+# wording of the question. No KL penalty to the warm start.
 FOLLOWUP_SHARE = 0.5
 KL_COEF = 0.0
 LR = 5e-4
