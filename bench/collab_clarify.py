@@ -38,9 +38,12 @@ from services.launcher import Ports, Stack  # noqa: E402
 # so the answer turn is trained too. Advantages are centred but not divided by the group's
 # std (Dr. GRPO): when every response in a group asks, their MRs differ only by the luck of
 # the futures, and std scaling turned that luck into full-size updates that garbled the
-# wording of the question. No KL penalty to the warm start.
+# wording of the question. A small KL penalty to the warm start (k3, per token) holds in
+# place what the reward barely looks at: with w = 2 a second question scores almost as well
+# as the answer (the future answers instead), and without the anchor one seed in five let
+# its answer turn drift to asking again (held-out success 0.656; 0.916 with the anchor).
 FOLLOWUP_SHARE = 0.5
-KL_COEF = 0.0
+KL_COEF = 0.02
 LR = 5e-4
 WARM_START_STEPS = 400
 REWARDS = {
