@@ -41,7 +41,7 @@ from services.launcher import Ports, Stack  # noqa: E402
 # wording of the question. A small KL penalty to the warm start (k3, per token) holds in
 # place what the reward barely looks at: with w = 2 a second question scores almost as well
 # as the answer (the future answers instead), and without the anchor one seed in five let
-# its answer turn drift to asking again (held-out success 0.656; 0.916 with the anchor).
+# its answer turn drift (held-out success 0.656; 0.914 with the anchor).
 FOLLOWUP_SHARE = 0.5
 KL_COEF = 0.02
 LR = 5e-4
