@@ -116,9 +116,10 @@ class WarmStartSpec(_Strict):
 
 
 HEALTH_METRICS = (
-    "reward_mean", "success", "zero_spread_share", "well_formed", "malformed_truncated", "malformed_wrong_stop",
-    "malformed_special_token", "malformed_empty", "futures_malformed", "entropy", "is_capped_tokens", "is_weight_max", "mismatch_kl",
-    "clip_fraction", "grad_norm", "skipped_updates", "kl_ref", "staleness_mean",
+    "reward_mean", "success", "zero_spread_share", "well_formed", "futures_malformed",
+    "malformed_truncated", "malformed_wrong_stop", "malformed_special_token", "malformed_empty",
+    "entropy", "is_capped_tokens", "is_weight_max", "mismatch_kl", "clip_fraction", "grad_norm",
+    "skipped_updates", "kl_ref", "staleness_mean",
 )
 """Per-step history metrics a health rule can watch."""
 

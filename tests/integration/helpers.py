@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -12,11 +13,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
 
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
-from services import protocol
+from services import jobs, protocol
+from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
 from services.redis_embed import free_port
 from services.tokenization import ChatTokenizer
@@ -31,6 +34,22 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.1):
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def create_job(redis_url: str, spec: JobSpec) -> str:
+    """Submit `spec` as the API would (a record and a `jobs:pending` entry); its id."""
+    async def create() -> str:
+        client = aioredis.from_url(redis_url)
+        job_id = await jobs.create_job(client, spec)
+        await client.aclose()
+        return job_id
+
+    return asyncio.run(create())
+
+
+def rl_steps(client: redis.Redis, job_id: str) -> list[dict]:
+    """The job's RL step records, oldest first."""
+    return [r for r in map(json.loads, client.lrange(Keys.history(job_id), 0, -1)) if r["phase"] == "rl"]
 
 
 class Producer(threading.Thread):

@@ -9,31 +9,21 @@ policy: a zero gradient takes no optimizer update.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from safetensors.torch import load_file
 
 from services import jobs
 from services.config import HealthRule, JobSpec, ModelSpec, RolloutSpec, TrainSpec
 from services.queues import Keys
 
-from helpers import Producer, start_learner, wait_for
+from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
 pytestmark = pytest.mark.slow
 ZERO_SPREAD = {"metric": "zero_spread_share", "above": 0.5, "steps": 3}
-
-
-async def create(redis_url: str, spec: JobSpec) -> str:
-    client = aioredis.from_url(redis_url)
-    job_id = await jobs.create_job(client, spec)
-    await client.aclose()
-    return job_id
 
 
 def pinned_job(model, action: str, num_steps: int) -> JobSpec:
@@ -48,16 +38,12 @@ def ended(client: redis.Redis, job_id: str) -> dict | None:
     return record if record["status"] in jobs.TERMINAL else None
 
 
-def rl_steps(client: redis.Redis, job_id: str) -> list[dict]:
-    return [r for r in map(json.loads, client.lrange(Keys.history(job_id), 0, -1)) if r["phase"] == "rl"]
-
-
 def test_zero_spread_jobs_stop_or_warn_as_their_rule_says_and_never_move_the_policy(redis_url, tiny_model,
                                                                                   tokenizer, tmp_path):
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    stopping = asyncio.run(create(redis_url, pinned_job(tiny_model, "stop", num_steps=10)))
-    warning = asyncio.run(create(redis_url, pinned_job(tiny_model, "warn", num_steps=5)))
+    stopping = create_job(redis_url, pinned_job(tiny_model, "stop", num_steps=10))
+    warning = create_job(redis_url, pinned_job(tiny_model, "warn", num_steps=5))
     producers = [Producer(redis_url, job_id, tokenizer, gate=10**6, reward=lambda rng: 0.5)
                  for job_id in (stopping, warning)]
     for producer in producers:

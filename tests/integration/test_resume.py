@@ -8,7 +8,6 @@ runs see identical trajectories; the learner runs for real under torchrun with 2
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -17,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from safetensors.torch import load_file
 
 from learner.driver import JobRun
@@ -26,17 +24,11 @@ from services.config import JobSpec, LearnerSettings, ModelSpec, RolloutSpec, Tr
 from services.launcher import kill_all, process_tree
 from services.queues import Keys
 
-from helpers import Producer, start_learner, wait_for
+from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
 
 def job_record(client: redis.Redis, job_id: str) -> dict:
     return {k.decode(): v.decode() for k, v in client.hgetall(Keys.job(job_id)).items()}
-
-
-def rl_steps(client: redis.Redis, job_id: str) -> list[dict]:
-    import json
-
-    return [r for r in map(json.loads, client.lrange(Keys.history(job_id), 0, -1)) if r["phase"] == "rl"]
 
 
 def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_after: int | None,
@@ -49,7 +41,7 @@ def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_aft
     spec = JobSpec(model=ModelSpec(path=str(model), max_model_len=512),
                    rollout=RolloutSpec(group_size=2, max_total_tokens=256),
                    train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3, checkpoint_every=3))
-    job_id = asyncio.run(_create(redis_url, spec))
+    job_id = create_job(redis_url, spec)
     batch = spec.train.batch_size
     producer = Producer(redis_url, job_id, tokenizer, gate=batch * (interrupt_after or spec.train.num_steps))
     producer.start()
@@ -76,13 +68,6 @@ def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_aft
         learner.wait(timeout=60)
     task_ids = [t for record in rl_steps(client, job_id) for t in record["task_ids"]]
     return load_file(runs / job_id / "policy" / "model.safetensors"), task_ids, runs / job_id
-
-
-async def _create(redis_url: str, spec: JobSpec) -> str:
-    client = aioredis.from_url(redis_url)
-    job_id = await jobs.create_job(client, spec)
-    await client.aclose()
-    return job_id
 
 
 @pytest.fixture(scope="module")
