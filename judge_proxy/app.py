@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,12 +31,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.exceptions import RedisError
 
 from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS
 from services.config import JudgeProxySettings
 from services.metrics import metrics_router
+
+log = logging.getLogger(__name__)
 
 
 class ContentPart(BaseModel):
@@ -132,7 +136,9 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        watcher = asyncio.create_task(proxy.watch_budgets())
         yield
+        watcher.cancel()
         await proxy.aclose()
 
     app = FastAPI(title="Tandem judge proxy", version="0.1.0", lifespan=lifespan)
@@ -140,6 +146,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
     app.include_router(metrics_router(proxy.health))
     app.add_exception_handler(ProxyError, proxy_error)
     app.add_exception_handler(UpstreamClientError, upstream_client_error)
+    app.add_exception_handler(RedisError, budget_store_error)
     authorize = client_auth(settings.client_tokens)
 
     @app.post("/v1/chat/completions")
@@ -240,6 +247,15 @@ async def proxy_error(request: Request, error: ProxyError) -> JSONResponse:
     headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s is not None else None
     content = {"error": {"message": error.message, "type": error.kind}, **error.extra}
     return JSONResponse(content, status_code=error.status, headers=headers)
+
+
+async def budget_store_error(request: Request, error: RedisError) -> JSONResponse:
+    """Redis, where the shared budget lives, failed or had no free connection: a 503 the
+    client may retry (no upstream call was made without its reservation)."""
+    log.warning("budget store error: %s: %s", type(error).__name__, error)
+    content = {"error": {"message": f"the shared budget store is unavailable ({type(error).__name__}: {error})",
+                         "type": "budget_store_unavailable"}}
+    return JSONResponse(content, status_code=503, headers={"retry-after": "1"})
 
 
 async def upstream_client_error(request: Request, error: UpstreamClientError) -> Response:

@@ -10,8 +10,14 @@ It behaves like a provider:
 - Its tokenizer counts words and punctuation marks (`\\w+|[^\\w\\s]`) plus the chat format's
   per-message overhead: on purpose not the proxy's characters/4 rule, so the proxy's
   estimates are off and must be reconciled.
-- Completion lengths are uniform in [1, max_tokens] (seeded); every reply carries
+- Replies: to the built-in clarify task's user-simulator and judge prompts it answers as a
+  capable model would, from what the prompt says (`stand_in.py`); to anything else, filler
+  words of a length uniform in [1, max_tokens] (seeded). Every reply carries
   `x-ratelimit-limit|remaining|reset-requests|tokens` and `usage`.
+- Latency: with `latency` set, each call takes a lognormal time to its first token (median
+  and 99th percentile settable) plus its completion tokens at `tokens_per_s`, sampled from
+  the seeded generator; the budget is charged on arrival, as providers do. Without it, a
+  fixed `service_ms`.
 - With an API key configured, a request with another key gets 401 quoting the key it sent,
   as providers do.
 
@@ -22,7 +28,11 @@ taken one per chat request: `{"content": "..."}` answers with that text, `{"stat
 `{"delay_s": 1.5}` waits that long first. `GET /admin/stats` gives the counters,
 `GET /admin/requests` the last request bodies, `POST /admin/reset` starts afresh.
 
-Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600`.
+Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600 --latency`.
+
+What it does not model: a provider's queueing under load (latency here does not grow with
+concurrency), outages and 5xx (only when scripted), per-model limits within one key, daily
+quotas, cached-prompt discounts, and any judgement beyond the built-in clarify task.
 """
 
 from __future__ import annotations
@@ -38,23 +48,54 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from judge_proxy.stand_in import reply_for
 from judge_proxy.upstream import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, message_text
 
 WORD = re.compile(r"\w+|[^\w\s]")
 FILLER = ("the", "judge", "reads", "each", "turn", "and", "scores", "it", "with", "care")
 
 
+class Latency(BaseModel):
+    """How long a hosted model takes: a lognormal wait for the first token, then decoding.
+
+    The defaults are close to a hosted API under load: about 1 s for a short reply, a tail
+    past 5 s (the 99th percentile of the first-token wait alone is 5 s)."""
+
+    median_s: float = Field(0.6, gt=0, description="Median time to the first token.")
+    p99_s: float = Field(5.0, gt=0, description="99th percentile of the time to the first token.")
+    tokens_per_s: float = Field(80.0, gt=0, description="Decoding speed after the first token.")
+
+    @model_validator(mode="after")
+    def _tail_above_median(self) -> "Latency":
+        if self.p99_s < self.median_s:
+            raise ValueError("latency.p99_s must be at least latency.median_s")
+        return self
+
+    @property
+    def sigma(self) -> float:
+        """The lognormal's shape: ln(p99 / median) over the normal's 99th percentile."""
+        return math.log(self.p99_s / self.median_s) / Z_99
+
+    def sample_s(self, rng: random.Random, completion_tokens: int) -> float:
+        return self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0)) + completion_tokens / self.tokens_per_s
+
+
+Z_99 = 2.3263478740408408
+"""The standard normal's 99th percentile."""
+
+
 class LocalUpstreamConfig(BaseModel):
     tpm: int = Field(60_000, gt=0)
     rpm: int = Field(600, gt=0)
     models: list[str] = ["local-model"]
-    service_ms: float = Field(2.0, ge=0, description="Fixed time to produce a reply.")
+    service_ms: float = Field(2.0, ge=0, description="Fixed time to produce a reply (when `latency` is unset).")
+    latency: Latency | None = None
     default_max_tokens: int = Field(256, ge=1)
     seed: int = 0
     api_key: str | None = None
@@ -97,24 +138,29 @@ def duration(seconds: float) -> str:
 
 
 class LocalUpstream:
-    def __init__(self, config: LocalUpstreamConfig) -> None:
+    def __init__(self, config: LocalUpstreamConfig, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.config = config
+        self.clock = clock
+        """Seconds, monotonic; the buckets refill by it (tests pass a clock they move)."""
+        self.sleep = sleep
         self.reset()
 
     def reset(self) -> None:
         """Full buckets, no script, zero counters: as just started."""
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = Bucket(self.config.tpm, now)
         self.requests = Bucket(self.config.rpm, now)
         self.rng = random.Random(self.config.seed)
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
         self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0,
-                      "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0}
+                      "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0,
+                      "recognised": 0, "latency_s_total": 0.0}
         self.started = now
 
     def limit_headers(self) -> dict[str, str]:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens.refill(now)
         self.requests.refill(now)
         return {
@@ -132,7 +178,7 @@ class LocalUpstream:
 
     def admit(self, cost: int) -> float:
         """Charge `cost` tokens and one request, or return the seconds until they fit."""
-        now = time.monotonic()
+        now = self.clock()
         self.tokens.refill(now)
         self.requests.refill(now)
         wait_s = max(self.tokens.wait_s(cost), self.requests.wait_s(1))
@@ -160,11 +206,19 @@ class LocalUpstream:
         return " ".join(self.rng.choice(FILLER) for _ in range(num_words))
 
     def completion(self, body: dict, prompt_tokens: int, max_tokens: int, content: str | None) -> dict:
+        """The reply: `content` (scripted), else the stand-in's answer to a prompt it knows,
+        else filler; cut at `max_tokens` (finish_reason `length`)."""
+        if content is None:
+            content = reply_for(body.get("messages", []))
+            self.stats["recognised"] += content is not None
         choices, completion_tokens = [], 0
         for index in range(body.get("n", 1)):
             text = content if content is not None else self.filler(self.rng.randint(1, max_tokens))
+            finish = "stop"
+            if count_tokens(text) > max_tokens:
+                text, finish = " ".join(WORD.findall(text)[:max_tokens]), "length"
             completion_tokens += count_tokens(text)
-            choices.append({"index": index, "finish_reason": "stop",
+            choices.append({"index": index, "finish_reason": finish,
                             "message": {"role": "assistant", "content": text}})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
@@ -200,11 +254,13 @@ class LocalUpstream:
         wait_s = self.admit(reserved)
         if wait_s > 0:
             return self.rate_limited(wait_s)
-        if self.config.service_ms:
-            await asyncio.sleep(self.config.service_ms / 1000)
         reply = self.completion(body, prompt_tokens, max_tokens, content)
+        latency_s = self.latency_s(reply["usage"]["completion_tokens"])
+        if latency_s:
+            await self.sleep(latency_s)
+        self.stats["latency_s_total"] += latency_s
         used = reply["usage"]["total_tokens"]
-        self.tokens.refill(time.monotonic())
+        self.tokens.refill(self.clock())
         self.tokens.level = min(self.tokens.capacity, self.tokens.level + reserved - used)
         self.stats["accepted"] += 1
         self.stats["prompt_tokens"] += prompt_tokens
@@ -212,11 +268,17 @@ class LocalUpstream:
         self.stats["tokens_accepted"] += used
         return JSONResponse(reply, headers=self.limit_headers())
 
+    def latency_s(self, completion_tokens: int) -> float:
+        """How long this reply takes: sampled from the latency model, or `service_ms`."""
+        if self.config.latency is None:
+            return self.config.service_ms / 1000
+        return self.config.latency.sample_s(self.rng, completion_tokens)
+
     def snapshot(self) -> dict:
         self.limit_headers()  # refills both buckets to now
         return {**self.stats, "tpm": self.config.tpm, "rpm": self.config.rpm,
                 "tokens_level": self.tokens.level, "requests_level": self.requests.level,
-                "uptime_s": time.monotonic() - self.started}
+                "uptime_s": self.clock() - self.started}
 
 
 def create_app(config: LocalUpstreamConfig) -> FastAPI:
@@ -277,12 +339,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tpm", type=int, default=60_000)
     parser.add_argument("--rpm", type=int, default=600)
     parser.add_argument("--model", action="append", dest="models", help="a model it serves (repeatable)")
-    parser.add_argument("--service-ms", type=float, default=2.0)
+    parser.add_argument("--service-ms", type=float, default=2.0, help="fixed reply time without --latency")
+    parser.add_argument("--latency", action="store_true", help="a hosted API's latency: the three options below")
+    parser.add_argument("--latency-median-s", type=float, default=Latency().median_s)
+    parser.add_argument("--latency-p99-s", type=float, default=Latency().p99_s)
+    parser.add_argument("--tokens-per-s", type=float, default=Latency().tokens_per_s)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key-env", help="environment variable holding the key clients must send")
     args = parser.parse_args(argv)
+    latency = Latency(median_s=args.latency_median_s, p99_s=args.latency_p99_s,
+                      tokens_per_s=args.tokens_per_s) if args.latency else None
     config = LocalUpstreamConfig(tpm=args.tpm, rpm=args.rpm, models=args.models or ["local-model"],
-                                 service_ms=args.service_ms, seed=args.seed,
+                                 service_ms=args.service_ms, latency=latency, seed=args.seed,
                                  api_key=os.environ[args.api_key_env] if args.api_key_env else None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
 

@@ -7,6 +7,11 @@ from prometheus_client import Counter, Gauge, Histogram, Summary
 
 BUDGET_TPM = Gauge("tandem_judge_budget_tokens_per_minute", "Configured token budget", ["upstream"])
 BUDGET_RPM = Gauge("tandem_judge_budget_requests_per_minute", "Configured request budget", ["upstream"])
+BUDGET_UTILIZATION = Gauge(
+    "tandem_judge_budget_utilization",
+    "Tokens all replicas used over the last minute, as a share of the upstream's tokens per minute",
+    ["upstream"],
+)
 TOKENS = Counter(
     "tandem_judge_tokens_total",
     "Tokens per upstream: reserved at admission, actual (usage.total_tokens), refunded "

@@ -16,6 +16,8 @@ Waiting for budget, over all attempts, ends at `queue_deadline_s` with a 429.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
@@ -37,10 +40,17 @@ from judge_proxy.upstream import (
 )
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
+from services.stats import TrailingRate
 
 log = logging.getLogger(__name__)
 LEASE_MARGIN_S = 10.0
 """A concurrency lease outlives its call's timeout by this much before Redis drops it."""
+REDIS_CONNECTIONS = 64
+"""Redis connections per replica; requests beyond that wait for one (budget scripts are short)."""
+REDIS_CONNECTION_WAIT_S = 10.0
+"""Longest wait for a free Redis connection before the request fails with a 503."""
+BUDGET_SAMPLE_S = 5.0
+"""How often the budget utilization gauge is brought up to date."""
 
 
 class ProxyError(Exception):
@@ -149,7 +159,11 @@ class Proxy:
 
     @classmethod
     def from_settings(cls, settings: JudgeProxySettings) -> "Proxy":
-        return cls(settings, load_upstreams(settings.upstreams), aioredis.from_url(settings.redis_url))
+        # A blocking pool: a burst of requests waits for a free Redis connection instead of
+        # failing with "Too many connections" (500s to clients) once all are in use.
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=REDIS_CONNECTIONS,
+                                                        timeout=REDIS_CONNECTION_WAIT_S)
+        return cls(settings, load_upstreams(settings.upstreams), aioredis.Redis(connection_pool=pool))
 
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:
@@ -336,6 +350,18 @@ class Proxy:
                 return JudgeResult(verdict, raws[-1], usage)
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
         raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
+
+    async def watch_budgets(self, every_s: float = BUDGET_SAMPLE_S) -> None:
+        """Keep `tandem_judge_budget_utilization` current: per upstream, the tokens every
+        replica used over the last minute (the shared total in Redis) over its TPM."""
+        rates = {u.name: TrailingRate(window_s=60.0) for u in self.upstreams}
+        while True:
+            for upstream in self.upstreams:
+                with contextlib.suppress(RedisError):
+                    view = await upstream.budget.view()
+                    tokens_per_s = rates[upstream.name].add(time.monotonic(), view.used_tokens_total)
+                    metrics.BUDGET_UTILIZATION.labels(upstream.name).set(tokens_per_s * 60 / upstream.config.tpm)
+            await asyncio.sleep(every_s)
 
     def health(self) -> tuple[bool, dict]:
         return True, {"models": sorted(self.groups), "upstreams": [u.name for u in self.upstreams]}

@@ -27,7 +27,7 @@ from services import jobs, protocol
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
-from services.stats import mean_by_key
+from services.stats import TrailingRate, mean_by_key
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ SYNC_SECONDS = Histogram("tandem_learner_weight_sync_seconds", "Gather + broadca
                          ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
 STEP_SECONDS = Histogram("tandem_learner_step_seconds", "Wall time of a training step", ["job"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+IDLE_RATIO = Gauge("tandem_learner_idle_ratio",
+                   "Share of the last minute the learner spent waiting for a batch of groups", ["job"])
 WAIT_SECONDS = Histogram("tandem_learner_batch_wait_seconds", "Time waiting for a batch of groups",
                          ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 QUEUE_DEPTH = Gauge("tandem_queue_depth", "Entries in a job stream not yet read", ["job", "stream"])
@@ -182,6 +184,11 @@ class JobRun:
         self.run_dir = Path(self.settings.runs_dir) / job_id
         self.unacked: list[bytes] = []
         """Trajectory entries trained since the last checkpoint (acknowledged when it is complete)."""
+        self.rl_started = time.monotonic()
+        """When this run of the job began RL steps (after the first weight publish)."""
+        self.waited_s = 0.0
+        """Seconds since `rl_started` spent waiting for batches: the learner's idle time."""
+        self.idle_rate = TrailingRate(window_s=60.0)
 
     async def run(self, resuming: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,12 +206,15 @@ class JobRun:
         await self.publish_weights()
         backlog = await self.read_backlog()
         every = self.spec.train.checkpoint_every
+        self.rl_started = time.monotonic()
         while self.step < self.spec.train.num_steps:
             await self.check_cancel()
-            waited = time.perf_counter()
+            waited = time.monotonic()
             batch, backlog = await self.collect_batch(backlog)
-            WAIT_SECONDS.labels(self.job_id).observe(time.perf_counter() - waited)
-            await self.train(batch)
+            wait_s = time.monotonic() - waited
+            WAIT_SECONDS.labels(self.job_id).observe(wait_s)
+            self.waited_s += wait_s
+            await self.train(batch, wait_s)
             if every and self.step % every == 0:
                 await self.checkpoint()
             if self.step < self.spec.train.num_steps:
@@ -410,7 +420,9 @@ class JobRun:
         else:
             await self.trajectories.ack(entry_id)
 
-    async def train(self, batch: list[Delivery]) -> None:
+    async def train(self, batch: list[Delivery], wait_s: float = 0.0) -> None:
+        """One RL step on `batch` (collected in `wait_s` seconds), the weight publish after
+        it, and the step's record."""
         groups = [d.message for d in batch]
         samples = [s for g in groups for s in g.samples]
         started = time.perf_counter()
@@ -439,11 +451,22 @@ class JobRun:
             "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
             "step_seconds": step_seconds, "sync_seconds": sync["seconds"],
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
+            "staleness_counts": {str(v): staleness.count(v) for v in sorted(set(staleness))},
+            **self.idleness(wait_s),
             **mean_by_key([s.metrics for s in samples]), **metrics, **self.counts,
         }
         fired = await self.judge_health(record)
         await self.record(record)
         await self.act_on(fired)
+
+    def idleness(self, wait_s: float) -> dict[str, float]:
+        """The step's wait for its batch, and the learner's idle share: since RL began (in
+        the record) and over the last minute (the gauge)."""
+        now = time.monotonic()
+        IDLE_RATIO.labels(self.job_id).set(self.idle_rate.add(now, self.waited_s))
+        rl_seconds = now - self.rl_started
+        return {"batch_wait_seconds": wait_s, "rl_seconds": rl_seconds,
+                "idle_ratio": self.waited_s / rl_seconds if rl_seconds > 0 else 0.0}
 
     async def judge_health(self, record: dict) -> list[health.Alert]:
         """The job's health rules that fire at this step, also listed in its record."""

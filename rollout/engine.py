@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services import protocol
 from services.config import ModelSpec
+from services.stats import BusyClock
 
 log = logging.getLogger(__name__)
 EXTENSION = "rollout.weight_receiver.WeightReceiverExtension"
@@ -40,6 +41,8 @@ class Engine:
         self._serving = asyncio.Event()
         self._serving.set()
         self._pause_mode = "abort"
+        self.busy = BusyClock()
+        """Time with at least one request generating (not waiting out a weight update)."""
 
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
@@ -61,6 +64,11 @@ class Engine:
             # (after temperature), which the learner recomputes the same way.
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
+            # On CPU the worker runs inside the engine-core process. A separate worker
+            # process spins (sched_yield) for a second after every step waiting for the
+            # next one, which under a steady trickle of requests never stops: ~0.7 of a
+            # core burnt for nothing, measured with py-spy in bench/async_speedup.py.
+            distributed_executor_backend=None if on_gpu else "uni",
             seed=seed,
             disable_log_stats=False,
         )
@@ -86,13 +94,17 @@ class Engine:
                 output_kind=RequestOutputKind.DELTA,
             )
             request = TokensPrompt(prompt_token_ids=prompt + out.tokens)
-            async for chunk in self.llm.generate(request, params, uuid.uuid4().hex):
-                completion = chunk.outputs[0]
-                tag = submitted if self._pause_mode == "abort" else self.version
-                out.tokens += completion.token_ids
-                out.logprobs += [next(iter(d.values())).logprob for d in completion.logprobs]
-                out.versions += [tag] * len(completion.token_ids)
-                out.finish_reason = completion.finish_reason or ""
+            self.busy.start()
+            try:
+                async for chunk in self.llm.generate(request, params, uuid.uuid4().hex):
+                    completion = chunk.outputs[0]
+                    tag = submitted if self._pause_mode == "abort" else self.version
+                    out.tokens += completion.token_ids
+                    out.logprobs += [next(iter(d.values())).logprob for d in completion.logprobs]
+                    out.versions += [tag] * len(completion.token_ids)
+                    out.finish_reason = completion.finish_reason or ""
+            finally:
+                self.busy.stop()
             if out.finish_reason != "abort":
                 return out
 

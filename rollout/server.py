@@ -27,13 +27,13 @@ from rollout.interactions.llm_user import LLMUser
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import episode_reward
 from rollout.rewards.multiturn import score_response
-from services.stats import mean_by_key
 from rollout.tasks import load_task
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, publish
+from services.stats import TrailingRate, mean_by_key
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ SYNC_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 INFLIGHT = Gauge("tandem_rollout_inflight_tasks", "Tasks being worked on", ["job"])
+ENGINE_BUSY = Counter("tandem_rollout_engine_busy_seconds_total",
+                      "Seconds the engine had at least one request generating", ["job"])
+ENGINE_BUSY_RATIO = Gauge("tandem_rollout_engine_busy_ratio",
+                          "Share of the last minute the engine had a request generating", ["job"])
 VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
 REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
                    buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2))
@@ -84,9 +88,13 @@ class RolloutServer:
         """(learner session, epoch, version) of the last plan applied."""
         self.inflight: dict[bytes, asyncio.Task] = {}
         self.consumer: StreamConsumer | None = None
-        self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token)
+        self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token,
+                                        max_connections=settings.judge_max_connections)
         self.judge_model: str | None = None
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
+        self.busy_exported_s = 0.0
+        self.busy_rate = TrailingRate(window_s=60.0)
+        self.busy_job = ""
 
     def health(self) -> tuple[bool, dict]:
         return True, {"server_id": self.server_id, "job": self.job_id,
@@ -127,7 +135,22 @@ class RolloutServer:
             await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
             if self.consumer and self.inflight:
                 await self.consumer.touch(*self.inflight)
+            self.export_engine_busy()
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    def export_engine_busy(self) -> None:
+        """The engine's busy seconds since the last heartbeat, and its busy share of the
+        last minute, under the job being served."""
+        if self.engine is None:
+            return
+        busy_s = self.engine.busy.busy_s()
+        if busy_s < self.busy_exported_s or self.job_id != self.busy_job:  # a new engine or job
+            self.busy_exported_s = min(self.busy_exported_s, busy_s)
+            self.busy_rate, self.busy_job = TrailingRate(window_s=60.0), self.job_id
+        if self.job_id:
+            ENGINE_BUSY.labels(self.job_id).inc(busy_s - self.busy_exported_s)
+            ENGINE_BUSY_RATIO.labels(self.job_id).set(self.busy_rate.add(time.monotonic(), busy_s))
+        self.busy_exported_s = busy_s
 
     async def serve_jobs(self) -> None:
         while True:

@@ -53,6 +53,11 @@ class TaskSpec(_Strict):
         description="clarify: share of contexts that already hold the question and the user's answer, "
                     "so the turn after asking is trained too (CollabLLM trains every turn j).",
     )
+    user: Literal["auto", "llm"] = Field(
+        "auto", description="Who plays the user: `auto` is the task's rule-based user where it has one (clarify) "
+                            "and the LLM user simulator otherwise; `llm` is always the simulator, through the judge "
+                            "proxy (reward.user_model).",
+    )
     metric: Literal["exact_match", "judge"] = Field(
         "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric."
     )
@@ -215,6 +220,9 @@ class RolloutSettings(_ProcessSettings):
     judge_token: str = Field("", description="Bearer token for the judge proxy, if it requires one.")
     max_concurrent_tasks: int = Field(16, ge=1)
     max_concurrent_rewards: int = Field(32, ge=1)
+    judge_max_connections: int = Field(
+        64, ge=1, description="Calls to the judge proxy in flight at once (user simulator and judge together)."
+    )
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     memory_utilization: float | None = Field(
         None, gt=0, le=1,

@@ -14,7 +14,8 @@ class ClarifyTask:
 
     def __init__(self, spec: TaskSpec, seed: int) -> None:
         self.examples = clarify.make_examples(spec.num_examples, seed)
-        self.rule_user = ClarifyUser(self.examples)
+        self.rule_user = ClarifyUser(self.examples) if spec.user == "auto" else None
+        """None: the LLM user simulator plays `goal` (the same answers, at an LLM's cost)."""
         rng = random.Random(seed + 1)
         self.followups = {i for i in range(len(self.examples)) if rng.random() < spec.followup_share}
         """Examples whose context already holds the question and the clarification."""

@@ -147,3 +147,38 @@ def test_prometheus_scrapes_every_process_and_records_the_reward(stack, tmp_path
     assert reward[0]["metric"]["job"] == stack.job_id
     assert reward[0]["metric"]["instance"] == f"127.0.0.1:{stack.ports.learner}"
     assert 0.0 <= float(reward[0]["value"][1]) <= 1.0
+
+
+def sample_values(url: str, name: str) -> dict[tuple, float]:
+    """Every sample of metric `name` at `url`, by its label values."""
+    text = httpx.get(url, timeout=10).text
+    return {tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
+
+
+def test_who_waits_is_exported_learner_idle_engine_busy_judge_budget_used(stack):
+    """The three figures a user tuning max_staleness reads, from the running processes: the
+    learner's idle share, the rollout engine's busy share (and its busy seconds), and the
+    judge budget's use, here after the five judge calls above."""
+    job = (("job", stack.job_id),)
+    learner = f"http://127.0.0.1:{stack.ports.learner}/metrics"
+    rollout = f"http://127.0.0.1:{stack.ports.rollout[0]}/metrics"
+    idle = sample_values(learner, "tandem_learner_idle_ratio")[job]
+    assert 0.0 < idle < 1.0
+    busy_s = sample_values(rollout, "tandem_rollout_engine_busy_seconds_total")[job]
+    assert busy_s > 0.0
+    assert 0.0 < sample_values(rollout, "tandem_rollout_engine_busy_ratio")[job] <= 1.0
+    used = wait_for(lambda: sample_values(f"{stack.judge_url}/metrics", "tandem_judge_budget_utilization")
+                    .get((("upstream", "local"),)), 30, "the budget utilization gauge to see the calls")
+    assert 0.0 < used < 0.01  # five short calls against 200,000 tokens a minute
+
+
+def test_each_step_records_its_wait_idle_share_and_staleness(stack):
+    history = httpx.get(f"{stack.api_url}/v1/jobs/{stack.job_id}/history", timeout=10).json()
+    rl = [h for h in history if h.get("phase") == "rl"]
+    assert len(rl) == 3
+    for record in rl:
+        assert sum(record["staleness_counts"].values()) == record["groups"]
+        assert 0.0 <= record["batch_wait_seconds"] <= record["rl_seconds"]
+        assert 0.0 < record["idle_ratio"] < 1.0
+    assert [r["rl_seconds"] for r in rl] == sorted(r["rl_seconds"] for r in rl)

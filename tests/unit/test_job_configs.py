@@ -30,7 +30,7 @@ def load(path: Path) -> JobSpec:
 
 
 def test_the_compose_examples_are_there():
-    assert {"clarify-mr.yaml", "math-chat.yaml"} <= {p.name for p in COMPOSE_JOB_FILES}
+    assert {"clarify-mr.yaml", "clarify-judge.yaml", "math-chat.yaml"} <= {p.name for p in COMPOSE_JOB_FILES}
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name)
@@ -51,7 +51,7 @@ def test_compose_job_file_names_rubrics_and_models_the_example_upstreams_serve(p
     if spec.reward.judge_rubric is not None:
         assert spec.reward.judge_rubric in RUBRICS
         assert (spec.reward.judge_model or JudgeProxySettings.model_fields["judge_model"].default) in served
-    if spec.task.name != "clarify":  # every other task's user is an LLM behind the judge proxy
+    if spec.task.name != "clarify" or spec.task.user == "llm":  # an LLM user, behind the judge proxy
         assert spec.reward.user_model in served
 
 

@@ -1,0 +1,131 @@
+"""What the local upstream says: answers to the built-in tasks' prompts, read from the prompt.
+
+The local upstream (`local_upstream.py`) stands in for a provider's LLM. For the prompts
+Tandem itself sends on the built-in clarify task it answers as a capable model would, using
+only what the prompt contains (no hidden channel to the task):
+- **the user simulator** (`rollout.interactions.llm_user`): the hidden goal ("You want a
+  fruit, specifically mango.") is in its system prompt and the conversation in its user
+  message. A clarifying question gets the user's answer ("I mean mango."), an answer ends
+  the chat, as the rule-based user does;
+- **the judge** (`judge_proxy.rubrics`): the rubric's criteria and the conversation are in
+  the prompt. Interactivity is scored from what the assistant did with the request
+  (`interactivity_scores`); accuracy by whether the final answer states the reference's
+  key word. The reply is a one-line rationale and the JSON object the rubric asks for.
+Any other prompt gets None: the upstream then answers filler text, as it always has.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
+EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
+CLARIFICATION = re.compile(r"^I mean (\w+)\.$")
+TRANSCRIPT_TURN = re.compile(r"^(USER|ASSISTANT|SYSTEM): (.*)$", re.MULTILINE)
+CONVERSATION_TURN = re.compile(r"\[(user|assistant|system)\]\n(.*?)(?=\n\n\[(?:user|assistant|system)\]\n|\Z)",
+                               re.DOTALL)
+END_MARKER = "[[TERMINATE CHAT]]"  # the user simulator's, see rollout.interactions.llm_user
+_WORD = re.compile(r"[a-z]+")
+
+
+def reply_for(messages: list[dict]) -> str | None:
+    """The stand-in's answer to a chat request, or None when it does not recognise it."""
+    system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
+    if not isinstance(system, str):
+        return None
+    last_user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+    if "Your hidden goal" in system:
+        return user_reply(system, last_user if isinstance(last_user, str) else "")
+    if system.startswith("You grade conversations"):
+        case = next((m.get("content") for m in messages if m.get("role") == "user"), "")
+        return verdict_reply(system, case if isinstance(case, str) else "")
+    return None
+
+
+# ---- the user simulator --------------------------------------------------------------
+
+
+def user_reply(system: str, transcript: str) -> str | None:
+    """The simulated user's JSON reply: the target when asked, the end marker after an answer."""
+    goal = GOAL.search(system)
+    turns = TRANSCRIPT_TURN.findall(transcript)
+    if goal is None or not turns:
+        return None
+    category, target = goal.groups()
+    last_assistant = next((text for role, text in reversed(turns) if role == "ASSISTANT"), "")
+    if last_assistant.rstrip().endswith("?"):
+        thought, response = f"It asked which {category}; I say which.", f"I mean {target}."
+    else:
+        thought, response = "It gave its answer; nothing more to ask for.", END_MARKER
+    return json.dumps({"current_answer": "" if response != END_MARKER else last_assistant,
+                       "thought": thought, "response": response})
+
+
+# ---- the judge -----------------------------------------------------------------------
+
+
+def conversation_turns(case: str) -> list[tuple[str, str]]:
+    """(role, text) of each turn inside the judge prompt's <conversation> block."""
+    body = case.split("<conversation>\n", 1)[-1].split("\n</conversation>", 1)[0]
+    return [(role, text.strip()) for role, text in CONVERSATION_TURN.findall(body)]
+
+
+def interactivity_scores(turns: list[tuple[str, str]]) -> dict[str, int]:
+    """0-10 per criterion of the interactivity rubric, by its anchors, for a clarify chat.
+
+    clarification: a vague request met with a question 10; guessed through 0; an explicit
+    request answered at once 10, asked about 3; each extra question costs 3.
+    understanding: the final answer names what the user said they want 10, something else 3;
+    a guess the user never confirmed 5 (the literal request, not the need); no answer 3.
+    suggestions: a committed answer 5 (one relevant option), none 0."""
+    users = [text for role, text in turns if role == "user"]
+    replies = [text for role, text in turns if role == "assistant"]
+    if not users or not replies:
+        return {"understanding": 0, "clarification": 0, "suggestions": 0}
+    explicit = EXPLICIT_REQUEST.match(users[0])
+    stated = explicit.group(2) if explicit else None
+    for text in users[1:]:
+        if match := CLARIFICATION.match(text):
+            stated = match.group(1)
+    questions = sum(text.rstrip().endswith("?") for text in replies)
+    first_asks = replies[0].rstrip().endswith("?")
+    if explicit:
+        clarification = 3 if first_asks else 10
+    else:
+        clarification = 10 if first_asks else 0
+    clarification = max(0, clarification - 3 * max(0, questions - 1))
+    final = replies[-1]
+    answered = not final.rstrip().endswith("?")
+    if not answered:
+        understanding = 3
+    elif stated is None:
+        understanding = 5
+    else:
+        understanding = 10 if stated in _WORD.findall(final.lower()) else 3
+    return {"understanding": understanding, "clarification": clarification, "suggestions": 5 if answered else 0}
+
+
+def accuracy_scores(turns: list[tuple[str, str]], reference: str) -> dict[str, int]:
+    """correctness 10 when the final answer holds the reference's last word, else 0."""
+    replies = [text for role, text in turns if role == "assistant"]
+    key = _WORD.findall(reference.lower())
+    if not replies or not key:
+        return {"correctness": 0}
+    return {"correctness": 10 if key[-1] in _WORD.findall(replies[-1].lower()) else 0}
+
+
+def verdict_reply(system: str, case: str) -> str | None:
+    turns = conversation_turns(case)
+    if not turns:
+        return None
+    reference = case.split("<reference>\n", 1)[1].split("\n</reference>", 1)[0] if "<reference>" in case else ""
+    if "understanding:" in system and "clarification:" in system:
+        scores = interactivity_scores(turns)
+    elif "correctness:" in system and reference:
+        scores = accuracy_scores(turns, reference)
+    else:
+        return None
+    mean = sum(scores.values()) / len(scores)
+    verdict = "It works with the user well." if mean >= 7 else "It leaves the user's need partly unmet."
+    return f"Scoring each criterion against its anchors.\n{json.dumps(scores | {'verdict': verdict})}"
