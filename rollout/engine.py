@@ -53,6 +53,14 @@ class Engine:
 
         on_gpu = torch.cuda.is_available()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        if not on_gpu:
+            # The worker then runs inside the engine-core process (the "uni" executor; vLLM's
+            # CPU platform switches it to a worker process of its own unless this is 0). A
+            # worker process spins (sched_yield) for a second after every step, waiting for
+            # the next: under a steady trickle of requests that never stops, and burnt 0.7 of
+            # one of this machine's two cores (py-spy, bench/async_speedup.py). AsyncLLM keeps
+            # its engine core in a separate process either way.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = AsyncEngineArgs(
             model=model.local_folder(),
             dtype=model.dtype,
@@ -64,10 +72,6 @@ class Engine:
             # (after temperature), which the learner recomputes the same way.
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
-            # On CPU the worker runs inside the engine-core process. A separate worker
-            # process spins (sched_yield) for a second after every step waiting for the
-            # next one, which under a steady trickle of requests never stops: ~0.7 of a
-            # core burnt for nothing, measured with py-spy in bench/async_speedup.py.
             distributed_executor_backend=None if on_gpu else "uni",
             seed=seed,
             disable_log_stats=False,
