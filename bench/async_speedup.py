@@ -145,15 +145,15 @@ def cpu_seconds(stack: Stack, stand_in: StandIn) -> dict[str, float]:
     from services.launcher import process_tree
 
     roots = {name: process.pid for name, process in stack.processes.items()} | {"stand-in": stand_in.process.pid}
-    used = {}
+    used: dict[str, float] = {}
     for name, pid in roots.items():
-        used[name] = 0.0
         for process in process_tree(pid):
             try:
                 times = process.cpu_times()
+                part = name if process.pid == pid or name == "learner" else f"{name} {process.name()}"
             except psutil.NoSuchProcess:
                 continue
-            used[name] += times.user + times.system
+            used[part] = used.get(part, 0.0) + times.user + times.system
     return used
 
 

@@ -26,8 +26,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
+from multidict import CIMultiDict
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -257,9 +258,9 @@ class Proxy:
         started = time.perf_counter()
         try:
             reply = await upstream.post(payload)
-        except httpx.TimeoutException:
+        except TimeoutError:
             reply, outcome, detail = None, "timeout", ""
-        except httpx.TransportError as err:
+        except aiohttp.ClientError as err:
             reply, outcome, detail = None, "connect_error", type(err).__name__
         else:
             outcome, detail = outcome_of(reply.status), f"HTTP {reply.status}"
@@ -315,7 +316,7 @@ class Proxy:
 
     async def settle(self, group: Group, upstream: Upstream, lease: Lease, used_tokens: int, reply: Reply | None,
                      *, used_request: bool = True, pause_s: float = 0.0) -> None:
-        headers = reply.headers if reply is not None else httpx.Headers()
+        headers = reply.headers if reply is not None else CIMultiDict()
         await upstream.budget.settle(lease, used_tokens, used_request=used_request, pause_s=pause_s,
                                      remaining_tokens=remaining(headers, "tokens"),
                                      remaining_requests=remaining(headers, "requests"))
@@ -368,7 +369,7 @@ class Proxy:
 
     async def aclose(self) -> None:
         for upstream in self.upstreams:
-            await upstream.http.aclose()
+            await upstream.aclose()
         await self.redis.aclose()
 
 

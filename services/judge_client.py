@@ -1,7 +1,10 @@
 """The async client rollout servers use to reach the judge proxy.
 
 It speaks only the proxy's HTTP API (`POST /v1/chat/completions`, `POST /v1/judge`), so
-rollout never imports `judge_proxy`. One pooled httpx client per `JudgeClient`. A 429 is
+rollout never imports `judge_proxy`. One pooled aiohttp session per `JudgeClient`, opened
+on first use in the running event loop (aiohttp, not httpx: a rollout server makes dozens
+of these calls a second, and httpx's pool bookkeeping took most of the server's CPU in a
+py-spy profile of bench/async_speedup.py). A 429 is
 retried after its `Retry-After`; a 502/503/504 or a connection failure after exponential
 backoff with jitter; at most `max_retries` times, each wait at most `max_retry_wait_s`.
 Then, or at once for any other error, it raises `JudgeError`.
@@ -13,7 +16,8 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+import msgspec
 
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
 """Unreachable, over budget, upstreams failing: worth another try."""
@@ -54,9 +58,11 @@ def backoff_s(attempt: int, cap_s: float, rng: random.Random) -> float:
 class JudgeClient:
     def __init__(self, base_url: str, token: str = "", timeout_s: float = 120.0, max_connections: int = 64,
                  max_retries: int = 2, max_retry_wait_s: float = 60.0) -> None:
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits)
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_connections = max_connections
+        self.session: aiohttp.ClientSession | None = None
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
         self.rng = random.Random()
@@ -74,7 +80,15 @@ class JudgeClient:
         return JudgeResult(reply["score"], reply["criteria"], reply["verdict"], reply["raw"], reply["usage"])
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None or self.session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections)
+            self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, connector=connector)
+        return self.session
 
     async def _post(self, path: str, body: dict, job: str, priority: str) -> dict:
         headers = {"x-tandem-job": job, "x-tandem-priority": priority}
@@ -92,11 +106,15 @@ class JudgeClient:
             attempt += 1
 
     async def _try(self, path: str, body: dict, headers: dict) -> dict | JudgeError:
+        headers = {**headers, "content-type": "application/json"}
         try:
-            response = await self.http.post(path, json=body, headers=headers)
-        except httpx.TransportError as err:
+            async with self._session().post(self.base_url + path, data=msgspec.json.encode(body),
+                                            headers=headers) as response:
+                status, content = response.status, await response.read()
+                retry_after = response.headers.get("retry-after", "")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             return JudgeError(0, f"judge proxy unreachable: {type(err).__name__}: {err}")
-        return response.json() if response.status_code == 200 else _error(response)
+        return msgspec.json.decode(content) if status == 200 else _error(status, content, retry_after)
 
 
 def _retried(error: JudgeError) -> bool:
@@ -104,15 +122,14 @@ def _retried(error: JudgeError) -> bool:
     return error.status in RETRIED_STATUSES and error.kind != "unparseable_verdict"
 
 
-def _error(response: httpx.Response) -> JudgeError:
+def _error(status: int, content: bytes, retry_after: str) -> JudgeError:
     """The proxy's `{"error": {"message", "type"}}`, or the body's text for anything else."""
     try:
-        payload = response.json()
-    except ValueError:
+        payload = msgspec.json.decode(content)
+    except msgspec.DecodeError:
         payload = None
     detail = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(detail, dict):
-        detail = {"message": response.text[:500]}
-    retry_after = response.headers.get("retry-after", "")
+        detail = {"message": content[:500].decode(errors="replace")}
     retry_after_s = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
-    return JudgeError(response.status_code, detail.get("message", ""), detail.get("type", ""), retry_after_s)
+    return JudgeError(status, detail.get("message", ""), detail.get("type", ""), retry_after_s)
