@@ -219,9 +219,14 @@ class RolloutSettings(_ProcessSettings):
     judge_url: str = "http://127.0.0.1:8001"
     judge_token: str = Field("", description="Bearer token for the judge proxy, if it requires one.")
     max_concurrent_tasks: int = Field(16, ge=1)
-    max_concurrent_rewards: int = Field(32, ge=1)
+    max_concurrent_rewards: int = Field(
+        128, ge=1,
+        description="Samples scoring at once (their futures and judge calls). Below max_concurrent_tasks x "
+                    "group_size it throttles a judge-bound job: at 32, with 32 tasks of 4 in flight, groups "
+                    "queued here doubled their latency (bench/async_speedup.py).",
+    )
     judge_max_connections: int = Field(
-        64, ge=1, description="Calls to the judge proxy in flight at once (user simulator and judge together)."
+        256, ge=1, description="Calls to the judge proxy in flight at once (user simulator and judge together)."
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     memory_utilization: float | None = Field(
