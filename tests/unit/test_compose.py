@@ -495,3 +495,18 @@ def test_dashboard_expressions_and_prometheus_config_pass_promtool(tmp_path):
     for args in (["check", "rules", str(tmp_path / "rules.yml")], ["check", "config", str(DEPLOY / "prometheus.yml")]):
         result = subprocess.run(["promtool", *args], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_stand_in_provider_matches_the_upstreams_file_that_names_it():
+    """Profile `stand-in`: the stand-in serves the model the judge-bound job asks for, on the
+    port and with the limits its upstreams file gives the judge proxy."""
+    service = services()["stand-in"]
+    assert "stand-in" in service["profiles"] and not set(service["profiles"]) & set(PROFILES)
+    command = service["command"]
+    flags = dict(zip(command[3::2], command[4::2]))
+    upstream = yaml.safe_load((ROOT / "deploy" / "configs" / "judge_upstreams.stand-in.yaml").read_text())["upstreams"]
+    assert len(upstream) == 1 and "--latency" in command
+    assert upstream[0]["base_url"] == f"http://stand-in:{flags['--port']}/v1"
+    assert (upstream[0]["model"], str(upstream[0]["tpm"]), str(upstream[0]["rpm"])) == (
+        flags["--model"], flags["--tpm"], flags["--rpm"])
+    assert health_url(service)[1] == int(flags["--port"])
