@@ -42,7 +42,8 @@ class Engine:
         self._serving.set()
         self._pause_mode = "abort"
         self.busy = BusyClock()
-        """Time with at least one request generating (not waiting out a weight update)."""
+        """Time with at least one request generating. In `keep` mode a request frozen
+        through a weight update counts as busy; in `abort` mode it does not."""
 
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
@@ -54,12 +55,12 @@ class Engine:
         on_gpu = torch.cuda.is_available()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
         if not on_gpu:
-            # The worker then runs inside the engine-core process (the "uni" executor; vLLM's
-            # CPU platform switches it to a worker process of its own unless this is 0). A
-            # worker process spins (sched_yield) for a second after every step, waiting for
-            # the next: under a steady trickle of requests that never stops, and burnt 0.7 of
-            # one of this machine's two cores (py-spy, bench/async_speedup.py). AsyncLLM keeps
-            # its engine core in a separate process either way.
+            # Run the worker inside the engine-core process (the "uni" executor below; vLLM's
+            # CPU platform swaps it for a worker process unless this is 0). A worker process
+            # spins (sched_yield) for a second after every step, waiting for the next: under
+            # a steady trickle of requests it never stops, which burnt 0.7 of one of this
+            # machine's two cores (py-spy, bench/async_speedup.py). AsyncLLM keeps its
+            # engine core in a separate process either way.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = AsyncEngineArgs(
             model=model.local_folder(),
