@@ -136,6 +136,15 @@ class Upstream:
             self.http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
                 connector=aiohttp.TCPConnector(limit=self.config.max_concurrency))
+        try:
+            return await self._post_once(payload, headers)
+        except aiohttp.ServerDisconnectedError:
+            # A pooled keep-alive connection the server had just closed (uvicorn closes idle
+            # ones after 5 s, aiohttp keeps them 15 s): nothing was answered, so once more on
+            # a fresh connection. Under load it otherwise cost a 502 (bench/judge_proxy.py).
+            return await self._post_once(payload, headers)
+
+    async def _post_once(self, payload: bytes, headers: dict[str, str]) -> Reply:
         async with self.http.post(self.url, data=payload, headers=headers) as response:
             return Reply(response.status, await response.read(), response.headers)
 
