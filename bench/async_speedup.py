@@ -29,7 +29,6 @@ import asyncio
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -114,10 +113,12 @@ class StandIn:
 
 
 def scrape(url: str, metric: str, job_id: str) -> float:
-    """One labelled sample of a Prometheus metric (0 when absent)."""
-    text = httpx.get(url, timeout=5).text
-    match = re.search(rf'^{metric}{{job="{re.escape(job_id)}"}} (\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    """The sample of a Prometheus metric labelled with `job_id` (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(url, timeout=5).text)
+    return next((sample.value for family in families for sample in family.samples
+                 if sample.name == metric and sample.labels.get("job") == job_id), 0.0)
 
 
 def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
@@ -262,7 +263,8 @@ def print_report(report: dict) -> None:
           f"target: reward moving average ({report['window']} steps) >= {report['target_reward']}, "
           f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all")
     print(f"{'setting':>13} {'to target':>10} {'speedup':>8} {'to end':>8} {'steps/min':>10} {'held-out':>9} "
-          f"{'vs sync':>8} {'idle':>6} {'engine':>7} {'budget':>7} {'429s':>5} {'dropped':>8} {'mism. KL':>9}  staleness")
+          f"{'vs sync':>8} {'idle':>6} {'engine':>7} {'budget':>7} {'429s':>5} {'dropped':>8} {'mism. KL':>9}"
+          "  staleness")
     for label, r in report["runs"].items():
         to_target = f"{r['to_target_s']:.0f} s" if r["to_target_s"] else "never"
         speedup = f"{r['speedup_to_target']:.2f}x" if r["speedup_to_target"] else "-"

@@ -47,7 +47,8 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
     "is_masked_fraction": Gauge("tandem_learner_importance_masked_fraction", "Share of tokens masked by MIS", ["job"]),
     "success": Gauge("tandem_learner_task_success", "Task success in the last batch", ["job"]),
     "zero_spread_share": Gauge("tandem_learner_zero_spread_group_share",
-                               "Share of the last batch's groups whose advantages are all 0 (trained on nothing)", ["job"]),
+                               "Share of the last batch's groups whose advantages are all 0 (trained on nothing)",
+                               ["job"]),
     "is_capped_tokens": Gauge("tandem_learner_importance_capped_tokens",
                               "Trained tokens of the last step whose importance weight the cap C set", ["job"]),
     "futures_malformed": Gauge("tandem_learner_futures_malformed_share",
@@ -420,7 +421,7 @@ class JobRun:
         else:
             await self.trajectories.ack(entry_id)
 
-    async def train(self, batch: list[Delivery], wait_s: float = 0.0) -> None:
+    async def train(self, batch: list[Delivery], wait_s: float) -> None:
         """One RL step on `batch` (collected in `wait_s` seconds), the weight publish after
         it, and the step's record."""
         groups = [d.message for d in batch]

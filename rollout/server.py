@@ -93,8 +93,8 @@ class RolloutServer:
         self.judge_model: str | None = None
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
         self.busy_exported_s = 0.0
+        """The engine's busy seconds already counted under the current job."""
         self.busy_rate = TrailingRate(window_s=60.0)
-        self.busy_job = ""
 
     def health(self) -> tuple[bool, dict]:
         return True, {"server_id": self.server_id, "job": self.job_id,
@@ -141,15 +141,11 @@ class RolloutServer:
     def export_engine_busy(self) -> None:
         """The engine's busy seconds since the last heartbeat, and its busy share of the
         last minute, under the job being served."""
-        if self.engine is None:
+        if self.engine is None or not self.job_id:
             return
         busy_s = self.engine.busy.busy_s()
-        if busy_s < self.busy_exported_s or self.job_id != self.busy_job:  # a new engine or job
-            self.busy_exported_s = min(self.busy_exported_s, busy_s)
-            self.busy_rate, self.busy_job = TrailingRate(window_s=60.0), self.job_id
-        if self.job_id:
-            ENGINE_BUSY.labels(self.job_id).inc(busy_s - self.busy_exported_s)
-            ENGINE_BUSY_RATIO.labels(self.job_id).set(self.busy_rate.add(time.monotonic(), busy_s))
+        ENGINE_BUSY.labels(self.job_id).inc(busy_s - self.busy_exported_s)
+        ENGINE_BUSY_RATIO.labels(self.job_id).set(self.busy_rate.add(time.monotonic(), busy_s))
         self.busy_exported_s = busy_s
 
     async def serve_jobs(self) -> None:
@@ -186,6 +182,8 @@ class RolloutServer:
         ).setup()
         self.job_id, self.synced_plan, self.consumer = job_id, None, consumer
         self.synced.clear()
+        # Engine busy time counts from here, under this job (the engine may be new).
+        self.busy_exported_s, self.busy_rate = self.engine.busy.busy_s(), TrailingRate(window_s=60.0)
         try:
             # Weights and tasks run until the job leaves `jobs:running`; leaving the group by
             # an exception cancels both (and a failure in either one propagates).

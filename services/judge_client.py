@@ -59,7 +59,7 @@ class JudgeClient:
     def __init__(self, base_url: str, token: str = "", timeout_s: float = 120.0, max_connections: int = 64,
                  max_retries: int = 2, max_retry_wait_s: float = 60.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {token}"} if token else {})
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
@@ -106,7 +106,6 @@ class JudgeClient:
             attempt += 1
 
     async def _try(self, path: str, body: dict, headers: dict) -> dict | JudgeError:
-        headers = {**headers, "content-type": "application/json"}
         try:
             async with self._session().post(self.base_url + path, data=msgspec.json.encode(body),
                                             headers=headers) as response:
