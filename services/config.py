@@ -169,6 +169,11 @@ class JobSpec(_Strict):
         return self
 
 
+PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"))
+"""(section, field) of every job-spec field that names a file or folder the learner or a
+rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
+
+
 class _ProcessSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
 
@@ -191,6 +196,11 @@ class ApiSettings(_ProcessSettings):
     port: int = 8000
     max_body_bytes: int = 1 << 20
     tokens: str = Field("", description="'token:tenant,...'; empty disables auth (local use).")
+    path_roots: str = Field(
+        "/models", description="Comma-separated folders a tenant's job spec may name files under (PATH_FIELDS), "
+                               "symlinks and '..' resolved; enforced when `tokens` is set. Keep the runs folder "
+                               "(every job's checkpoints) out of it.",
+    )
 
 
 class JudgeProxySettings(_ProcessSettings):

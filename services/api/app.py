@@ -7,6 +7,8 @@ the offending field (e.g. `["body", "train", "lr"]`).
 Auth: with `settings.tokens` set ("token:tenant,..."), every /v1 route needs
 `Authorization: Bearer <token>` (401 otherwise); a tenant sees and controls only its own
 jobs (403 for another tenant's). Tokens are compared in constant time and never logged.
+A tenant's spec may name files only under `settings.path_roots` (422 naming the field
+otherwise), so it cannot train from another job's checkpoint or read the learner's files.
 Bodies over `max_body_bytes` get 413.
 """
 
@@ -15,16 +17,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 from pydantic import BaseModel, Field
 
 from services import jobs
-from services.config import ApiSettings, JobSpec
+from services.config import PATH_FIELDS, ApiSettings, JobSpec
 from services.metrics import metrics_router
 from services.queues import Keys
 
@@ -73,6 +77,36 @@ def parse_tokens(spec: str) -> dict[str, str]:
     return {token: tenant for token, tenant in pairs}
 
 
+def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
+    """`spec` with each path field (PATH_FIELDS) resolved, symlinks and '..' followed, as
+    this process sees the files; a 422 naming every field that resolves outside `roots`.
+    The resolved paths are what the job keeps, so the learner and rollout servers open what
+    was checked, whatever their working directory."""
+    confined, errors = spec.model_copy(deep=True), []
+    for section, name in PATH_FIELDS:
+        part = getattr(confined, section)
+        if getattr(part, name) is None:
+            continue
+        resolved = resolve(getattr(part, name))
+        if resolved is not None and any(resolved.is_relative_to(root) for root in roots):
+            setattr(part, name, str(resolved))
+        else:
+            errors.append({"type": "value_error", "loc": ("body", section, name), "input": getattr(part, name),
+                           "msg": f"must lie under {', '.join(map(str, roots))} (symlinks and '..' resolved)"})
+    if errors:
+        raise RequestValidationError(errors)
+    return confined
+
+
+def resolve(path: str) -> Path | None:
+    """The absolute path with symlinks followed; None for a name no file can have (a NUL
+    byte, an unencodable character) or a symlink loop."""
+    try:
+        return Path(path).resolve()
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
 class BodySizeLimit:
     """ASGI middleware: 413 for bodies over `limit` bytes, declared or streamed."""
 
@@ -105,6 +139,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.settings = settings
     app.state.redis = aioredis.from_url(settings.redis_url)
     app.state.tokens = parse_tokens(settings.tokens)
+    app.state.path_roots = [Path(root.strip()).resolve() for root in settings.path_roots.split(",") if root.strip()]
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
@@ -133,6 +168,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.post("/v1/jobs", status_code=201, response_model=JobCreated,
               responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
+        if request.app.state.tokens:  # without tokens the API is the operator's own (local use)
+            spec = confine_paths(spec, request.app.state.path_roots)
         job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 

@@ -214,3 +214,61 @@ async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_clien
 
     assert [e.split("\n")[0] for e in first] == ["event: step"] * 3 + ["event: status"]
     assert again == [{"step": 2, "run": 2}, {"step": 3, "run": 2}]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """An operator's roots (models, data) and, outside them, another job's checkpoint."""
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text("{}\n")
+    (tmp_path / "runs" / "other-job" / "step-3").mkdir(parents=True)
+    (tmp_path / "models" / "borrowed").symlink_to(tmp_path / "runs" / "other-job" / "step-3")
+    (tmp_path / "models" / "loop").symlink_to(tmp_path / "models" / "loop")
+    return tmp_path
+
+
+@pytest.fixture
+async def confined(redis_url, redis_client, files):
+    roots = f"{files / 'models'},{files / 'data'}"
+    app = create_app(ApiSettings(redis_url=redis_url, tokens=TOKENS, path_roots=roots))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                 headers=bearer("alpha-token-0123456789")) as client:
+        yield client
+
+
+@pytest.mark.parametrize("field, escape", [
+    (["model", "path"], "runs/other-job/step-3"),                   # outside every root
+    (["model", "path"], "models/borrowed"),                         # a symlink in a root leading out
+    (["model", "path"], "models/../runs/other-job/step-3"),         # '..' out of a root
+    (["task", "data"], "/etc/passwd"),
+    (["warm_start", "data"], "data/../runs/other-job/step-3/optimizer.pt"),
+    (["model", "path"], "models/tiny\x00"),                          # no file has such a name
+    (["model", "path"], "models/loop"),                             # a symlink to itself
+])
+async def test_a_tenants_path_outside_the_roots_gets_422_naming_the_field(confined, redis_client, files, field,
+                                                                          escape):
+    spec = {"name": "t", "model": {"path": str(files / "models" / "tiny")}}
+    spec.setdefault(field[0], {})[field[1]] = escape if escape.startswith("/") else f"{files}/{escape}"
+
+    response = await confined.post("/v1/jobs", json=spec)
+
+    assert response.status_code == 422
+    assert ["body", *field] in [error["loc"] for error in response.json()["detail"]]
+    assert await redis_client.xlen(Keys.jobs_pending) == 0
+
+
+async def test_a_tenants_paths_inside_the_roots_are_accepted_as_resolved(confined, files):
+    spec = {"name": "t", "model": {"path": f"{files}/data/../models/./tiny"},
+            "task": {"name": "math_chat", "data": f"{files}/data/rows.jsonl"}}
+
+    created = await confined.post("/v1/jobs", json=spec)
+
+    assert created.status_code == 201
+    job = (await confined.get(f"/v1/jobs/{created.json()['id']}")).json()
+    assert (job["spec"]["model"]["path"], job["spec"]["task"]["data"]) == (
+        str(files / "models" / "tiny"), str(files / "data" / "rows.jsonl"))
+
+
+async def test_without_tokens_the_local_operators_paths_are_not_confined(api):
+    assert (await api.post("/v1/jobs", json={**SPEC, "task": {"data": "/etc/passwd"}})).status_code == 201

@@ -273,6 +273,17 @@ def test_rollout_and_learner_read_models_from_one_mount_and_the_learner_keeps_ru
             assert mounts(services()[name])[runs_dir] in compose()["volumes"]
 
 
+def test_the_api_sees_the_folders_it_confines_tenants_to_as_the_learner_and_rollout_servers_do():
+    """Symlinks are resolved where the API checks a path: it must see the same files."""
+    api = services()["api"]
+    roots = ApiSettings(**{k.removeprefix("TANDEM_").lower(): v for k, v in environment(api).items()}).path_roots
+    for root in roots.split(","):
+        assert f"{mounts(api).get(root)}:{root}:ro" in api["volumes"], f"the API does not see {root} read-only"
+        for name, process in tandem_services().items():
+            if process in ("rollout", "learner"):
+                assert mounts(services()[name]).get(root) == mounts(api)[root], (name, root)
+
+
 def test_redis_persists_an_append_only_file_on_a_volume():
     redis = services()["redis"]
     assert "--appendonly yes" in " ".join(redis["command"])
