@@ -1,7 +1,8 @@
 """The judge proxy's HTTP API: every LLM call of the system goes through here.
 
 - `POST /v1/chat/completions`: OpenAI-compatible; the upstream's reply (with `usage`) is
-  passed through. `stream` is not supported.
+  passed through; with `stream: true` its server-sent events are relayed as they arrive.
+- `GET /v1/models` (and `/v1/models/{model}`): the model names this proxy serves.
 - `POST /v1/judge`: `{rubric, messages, reference?, model?}` -> `{score, criteria, verdict,
   raw, usage}`; 404 for an unknown rubric, 502 `unparseable verdict` (with the raw replies)
   when the judge's reply cannot be read twice.
@@ -9,12 +10,16 @@
 - `/metrics`, `/healthz`.
 
 Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set),
-`X-Tandem-Job` (queue fairness: jobs take turns) and `X-Tandem-Priority: judge|simulator`
-(default simulator for chat; /v1/judge is always judge). Response headers:
-`X-Tandem-Upstream` (who answered) and `Server-Timing: queue;dur=<ms>, upstream;dur=<ms>`.
-Errors are `{"error": {"message", "type"}}`: malformed JSON or a bad field 400 (the message
-names the field), unknown model or rubric 404, no budget before the deadline 429 with
-`Retry-After`, failing upstreams 502.
+`X-Tandem-Job` (queue fairness: jobs take turns), `X-Tandem-Priority: judge|simulator`
+(default simulator for chat; /v1/judge is always judge) and `X-Request-Id` (optional).
+Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
+else a new one; log lines of the request carry it), and on chat replies `X-Tandem-Upstream`
+(who answered), `Server-Timing: queue;dur=<ms>, upstream;dur=<ms>` and OpenAI's
+`x-ratelimit-limit|remaining|reset-requests|tokens` for the budget the model's upstreams
+share across all replicas. Errors have OpenAI's shape, `{"error": {"message", "type",
+"param", "code"}}`: malformed JSON or a bad field 400 (`param` and the message name the
+field), unknown model, rubric or route 404, no budget before the deadline 429 with
+`Retry-After`, failing upstreams 502, the budget store unreachable 503.
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.exceptions import RedisError
 
@@ -37,6 +46,7 @@ from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS
 from services.config import JudgeProxySettings
+from services.logs import REQUEST_ID
 from services.metrics import metrics_router
 
 log = logging.getLogger(__name__)
@@ -81,13 +91,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
-
-    @field_validator("stream")
-    @classmethod
-    def _not_streaming(cls, stream: bool) -> bool:
-        if stream:
-            raise ValueError("streaming is not supported by the judge proxy; send stream=false")
-        return stream
+    stream_options: dict[str, Any] | None = None
 
 
 class Turn(BaseModel):
@@ -125,10 +129,28 @@ class UpstreamBudget(BaseModel):
     inflight: int
     used_tokens_total: int
     used_requests_total: int
+    tokens_reset_s: float
+    requests_reset_s: float
+    limit_model: str
+    prompt_ratio: float = Field(description="Learned prompt tokens the upstream counts per estimated one.")
 
 
 class BudgetResponse(BaseModel):
     upstreams: list[UpstreamBudget]
+
+
+class ModelCard(BaseModel):
+    """OpenAI's model object."""
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "tandem-judge-proxy"
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
 
 
 def create_app(settings: JudgeProxySettings) -> FastAPI:
@@ -147,6 +169,8 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
     app.add_exception_handler(ProxyError, proxy_error)
     app.add_exception_handler(UpstreamClientError, upstream_client_error)
     app.add_exception_handler(RedisError, budget_store_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_middleware(RequestIdMiddleware)
     authorize = client_auth(settings.client_tokens)
 
     @app.post("/v1/chat/completions")
@@ -157,8 +181,26 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
         completion = await proxy.complete(body, max_tokens, chat.n, job=job_of(request),
                                           priority=priority_of(request))
-        return Response(completion.body, media_type="application/json", headers=timing_headers(completion),
+        try:
+            headers = {**timing_headers(completion), **await proxy.limit_headers(proxy.group(chat.model))}
+        except BaseException:
+            if completion.stream is not None:
+                await completion.stream.aclose()  # settles its reservation
+            raise
+        if completion.stream is not None:
+            return StreamingResponse(completion.stream, media_type="text/event-stream", headers=headers)
+        return Response(completion.body, media_type="application/json", headers=headers,
                         background=BackgroundTask(completion.settle))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> ModelList:
+        authorize(request)
+        return ModelList(data=[ModelCard(id=name) for name in sorted(proxy.groups)])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str, request: Request) -> ModelCard:
+        authorize(request)
+        return ModelCard(id=proxy.group(model).model)
 
     @app.post("/v1/judge", response_model=JudgeResponse)
     async def judge(request: Request) -> JudgeResponse:
@@ -180,7 +222,8 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         views = await asyncio.gather(*(u.budget.view() for u in proxy.upstreams))
         return BudgetResponse(upstreams=[
             UpstreamBudget(name=u.name, model=u.config.model, tpm=u.config.tpm, rpm=u.config.rpm,
-                           max_concurrency=u.config.max_concurrency, weight=u.config.weight, **vars(view))
+                           max_concurrency=u.config.max_concurrency, weight=u.config.weight,
+                           limit_model=u.config.limit_model, **vars(view))
             for u, view in zip(proxy.upstreams, views)
         ])
 
@@ -218,7 +261,8 @@ def validated(model: type[BaseModel], body: dict) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        raise ProxyError(400, f"invalid request: {describe(err)}", "invalid_request_error") from None
+        first = ".".join(str(p) for p in err.errors()[0]["loc"])
+        raise ProxyError(400, f"invalid request: {describe(err)}", "invalid_request_error", param=first) from None
 
 
 def describe(err: ValidationError) -> str:
@@ -245,17 +289,54 @@ def timing_headers(completion: Completion) -> dict[str, str]:
 
 async def proxy_error(request: Request, error: ProxyError) -> JSONResponse:
     headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s is not None else None
-    content = {"error": {"message": error.message, "type": error.kind}, **error.extra}
-    return JSONResponse(content, status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def budget_store_error(request: Request, error: RedisError) -> JSONResponse:
     """Redis, where the shared budget lives, failed or had no free connection: a 503 the
     client may retry (no upstream call was made without its reservation)."""
     log.warning("budget store error: %s: %s", type(error).__name__, error)
-    content = {"error": {"message": f"the shared budget store is unavailable ({type(error).__name__}: {error})",
-                         "type": "budget_store_unavailable"}}
-    return JSONResponse(content, status_code=503, headers={"retry-after": "1"})
+    message = f"the shared budget store is unavailable ({type(error).__name__}: {error})"
+    return JSONResponse(ProxyError(503, message, "budget_store_unavailable").body(), status_code=503,
+                        headers={"retry-after": "1"})
+
+
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """The framework's own errors (no such route, method not allowed) in OpenAI's shape."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(ProxyError(error.status_code, message, kind).body(), status_code=error.status_code,
+                        headers=getattr(error, "headers", None))
+
+
+REQUEST_ID_FORM = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestIdMiddleware:
+    """`x-request-id` on every response: the client's, when it sent one of a sane form, else
+    a new one. It is set in `REQUEST_ID` for the request's log lines. (Plain ASGI, so
+    streamed replies pass through untouched.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = sent if REQUEST_ID_FORM.match(sent) else f"req_{uuid.uuid4().hex}"
+        token = REQUEST_ID.set(request_id)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
 
 
 async def upstream_client_error(request: Request, error: UpstreamClientError) -> Response:

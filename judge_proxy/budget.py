@@ -1,30 +1,49 @@
-"""The shared TPM/RPM budget of one upstream: token buckets in Redis, updated by Lua.
+"""The shared TPM/RPM budget of one upstream, in Redis, updated by Lua scripts.
 
-Window semantics (the local upstream enforces the same, see `local_upstream.py`): a
-continuously refilled bucket per limit. Tokens: capacity `tpm`, refilled at `tpm / 60` per
-second; requests: capacity `rpm`, refilled at `rpm / 60` per second. Over any interval of
-`t` seconds an upstream then accepts at most `capacity + rate * t`, and in a steady state
-exactly `rate * t`: the budget used in full, never more.
+Providers enforce their limits in one of two ways, and the proxy must hold the line against
+either (an upstream's config names its `limit_model`):
+- `bucket`: a continuously refilled bucket per limit. Tokens: capacity `tpm`, refilled at
+  `tpm / 60` per second; requests likewise with `rpm`. Over `t` seconds an upstream accepts
+  at most `capacity + rate * t`: a full minute's burst, then the refill rate.
+- `window`: a strict trailing window. Whatever was charged in the last `window_s` seconds
+  counts, so there is never more than `tpm` tokens (`rpm` requests) in any window, and no
+  burst beyond it. Each reservation is an entry that leaves the window `window_s +
+  WINDOW_MARGIN_S` after it was made: the upstream starts its own clock when the request
+  arrives, a little later, so the proxy's entry must not leave before the upstream's does.
+  A sequence the window admits is one a bucket admits too, so `window` is the safe choice
+  for a provider whose rule is not documented.
 
-Every replica runs the same three scripts on one Redis, with the Redis server's clock
-(`TIME`), so replicas agree on the refill and no interleaving can over-admit:
-- `reserve` takes `cost` tokens, one request and one concurrency lease at once, or takes
-  nothing and says how long to wait;
-- `settle` puts back `reserved - used` tokens. `used` larger than `reserved` drives the
-  level below zero: the overshoot is charged and later admissions wait for it. The level is
-  then clamped to the upstream's `x-ratelimit-remaining-*` when that is lower, and an
-  upstream 429 pauses the upstream for every replica;
-- `peek` reads the state without changing it.
+Prompt tokens are estimated (characters / 4, or a local tokenizer) and the upstream counts
+them its own way. Each upstream learns the ratio of counted to estimated prompt tokens from
+the `usage` of its replies (an average over all replicas' calls, the first call counting in
+full), and a reservation takes `estimate * ratio * (1 + prompt_margin)` plus every
+completion at its maximum. An upstream whose tokenizer is denser than the estimate is then
+overrun only by its first few calls.
 
-State: hash `tandem:judge:budget:{upstream}` (levels, refill time, pause, totals) and zset
-`tandem:judge:budget:{upstream}:leases` (lease id -> expiry). The concurrency cap is shared
-by all replicas; a lease whose replica died expires after `lease_ttl_s`.
+Every replica runs the same scripts on one Redis, with the Redis server's clock (`TIME`),
+so replicas agree on refills and expiries and no interleaving can over-admit:
+- `reserve` takes the cost, one request and one concurrency lease at once, or takes nothing
+  and says how long to wait;
+- `settle` replaces what was reserved with what the upstream charged (`usage`): more than
+  reserved is charged, and later admissions wait for it. It then clamps the state to the
+  upstream's `x-ratelimit-remaining-*` when those say less is left (in a window, the
+  difference is held until the upstream's `x-ratelimit-reset-*` says it is gone, at most
+  a window), learns the prompt ratio, and an upstream 429 pauses the upstream for every
+  replica;
+- `peek` reads the state (a window's expired entries are dropped on the way).
+
+State: hash `tandem:judge:budget:{upstream}` (bucket levels, window sums, pause, learned
+ratio, totals), zset `...:leases` (lease id -> expiry; the concurrency cap shared by all
+replicas, a lease whose replica died expires after `lease_ttl_s`), and for a window zset
+`...:window` (entry -> time it leaves) with hash `...:entries` (its tokens and requests).
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 import redis.asyncio as aioredis
 
@@ -32,12 +51,50 @@ from services.queues import Keys
 
 CONCURRENCY_POLL_S = 0.02
 """How long to wait when only the concurrency cap blocks: leases end at unknown times."""
+WINDOW_MARGIN_S = 1.0
+"""A window entry outlives the upstream's by this much (the request reaches it later)."""
+RATIO_MIN_WEIGHT = 0.05
+"""The prompt ratio is the mean of the first 20 calls, then a moving average of this weight."""
 
-_REFILL = """
+_COMMON = """
 local function now_s()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
+local function num(key, field, default)
+  return tonumber(redis.call('HGET', key, field)) or default
+end
+-- Reservation for a prompt estimate and fixed (completion) tokens, with the learned ratio.
+local function cost_of(state, prompt, fixed, margin)
+  return math.ceil(prompt * num(state, 'prompt_ratio', 1) * (1 + margin)) + fixed
+end
+local function free_lease(leases, now, max_concurrency, lease_id, ttl)
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+  if redis.call('ZCARD', leases) >= max_concurrency then return false end
+  redis.call('ZADD', leases, now + ttl, lease_id)
+  return true
+end
+-- What every settle does after the limit model's own part.
+local function finish_settle(state, leases, now, lease_id, used_tokens, used_requests, pause_s,
+                             prompt_estimate, prompt_counted)
+  if pause_s > 0 then
+    local paused_until = num(state, 'paused_until', 0)
+    redis.call('HSET', state, 'paused_until', string.format('%.6f', math.max(paused_until, now + pause_s)))
+  end
+  redis.call('ZREM', leases, lease_id)
+  redis.call('HINCRBY', state, 'used_tokens_total', used_tokens)
+  redis.call('HINCRBY', state, 'used_requests_total', used_requests)
+  if prompt_estimate > 0 and prompt_counted > 0 then
+    local calls = redis.call('HINCRBY', state, 'prompt_calls', 1)
+    local ratio = num(state, 'prompt_ratio', 1)
+    local weight = math.max(1 / calls, tonumber(ARGV[#ARGV]))
+    ratio = ratio + weight * (prompt_counted / prompt_estimate - ratio)
+    redis.call('HSET', state, 'prompt_ratio', string.format('%.6f', ratio))
+  end
+end
+"""
+
+_BUCKET = _COMMON + """
 local function refilled(key, tpm, rpm, now)
   local s = redis.call('HMGET', key, 'tokens', 'requests', 'ts', 'paused_until')
   local dt = math.max(now - (tonumber(s[3]) or now), 0)
@@ -51,24 +108,23 @@ local function store(key, tokens, requests, now)
 end
 """
 
-_RESERVE = _REFILL + """
--- KEYS: state, leases. ARGV: tpm, rpm, max_concurrency, cost, lease_id, lease_ttl_s
+_BUCKET_RESERVE = _BUCKET + """
+-- KEYS: state, leases. ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s
 local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
+local cost = cost_of(KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
 local now = now_s()
 local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
 local wait = math.max(paused_until - now, (cost - tokens) * 60 / tpm, (1 - requests) * 60 / rpm, 0)
-if wait > 0 then return {0, tostring(wait)} end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZCARD', KEYS[2]) >= max_concurrency then return {0, '-1'} end
+if wait > 0 then return {0, tostring(wait), cost} end
+if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
 store(KEYS[1], tokens - cost, requests - 1, now)
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[5])
-return {1, '0'}
+return {1, '0', cost}
 """
 
-_SETTLE = _REFILL + """
+_BUCKET_SETTLE = _BUCKET + """
 -- KEYS: state, leases. ARGV: tpm, rpm, reserved, used_tokens, used_requests, lease_id,
---       remaining_tokens ('' = unknown), remaining_requests ('' = unknown), pause_s
+--   remaining_tokens, remaining_requests ('' = unknown), reset_tokens_s, reset_requests_s (unused here),
+--   pause_s, prompt_estimate, prompt_counted, ratio_min_weight
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local used_tokens, used_requests = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_s()
@@ -78,24 +134,137 @@ requests = math.min(rpm, requests + 1 - used_requests)
 if ARGV[7] ~= '' then tokens = math.min(tokens, tonumber(ARGV[7])) end
 if ARGV[8] ~= '' then requests = math.min(requests, tonumber(ARGV[8])) end
 store(KEYS[1], tokens, requests, now)
-local pause_s = tonumber(ARGV[9])
-if pause_s > 0 then
-  redis.call('HSET', KEYS[1], 'paused_until', string.format('%.6f', math.max(paused_until, now + pause_s)))
-end
-redis.call('ZREM', KEYS[2], ARGV[6])
-redis.call('HINCRBY', KEYS[1], 'used_tokens_total', used_tokens)
-redis.call('HINCRBY', KEYS[1], 'used_requests_total', used_requests)
+finish_settle(KEYS[1], KEYS[2], now, ARGV[6], used_tokens, used_requests, tonumber(ARGV[11]),
+              tonumber(ARGV[12]), tonumber(ARGV[13]))
 return tostring(tokens)
 """
 
-_PEEK = _REFILL + """
+_BUCKET_PEEK = _BUCKET + """
 -- KEYS: state, leases. ARGV: tpm, rpm. Reads only.
+local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
-local tokens, requests, paused_until = refilled(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), now)
-local totals = redis.call('HMGET', KEYS[1], 'used_tokens_total', 'used_requests_total')
+local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
+local totals = redis.call('HMGET', KEYS[1], 'used_tokens_total', 'used_requests_total', 'prompt_ratio')
 return {tostring(tokens), tostring(requests), tostring(math.max(paused_until - now, 0)),
-        redis.call('ZCOUNT', KEYS[2], now, '+inf'), tonumber(totals[1]) or 0, tonumber(totals[2]) or 0}
+        redis.call('ZCOUNT', KEYS[2], now, '+inf'), tonumber(totals[1]) or 0, tonumber(totals[2]) or 0,
+        tostring((tpm - tokens) * 60 / tpm), tostring((rpm - requests) * 60 / rpm), totals[3] or '1'}
 """
+
+_WINDOW = _COMMON + """
+-- KEYS[3]: zset entry -> time it leaves the window; KEYS[4]: hash 't:'..entry, 'r:'..entry.
+local function add(state, field, amount)
+  redis.call('HINCRBYFLOAT', state, field, amount)
+end
+local function expire(state, window, entries, now)
+  local gone = redis.call('ZRANGEBYSCORE', window, '-inf', now)
+  for _, entry in ipairs(gone) do
+    local amounts = redis.call('HMGET', entries, 't:' .. entry, 'r:' .. entry)
+    add(state, 'window_tokens', -(tonumber(amounts[1]) or 0))
+    add(state, 'window_requests', -(tonumber(amounts[2]) or 0))
+    redis.call('HDEL', entries, 't:' .. entry, 'r:' .. entry)
+  end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', window, '-inf', now) end
+  return num(state, 'window_tokens', 0), num(state, 'window_requests', 0)
+end
+-- Seconds until `tokens` more tokens and `requests` more requests fit: entries leave in order.
+local function wait_to_fit(window, entries, now, used_tokens, used_requests, tokens, requests, tpm, rpm)
+  local offset = 0
+  while used_tokens + tokens > tpm or used_requests + requests > rpm do
+    local batch = redis.call('ZRANGEBYSCORE', window, '-inf', '+inf', 'WITHSCORES', 'LIMIT', offset, 64)
+    if #batch == 0 then return -2 end
+    for i = 1, #batch, 2 do
+      local amounts = redis.call('HMGET', entries, 't:' .. batch[i], 'r:' .. batch[i])
+      used_tokens = used_tokens - (tonumber(amounts[1]) or 0)
+      used_requests = used_requests - (tonumber(amounts[2]) or 0)
+      if used_tokens + tokens <= tpm and used_requests + requests <= rpm then
+        return math.max(tonumber(batch[i + 1]) - now, 0)
+      end
+    end
+    offset = offset + 64
+  end
+  return 0
+end
+local function enter(state, window, entries, entry, leaves_at, tokens, requests)
+  redis.call('ZADD', window, leaves_at, entry)
+  redis.call('HSET', entries, 't:' .. entry, tokens, 'r:' .. entry, requests)
+  add(state, 'window_tokens', tokens)
+  add(state, 'window_requests', requests)
+end
+"""
+
+_WINDOW_RESERVE = _WINDOW + """
+-- KEYS: state, leases, window, entries.
+-- ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s, window_s
+local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local cost = cost_of(KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+local now = now_s()
+local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
+local wait = math.max(num(KEYS[1], 'paused_until', 0) - now, 0)
+local fits = wait_to_fit(KEYS[3], KEYS[4], now, used_tokens, used_requests, cost, 1, tpm, rpm)
+if fits == -2 then fits = tonumber(ARGV[9]) end  -- larger than the limit: the caller checks first
+wait = math.max(wait, fits)
+if wait > 0 then return {0, tostring(wait), cost} end
+if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
+enter(KEYS[1], KEYS[3], KEYS[4], ARGV[7], now + tonumber(ARGV[9]), cost, 1)
+return {1, '0', cost}
+"""
+
+_WINDOW_SETTLE = _WINDOW + """
+-- KEYS: state, leases, window, entries. ARGV: tpm, rpm, reserved, used_tokens, used_requests,
+--   lease_id, remaining_tokens, remaining_requests, reset_tokens_s, reset_requests_s ('' = unknown),
+--   pause_s, prompt_estimate, prompt_counted, window_s, ratio_min_weight
+local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local used_tokens, used_requests, entry = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local window_s = tonumber(ARGV[14])
+local now = now_s()
+local in_tokens, in_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
+local held = redis.call('HMGET', KEYS[4], 't:' .. entry, 'r:' .. entry)
+if held[1] then  -- still in the window: it now holds what the upstream charged
+  if used_tokens == 0 and used_requests == 0 then
+    redis.call('ZREM', KEYS[3], entry)
+    redis.call('HDEL', KEYS[4], 't:' .. entry, 'r:' .. entry)
+  else
+    redis.call('HSET', KEYS[4], 't:' .. entry, used_tokens, 'r:' .. entry, used_requests)
+  end
+  add(KEYS[1], 'window_tokens', used_tokens - tonumber(held[1]))
+  add(KEYS[1], 'window_requests', used_requests - tonumber(held[2]))
+  in_tokens = in_tokens + used_tokens - tonumber(held[1])
+  in_requests = in_requests + used_requests - tonumber(held[2])
+end
+-- The upstream says less is left than this window holds: hold the difference until its reset.
+for _, limit in ipairs({{7, 9, tpm - in_tokens, 'tokens'}, {8, 10, rpm - in_requests, 'requests'}}) do
+  local remaining, reset = ARGV[limit[1]], ARGV[limit[2]]
+  if remaining ~= '' and tonumber(remaining) < limit[3] then
+    local hold = window_s
+    if reset ~= '' then hold = math.min(window_s, tonumber(reset)) end
+    local excess = limit[3] - tonumber(remaining)
+    local clamp = 'clamp-' .. limit[4] .. ':' .. entry
+    if limit[4] == 'tokens' then enter(KEYS[1], KEYS[3], KEYS[4], clamp, now + hold, excess, 0)
+    else enter(KEYS[1], KEYS[3], KEYS[4], clamp, now + hold, 0, excess) end
+    if limit[4] == 'tokens' then in_tokens = in_tokens + excess else in_requests = in_requests + excess end
+  end
+end
+finish_settle(KEYS[1], KEYS[2], now, entry, used_tokens, used_requests, tonumber(ARGV[11]),
+              tonumber(ARGV[12]), tonumber(ARGV[13]))
+return tostring(tpm - in_tokens)
+"""
+
+_WINDOW_PEEK = _WINDOW + """
+-- KEYS: state, leases, window, entries. ARGV: tpm, rpm. Drops expired entries, changes nothing else.
+local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_s()
+local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
+local s = redis.call('HMGET', KEYS[1], 'paused_until', 'used_tokens_total', 'used_requests_total', 'prompt_ratio')
+local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+local reset = 0
+if #last > 0 then reset = math.max(tonumber(last[2]) - now, 0) end
+return {tostring(tpm - used_tokens), tostring(rpm - used_requests),
+        tostring(math.max((tonumber(s[1]) or 0) - now, 0)), redis.call('ZCOUNT', KEYS[2], now, '+inf'),
+        tonumber(s[2]) or 0, tonumber(s[3]) or 0, tostring(reset), tostring(reset), s[4] or '1'}
+"""
+
+
+LimitModel = Literal["bucket", "window"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +274,12 @@ class Limits:
     max_concurrency: int
     lease_ttl_s: float
     """Longest an upstream call may hold a concurrency slot (its timeout plus a margin)."""
+    model: LimitModel = "bucket"
+    window_s: float = 60.0
+    """The trailing window of the `window` model, as the upstream counts it."""
+    window_margin_s: float = WINDOW_MARGIN_S
+    prompt_margin: float = 0.05
+    """Reserve this much more than the learned prompt count, for calls that count above average."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +287,8 @@ class Lease:
     lease_id: str
     tokens: int
     """Tokens reserved at admission."""
+    prompt_estimate: int = 0
+    """The prompt's own estimate (before the learned ratio), to learn from its `usage`."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +296,8 @@ class Admission:
     lease: Lease | None
     wait_s: float
     """0 when admitted; else seconds until the reservation could succeed."""
+    cost: int = 0
+    """Tokens this request costs at the current ratio (reserved when admitted)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +308,11 @@ class BudgetView:
     inflight: int
     used_tokens_total: int
     used_requests_total: int
+    tokens_reset_s: float
+    """Seconds until the token limit is whole again (a full bucket, an empty window)."""
+    requests_reset_s: float
+    prompt_ratio: float
+    """Learned: prompt tokens the upstream counts per estimated one."""
 
 
 class Budget:
@@ -136,34 +320,59 @@ class Budget:
 
     def __init__(self, client: aioredis.Redis, upstream: str, limits: Limits) -> None:
         self.limits = limits
-        self.keys = [Keys.judge_budget(upstream), Keys.judge_budget(upstream) + ":leases"]
-        self._reserve = client.register_script(_RESERVE)
-        self._settle = client.register_script(_SETTLE)
-        self._peek = client.register_script(_PEEK)
+        state = Keys.judge_budget(upstream)
+        self.keys = [state, state + ":leases"]
+        if limits.model == "window":
+            self.keys += [state + ":window", state + ":entries"]
+        scripts = {"bucket": (_BUCKET_RESERVE, _BUCKET_SETTLE, _BUCKET_PEEK),
+                   "window": (_WINDOW_RESERVE, _WINDOW_SETTLE, _WINDOW_PEEK)}[limits.model]
+        self._reserve, self._settle, self._peek = (client.register_script(s) for s in scripts)
+        self.prompt_ratio = 1.0
+        """The learned ratio as last seen by this replica (for estimates outside Redis)."""
 
-    async def reserve(self, tokens: int) -> Admission:
+    @property
+    def _window_s(self) -> float:
+        return self.limits.window_s + self.limits.window_margin_s
+
+    def cost(self, fixed_tokens: int, prompt_estimate: int = 0) -> int:
+        """The reservation at the last seen ratio (Redis applies the current one)."""
+        return math.ceil(prompt_estimate * self.prompt_ratio * (1 + self.limits.prompt_margin)) + fixed_tokens
+
+    async def reserve(self, fixed_tokens: int, prompt_estimate: int = 0) -> Admission:
+        """Reserve `fixed_tokens` (the completions at their maximum) plus the prompt at the
+        learned ratio, one request and one concurrency slot; or learn how long to wait."""
         lease_id = uuid.uuid4().hex
         limits = self.limits
-        ok, wait = await self._reserve(self.keys, [limits.tpm, limits.rpm, limits.max_concurrency,
-                                                   tokens, lease_id, limits.lease_ttl_s])
+        args = [limits.tpm, limits.rpm, limits.max_concurrency, prompt_estimate, fixed_tokens,
+                limits.prompt_margin, lease_id, limits.lease_ttl_s]
+        if limits.model == "window":
+            args.append(self._window_s)
+        ok, wait, cost = await self._reserve(self.keys, args)
         if ok:
-            return Admission(Lease(lease_id, tokens), 0.0)
+            return Admission(Lease(lease_id, int(cost), prompt_estimate), 0.0, int(cost))
         wait_s = float(wait)
-        return Admission(None, CONCURRENCY_POLL_S if wait_s < 0 else wait_s)
+        return Admission(None, CONCURRENCY_POLL_S if wait_s < 0 else wait_s, int(cost))
 
     async def settle(self, lease: Lease, used_tokens: int, *, used_request: bool = True,
-                     remaining_tokens: float | None = None, remaining_requests: float | None = None,
-                     pause_s: float = 0.0) -> float:
-        """Reconcile a lease with what the upstream charged; returns the new token level."""
+                     prompt_tokens: int | None = None, remaining_tokens: float | None = None,
+                     remaining_requests: float | None = None, reset_tokens_s: float | None = None,
+                     reset_requests_s: float | None = None, pause_s: float = 0.0) -> float:
+        """Reconcile a lease with what the upstream charged (`prompt_tokens`: its count of
+        the prompt, from `usage`); returns the tokens left."""
         args = [self.limits.tpm, self.limits.rpm, lease.tokens, used_tokens, int(used_request), lease.lease_id,
-                _optional(remaining_tokens), _optional(remaining_requests), pause_s]
+                _optional(remaining_tokens), _optional(remaining_requests), _optional(reset_tokens_s),
+                _optional(reset_requests_s), pause_s, lease.prompt_estimate, prompt_tokens or 0]
+        if self.limits.model == "window":
+            args.append(self._window_s)
+        args.append(RATIO_MIN_WEIGHT)
         return float(await self._settle(self.keys, args))
 
     async def view(self) -> BudgetView:
-        tokens, requests, paused, inflight, used_tokens, used_requests = await self._peek(
-            self.keys, [self.limits.tpm, self.limits.rpm])
-        return BudgetView(float(tokens), float(requests), float(paused), int(inflight),
-                          int(used_tokens), int(used_requests))
+        (tokens, requests, paused, inflight, used_tokens, used_requests, tokens_reset, requests_reset,
+         ratio) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm])
+        self.prompt_ratio = float(ratio)
+        return BudgetView(float(tokens), float(requests), float(paused), int(inflight), int(used_tokens),
+                          int(used_requests), float(tokens_reset), float(requests_reset), float(ratio))
 
 
 def _optional(value: float | None) -> str:

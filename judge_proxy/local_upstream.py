@@ -55,7 +55,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
 from judge_proxy.stand_in import reply_for
-from judge_proxy.upstream import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, message_text
+from judge_proxy.upstream import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, format_duration, message_text
 
 WORD = re.compile(r"\w+|[^\w\s]")
 FILLER = ("the", "judge", "reads", "each", "turn", "and", "scores", "it", "with", "care")
@@ -129,14 +129,6 @@ def count_prompt_tokens(messages: list[dict]) -> int:
                for m in messages) + REPLY_PRIMING_TOKENS
 
 
-def duration(seconds: float) -> str:
-    """OpenAI's reset format: `20ms`, `1.5s`, `6m0s`."""
-    if seconds < 1:
-        return f"{math.ceil(seconds * 1000)}ms"
-    minutes, rest = divmod(seconds, 60)
-    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
-
-
 class LocalUpstream:
     def __init__(self, config: LocalUpstreamConfig, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
@@ -168,8 +160,8 @@ class LocalUpstream:
             "x-ratelimit-limit-tokens": str(self.config.tpm),
             "x-ratelimit-remaining-requests": str(max(0, math.floor(self.requests.level))),
             "x-ratelimit-remaining-tokens": str(max(0, math.floor(self.tokens.level))),
-            "x-ratelimit-reset-requests": duration(self.requests.reset_s()),
-            "x-ratelimit-reset-tokens": duration(self.tokens.reset_s()),
+            "x-ratelimit-reset-requests": format_duration(self.requests.reset_s()),
+            "x-ratelimit-reset-tokens": format_duration(self.tokens.reset_s()),
         }
 
     def error(self, status: int, message: str, kind: str, extra_headers: dict | None = None) -> JSONResponse:

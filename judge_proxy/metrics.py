@@ -46,3 +46,14 @@ VERDICTS = Counter(
     "tandem_judge_verdicts_total", "Judge verdicts by outcome (parsed, parsed_on_retry, unparseable)",
     ["rubric", "outcome"],
 )
+STREAMS = Counter(
+    "tandem_judge_streams_total",
+    "Streamed replies by how they ended: complete ([DONE] with usage), cut (the upstream's stream broke off), "
+    "client_closed (the client left); a stream not complete settles all it reserved",
+    ["upstream", "outcome"],
+)
+PROMPT_RATIO = Gauge(
+    "tandem_judge_prompt_token_ratio",
+    "Learned prompt tokens the upstream counts per locally estimated one (reservations scale by it)",
+    ["upstream"],
+)

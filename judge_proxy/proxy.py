@@ -3,7 +3,12 @@ settle the budget with what it charged, and retry where that helps.
 
 One call of `complete` makes at most `max_attempts` upstream calls:
 - 2xx: the reply is passed through; once it is sent, `usage.total_tokens` settles the
-  reservation and the reply's `x-ratelimit-remaining-*` clamp the shared budget.
+  reservation, `usage.prompt_tokens` teaches the upstream's prompt ratio (`budget.py`) and
+  the reply's `x-ratelimit-remaining-*`/`reset-*` clamp the shared budget. A stream
+  (`stream: true`) is relayed event by event as it arrives; the proxy asks the upstream for
+  `usage` in its last chunk (`stream_options.include_usage`, dropped again when the client
+  did not ask) and settles when the stream ends. A stream cut off midway (the upstream's
+  connection or the client's) settles all it reserved, and is counted.
 - 429: nothing was charged; the upstream is paused for every replica for `retry-after-ms`
   / `retry-after` (else exponential backoff with jitter), at most `max_backoff_s`, and the
   request waits in the queue again (any upstream of the group may take it).
@@ -23,7 +28,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,7 +42,8 @@ from judge_proxy.budget import Budget, Lease, Limits
 from judge_proxy.queue import Admitter, QueueTimeout
 from judge_proxy.rubrics import Rubric, Verdict, parse_verdict, render
 from judge_proxy.upstream import (
-    Reply, Upstream, UpstreamConfig, load_upstreams, remaining, retry_after_s, weighted_order,
+    Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
+    weighted_order,
 )
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
@@ -55,14 +61,19 @@ BUDGET_SAMPLE_S = 5.0
 
 
 class ProxyError(Exception):
-    """An error answered to the client as `{"error": {"message", "type"}, **extra}`."""
+    """An error answered to the client in OpenAI's shape, `{"error": {"message", "type",
+    "param", "code"}, **extra}`: `param` names the field at fault, `code` repeats `kind`."""
 
     def __init__(self, status: int, message: str, kind: str, *, retry_after_s: int | None = None,
-                 extra: dict | None = None) -> None:
+                 param: str | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
         self.retry_after_s = retry_after_s
         self.extra = extra or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.kind},
+                **self.extra}
 
 
 class UpstreamClientError(Exception):
@@ -92,13 +103,17 @@ class Group:
 class Completion:
     upstream: str
     body: bytes
-    """The upstream's JSON reply, passed through unchanged."""
+    """The upstream's JSON reply, passed through unchanged (empty for a stream)."""
     data: dict
     settle: Callable[[], Awaitable[None]]
     """Reconciles the budget with this reply's usage. Call it once, after replying: the
-    client need not wait for the bookkeeping (the reservation holds until then)."""
+    client need not wait for the bookkeeping (the reservation holds until then). A stream
+    settles itself when it ends; its `settle` does nothing."""
     queue_s: float = 0.0
     upstream_s: float = 0.0
+    """Until the reply (for a stream: until its headers)."""
+    stream: AsyncIterator[bytes] | None = None
+    """A stream's server-sent events, relayed as they arrive."""
 
 
 @dataclass
@@ -168,7 +183,8 @@ class Proxy:
 
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:
-            limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S)
+            limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S,
+                            config.limit_model, config.window_s, config.prompt_margin)
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
@@ -193,45 +209,46 @@ class Proxy:
     async def complete(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str) -> Completion:
         """Send one chat request (`body`, already validated) through the budget."""
         group = self.group(body["model"])
-        costs = {u.name: u.cost(body["messages"], max_tokens, n) for u in group.upstreams}
-        self.check_fits(group, costs)
-        payload = pin_output_cap(body, max_tokens)
+        need = Need(n * max_tokens, {u.name: u.prompt_estimate(body["messages"]) for u in group.upstreams})
+        self.check_fits(group, need)
+        payload = upstream_body(body, max_tokens)
         deadline = time.monotonic() + self.settings.queue_deadline_s
         attempts = Attempts()
         for attempt in range(self.settings.max_attempts):
-            grant = await self.admit(group, costs, attempts, deadline, job, priority)
+            grant = await self.admit(group, need, attempts, deadline, job, priority)
             upstream_payload = msgspec.json.encode({**payload, "model": grant.upstream.config.upstream_model
                                                     or group.model})
-            completion = await self.call(group, grant, upstream_payload, attempt, attempts)
+            completion = await self.call(group, grant, upstream_payload, attempt, attempts,
+                                         stream=bool(body.get("stream")), client_wants_usage=wants_usage(body))
             if completion is not None:
                 completion.queue_s = attempts.queue_s
                 return completion
         raise self.exhausted(group, attempts, priority)
 
-    def check_fits(self, group: Group, costs: dict[str, int]) -> None:
-        if all(costs[u.name] > u.config.tpm for u in group.upstreams):
-            raise ProxyError(400, f"the request needs {min(costs.values())} tokens (estimated prompt + "
-                                  f"n * max_tokens), more than any upstream of {group.model!r} allows per minute",
-                             "request_too_large")
+    def check_fits(self, group: Group, need: "Need") -> None:
+        if all(need.cost(u) > u.config.tpm for u in group.upstreams):
+            raise ProxyError(400, f"the request needs {min(need.cost(u) for u in group.upstreams)} tokens "
+                                  f"(estimated prompt + n * max_tokens), more than any upstream of {group.model!r} "
+                                  "allows per minute", "request_too_large", param="max_tokens")
 
-    async def admit(self, group: Group, costs: dict[str, int], attempts: Attempts, deadline: float,
+    async def admit(self, group: Group, need: "Need", attempts: Attempts, deadline: float,
                     job: str, priority: str) -> Grant:
         candidates = [u for u in group.upstreams
-                      if u.name not in attempts.failed and costs[u.name] <= u.config.tpm]
+                      if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise self.exhausted(group, attempts, priority)
 
         async def try_admit() -> tuple[Grant | None, float]:
             wait_s = math.inf
             for upstream in self.preference(candidates):
-                admission = await upstream.budget.reserve(costs[upstream.name])
+                admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
                 if admission.lease is not None:
                     return Grant(upstream, admission.lease), 0.0
                 wait_s = min(wait_s, admission.wait_s)
             return None, wait_s
 
         try:
-            grant, waited_s = await group.admitter.admit(job, priority, min(costs.values()),
+            grant, waited_s = await group.admitter.admit(job, priority, min(need.cost(u) for u in candidates),
                                                          deadline - time.monotonic(), try_admit)
         except QueueTimeout as timeout:
             metrics.REJECTED.labels(priority).inc()
@@ -251,13 +268,16 @@ class Proxy:
         return sorted(ordered, key=lambda u: self.cooldown_until.get(u.name, 0.0) > now)
 
     async def call(self, group: Group, grant: Grant, payload: bytes, attempt: int,
-                   attempts: Attempts) -> Completion | None:
+                   attempts: Attempts, *, stream: bool = False, client_wants_usage: bool = False) -> Completion | None:
         """One upstream call; None when another attempt should follow. A failure settles the
         budget here, a success once its reply has been sent (`Completion.settle`)."""
         upstream = grant.upstream
         started = time.perf_counter()
         try:
-            reply = await upstream.post(payload)
+            reply = await upstream.post(payload, stream=stream)
+            if reply.events is not None:
+                attempts.upstream_s += time.perf_counter() - started
+                return self.relay(group, grant, reply, attempts, client_wants_usage)
         except TimeoutError:
             reply, outcome, detail = None, "timeout", ""
         except aiohttp.ClientError as err:
@@ -286,13 +306,51 @@ class Proxy:
         except msgspec.DecodeError:
             await self.fail(group, grant, "server_error", attempts, detail="reply is not JSON")
             return None
-        used = _total_tokens(data)
-        if used is None:  # no usage: the upstream may have charged all we reserved
-            used = lease.tokens
+        usage = _usage(data)
+        used = usage.get("total_tokens", lease.tokens)  # no usage: it may have charged all we reserved
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
         _record_usage(upstream.name, lease.tokens, used)
-        settle = functools.partial(self.settle, group, upstream, lease, used, reply)
+        settle = functools.partial(self.settle, group, upstream, lease, used, reply,
+                                   prompt_tokens=usage.get("prompt_tokens"))
         return Completion(upstream.name, reply.body, data, settle, upstream_s=attempts.upstream_s)
+
+    def relay(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts,
+              client_wants_usage: bool) -> Completion:
+        """A stream's completion: its events pass through as they arrive; the budget is
+        settled when it ends, however it ends."""
+        upstream, lease = grant.upstream, grant.lease
+        metrics.REQUESTS.labels(upstream.name, "ok").inc()
+
+        async def events() -> AsyncIterator[bytes]:
+            usage: dict[str, int] = {}
+            outcome = "client_closed"
+            try:
+                async for event in sse_events(reply.events.content):
+                    data = sse_data(event)
+                    if data == "[DONE]":
+                        outcome = "complete"
+                    elif data:
+                        chunk = _json_or_none(data)
+                        usage = _usage(chunk) or usage
+                        if usage and not client_wants_usage and chunk.get("choices") == []:
+                            continue  # the usage chunk the proxy asked for, not the client
+                    yield event
+                if outcome != "complete":
+                    outcome = "cut"
+                    yield sse_error("the upstream's stream ended before [DONE]")
+            except (aiohttp.ClientError, TimeoutError) as err:
+                outcome = "cut"
+                log.warning("stream from %s cut off: %s", upstream.name, type(err).__name__)
+                yield sse_error(f"the upstream's stream was cut off ({type(err).__name__})")
+            finally:
+                reply.events.close()
+                complete = outcome == "complete" and "total_tokens" in usage
+                used = usage["total_tokens"] if complete else lease.tokens
+                metrics.STREAMS.labels(upstream.name, outcome).inc()
+                _record_usage(upstream.name, lease.tokens, used)
+                await self.settle(group, upstream, lease, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+
+        return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
 
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
         upstream = grant.upstream
@@ -315,12 +373,29 @@ class Proxy:
         await self.settle(group, upstream, grant.lease, grant.lease.tokens, None)
 
     async def settle(self, group: Group, upstream: Upstream, lease: Lease, used_tokens: int, reply: Reply | None,
-                     *, used_request: bool = True, pause_s: float = 0.0) -> None:
+                     *, used_request: bool = True, pause_s: float = 0.0, prompt_tokens: int | None = None) -> None:
         headers = reply.headers if reply is not None else CIMultiDict()
         await upstream.budget.settle(lease, used_tokens, used_request=used_request, pause_s=pause_s,
+                                     prompt_tokens=prompt_tokens,
                                      remaining_tokens=remaining(headers, "tokens"),
-                                     remaining_requests=remaining(headers, "requests"))
+                                     remaining_requests=remaining(headers, "requests"),
+                                     reset_tokens_s=reset_s(headers, "tokens"),
+                                     reset_requests_s=reset_s(headers, "requests"))
         group.admitter.wake()
+
+    async def limit_headers(self, group: Group) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*` headers for the budget a group's upstreams share, as all
+        replicas have used it: limits and what remains summed, resets the longest."""
+        views = await asyncio.gather(*(u.budget.view() for u in group.upstreams))
+        configs = [u.config for u in group.upstreams]
+        return {
+            "x-ratelimit-limit-requests": str(sum(c.rpm for c in configs)),
+            "x-ratelimit-limit-tokens": str(sum(c.tpm for c in configs)),
+            "x-ratelimit-remaining-requests": str(sum(max(0, math.floor(v.available_requests)) for v in views)),
+            "x-ratelimit-remaining-tokens": str(sum(max(0, math.floor(v.available_tokens)) for v in views)),
+            "x-ratelimit-reset-requests": format_duration(max(v.requests_reset_s for v in views)),
+            "x-ratelimit-reset-tokens": format_duration(max(v.tokens_reset_s for v in views)),
+        }
 
     def exhausted(self, group: Group, attempts: Attempts, priority: str) -> ProxyError:
         """The error once no attempt is left: the last upstream's 429, or every failure."""
@@ -354,7 +429,8 @@ class Proxy:
 
     async def watch_budgets(self, every_s: float = BUDGET_SAMPLE_S) -> None:
         """Keep `tandem_judge_budget_utilization` current: per upstream, the tokens every
-        replica used over the last minute (the shared total in Redis) over its TPM."""
+        replica used over the last minute (the shared total in Redis) over its TPM; and the
+        learned prompt ratio (its gauge, and the copy `check_fits` reads)."""
         rates = {u.name: TrailingRate(window_s=60.0) for u in self.upstreams}
         while True:
             for upstream in self.upstreams:
@@ -362,6 +438,7 @@ class Proxy:
                     view = await upstream.budget.view()
                     tokens_per_s = rates[upstream.name].add(time.monotonic(), view.used_tokens_total)
                     metrics.BUDGET_UTILIZATION.labels(upstream.name).set(tokens_per_s * 60 / upstream.config.tpm)
+                    metrics.PROMPT_RATIO.labels(upstream.name).set(view.prompt_ratio)
             await asyncio.sleep(every_s)
 
     def health(self) -> tuple[bool, dict]:
@@ -373,10 +450,76 @@ class Proxy:
         await self.redis.aclose()
 
 
-def _total_tokens(data: dict) -> int | None:
+@dataclass(frozen=True)
+class Need:
+    """What one request asks of an upstream's budget."""
+
+    fixed_tokens: int
+    """Every completion at its maximum (`n * max_tokens`)."""
+    prompt_estimates: dict[str, int]
+    """Upstream name -> the prompt's local estimate (the budget scales it by the learned ratio)."""
+
+    def cost(self, upstream: Upstream) -> int:
+        return upstream.budget.cost(self.fixed_tokens, self.prompt_estimates[upstream.name])
+
+
+def upstream_body(body: dict, max_tokens: int) -> dict:
+    """The request as sent upstream: the output cap pinned, and a stream asked to end
+    with its `usage` (the proxy settles with it)."""
+    payload = pin_output_cap(body, max_tokens)
+    if payload.get("stream"):
+        payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+    return payload
+
+
+def wants_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+async def sse_events(lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Server-sent events, each with the blank line that ends it, from a stream of lines."""
+    event: list[bytes] = []
+    async for line in lines:
+        event.append(line)
+        if not line.strip():
+            if len(event) > 1:
+                yield b"".join(event)
+            event = []
+    if any(line.strip() for line in event):
+        yield b"".join(event) + b"\n"
+
+
+def sse_data(event: bytes) -> str:
+    """The event's `data:` lines, joined (the SSE rule); empty for comments and keep-alives."""
+    lines = event.decode("utf-8", "replace").splitlines()
+    return "\n".join(line[5:].removeprefix(" ") for line in lines if line.startswith("data:"))
+
+
+def sse_error(message: str) -> bytes:
+    """An error event in the shape OpenAI's SDKs raise on mid-stream."""
+    error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_cut"}}
+    return b"data: " + msgspec.json.encode(error) + b"\n\n"
+
+
+def _json_or_none(data: str) -> dict:
+    try:
+        decoded = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def _usage(data: dict) -> dict[str, int]:
+    """The reply's `usage` counts (only the integer ones), empty when it has none."""
     usage = data.get("usage") if isinstance(data, dict) else None
-    total = usage.get("total_tokens") if isinstance(usage, dict) else None
-    return total if isinstance(total, int) else None
+    if not isinstance(usage, dict):
+        return {}
+    return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _record_usage(upstream: str, reserved: int, actual: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import aiohttp
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from judge_proxy.budget import Budget
+from judge_proxy.budget import Budget, LimitModel
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -42,6 +43,13 @@ class UpstreamConfig(BaseModel):
     weight: float = Field(1.0, gt=0, description="Share of the group's load when several have budget.")
     timeout_s: float = Field(60.0, gt=0)
     tokenizer: str | None = Field(None, description="Local tokenizer.json for prompt estimates; chars/4 when unset.")
+    limit_model: LimitModel = Field(
+        "window", description="How the provider enforces tpm/rpm: 'window' (a strict trailing window; "
+                              "the safe choice, a bucket accepts whatever a window does) or 'bucket' "
+                              "(continuous refill, a minute's burst allowed).")
+    window_s: float = Field(60.0, gt=0, description="The provider's trailing window ('window' only).")
+    prompt_margin: float = Field(0.05, ge=0, le=1, description="Reserve this share above the learned prompt "
+                                                              "token count.")
 
 
 class UpstreamsFile(BaseModel):
@@ -105,6 +113,8 @@ class Reply:
     body: bytes
     headers: Mapping[str, str]
     """Case-insensitive (aiohttp's CIMultiDictProxy)."""
+    events: aiohttp.ClientResponse | None = None
+    """A stream's open response (2xx to `stream: true`), its body unread; the reader closes it."""
 
 
 class Upstream:
@@ -124,11 +134,13 @@ class Upstream:
     def __repr__(self) -> str:
         return f"Upstream({self.name!r}, {self.url!r})"
 
-    def cost(self, messages: list[dict], max_tokens: int, n: int) -> int:
-        """Tokens to reserve: the estimated prompt plus every completion at its maximum."""
-        return estimate_prompt_tokens(messages, self.count_tokens) + n * max_tokens
+    def prompt_estimate(self, messages: list[dict]) -> int:
+        """The prompt's tokens by the local count (the budget scales it by the learned ratio)."""
+        return estimate_prompt_tokens(messages, self.count_tokens)
 
-    async def post(self, payload: bytes) -> Reply:
+    async def post(self, payload: bytes, *, stream: bool = False) -> Reply:
+        """POST a chat request. A stream that the upstream accepts comes back open, in
+        `Reply.events`; anything else is read whole."""
         headers = {"content-type": "application/json"}
         if self._key is not None:
             headers["authorization"] = f"Bearer {self._key.get_secret_value()}"
@@ -137,15 +149,18 @@ class Upstream:
                 timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
                 connector=aiohttp.TCPConnector(limit=self.config.max_concurrency))
         try:
-            return await self._post_once(payload, headers)
+            return await self._post_once(payload, headers, stream)
         except aiohttp.ServerDisconnectedError:
             # A pooled keep-alive connection the server had just closed (uvicorn closes idle
             # ones after 5 s, aiohttp keeps them 15 s): nothing was answered, so once more on
             # a fresh connection. Under load it otherwise cost a 502 (bench/judge_proxy.py).
-            return await self._post_once(payload, headers)
+            return await self._post_once(payload, headers, stream)
 
-    async def _post_once(self, payload: bytes, headers: dict[str, str]) -> Reply:
-        async with self.http.post(self.url, data=payload, headers=headers) as response:
+    async def _post_once(self, payload: bytes, headers: dict[str, str], stream: bool) -> Reply:
+        response = await self.http.post(self.url, data=payload, headers=headers)
+        if stream and 200 <= response.status < 300:
+            return Reply(response.status, b"", response.headers, events=response)
+        async with response:
             return Reply(response.status, await response.read(), response.headers)
 
     async def aclose(self) -> None:
@@ -171,6 +186,37 @@ def retry_after_s(headers: Mapping[str, str]) -> float | None:
 def remaining(headers: Mapping[str, str], limit: str) -> float | None:
     """`x-ratelimit-remaining-tokens` or `-requests` (`limit`), when the upstream sends it."""
     return _number(headers.get(f"x-ratelimit-remaining-{limit}"))
+
+
+def reset_s(headers: Mapping[str, str], limit: str) -> float | None:
+    """`x-ratelimit-reset-tokens` or `-requests` in seconds, when sent (`1s`, `6m0s`, `20ms`, `0.5`)."""
+    return parse_duration(headers.get(f"x-ratelimit-reset-{limit}"))
+
+
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(text: str | None) -> float | None:
+    """OpenAI's duration format (`1h2m3.5s`, `20ms`), or plain seconds; None when unreadable."""
+    if text is None:
+        return None
+    text = text.strip()
+    plain = _number(text)
+    if plain is not None:
+        return plain if plain >= 0 else None
+    parts = DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * UNIT_S[u] for n, u in parts)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds in OpenAI's format: `20ms`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
 
 
 def weighted_order(upstreams: list[Upstream], rng: random.Random) -> list[Upstream]:

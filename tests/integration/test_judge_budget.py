@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 
@@ -15,8 +16,13 @@ from judge_proxy.budget import CONCURRENCY_POLL_S, Budget, Limits
 from services.queues import Keys
 
 
-def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_ttl_s: float = 30.0) -> Limits:
-    return Limits(tpm, rpm, max_concurrency, lease_ttl_s)
+def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_ttl_s: float = 30.0,
+           **window) -> Limits:
+    return Limits(tpm, rpm, max_concurrency, lease_ttl_s, **window)
+
+
+def window(tpm: int = 600, rpm: int = 6000, window_s: float = 60.0, margin_s: float = 0.0) -> Limits:
+    return Limits(tpm, rpm, 100, 30.0, "window", window_s, margin_s, prompt_margin=0.0)
 
 
 async def test_reservations_stop_at_the_level_and_say_how_long_the_refill_takes(redis_client):
@@ -110,9 +116,9 @@ import asyncio, json, random, sys, time
 import redis.asyncio as aioredis
 from judge_proxy.budget import Budget, Limits
 
-async def main(url, start_at, seconds, tpm, rpm, max_concurrency, hold_s, seed):
+async def main(url, start_at, seconds, tpm, rpm, max_concurrency, hold_s, seed, model):
     client = aioredis.from_url(url)
-    budget = Budget(client, "race", Limits(tpm, rpm, max_concurrency, 30.0))
+    budget = Budget(client, "race", Limits(tpm, rpm, max_concurrency, 30.0, model))
     rng = random.Random(seed)
     totals = {"tokens": 0, "requests": 0, "peak_inflight": 0}
 
@@ -135,18 +141,21 @@ async def main(url, start_at, seconds, tpm, rpm, max_concurrency, hold_s, seed):
     print(json.dumps(totals))
 
 a = sys.argv
-asyncio.run(main(a[1], float(a[2]), float(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]), int(a[8])))
+asyncio.run(main(a[1], float(a[2]), float(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]), int(a[8]), a[9]))
 """
 
 
 async def race(redis_url: str, redis_client, *, tpm: int, rpm: int, max_concurrency: int, hold_s: float,
-               seconds: float = 1.0, replicas: int = 4) -> list[dict]:
-    """`replicas` processes with 8 callers each hammer one budget that starts empty."""
+               seconds: float = 1.0, replicas: int = 4, model: str = "bucket") -> list[dict]:
+    """`replicas` processes with 8 callers each hammer one budget that starts empty (a
+    bucket) or full (a window)."""
     now_s, now_us = await redis_client.time()
-    start_at = now_s + now_us / 1e6 + 1.0  # after the processes have imported
-    await redis_client.hset(Keys.judge_budget("race"), mapping={"tokens": 0, "requests": 0, "ts": f"{start_at:.6f}"})
+    start_at = now_s + now_us / 1e6 + 2.0  # after the processes have imported (slow on a busy machine)
+    if model == "bucket":
+        await redis_client.hset(Keys.judge_budget("race"),
+                                mapping={"tokens": 0, "requests": 0, "ts": f"{start_at:.6f}"})
     args = [str(a) for a in (start_at, seconds, tpm, rpm, max_concurrency, hold_s)]
-    processes = [subprocess.Popen([sys.executable, "-c", RACER, redis_url, *args, str(seed)],
+    processes = [subprocess.Popen([sys.executable, "-c", RACER, redis_url, *args, str(seed), model],
                                   stdout=subprocess.PIPE, text=True) for seed in range(replicas)]
     outputs = await asyncio.gather(*(asyncio.to_thread(p.communicate, timeout=30) for p in processes))
     assert all(p.returncode == 0 for p in processes)
@@ -180,3 +189,89 @@ async def test_replicas_racing_share_one_concurrency_cap(redis_url, redis_client
                          seconds=0.5)
 
     assert max(r["peak_inflight"] for r in results) == 3
+
+
+async def test_replicas_racing_never_admit_more_than_a_window_holds(redis_url, redis_client):
+    tpm = 2000  # a one-minute window: nothing leaves it during the race
+
+    results = await race(redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0,
+                         seconds=1.0, model="window")
+
+    admitted = sum(r["tokens"] for r in results)
+    assert tpm - 50 <= admitted <= tpm  # 50: the largest cost that may not fit at the end
+
+
+# --- the trailing window -------------------------------------------------------------------
+
+async def test_a_window_allows_no_burst_past_its_limit_until_the_first_entry_leaves(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=600, window_s=60.0, margin_s=1.0))
+
+    first = await budget.reserve(400)
+    rest = await budget.reserve(200)
+    one_more = await budget.reserve(1)
+
+    assert first.lease is not None and rest.lease is not None
+    # A bucket would have refilled a little by now; a window waits for the first entry to leave.
+    assert one_more.lease is None and one_more.wait_s == pytest.approx(61.0, abs=0.2)
+    assert (await budget.view()).tokens_reset_s == pytest.approx(61.0, abs=0.2)
+
+
+async def test_window_entries_leave_after_the_window_and_settling_replaces_the_reservation(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=100, window_s=0.5))
+
+    early = (await budget.reserve(60)).lease
+    await budget.settle(early, used_tokens=30)  # the upstream charged less: 70 left
+    await asyncio.sleep(0.2)
+    late = await budget.reserve(70)
+    blocked = await budget.reserve(10)
+    await asyncio.sleep(0.35)  # the early entry has left, the late one has not
+    after = await budget.view()
+
+    assert late.lease is not None
+    assert blocked.lease is None and blocked.wait_s == pytest.approx(0.3, abs=0.1)
+    assert after.available_tokens == pytest.approx(30)
+    assert (after.used_tokens_total, after.used_requests_total) == (30, 1)
+
+
+async def test_a_window_call_answered_429_leaves_nothing_in_the_window(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=100, rpm=2))
+
+    lease = (await budget.reserve(80)).lease
+    await budget.settle(lease, used_tokens=0, used_request=False)
+    view = await budget.view()
+
+    assert (view.available_tokens, view.available_requests) == (100, 2)
+
+
+async def test_a_lower_remaining_header_holds_the_difference_in_the_window_until_its_reset(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=100, rpm=10, window_s=60.0))
+
+    lease = (await budget.reserve(10)).lease
+    # The upstream counts 40 more than this window holds; its window resets in 0.3 s.
+    left = await budget.settle(lease, used_tokens=10, remaining_tokens=50, reset_tokens_s=0.3,
+                               remaining_requests=9)
+    blocked = await budget.reserve(60)
+    await asyncio.sleep(0.35)
+    after = await budget.view()
+
+    assert left == pytest.approx(50)
+    assert blocked.lease is None and blocked.wait_s == pytest.approx(0.3, abs=0.1)
+    assert after.available_tokens == pytest.approx(90)  # the held difference is gone, the call stays
+    assert after.available_requests == pytest.approx(9)
+
+
+@pytest.mark.parametrize("model", ["bucket", "window"])
+async def test_the_prompt_ratio_is_learned_from_usage_and_scales_the_next_reservations(redis_client, model):
+    budget = Budget(redis_client, f"ratio-{model}", Limits(10**6, 10**4, 100, 30.0, model, prompt_margin=0.1))
+
+    first = await budget.reserve(50, prompt_estimate=100)
+    await budget.settle(first.lease, used_tokens=150, prompt_tokens=140)  # the upstream counts 1.4x
+    second = await budget.reserve(50, prompt_estimate=100)
+    await budget.settle(second.lease, used_tokens=170, prompt_tokens=120)  # then 1.2x
+    third = await budget.reserve(50, prompt_estimate=100)
+    view = await budget.view()
+
+    assert first.lease.tokens == math.ceil(100 * 1.0 * 1.1) + 50  # nothing learned yet
+    assert second.lease.tokens == math.ceil(100 * 1.4 * 1.1) + 50  # the first call counts in full
+    assert third.lease.tokens == math.ceil(100 * 1.3 * 1.1) + 50  # then the running mean
+    assert view.prompt_ratio == pytest.approx(1.3)

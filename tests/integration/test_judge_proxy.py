@@ -107,28 +107,32 @@ async def test_a_completion_passes_the_upstream_reply_and_usage_through(make_pro
     assert sent["model"] == "local-model" and sent["temperature"] == 0.3 and sent["seed"] == 5
 
 
-async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions(make_proxy, upstreams):
-    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600))
+async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions_and_learns_the_ratio(make_proxy,
+                                                                                                upstreams):
+    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600, prompt_margin=0))
     refunded = sample("tandem_judge_tokens_total", upstream="a", kind="refunded")
     charged = sample("tandem_judge_tokens_total", upstream="a", kind="charged")
     bucket = "tandem_judge_reconciliation_error_tokens_bucket"
     errors = {le: sample(bucket, upstream="a", le=le) for le in ("-64.0", "-16.0", "64.0", "256.0")}
     await upstreams["a"].script({"content": "ok"}, {"content": "ok"})
 
-    # Reserved 2 + 4 + 3 + 100 = 109 (chars/4); the upstream counts 8 + 4 + 3 + 1 = 16.
+    # Prompt estimate 2 + 4 + 3 = 9 (chars/4), reserved 9 + 100; the upstream counts 8 + 4 + 3 = 15
+    # for the prompt, 16 in all. The first call teaches the prompt ratio in full: 15 / 9.
     over = await proxy.post("/v1/chat/completions", json=chat("!" * 8, max_tokens=100))
-    # Reserved 10 + 4 + 3 + 1 = 18; the upstream counts 40 + 4 + 3 + 1 = 48.
+    # Prompt estimate 10 + 4 + 3 = 17, reserved ceil(17 * 15 / 9) + 1 = 30; counted 47 + 1 = 48.
     under = await proxy.post("/v1/chat/completions", json=chat("!" * 40, max_tokens=1))
     budget = (await proxy.get("/v1/budget")).json()["upstreams"][0]
 
     assert over.json()["usage"]["total_tokens"] == 16 and under.json()["usage"]["total_tokens"] == 48
     assert budget["used_tokens_total"] == 16 + 48
-    assert budget["available_tokens"] == pytest.approx(600 - 64, abs=2)  # refill: 10 tokens/s
+    assert budget["available_tokens"] == 600 - 64  # a trailing window: both calls are in it
     assert sample("tandem_judge_tokens_total", upstream="a", kind="refunded") - refunded == 109 - 16
-    assert sample("tandem_judge_tokens_total", upstream="a", kind="charged") - charged == 48 - 18
-    # Errors (estimate - actual) 93 and -30: cumulative buckets count them by upper bound.
+    assert sample("tandem_judge_tokens_total", upstream="a", kind="charged") - charged == 48 - 30
+    # Errors (estimate - actual) 93 and -18: cumulative buckets count them by upper bound.
     assert {le: sample(bucket, upstream="a", le=le) - before for le, before in errors.items()} == {
         "-64.0": 0, "-16.0": 1, "64.0": 1, "256.0": 2}
+    # The ratio is a running mean over calls: (15/9 + 47/17) / 2.
+    assert budget["prompt_ratio"] == pytest.approx((15 / 9 + 47 / 17) / 2, abs=1e-5)
 
 
 # --- malformed requests ------------------------------------------------------------------
@@ -140,7 +144,6 @@ async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions(make_
     (json.dumps({"model": "judge", "messages": []}).encode(), 400, "messages: List should have at least 1 item"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model: Field required"),
     (json.dumps(chat(model="gpt-nope")).encode(), 404, "unknown model 'gpt-nope'"),
-    (json.dumps(chat(stream=True)).encode(), 400, "streaming is not supported"),
     (json.dumps(chat(max_tokens=10**6)).encode(), 400, "more than any upstream of 'judge' allows per minute"),
     (json.dumps(chat([{"type": "text", "text": 123}])).encode(), 400,
      "messages.0.content: Value error, part 0: text: Input should be a valid string"),

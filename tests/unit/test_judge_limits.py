@@ -3,6 +3,7 @@ upstream choice, and how an upstream status is handled."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import httpx
@@ -11,10 +12,11 @@ import redis.asyncio as aioredis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from judge_proxy.budget import Budget, Limits
-from judge_proxy.local_upstream import count_prompt_tokens, duration
+from judge_proxy.local_upstream import count_prompt_tokens
 from judge_proxy.proxy import outcome_of
 from judge_proxy.upstream import (
-    Upstream, UpstreamConfig, estimate_prompt_tokens, remaining, retry_after_s, tokenizer_counter, weighted_order,
+    Upstream, UpstreamConfig, estimate_prompt_tokens, format_duration, parse_duration, remaining, retry_after_s,
+    tokenizer_counter, weighted_order,
 )
 from services.judge_client import backoff_s
 
@@ -85,10 +87,31 @@ def upstream(name: str, weight: float = 1.0) -> Upstream:
     return Upstream(config, Budget(aioredis.from_url("redis://127.0.0.1:9"), name, Limits(1000, 10, 1, 1.0)))
 
 
-def test_the_reservation_is_the_prompt_estimate_plus_every_completion_at_its_maximum():
+def test_the_reservation_is_the_prompt_estimate_at_the_learned_ratio_plus_every_completion_at_its_maximum():
     messages = [{"role": "user", "content": "abcdefgh"}]
+    a = upstream("a")
+    estimate = a.prompt_estimate(messages)
 
-    assert upstream("a").cost(messages, max_tokens=100, n=3) == (2 + 4 + 3) + 3 * 100
+    fresh = a.budget.cost(3 * 100, estimate)
+    a.budget.prompt_ratio = 4 / 3  # as learned from an upstream counting a third more
+    learned = a.budget.cost(3 * 100, estimate)
+
+    assert estimate == 2 + 4 + 3
+    assert fresh == math.ceil(9 * 1.05) + 300  # the default 5% margin
+    assert learned == math.ceil(9 * 4 / 3 * 1.05) + 300
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("20ms", 0.02), ("1.5s", 1.5), ("6m0s", 360.0), ("1h2m3s", 3723.0), ("0.25", 0.25), ("7", 7.0),
+    ("", None), ("soon", None), ("5x", None), ("-1", None), (None, None),
+])
+def test_reset_durations_read_in_openais_format_or_plain_seconds(text, seconds):
+    assert parse_duration(text) == (pytest.approx(seconds) if seconds is not None else None)
+
+
+@pytest.mark.parametrize("seconds", [0.02, 0.5, 1.5, 42.0, 360.0, 3599.0])
+def test_durations_written_for_clients_read_back(seconds):
+    assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=0.02, abs=0.001)
 
 
 def test_upstreams_come_first_in_proportion_to_their_weight():
@@ -109,4 +132,4 @@ def test_each_upstream_status_has_one_handling(status, outcome):
 
 
 def test_reset_durations_are_written_like_openai():
-    assert [duration(s) for s in (0.0123, 1.5, 17.286, 360.0)] == ["13ms", "1.5s", "17.3s", "6m0s"]
+    assert [format_duration(s) for s in (0.0123, 1.5, 17.286, 360.0)] == ["13ms", "1.5s", "17.3s", "6m0s"]
