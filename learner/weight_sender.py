@@ -32,7 +32,7 @@ class WeightSender:
         specs = trainer.parameter_specs(self.dtype)
         self.buckets = weight_group.plan_buckets(specs, bucket_mib << 20)
         self.advertise_host = advertise_host
-        self.store = weight_group.host_store(store_port, timeout_s) if trainer.rank == 0 else None
+        self.store = weight_group.host_store(store_port, timeout_s, advertise_host) if trainer.rank == 0 else None
         self.store_port = self.store.port if self.store else store_port
         self.session = uuid.uuid4().hex
         self.epoch = 0

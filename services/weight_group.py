@@ -60,12 +60,22 @@ def unpack(bucket: Bucket, buf) -> list[tuple[str, object]]:
     return pairs
 
 
-def host_store(port: int, timeout_s: float):
-    """The learner's rendezvous store (a TCPStore server; workers connect later)."""
+def host_store(port: int, timeout_s: float, host: str = "127.0.0.1"):
+    """The learner's rendezvous store (a TCPStore server; workers connect later), listening
+    only on `host`, the address rollout servers are told. A TCPStore has no authentication
+    and, left to bind its own socket, listens on every interface whatever host it is given."""
+    import socket
+
     from torch.distributed import TCPStore
 
-    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s))
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.create_server(address, family=family)
+    except OSError as error:
+        raise OSError(f"cannot listen for the weight rendezvous on {host}:{port} ({error.strerror}): "
+                      "the advertised host must be an address of this machine") from error
+    return TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
 
 
 def connect_store(host: str, port: int, timeout_s: float):
