@@ -1,10 +1,11 @@
 """docker-compose.yml and deploy/, read as files: no Docker engine needed.
 
 The compose file is interpolated the way `docker compose config` does it with nothing set:
-`${VAR:-default}` becomes its default, `${VAR}` the value .env.example documents. Then
-each process's environment is checked against its settings class in services.config, its
-healthcheck against the port it serves, Prometheus's targets against the services, and
-the Grafana dashboards against the datasource and the metrics the code defines.
+`${VAR:-default}` becomes its default, `${VAR}` and `${VAR:?message}` the value .env.example
+documents. Then each process's environment is checked against its settings class in
+services.config, its healthcheck against the port it serves, Prometheus's targets against
+the services, and the Grafana dashboards against the datasource and the metrics the code
+defines.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ REQUIRED_ENV = {
 
 PROFILES = ("gpu", "cpu")
 VARIABLE = re.compile(r"\$\{([^}]*)\}")
-VARIABLE_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::?-(.*))?", re.DOTALL)
+VARIABLE_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::?-(.*)|:?\?(.*))?", re.DOTALL)
+"""`NAME`, then a `-default` or a `?message` (compose stops with the message when NAME is unset)."""
 URL_PORT = re.compile(r"https?://([^/:'\"\s]+):(\d+)(/[^'\"\s]*)?")
 METRIC = re.compile(r"\b(?:tandem_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
@@ -71,14 +73,19 @@ def string_values(node) -> list[str]:
     return [node] if isinstance(node, str) else []
 
 
-def compose_variables() -> list[tuple[str, str | None]]:
-    """(name, default or None) for every `${...}` in docker-compose.yml's values."""
-    variables = []
+def variable_uses() -> list[re.Match]:
+    """Every `${...}` in docker-compose.yml's values, parsed by VARIABLE_BODY."""
+    uses = []
     for body in (b for value in string_values(raw_compose()) for b in VARIABLE.findall(value)):
         match = VARIABLE_BODY.fullmatch(body)
-        assert match, f"${{{body}}}: only ${{VAR}}, ${{VAR:-default}} and ${{VAR-default}} are used here"
-        variables.append((match.group(1), match.group(2)))
-    return variables
+        assert match, f"${{{body}}}: only ${{VAR}}, ${{VAR:-default}}, ${{VAR-default}} and ${{VAR:?message}} are used here"
+        uses.append(match)
+    return uses
+
+
+def compose_variables() -> list[tuple[str, str | None]]:
+    """(name, default or None) for every `${...}` in docker-compose.yml's values."""
+    return [(match.group(1), match.group(2)) for match in variable_uses()]
 
 
 def interpolate(node, documented: dict[str, str]):
@@ -92,7 +99,7 @@ def interpolate(node, documented: dict[str, str]):
         return node
 
     def value(match: re.Match) -> str:
-        name, default = VARIABLE_BODY.fullmatch(match.group(1)).groups()
+        name, default, _ = VARIABLE_BODY.fullmatch(match.group(1)).groups()
         return default if default is not None else documented.get(name, "")
 
     return VARIABLE.sub(value, node)
@@ -329,6 +336,14 @@ def test_every_compose_variable_is_documented_in_env_example_with_the_same_defau
         assert name in documented, f"${{{name}}} is not in .env.example"
         if default is not None:
             assert documented[name] == default, f"{name}: .env.example says {documented[name]!r}, compose {default!r}"
+
+
+@pytest.mark.parametrize("password", ["GRAFANA_ADMIN_PASSWORD"])
+def test_no_password_ships_compose_refuses_to_start_until_one_is_set(password):
+    uses = [match for match in variable_uses() if match.group(1) == password]
+    assert uses and all(match.group(3) for match in uses), f"every use must be ${{{password}:?message}}"
+    assert read_env_file(ROOT / ".env.example")[password] == "", ".env.example must leave it empty"
+    assert password not in read_env_file(ROOT / ".env")
 
 
 def test_dot_env_selects_a_profile_that_exists():
