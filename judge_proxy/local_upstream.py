@@ -1,15 +1,20 @@
 """A local OpenAI-compatible upstream for tests and benchmarks: real HTTP, its own limits.
 
 It behaves like a provider:
-- Budgets are continuously refilled buckets, the same window semantics as the proxy's
-  limiter (`budget.py`): tokens hold at most `tpm` and refill at `tpm / 60` per second,
-  requests likewise with `rpm`. A request is admitted when the buckets hold
-  `prompt_tokens + n * max_tokens` and one request (what OpenAI counts up front); else it
-  gets 429 with `retry-after` (seconds, rounded up) and `retry-after-ms`. When the reply is
-  ready the unused completion tokens go back, so in the end it charges `usage.total_tokens`.
+- Its limits are enforced one of two ways (`limit_model`), as providers differ: continuously
+  refilled buckets (tokens hold at most `tpm` and refill at `tpm / 60` per second, requests
+  likewise with `rpm`), or a strict trailing window (at most `tpm` tokens and `rpm` requests
+  charged in any `window_s` seconds). A request is admitted when `prompt_tokens + n *
+  max_tokens` and one request fit (what OpenAI counts up front); else it gets 429 with
+  `retry-after` (seconds, rounded up) and `retry-after-ms`. When the reply is ready the unused
+  completion tokens go back, so in the end it charges `usage.total_tokens`.
 - Its tokenizer counts words and punctuation marks (`\\w+|[^\\w\\s]`) plus the chat format's
   per-message overhead: on purpose not the proxy's characters/4 rule, so the proxy's
-  estimates are off and must be reconciled.
+  estimates are off and must be reconciled. With `prompt_chars_per_token` set, prompts are
+  counted at that many characters a token instead (3: a third denser than the proxy's guess).
+- `stream: true` is answered with server-sent events: a role chunk, the reply a word at a
+  time (paced by the latency model), a finish chunk, a `usage` chunk when
+  `stream_options.include_usage` asks, then `data: [DONE]`.
 - Replies: to the built-in clarify task's user-simulator and judge prompts it answers as a
   capable model would, from what the prompt says (`stand_in.py`); to anything else, filler
   words of a length uniform in [1, max_tokens] (seeded). Every reply carries
@@ -24,8 +29,10 @@ It behaves like a provider:
 Admin routes (no auth: a test double). `POST /admin/script {"replies": [...]}` queues replies
 taken one per chat request: `{"content": "..."}` answers with that text, `{"status": 500}`
 (or 429 with optional `retry_after_s` / `retry_after_ms`, or 400 with a `message` in which
-`{authorization}` becomes the key received) answers that error without charging, and
-`{"delay_s": 1.5}` waits that long first. `GET /admin/stats` gives the counters,
+`{authorization}` becomes the key received) answers that error without charging,
+`{"delay_s": 1.5}` waits that long first, `{"cut_after": 2}` breaks a stream's connection
+after that many content chunks (charging the whole reservation) and `{"token_delay_s": 0.1}`
+paces a stream's chunks. `GET /admin/stats` gives the counters,
 `GET /admin/requests` the last request bodies, `POST /admin/reset` starts afresh.
 
 Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600 --latency`.
@@ -48,10 +55,11 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
 from judge_proxy.stand_in import reply_for
@@ -93,6 +101,10 @@ Z_99 = 2.3263478740408408
 class LocalUpstreamConfig(BaseModel):
     tpm: int = Field(60_000, gt=0)
     rpm: int = Field(600, gt=0)
+    limit_model: Literal["bucket", "window"] = "bucket"
+    window_s: float = Field(60.0, gt=0, description="The trailing window of the 'window' model.")
+    prompt_chars_per_token: float | None = Field(None, gt=0, description="Count prompts at this many characters "
+                                                                          "a token (words when unset).")
     models: list[str] = ["local-model"]
     service_ms: float = Field(2.0, ge=0, description="Fixed time to produce a reply (when `latency` is unset).")
     latency: Latency | None = None
@@ -116,17 +128,73 @@ class Bucket:
     def wait_s(self, amount: float) -> float:
         return max(0.0, (amount - self.level) * 60 / self.capacity)
 
+    def take(self, amount: float) -> list:
+        self.level -= amount
+        return [amount]
+
+    def correct(self, charge: list, amount: float) -> None:
+        """A charge turned out to be `amount`: give back (or take) the difference."""
+        self.level = min(self.capacity, self.level + charge[0] - amount)
+        charge[0] = amount
+
     def reset_s(self) -> float:
         return (self.capacity - self.level) * 60 / self.capacity
+
+
+class Window:
+    """A strict trailing window: at most `capacity` charged in any `window_s` seconds."""
+
+    def __init__(self, capacity: float, now: float, window_s: float) -> None:
+        self.capacity = capacity
+        self.window_s = window_s
+        self.charges: deque[list] = deque()
+        """[time charged, amount], oldest first."""
+        self.used = 0.0
+        self.now = now
+
+    @property
+    def level(self) -> float:
+        return self.capacity - self.used
+
+    def refill(self, now: float) -> None:
+        self.now = now
+        while self.charges and self.charges[0][0] + self.window_s <= now:
+            self.used -= self.charges.popleft()[1]
+
+    def wait_s(self, amount: float) -> float:
+        excess = self.used + amount - self.capacity
+        if excess <= 0:
+            return 0.0
+        for charged_at, charged in self.charges:  # they leave in order
+            excess -= charged
+            if excess <= 0:
+                return max(0.0, charged_at + self.window_s - self.now)
+        return self.window_s
+
+    def take(self, amount: float) -> list:
+        charge = [self.now, amount]
+        self.charges.append(charge)
+        self.used += amount
+        return charge
+
+    def correct(self, charge: list, amount: float) -> None:
+        if charge[0] + self.window_s > self.now:  # still in the window
+            self.used += amount - charge[1]
+        charge[1] = amount
+
+    def reset_s(self) -> float:
+        return self.charges[-1][0] + self.window_s - self.now if self.charges else 0.0
 
 
 def count_tokens(text: str) -> int:
     return len(WORD.findall(text))
 
 
-def count_prompt_tokens(messages: list[dict]) -> int:
-    return sum(count_tokens(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS
-               for m in messages) + REPLY_PRIMING_TOKENS
+def count_prompt_tokens(messages: list[dict], chars_per_token: float | None = None) -> int:
+    def count(text: str) -> int:
+        return count_tokens(text) if chars_per_token is None else math.ceil(len(text) / chars_per_token)
+
+    return sum(count(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS for m in messages) + REPLY_PRIMING_TOKENS
 
 
 class LocalUpstream:
@@ -141,12 +209,16 @@ class LocalUpstream:
     def reset(self) -> None:
         """Full buckets, no script, zero counters: as just started."""
         now = self.clock()
-        self.tokens = Bucket(self.config.tpm, now)
-        self.requests = Bucket(self.config.rpm, now)
+        if self.config.limit_model == "window":
+            self.tokens = Window(self.config.tpm, now, self.config.window_s)
+            self.requests = Window(self.config.rpm, now, self.config.window_s)
+        else:
+            self.tokens = Bucket(self.config.tpm, now)
+            self.requests = Bucket(self.config.rpm, now)
         self.rng = random.Random(self.config.seed)
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
-        self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0,
+        self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0, "streams_cut": 0,
                       "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0,
                       "recognised": 0, "latency_s_total": 0.0}
         self.started = now
@@ -168,16 +240,22 @@ class LocalUpstream:
         headers = {**self.limit_headers(), **(extra_headers or {})}
         return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
-    def admit(self, cost: int) -> float:
-        """Charge `cost` tokens and one request, or return the seconds until they fit."""
+    def admit(self, cost: int) -> tuple[list | None, float]:
+        """Charge `cost` tokens and one request (the token charge, 0), or (None, the
+        seconds until they fit)."""
         now = self.clock()
         self.tokens.refill(now)
         self.requests.refill(now)
         wait_s = max(self.tokens.wait_s(cost), self.requests.wait_s(1))
-        if wait_s == 0:
-            self.tokens.level -= cost
-            self.requests.level -= 1
-        return wait_s
+        if wait_s > 0:
+            return None, wait_s
+        self.requests.take(1)
+        return self.tokens.take(cost), 0.0
+
+    def charge(self, charge: list, used: int) -> None:
+        """The reply is done: the charge becomes what it used."""
+        self.tokens.refill(self.clock())
+        self.tokens.correct(charge, used)
 
     def rate_limited(self, wait_s: float) -> JSONResponse:
         self.stats["rejected_429"] += 1
@@ -234,31 +312,70 @@ class LocalUpstream:
             return self.scripted_error(script, authorization)
         if body.get("model") not in self.config.models:
             return self.error(404, f"The model `{body.get('model')}` does not exist", "model_not_found")
-        return await self.answer(body, script.get("content"))
+        return await self.answer(body, script)
 
-    async def answer(self, body: dict, content: str | None) -> JSONResponse:
-        prompt_tokens = count_prompt_tokens(body.get("messages", []))
+    async def answer(self, body: dict, script: dict) -> Response:
+        prompt_tokens = count_prompt_tokens(body.get("messages", []), self.config.prompt_chars_per_token)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         reserved = prompt_tokens + body.get("n", 1) * max_tokens
         if reserved > self.config.tpm:
             return self.error(400, f"request needs {reserved} tokens, more than the {self.config.tpm} TPM limit",
                               "invalid_request_error")
-        wait_s = self.admit(reserved)
-        if wait_s > 0:
+        charge, wait_s = self.admit(reserved)
+        if charge is None:
             return self.rate_limited(wait_s)
-        reply = self.completion(body, prompt_tokens, max_tokens, content)
+        reply = self.completion(body, prompt_tokens, max_tokens, script.get("content"))
+        if body.get("stream"):
+            return StreamingResponse(self.stream(body, reply, charge, script),
+                                     media_type="text/event-stream", headers=self.limit_headers())
         latency_s = self.latency_s(reply["usage"]["completion_tokens"])
         if latency_s:
             await self.sleep(latency_s)
         self.stats["latency_s_total"] += latency_s
-        used = reply["usage"]["total_tokens"]
-        self.tokens.refill(self.clock())
-        self.tokens.level = min(self.tokens.capacity, self.tokens.level + reserved - used)
-        self.stats["accepted"] += 1
-        self.stats["prompt_tokens"] += prompt_tokens
-        self.stats["completion_tokens"] += reply["usage"]["completion_tokens"]
-        self.stats["tokens_accepted"] += used
+        self.done(reply, charge)
         return JSONResponse(reply, headers=self.limit_headers())
+
+    def done(self, reply: dict, charge: list) -> None:
+        usage = reply["usage"]
+        self.charge(charge, usage["total_tokens"])
+        self.stats["accepted"] += 1
+        self.stats["prompt_tokens"] += usage["prompt_tokens"]
+        self.stats["completion_tokens"] += usage["completion_tokens"]
+        self.stats["tokens_accepted"] += usage["total_tokens"]
+
+    async def stream(self, body: dict, reply: dict, charge: list, script: dict) -> AsyncIterator[bytes]:
+        """The reply as server-sent events, a word per chunk, paced like the plain reply."""
+        base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
+                "model": reply["model"]}
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True
+
+        def event(choices: list, **extra) -> bytes:
+            return b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n"
+
+        first_token_s = self.latency_s(0)
+        per_token_s = 0.0 if self.config.latency is None else 1 / self.config.latency.tokens_per_s
+        per_token_s = script.get("token_delay_s", per_token_s)
+        cut_after = script.get("cut_after")
+        await self.sleep(first_token_s)
+        sent = 0
+        for choice in reply["choices"]:
+            index = choice["index"]
+            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            words = choice["message"]["content"].split(" ")
+            for position, word in enumerate(words):
+                if cut_after is not None and sent >= cut_after:
+                    self.stats["streams_cut"] += 1
+                    raise ConnectionAbortedError("scripted: the stream breaks off")  # charge stays whole
+                text = word if position == 0 else " " + word
+                yield event([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+                sent += 1
+                if per_token_s:
+                    await self.sleep(per_token_s)
+            yield event([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
+        if include_usage:
+            yield event([], usage=reply["usage"])
+        yield b"data: [DONE]\n\n"
+        self.done(reply, charge)
 
     def latency_s(self, completion_tokens: int) -> float:
         """How long this reply takes: sampled from the latency model, or `service_ms`."""
@@ -330,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--tpm", type=int, default=60_000)
     parser.add_argument("--rpm", type=int, default=600)
+    parser.add_argument("--limit-model", choices=["bucket", "window"], default="bucket",
+                        help="continuous refill, or a strict trailing window of --window-s")
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--prompt-chars-per-token", type=float,
+                        help="count prompts at this many characters a token (default: words)")
     parser.add_argument("--model", action="append", dest="models", help="a model it serves (repeatable)")
     parser.add_argument("--service-ms", type=float, default=2.0, help="fixed reply time without --latency")
     parser.add_argument("--latency", action="store_true", help="a hosted API's latency: the three options below")
@@ -341,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     latency = Latency(median_s=args.latency_median_s, p99_s=args.latency_p99_s,
                       tokens_per_s=args.tokens_per_s) if args.latency else None
-    config = LocalUpstreamConfig(tpm=args.tpm, rpm=args.rpm, models=args.models or ["local-model"],
+    config = LocalUpstreamConfig(tpm=args.tpm, rpm=args.rpm, limit_model=args.limit_model, window_s=args.window_s,
+                                 prompt_chars_per_token=args.prompt_chars_per_token, models=args.models or ["local-model"],
                                  service_ms=args.service_ms, latency=latency, seed=args.seed,
                                  api_key=os.environ[args.api_key_env] if args.api_key_env else None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")

@@ -70,19 +70,46 @@ def test_a_tail_below_the_median_is_refused():
 # ---- budget with a moved clock -------------------------------------------------------
 
 
+def wait(upstream: LocalUpstream, cost: int) -> float:
+    """Seconds until `cost` fits (0 = admitted now, and charged)."""
+    return upstream.admit(cost)[1]
+
+
 def test_the_buckets_refill_continuously_by_the_clock():
     clock = Clock()
     upstream = LocalUpstream(LocalUpstreamConfig(tpm=600, rpm=60), clock=clock)
-    assert upstream.admit(500) == 0.0  # 100 tokens and 59 requests left
-    assert upstream.admit(400) == pytest.approx(30.0)  # 300 short at 10 tokens/s
+    assert wait(upstream, 500) == 0.0  # 100 tokens and 59 requests left
+    assert wait(upstream, 400) == pytest.approx(30.0)  # 300 short at 10 tokens/s
     clock.now += 15  # +150 tokens, +15 requests (capped at 60)
-    assert upstream.admit(400) == pytest.approx(15.0)
+    assert wait(upstream, 400) == pytest.approx(15.0)
     clock.now += 15
-    assert upstream.admit(400) == 0.0
+    assert wait(upstream, 400) == 0.0
     headers = upstream.limit_headers()
     assert headers["x-ratelimit-remaining-tokens"] == "0"
     assert headers["x-ratelimit-remaining-requests"] == "59"
     assert headers["x-ratelimit-reset-tokens"] == "1m0s"
+
+
+def test_a_trailing_window_admits_nothing_more_until_its_oldest_charges_leave():
+    clock = Clock()
+    upstream = LocalUpstream(LocalUpstreamConfig(tpm=600, rpm=60, limit_model="window", window_s=60), clock=clock)
+    first, _ = upstream.admit(300)
+    clock.now += 10
+    assert wait(upstream, 300) == 0.0
+    clock.now += 30  # a bucket would have refilled 400 by now
+    assert wait(upstream, 1) == pytest.approx(20.0)  # when the first charge leaves
+    upstream.charge(first, 100)  # its reply used 100: 200 come back at once
+    assert wait(upstream, 200) == 0.0
+    clock.now += 20  # the first charge leaves
+    headers = upstream.limit_headers()
+    assert headers["x-ratelimit-remaining-tokens"] == "100"
+    assert headers["x-ratelimit-reset-tokens"] == "40s"  # the last charge leaves in 40 s
+    assert headers["x-ratelimit-remaining-requests"] == "58"
+
+
+def test_a_denser_prompt_count_is_characters_over_the_set_ratio():
+    messages = [{"role": "system", "content": "x" * 30}, {"role": "user", "content": "y" * 31}]
+    assert count_prompt_tokens(messages, chars_per_token=3) == (10 + 4) + (11 + 4) + 3
 
 
 def test_a_reply_waits_its_sampled_latency_and_settles_its_usage():
