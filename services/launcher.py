@@ -1,15 +1,16 @@
 """`tandem up`: every process of the system, started locally, each a separate OS process.
 
-Redis (embedded unless `TANDEM_REDIS_URL` is set), the API, the judge proxy, rollout
-servers (one by default) and the learner under torchrun. Each gets its settings through `TANDEM_*`
-environment variables, logs to `<log_dir>/<name>.log`, and must answer `/healthz` before
-`up` returns. `stop` sends SIGTERM to every process group, then SIGKILL to stragglers.
+Redis (embedded, with a fresh password, unless `TANDEM_REDIS_URL` is set), the API, the
+judge proxy, rollout servers (one by default) and the learner under torchrun. Each gets its
+settings through `TANDEM_*` environment variables, logs to `<log_dir>/<name>.log`, and must
+answer `/healthz` before `up` returns. `stop` sends SIGTERM to every process group, then SIGKILL to stragglers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -64,7 +65,8 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_url = os.environ.get("TANDEM_REDIS_URL", "")
         if not self.redis_url:
-            self.redis = EmbeddedRedis().start()
+            # Loopback is open to every user of this machine: only our processes get the password.
+            self.redis = EmbeddedRedis(password=secrets.token_hex(16)).start()
             self.redis_url = self.redis.url
         python = sys.executable
         p = self.ports

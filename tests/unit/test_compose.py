@@ -246,6 +246,16 @@ def test_redis_url_names_the_redis_service():
         assert services()[url.hostname]["image"].startswith("redis:"), f"{name}: {url.hostname} is not redis"
 
 
+def test_redis_requires_the_password_every_process_and_the_healthcheck_present():
+    """REDIS_PASSWORD set to a sample value: the server requires it, each URL carries it."""
+    stack = interpolate(raw_compose(), read_env_file(ROOT / ".env.example") | {"REDIS_PASSWORD": "s3cret"})
+    redis = stack["services"]["redis"]
+    assert "--requirepass s3cret" in " ".join(redis["command"])
+    assert environment(redis)["REDISCLI_AUTH"] == "s3cret", "redis-cli ping would be refused"
+    for name in tandem_services():
+        assert urlsplit(environment(stack["services"][name])["TANDEM_REDIS_URL"]).password == "s3cret", name
+
+
 def test_judge_url_names_the_judge_proxy_and_its_port():
     for name, process in tandem_services().items():
         if process == "rollout":
@@ -295,7 +305,7 @@ def test_redis_persists_an_append_only_file_on_a_volume():
     redis = services()["redis"]
     assert "--appendonly yes" in " ".join(redis["command"])
     assert mounts(redis).get("/data") in compose()["volumes"]
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert redis["healthcheck"]["test"] == ["CMD-SHELL", "redis-cli ping | grep -q PONG"]
 
 
 @pytest.mark.parametrize("service", sorted(tandem_services()))
@@ -338,7 +348,7 @@ def test_every_compose_variable_is_documented_in_env_example_with_the_same_defau
             assert documented[name] == default, f"{name}: .env.example says {documented[name]!r}, compose {default!r}"
 
 
-@pytest.mark.parametrize("password", ["GRAFANA_ADMIN_PASSWORD"])
+@pytest.mark.parametrize("password", ["GRAFANA_ADMIN_PASSWORD", "REDIS_PASSWORD"])
 def test_no_password_ships_compose_refuses_to_start_until_one_is_set(password):
     uses = [match for match in variable_uses() if match.group(1) == password]
     assert uses and all(match.group(3) for match in uses), f"every use must be ${{{password}:?message}}"
