@@ -83,7 +83,8 @@ class StandIn:
         self.upstreams_file = out / "upstreams.yaml"
         self.upstreams_file.write_text(
             f"upstreams:\n  - name: {UPSTREAM}\n    model: judge\n    base_url: {self.url}/v1\n"
-            f"    tpm: {tpm}\n    rpm: {rpm}\n    max_concurrency: 256\n    timeout_s: 60\n")
+            f"    tpm: {tpm}\n    rpm: {rpm}\n    max_concurrency: 256\n    timeout_s: 60\n"
+            "    limit_model: bucket\n")  # the stand-in's own rule
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.log = open(out / "logs" / "stand-in.log", "wb")
         self.process = subprocess.Popen(

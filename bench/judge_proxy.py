@@ -1,26 +1,36 @@
-"""Judge proxy: the latency it adds under budget, and budget use under overload.
+"""Judge proxy: the latency it adds under budget, and budget use under overload, against a
+provider whose limits match the proxy's model and against one whose limits do not.
 
 Real processes on loopback: an embedded Redis, two local upstreams (`judge_proxy.local_upstream`:
 OpenAI-compatible, enforcing their own TPM/RPM with 429 + retry-after, 2 ms service time)
-and two proxy replicas (`python -m services.cli judge-proxy`) sharing the Redis.
+and proxy replicas (`python -m services.cli judge-proxy`) sharing the Redis.
 
   latency     200 requests/s, open loop, to the upstream whose budget is far away: directly
               (the baseline) and through the replicas (alternating between them), in
               alternating 5 s blocks so both meet the same machine load. The proxy's added
               latency per request = round trip - queue wait - upstream call, both as the
               proxy reports them in `Server-Timing`.
-  saturation  64 concurrent clients (32 per replica, 8 jobs, a quarter at judge priority)
-              ask the rate-limited upstream for far more than its budget; `--seconds` are
-              measured once `--warmup` has passed and the upstream's first full bucket is
+  saturation  64 concurrent clients (8 jobs, a quarter at judge priority, spread over the
+              replicas) ask the rate-limited upstream for far more than its budget; `--seconds`
+              are measured once the warm-up has passed and the upstream's first full budget is
               spent (its level below 2% of TPM). Clients honour `Retry-After`. Reported:
               utilization = tokens the upstream accepted / (TPM x minutes) over the measured
               window, the upstream's own 429 count, and every request accounted for
-              (answered, or refused with Retry-After; lost = neither).
+              (answered, or refused with Retry-After; lost = neither). Three scenarios:
+    bucket    2 replicas; the upstream refills a bucket continuously and the proxy is told so
+              (`limit_model: bucket`): the limits match.
+    strict    3 replicas; the upstream enforces a strict trailing 60 s window and counts
+              prompts at 3 characters a token, a third denser than the proxy's chars/4
+              estimate; the proxy is told `limit_model: window` and learns the ratio from
+              `usage`. The warm-up is the first minute (`--strict-warmup`): 429s while the
+              ratio is learned are counted apart from the measured window's.
+    mismatch  (only with `--scenarios ... mismatch`) the strict provider behind a proxy told
+              `limit_model: bucket`: what a wrong limit model costs.
 
 Everything shares the machine's cores (the JSON keeps how many, and the load average), so
 the load generator is aiohttp, which costs about a third of httpx's CPU per request.
-Run: python bench/judge_proxy.py [--seconds 180] [--warmup 10] [--latency-seconds 30]
-Writes bench/results/judge_proxy.json.
+Run: python bench/judge_proxy.py [--seconds 180] [--warmup 10] [--strict-warmup 60]
+[--latency-seconds 30] [--scenarios bucket strict]. Writes bench/results/judge_proxy.json.
 """
 
 from __future__ import annotations
@@ -70,19 +80,47 @@ class Tally:
     """(time answered, queue wait in ms) of answered requests."""
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """A provider, and what the proxy is told about it."""
+
+    name: str
+    replicas: int
+    provider: tuple[str, ...]
+    """The limited upstream's options (how it enforces and counts)."""
+    told: dict
+    """The proxy's config entry for it, beyond the limits."""
+    about: str
+
+
+STRICT_PROVIDER = ("--limit-model", "window", "--window-s", "60", "--prompt-chars-per-token", "3")
+SCENARIOS = {
+    "bucket": Scenario("bucket", 2, ("--limit-model", "bucket"), {"limit_model": "bucket"},
+                       "bucket upstream, proxy told bucket"),
+    "strict": Scenario("strict", 3, STRICT_PROVIDER, {"limit_model": "window"},
+                       "trailing 60 s window, prompts 1/3 denser; proxy told window"),
+    "mismatch": Scenario("mismatch", 3, STRICT_PROVIDER, {"limit_model": "bucket"},
+                         "the strict upstream; proxy told bucket"),
+}
+
+
 @contextlib.contextmanager
-def processes(log_dir: Path, queue_deadline_s: float):
-    """Redis, the two local upstreams and two proxy replicas; yields their URLs."""
+def processes(log_dir: Path, queue_deadline_s: float, scenario: Scenario):
+    """Redis, the two local upstreams and the proxy replicas, all fresh; yields their URLs."""
+    log_dir = log_dir / scenario.name
+    log_dir.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis() as redis, contextlib.ExitStack() as stack:
-        limited, fast, proxy_ports = free_port(), free_port(), [free_port(), free_port()]
+        limited, fast = free_port(), free_port()
+        proxy_ports = [free_port() for _ in range(scenario.replicas)]
         upstream = [sys.executable, "-m", "judge_proxy.local_upstream", "--service-ms", "2"]
         stack.enter_context(spawn(log_dir / "upstream-limited.log",
-                                  upstream + ["--port", str(limited), "--tpm", str(TPM), "--rpm", str(RPM)]))
+                                  upstream + ["--port", str(limited), "--tpm", str(TPM), "--rpm", str(RPM),
+                                              *scenario.provider]))
         stack.enter_context(spawn(log_dir / "upstream-fast.log",
                                   upstream + ["--port", str(fast), "--tpm", str(10**10), "--rpm", str(10**8)]))
         config = log_dir / "upstreams.json"
         config.write_text(json.dumps({"upstreams": [
-            upstream_entry("limited", "judge", limited, TPM, RPM, max_concurrency=64),
+            {**upstream_entry("limited", "judge", limited, TPM, RPM, max_concurrency=64), **scenario.told},
             upstream_entry("fast", "fast", fast, 10**10, 10**8, max_concurrency=512)]}))
         for i, port in enumerate(proxy_ports):
             env = {"TANDEM_REDIS_URL": redis.url, "TANDEM_PORT": str(port), "TANDEM_UPSTREAMS": str(config),
@@ -184,14 +222,15 @@ async def saturating_client(http: aiohttp.ClientSession, url: str, index: int, s
             tally.errors[f"HTTP {answer.status}"] += 1
 
 
-async def saturate(urls: dict, seconds: float, warmup: float) -> dict:
-    """Overload from the start; measure `seconds` once the upstream's first full bucket is spent."""
+async def saturate(urls: dict, seconds: float, warmup: float, name: str) -> dict:
+    """Overload from the start; measure `seconds` once the upstream's first full budget is spent."""
     tally, stop = Tally(), asyncio.Event()
+    proxies = urls["proxies"]
     async with session(2 * NUM_CLIENTS) as http:
         start = await upstream_stats(http, urls["limited"])
-        clients = [asyncio.create_task(saturating_client(http, urls["proxies"][i % 2], i, stop, tally))
+        clients = [asyncio.create_task(saturating_client(http, proxies[i % len(proxies)], i, stop, tally))
                    for i in range(NUM_CLIENTS)]
-        with tqdm(total=round(warmup + seconds), desc="saturation", unit="s") as bar:
+        with tqdm(total=round(warmup + seconds), desc=name, unit="s") as bar:
             first = await drained(http, urls["limited"], warmup, bar)
             for second in range(round(seconds)):
                 await asyncio.sleep(max(0.0, first["at"] + second + 1 - time.monotonic()))
@@ -232,11 +271,13 @@ def saturation_report(tally: Tally, start: dict, first: dict, last: dict, final:
     answered = sum(tally.answered.values())
     return {
         "tpm": TPM, "rpm": RPM, "clients": NUM_CLIENTS, "window_s": round(window_s, 1),
+        "warmup_s": round(first["at"] - start["at"], 1),
         "budget_tokens": round(budget), "accepted_tokens": accepted, "utilization": accepted / budget,
         "upstream_level_at_window_start": round(first["tokens_level"]),
         "whole_run_utilization": whole_run_accepted / whole_run_budget,
         "upstream_requests_per_s": (last["accepted"] - first["accepted"]) / window_s,
-        "upstream_429": final["rejected_429"] - start["rejected_429"],
+        "upstream_429": final["rejected_429"] - first["rejected_429"],
+        "upstream_429_in_warmup": first["rejected_429"] - start["rejected_429"],
         "requests_sent": tally.sent, "answered": answered, "answered_by_priority": dict(tally.answered),
         "refused_with_retry_after": tally.refused, "errors": dict(tally.errors),
         "lost": tally.sent - answered - tally.refused,
@@ -315,17 +356,36 @@ def percentiles(values: list[float]) -> dict:
             "mean": statistics.fmean(ordered)}
 
 
+def p50_p99(stats: dict) -> str:
+    return f"{stats['p50']:.0f} / {stats['p99']:.0f}" if stats["n"] else "none answered"
+
+
 def table(results: dict) -> str:
-    s, lat = results["saturation"], results["latency"]
+    runs, lat = results["saturation"], results["latency"]
+    names = list(runs)
+
+    def row(label: str, cell, target: str = "") -> tuple:
+        return (label, *(cell(runs[n]) for n in names), target)
+
     rows = [
-        ("budget utilization (accepted / TPM x minutes)", f"{s['utilization']:.1%}", ">= 95%"),
-        ("  whole run incl. first full bucket", f"{s['whole_run_utilization']:.1%}", ""),
-        ("upstream 429s", f"{s['upstream_429']}", "0"),
-        ("requests sent / answered / refused (Retry-After)",
-         f"{s['requests_sent']} / {s['answered']} / {s['refused_with_retry_after']}", ""),
-        ("lost or errored", f"{s['lost']} / {sum(s['errors'].values())}", "0 / 0"),
-        ("queue wait of answered p50 / p99 (ms)",
-         f"{s['queue_wait_ms_in_window']['p50']:.0f} / {s['queue_wait_ms_in_window']['p99']:.0f}", ""),
+        row("proxy replicas", lambda s: str(s["replicas"])),
+        row("warm-up before measuring (s)", lambda s: f"{s['warmup_s']:.0f}"),
+        row("budget utilization (accepted / TPM x minutes)", lambda s: f"{s['utilization']:.1%}",
+            ">= 95% matched, >= 90% strict"),
+        row("  whole run incl. first full budget", lambda s: f"{s['whole_run_utilization']:.1%}"),
+        row("upstream 429s, measured window", lambda s: str(s["upstream_429"]), "0"),
+        row("upstream 429s, warm-up", lambda s: str(s["upstream_429_in_warmup"])),
+        row("learned prompt ratio (upstream / chars/4)", lambda s: f"{s['prompt_ratio']:.3f}"),
+        row("requests sent / answered / refused",
+            lambda s: f"{s['requests_sent']} / {s['answered']} / {s['refused_with_retry_after']}"),
+        row("lost / errored", lambda s: f"{s['lost']} / {sum(s['errors'].values())}", "0 / 0"),
+        row("queue wait of answered p50 / p99 (ms)", lambda s: p50_p99(s["queue_wait_ms_in_window"])),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':{width}}  " + "  ".join(f"{n:>18}" for n in names) + "  target",
+             "-" * (width + 20 * len(names) + 30)]
+    lines += [f"{r[0]:{width}}  " + "  ".join(f"{c:>18}" for c in r[1:-1]) + f"  {r[-1]}" for r in rows]
+    latency_rows = [
         (f"direct round trip p50 / p99 at {lat['rate_per_s']}/s (ms)",
          f"{lat['direct_round_trip_ms']['p50']:.2f} / {lat['direct_round_trip_ms']['p99']:.2f}", "baseline"),
         ("proxied round trip p50 / p99 (ms)",
@@ -334,28 +394,45 @@ def table(results: dict) -> str:
         ("proxy added latency p50 / p99 (ms, excl. queue)",
          f"{lat['proxy_added_ms']['p50']:.2f} / {lat['proxy_added_ms']['p99']:.2f}", "p99 <= 5"),
     ]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'':{width}}  {'measured':>22}  target / ratio", "-" * (width + 42)]
-    lines += [f"{name:{width}}  {value:>22}  {target}" for name, value, target in rows]
+    lines += ["", *(f"{name:{width}}  {value:>18}  {target}" for name, value, target in latency_rows)]
     return "\n".join(lines)
+
+
+async def proxy_view(url: str) -> dict:
+    async with session(1) as http, http.get(f"{url}/v1/budget") as response:
+        return next(u for u in (await response.json())["upstreams"] if u["name"] == "limited")
+
+
+def run_scenario(scenario: Scenario, log_dir: Path, args: argparse.Namespace) -> dict:
+    warmup = args.warmup if scenario.name == "bucket" else args.strict_warmup
+    with processes(log_dir, args.queue_deadline_s, scenario) as urls:
+        report = asyncio.run(saturate(urls, args.seconds, warmup, scenario.name))
+        view = asyncio.run(proxy_view(urls["proxies"][0]))
+    return {"scenario": scenario.about, "replicas": scenario.replicas, "provider": list(scenario.provider),
+            "proxy_told": scenario.told, "prompt_ratio": view["prompt_ratio"], **report}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=180.0, help="measured saturation window")
-    parser.add_argument("--warmup", type=float, default=10.0, help="saturation before measuring")
+    parser.add_argument("--warmup", type=float, default=10.0, help="saturation before measuring (bucket)")
+    parser.add_argument("--strict-warmup", type=float, default=60.0,
+                        help="saturation before measuring (strict, mismatch): the first minute")
     parser.add_argument("--latency-seconds", type=float, default=30.0, help="per latency phase")
     parser.add_argument("--queue-deadline-s", type=float, default=5.0)
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=["bucket", "strict"])
     parser.add_argument("--out", default="bench/results/judge_proxy.json")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-judge-bench-"))
     # The machine may be shared: the load average beside each phase says what else ran.
     load = {"before": os.getloadavg()}
-    with processes(log_dir, args.queue_deadline_s) as urls:
+    with processes(log_dir, args.queue_deadline_s, SCENARIOS["bucket"]) as urls:
         latency_results = asyncio.run(latency(urls, args.latency_seconds))
-        load["after_latency"] = os.getloadavg()
-        saturation = asyncio.run(saturate(urls, args.seconds, args.warmup))
-        load["after_saturation"] = os.getloadavg()
+    load["after_latency"] = os.getloadavg()
+    saturation = {}
+    for name in args.scenarios:
+        saturation[name] = run_scenario(SCENARIOS[name], log_dir, args)
+        load[f"after_{name}"] = os.getloadavg()
     results = {
         "machine": {"cpu_count": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
                     "load_average_1_5_15m": load,
@@ -363,19 +440,20 @@ def main() -> None:
         "settings": {**vars(args), "max_tokens": MAX_TOKENS, "upstream_service_ms": 2, "logs": str(log_dir)},
         "saturation": saturation, "latency": latency_results,
     }
-    results["targets_met"] = {
-        "utilization >= 0.95": saturation["utilization"] >= 0.95,
-        "upstream 429s == 0": saturation["upstream_429"] == 0,
-        "lost == 0 and no errors": saturation["lost"] == 0 and not saturation["errors"],
-        "added p99 <= 5 ms": latency_results["proxy_added_ms"]["p99"] <= 5.0,
-        "latency phase without errors": not any(latency_results["errors"].values()),
-    }
+    targets = {"added p99 <= 5 ms": latency_results["proxy_added_ms"]["p99"] <= 5.0,
+               "latency phase without errors": not any(latency_results["errors"].values())}
+    for name, run in saturation.items():
+        floor = 0.95 if name == "bucket" else 0.90
+        targets[f"{name}: utilization >= {floor:.2f}"] = run["utilization"] >= floor
+        targets[f"{name}: upstream 429s after warm-up == 0"] = run["upstream_429"] == 0
+        targets[f"{name}: lost == 0 and no errors"] = run["lost"] == 0 and not run["errors"]
+    results["targets_met"] = targets
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\njudge proxy: 2 replicas, 1 Redis, local upstream at {TPM} TPM / {RPM} RPM, "
+    print(f"\njudge proxy: 1 Redis, local upstream at {TPM} TPM / {RPM} RPM, "
           f"{results['machine']['cores_available']} cores available, 1-minute load average "
-          f"{load['after_latency'][0]:.1f} after the latency phase, {load['after_saturation'][0]:.1f} after saturation")
+          + ", ".join(f"{k.removeprefix('after_')} {v[0]:.1f}" for k, v in load.items() if k != "before"))
     print(table(results))
     print(f"targets met: {results['targets_met']}\nwritten to {out}")
 

@@ -30,6 +30,9 @@ so replicas agree on refills and expiries and no interleaving can over-admit:
   difference is held until the upstream's `x-ratelimit-reset-*` says it is gone, at most
   a window), learns the prompt ratio, and an upstream 429 pauses the upstream for every
   replica;
+- `sent` (a window only) restamps a reservation's entry just before its request goes out,
+  so a request that waited in the event loop after its reservation still leaves the window
+  after the upstream's entry does;
 - `peek` reads the state (a window's expired entries are dropped on the way).
 
 State: hash `tandem:judge:budget:{upstream}` (bucket levels, window sums, pause, learned
@@ -249,6 +252,13 @@ finish_settle(KEYS[1], KEYS[2], now, entry, used_tokens, used_requests, tonumber
 return tostring(tpm - in_tokens)
 """
 
+_WINDOW_SENT = """
+-- KEYS: window. ARGV: lease_id, window_s. Only an entry still in the window moves.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+return redis.call('ZADD', KEYS[1], 'XX', 'GT', now + tonumber(ARGV[2]), ARGV[1])
+"""
+
 _WINDOW_PEEK = _WINDOW + """
 -- KEYS: state, leases, window, entries. ARGV: tpm, rpm. Drops expired entries, changes nothing else.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -327,6 +337,7 @@ class Budget:
         scripts = {"bucket": (_BUCKET_RESERVE, _BUCKET_SETTLE, _BUCKET_PEEK),
                    "window": (_WINDOW_RESERVE, _WINDOW_SETTLE, _WINDOW_PEEK)}[limits.model]
         self._reserve, self._settle, self._peek = (client.register_script(s) for s in scripts)
+        self._sent = client.register_script(_WINDOW_SENT)
         self.prompt_ratio = 1.0
         """The learned ratio as last seen by this replica (for estimates outside Redis)."""
 
@@ -352,6 +363,12 @@ class Budget:
             return Admission(Lease(lease_id, int(cost), prompt_estimate), 0.0, int(cost))
         wait_s = float(wait)
         return Admission(None, CONCURRENCY_POLL_S if wait_s < 0 else wait_s, int(cost))
+
+    async def sent(self, lease: Lease) -> None:
+        """The request of `lease` is about to go out: in a window, its entry leaves a window
+        from now (a bucket has nothing to move)."""
+        if self.limits.model == "window":
+            await self._sent([self.keys[2]], [lease.lease_id, self._window_s])
 
     async def settle(self, lease: Lease, used_tokens: int, *, used_request: bool = True,
                      prompt_tokens: int | None = None, remaining_tokens: float | None = None,

@@ -184,7 +184,7 @@ class Proxy:
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:
             limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S,
-                            config.limit_model, config.window_s, config.prompt_margin)
+                            model=config.limit_model, window_s=config.window_s, prompt_margin=config.prompt_margin)
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
@@ -272,6 +272,7 @@ class Proxy:
         """One upstream call; None when another attempt should follow. A failure settles the
         budget here, a success once its reply has been sent (`Completion.settle`)."""
         upstream = grant.upstream
+        await upstream.budget.sent(grant.lease)
         started = time.perf_counter()
         try:
             reply = await upstream.post(payload, stream=stream)

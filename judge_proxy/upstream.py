@@ -9,6 +9,7 @@ a `SecretStr`: they are sent upstream and nowhere else.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import random
@@ -150,10 +151,13 @@ class Upstream:
                 connector=aiohttp.TCPConnector(limit=self.config.max_concurrency))
         try:
             return await self._post_once(payload, headers, stream)
-        except aiohttp.ServerDisconnectedError:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
             # A pooled keep-alive connection the server had just closed (uvicorn closes idle
-            # ones after 5 s, aiohttp keeps them 15 s): nothing was answered, so once more on
-            # a fresh connection. Under load it otherwise cost a 502 (bench/judge_proxy.py).
+            # ones after 5 s, aiohttp keeps them 15 s), seen as a disconnect or a reset:
+            # nothing was answered, so once more on a fresh connection. Under load it
+            # otherwise cost a 502 (bench/judge_proxy.py). Other errors are the upstream's.
+            if isinstance(err, aiohttp.ClientOSError) and err.errno not in (errno.ECONNRESET, errno.EPIPE):
+                raise
             return await self._post_once(payload, headers, stream)
 
     async def _post_once(self, payload: bytes, headers: dict[str, str], stream: bool) -> Reply:

@@ -275,3 +275,15 @@ async def test_the_prompt_ratio_is_learned_from_usage_and_scales_the_next_reserv
     assert second.lease.tokens == math.ceil(100 * 1.4 * 1.1) + 50  # the first call counts in full
     assert third.lease.tokens == math.ceil(100 * 1.3 * 1.1) + 50  # then the running mean
     assert view.prompt_ratio == pytest.approx(1.3)
+
+
+async def test_a_window_entry_is_restamped_when_its_request_goes_out(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=100, window_s=0.4))
+
+    lease = (await budget.reserve(100)).lease
+    await asyncio.sleep(0.3)  # the request waited after its reservation, before going out
+    await budget.sent(lease)
+    await asyncio.sleep(0.2)  # the reservation is 0.5 s old: out of a 0.4 s window, but not the request
+    blocked = await budget.reserve(1)
+
+    assert blocked.lease is None and blocked.wait_s == pytest.approx(0.2, abs=0.08)
