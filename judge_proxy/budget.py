@@ -11,7 +11,8 @@ either (an upstream's config names its `limit_model`):
   WINDOW_MARGIN_S` after it was made: the upstream starts its own clock when the request
   arrives, a little later, so the proxy's entry must not leave before the upstream's does.
   A sequence the window admits is one a bucket admits too, so `window` is the safe choice
-  for a provider whose rule is not documented.
+  for a provider whose rule is not documented. Admissions into a window are also paced
+  (`Limits.pace_s`), so the window fills evenly rather than in a burst that then repeats.
 
 Prompt tokens are estimated (characters / 4, or a local tokenizer) and the upstream counts
 them its own way. Each upstream learns the ratio of counted to estimated prompt tokens from
@@ -187,6 +188,20 @@ local function wait_to_fit(window, entries, now, used_tokens, used_requests, tok
   end
   return 0
 end
+-- Pacing: a bucket of `pace_s` seconds' worth, refilled at the window's average rate, so
+-- admissions spread over the window instead of filling it at once and then stalling.
+local function paced(state, tpm, rpm, pace_s, now)
+  local s = redis.call('HMGET', state, 'pace_tokens', 'pace_requests', 'pace_ts')
+  local cap_tokens, cap_requests = tpm * pace_s / 60, math.max(rpm * pace_s / 60, 1)
+  local dt = math.max(now - (tonumber(s[3]) or now), 0)
+  local tokens = math.min(cap_tokens, (tonumber(s[1]) or cap_tokens) + dt * tpm / 60)
+  local requests = math.min(cap_requests, (tonumber(s[2]) or cap_requests) + dt * rpm / 60)
+  return tokens, requests, cap_tokens, cap_requests
+end
+local function store_pace(state, tokens, requests, now)
+  redis.call('HSET', state, 'pace_tokens', string.format('%.6f', tokens),
+             'pace_requests', string.format('%.6f', requests), 'pace_ts', string.format('%.6f', now))
+end
 local function enter(state, window, entries, entry, leaves_at, tokens, requests)
   redis.call('ZADD', window, leaves_at, entry)
   redis.call('HSET', entries, 't:' .. entry, tokens, 'r:' .. entry, requests)
@@ -197,29 +212,42 @@ end
 
 _WINDOW_RESERVE = _WINDOW + """
 -- KEYS: state, leases, window, entries.
--- ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s, window_s
+-- ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s, window_s,
+--   pace_s (0 = no pacing)
 local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost = cost_of(KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+local pace_s = tonumber(ARGV[10])
 local now = now_s()
 local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
 local wait = math.max(num(KEYS[1], 'paused_until', 0) - now, 0)
 local fits = wait_to_fit(KEYS[3], KEYS[4], now, used_tokens, used_requests, cost, 1, tpm, rpm)
 if fits == -2 then fits = tonumber(ARGV[9]) end  -- larger than the limit: the caller checks first
 wait = math.max(wait, fits)
+local pace_tokens, pace_requests, cap_tokens = 0, 0, 0
+if pace_s > 0 then  -- a request larger than the pacing bucket waits for a full one, then owes the rest
+  pace_tokens, pace_requests, cap_tokens = paced(KEYS[1], tpm, rpm, pace_s, now)
+  wait = math.max(wait, (math.min(cost, cap_tokens) - pace_tokens) * 60 / tpm, (1 - pace_requests) * 60 / rpm)
+end
 if wait > 0 then return {0, tostring(wait), cost} end
 if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
 enter(KEYS[1], KEYS[3], KEYS[4], ARGV[7], now + tonumber(ARGV[9]), cost, 1)
+if pace_s > 0 then store_pace(KEYS[1], pace_tokens - cost, pace_requests - 1, now) end
 return {1, '0', cost}
 """
 
 _WINDOW_SETTLE = _WINDOW + """
 -- KEYS: state, leases, window, entries. ARGV: tpm, rpm, reserved, used_tokens, used_requests,
 --   lease_id, remaining_tokens, remaining_requests, reset_tokens_s, reset_requests_s ('' = unknown),
---   pause_s, prompt_estimate, prompt_counted, window_s, ratio_min_weight
+--   pause_s, prompt_estimate, prompt_counted, window_s, pace_s, ratio_min_weight
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local used_tokens, used_requests, entry = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local window_s = tonumber(ARGV[14])
+local window_s, pace_s = tonumber(ARGV[14]), tonumber(ARGV[15])
 local now = now_s()
+if pace_s > 0 then  -- what the upstream did not charge goes back to the pacing bucket too
+  local tokens, requests, cap_tokens, cap_requests = paced(KEYS[1], tpm, rpm, pace_s, now)
+  store_pace(KEYS[1], math.min(cap_tokens, tokens + tonumber(ARGV[3]) - used_tokens),
+             math.min(cap_requests, requests + 1 - used_requests), now)
+end
 local in_tokens, in_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
 local held = redis.call('HMGET', KEYS[4], 't:' .. entry, 'r:' .. entry)
 if held[1] then  -- still in the window: it now holds what the upstream charged
@@ -288,6 +316,11 @@ class Limits:
     window_s: float = 60.0
     """The trailing window of the `window` model, as the upstream counts it."""
     window_margin_s: float = WINDOW_MARGIN_S
+    pace_s: float = 6.0
+    """In a window, admissions are paced at the window's average rate (`tpm / 60` a second)
+    with at most `pace_s` seconds' worth at once; 0 admits up to the window's limit at once.
+    Without pacing, a window filled in a burst empties in a burst, a minute later, every
+    minute: clients wait for a whole minute at a time and the provider sees the bursts."""
     prompt_margin: float = 0.05
     """Reserve this much more than the learned prompt count, for calls that count above average."""
 
@@ -357,7 +390,7 @@ class Budget:
         args = [limits.tpm, limits.rpm, limits.max_concurrency, prompt_estimate, fixed_tokens,
                 limits.prompt_margin, lease_id, limits.lease_ttl_s]
         if limits.model == "window":
-            args.append(self._window_s)
+            args += [self._window_s, limits.pace_s]
         ok, wait, cost = await self._reserve(self.keys, args)
         if ok:
             return Admission(Lease(lease_id, int(cost), prompt_estimate), 0.0, int(cost))
@@ -380,7 +413,7 @@ class Budget:
                 _optional(remaining_tokens), _optional(remaining_requests), _optional(reset_tokens_s),
                 _optional(reset_requests_s), pause_s, lease.prompt_estimate, prompt_tokens or 0]
         if self.limits.model == "window":
-            args.append(self._window_s)
+            args += [self._window_s, self.limits.pace_s]
         args.append(RATIO_MIN_WEIGHT)
         return float(await self._settle(self.keys, args))
 

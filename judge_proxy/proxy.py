@@ -184,7 +184,8 @@ class Proxy:
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:
             limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S,
-                            model=config.limit_model, window_s=config.window_s, prompt_margin=config.prompt_margin)
+                            model=config.limit_model, window_s=config.window_s, pace_s=config.pace_s,
+                            prompt_margin=config.prompt_margin)
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)

@@ -49,6 +49,8 @@ class UpstreamConfig(BaseModel):
                               "the safe choice, a bucket accepts whatever a window does) or 'bucket' "
                               "(continuous refill, a minute's burst allowed).")
     window_s: float = Field(60.0, gt=0, description="The provider's trailing window ('window' only).")
+    pace_s: float = Field(6.0, ge=0, description="'window' only: admissions paced at tpm/60 a second, at most "
+                                                 "this many seconds' worth at once (0: no pacing).")
     prompt_margin: float = Field(0.05, ge=0, le=1, description="Reserve this share above the learned prompt "
                                                               "token count.")
 

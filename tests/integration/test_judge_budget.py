@@ -21,8 +21,9 @@ def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_tt
     return Limits(tpm, rpm, max_concurrency, lease_ttl_s, **window)
 
 
-def window(tpm: int = 600, rpm: int = 6000, window_s: float = 60.0, margin_s: float = 0.0) -> Limits:
-    return Limits(tpm, rpm, 100, 30.0, "window", window_s, margin_s, prompt_margin=0.0)
+def window(tpm: int = 600, rpm: int = 6000, window_s: float = 60.0, margin_s: float = 0.0,
+           pace_s: float = 0.0) -> Limits:
+    return Limits(tpm, rpm, 100, 30.0, "window", window_s, margin_s, pace_s=pace_s, prompt_margin=0.0)
 
 
 async def test_reservations_stop_at_the_level_and_say_how_long_the_refill_takes(redis_client):
@@ -118,7 +119,7 @@ from judge_proxy.budget import Budget, Limits
 
 async def main(url, start_at, seconds, tpm, rpm, max_concurrency, hold_s, seed, model):
     client = aioredis.from_url(url)
-    budget = Budget(client, "race", Limits(tpm, rpm, max_concurrency, 30.0, model))
+    budget = Budget(client, "race", Limits(tpm, rpm, max_concurrency, 30.0, model, pace_s=0.0))
     rng = random.Random(seed)
     totals = {"tokens": 0, "requests": 0, "peak_inflight": 0}
 
@@ -287,3 +288,17 @@ async def test_a_window_entry_is_restamped_when_its_request_goes_out(redis_clien
     blocked = await budget.reserve(1)
 
     assert blocked.lease is None and blocked.wait_s == pytest.approx(0.2, abs=0.08)
+
+
+async def test_a_paced_window_spreads_admissions_at_its_average_rate(redis_client):
+    budget = Budget(redis_client, "w", window(tpm=6000, window_s=60.0, pace_s=1.0))  # 100 tokens a second
+
+    burst = await budget.reserve(100)
+    next_one = await budget.reserve(50)
+    large = await budget.reserve(500)  # larger than the pacing bucket: waits for a full one only
+
+    assert burst.lease is not None
+    assert next_one.lease is None and next_one.wait_s == pytest.approx(0.5, abs=0.05)
+    assert large.wait_s == pytest.approx(1.0, abs=0.05)
+    await budget.settle(burst.lease, used_tokens=40)  # 60 not charged come back to the pacing too
+    assert (await budget.reserve(50)).lease is not None

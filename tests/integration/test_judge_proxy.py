@@ -229,7 +229,7 @@ async def test_an_upstream_that_keeps_answering_429_gives_the_client_429_with_re
 # --- waiting for budget --------------------------------------------------------------------
 
 async def test_an_over_budget_request_waits_then_gets_429_with_retry_after(make_proxy, upstreams):
-    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600), queue_deadline_s=0.3)
+    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600, pace_s=0), queue_deadline_s=0.3)
     await upstreams["a"].script({"delay_s": 0.5, "content": "ok"})
     rejected = sample("tandem_judge_rejected_total", priority="judge")
 
@@ -248,7 +248,7 @@ async def test_an_over_budget_request_waits_then_gets_429_with_retry_after(make_
 
 
 async def test_a_waiting_request_goes_as_soon_as_a_settled_call_refunds_its_tokens(make_proxy, upstreams):
-    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600), queue_deadline_s=5)
+    proxy = await make_proxy(entry("a", upstreams["a"], tpm=600, pace_s=0), queue_deadline_s=5)
     await upstreams["a"].script({"delay_s": 0.3, "content": "ok"})
     started = time.monotonic()
 

@@ -25,9 +25,11 @@ PROMPT = [{"role": "user", "content": "Count the tokens of this sentence, please
 
 
 def upstreams_file(tmp_path, upstream_url: str, tpm: int, rpm: int, **extra) -> str:
+    """The local upstream refills a bucket, and the proxy is told so (a window would forgo its burst)."""
     path = tmp_path / "upstreams.json"
     path.write_text(json.dumps({"upstreams": [{"name": "local", "model": "judge", "upstream_model": "local-model",
-                                               "base_url": f"{upstream_url}/v1", "tpm": tpm, "rpm": rpm, **extra}]}))
+                                               "base_url": f"{upstream_url}/v1", "tpm": tpm, "rpm": rpm,
+                                               "limit_model": "bucket", **extra}]}))
     return str(path)
 
 
