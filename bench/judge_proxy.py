@@ -420,7 +420,8 @@ def main() -> None:
                         help="saturation before measuring (strict, mismatch): the first minute")
     parser.add_argument("--latency-seconds", type=float, default=30.0, help="per latency phase")
     parser.add_argument("--queue-deadline-s", type=float, default=5.0)
-    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=["bucket", "strict"])
+    parser.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS), default=["bucket", "strict"],
+                        help="saturation scenarios to run (none: the latency phase only)")
     parser.add_argument("--out", default="bench/results/judge_proxy.json")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-judge-bench-"))

@@ -31,9 +31,9 @@ so replicas agree on refills and expiries and no interleaving can over-admit:
   difference is held until the upstream's `x-ratelimit-reset-*` says it is gone, at most
   a window), learns the prompt ratio, and an upstream 429 pauses the upstream for every
   replica;
-- `sent` (a window only) restamps a reservation's entry just before its request goes out,
-  so a request that waited in the event loop after its reservation still leaves the window
-  after the upstream's entry does;
+- `sent` (a window only) restamps a reservation's entry just before its request goes out
+  when that is more than `RESTAMP_AFTER_S` after the reservation, so a request that waited
+  in the event loop still leaves the window after the upstream's entry does;
 - `peek` reads the state (a window's expired entries are dropped on the way).
 
 State: hash `tandem:judge:budget:{upstream}` (bucket levels, window sums, pause, learned
@@ -45,6 +45,7 @@ replicas, a lease whose replica died expires after `lease_ttl_s`), and for a win
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Literal
@@ -57,6 +58,9 @@ CONCURRENCY_POLL_S = 0.02
 """How long to wait when only the concurrency cap blocks: leases end at unknown times."""
 WINDOW_MARGIN_S = 1.0
 """A window entry outlives the upstream's by this much (the request reaches it later)."""
+RESTAMP_AFTER_S = 0.1
+"""A request sent later than this after its reservation has its window entry restamped
+(sooner, the margin covers the trip)."""
 RATIO_MIN_WEIGHT = 0.05
 """The prompt ratio is the mean of the first 20 calls, then a moving average of this weight."""
 
@@ -122,7 +126,8 @@ local wait = math.max(paused_until - now, (cost - tokens) * 60 / tpm, (1 - reque
 if wait > 0 then return {0, tostring(wait), cost} end
 if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
 store(KEYS[1], tokens - cost, requests - 1, now)
-return {1, '0', cost}
+return {1, '0', cost, tostring(tokens - cost), tostring(requests - 1),
+        tostring((tpm - tokens + cost) * 60 / tpm), tostring((rpm - requests + 1) * 60 / rpm)}
 """
 
 _BUCKET_SETTLE = _BUCKET + """
@@ -232,7 +237,7 @@ if wait > 0 then return {0, tostring(wait), cost} end
 if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
 enter(KEYS[1], KEYS[3], KEYS[4], ARGV[7], now + tonumber(ARGV[9]), cost, 1)
 if pace_s > 0 then store_pace(KEYS[1], pace_tokens - cost, pace_requests - 1, now) end
-return {1, '0', cost}
+return {1, '0', cost, tostring(tpm - used_tokens - cost), tostring(rpm - used_requests - 1), ARGV[9], ARGV[9]}
 """
 
 _WINDOW_SETTLE = _WINDOW + """
@@ -332,6 +337,21 @@ class Lease:
     """Tokens reserved at admission."""
     prompt_estimate: int = 0
     """The prompt's own estimate (before the learned ratio), to learn from its `usage`."""
+    reserved_at: float = 0.0
+    """`time.monotonic()` when it was reserved."""
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What this replica last saw left of the budget (at a reservation or a peek), for the
+    `x-ratelimit-*` headers without another trip to Redis."""
+
+    tokens: float
+    requests: float
+    tokens_reset_s: float
+    requests_reset_s: float
+    at: float
+    """`time.monotonic()` when seen; the resets count down from it."""
 
 
 @dataclass(frozen=True)
@@ -373,6 +393,7 @@ class Budget:
         self._sent = client.register_script(_WINDOW_SENT)
         self.prompt_ratio = 1.0
         """The learned ratio as last seen by this replica (for estimates outside Redis)."""
+        self.seen: Seen | None = None
 
     @property
     def _window_s(self) -> float:
@@ -391,16 +412,18 @@ class Budget:
                 limits.prompt_margin, lease_id, limits.lease_ttl_s]
         if limits.model == "window":
             args += [self._window_s, limits.pace_s]
-        ok, wait, cost = await self._reserve(self.keys, args)
+        ok, wait, cost, *left = await self._reserve(self.keys, args)
         if ok:
-            return Admission(Lease(lease_id, int(cost), prompt_estimate), 0.0, int(cost))
+            now = time.monotonic()
+            self.seen = Seen(*map(float, left), at=now)
+            return Admission(Lease(lease_id, int(cost), prompt_estimate, now), 0.0, int(cost))
         wait_s = float(wait)
         return Admission(None, CONCURRENCY_POLL_S if wait_s < 0 else wait_s, int(cost))
 
     async def sent(self, lease: Lease) -> None:
         """The request of `lease` is about to go out: in a window, its entry leaves a window
         from now (a bucket has nothing to move)."""
-        if self.limits.model == "window":
+        if self.limits.model == "window" and time.monotonic() - lease.reserved_at > RESTAMP_AFTER_S:
             await self._sent([self.keys[2]], [lease.lease_id, self._window_s])
 
     async def settle(self, lease: Lease, used_tokens: int, *, used_request: bool = True,
@@ -421,6 +444,7 @@ class Budget:
         (tokens, requests, paused, inflight, used_tokens, used_requests, tokens_reset, requests_reset,
          ratio) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm])
         self.prompt_ratio = float(ratio)
+        self.seen = Seen(float(tokens), float(requests), float(tokens_reset), float(requests_reset), time.monotonic())
         return BudgetView(float(tokens), float(requests), float(paused), int(inflight), int(used_tokens),
                           int(used_requests), float(tokens_reset), float(requests_reset), float(ratio))
 
