@@ -34,7 +34,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -181,26 +181,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
         completion = await proxy.complete(body, max_tokens, chat.n, job=job_of(request),
                                           priority=priority_of(request))
-        try:
-            headers = {**timing_headers(completion), **await proxy.limit_headers(proxy.group(chat.model))}
-        except BaseException:
-            if completion.stream is not None:
-                await completion.stream.aclose()  # settles its reservation
-            raise
-        if completion.stream is not None:
-            return StreamingResponse(completion.stream, media_type="text/event-stream", headers=headers)
-        return Response(completion.body, media_type="application/json", headers=headers,
-                        background=BackgroundTask(completion.settle))
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models(request: Request) -> ModelList:
-        authorize(request)
-        return ModelList(data=[ModelCard(id=name) for name in sorted(proxy.groups)])
-
-    @app.get("/v1/models/{model:path}", response_model=ModelCard)
-    async def model(model: str, request: Request) -> ModelCard:
-        authorize(request)
-        return ModelCard(id=proxy.group(model).model)
+        return await completion_response(proxy, completion, chat.model)
 
     @app.post("/v1/judge", response_model=JudgeResponse)
     async def judge(request: Request) -> JudgeResponse:
@@ -216,7 +197,39 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         return JudgeResponse(score=result.verdict.score, criteria=result.verdict.criteria,
                              verdict=result.verdict.verdict, raw=result.raw, usage=result.usage)
 
-    @app.get("/v1/budget", response_model=BudgetResponse)
+    app.include_router(info_router(proxy, authorize))
+    return app
+
+
+async def completion_response(proxy: Proxy, completion: Completion, model: str) -> Response:
+    """The reply to a chat request: the upstream's JSON, or its stream, with our headers."""
+    try:
+        headers = {**timing_headers(completion), **await proxy.limit_headers(proxy.group(model))}
+    except BaseException:
+        if completion.stream is not None:
+            await completion.stream.aclose()  # settles its reservation
+        raise
+    if completion.stream is not None:
+        return StreamingResponse(completion.stream, media_type="text/event-stream", headers=headers)
+    return Response(completion.body, media_type="application/json", headers=headers,
+                    background=BackgroundTask(completion.settle))
+
+
+def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter:
+    """What the proxy serves: its models (OpenAI's list) and its upstreams' budgets."""
+    router = APIRouter()
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> ModelList:
+        authorize(request)
+        return ModelList(data=[ModelCard(id=name) for name in sorted(proxy.groups)])
+
+    @router.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str, request: Request) -> ModelCard:
+        authorize(request)
+        return ModelCard(id=proxy.group(model).model)
+
+    @router.get("/v1/budget", response_model=BudgetResponse)
     async def budget(request: Request) -> BudgetResponse:
         authorize(request)
         views = await asyncio.gather(*(u.budget.view() for u in proxy.upstreams))
@@ -227,7 +240,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             for u, view in zip(proxy.upstreams, views)
         ])
 
-    return app
+    return router
 
 
 def client_auth(tokens: str) -> Callable[[Request], None]:
