@@ -56,6 +56,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -113,6 +114,14 @@ class LocalUpstreamConfig(BaseModel):
     api_key: str | None = None
 
 
+@dataclass
+class Charge:
+    """What one admitted request was charged, and when; corrected once its reply is done."""
+
+    at: float
+    amount: float
+
+
 class Bucket:
     """A continuously refilled bucket: holds at most `capacity`, refills `capacity` a minute."""
 
@@ -128,14 +137,14 @@ class Bucket:
     def wait_s(self, amount: float) -> float:
         return max(0.0, (amount - self.level) * 60 / self.capacity)
 
-    def take(self, amount: float) -> list:
+    def take(self, amount: float) -> Charge:
         self.level -= amount
-        return [amount]
+        return Charge(self.updated, amount)
 
-    def correct(self, charge: list, amount: float) -> None:
+    def correct(self, charge: Charge, amount: float) -> None:
         """A charge turned out to be `amount`: give back (or take) the difference."""
-        self.level = min(self.capacity, self.level + charge[0] - amount)
-        charge[0] = amount
+        self.level = min(self.capacity, self.level + charge.amount - amount)
+        charge.amount = amount
 
     def reset_s(self) -> float:
         return (self.capacity - self.level) * 60 / self.capacity
@@ -147,8 +156,8 @@ class Window:
     def __init__(self, capacity: float, now: float, window_s: float) -> None:
         self.capacity = capacity
         self.window_s = window_s
-        self.charges: deque[list] = deque()
-        """[time charged, amount], oldest first."""
+        self.charges: deque[Charge] = deque()
+        """Oldest first."""
         self.used = 0.0
         self.now = now
 
@@ -158,32 +167,32 @@ class Window:
 
     def refill(self, now: float) -> None:
         self.now = now
-        while self.charges and self.charges[0][0] + self.window_s <= now:
-            self.used -= self.charges.popleft()[1]
+        while self.charges and self.charges[0].at + self.window_s <= now:
+            self.used -= self.charges.popleft().amount
 
     def wait_s(self, amount: float) -> float:
         excess = self.used + amount - self.capacity
         if excess <= 0:
             return 0.0
-        for charged_at, charged in self.charges:  # they leave in order
-            excess -= charged
+        for charge in self.charges:  # they leave in order
+            excess -= charge.amount
             if excess <= 0:
-                return max(0.0, charged_at + self.window_s - self.now)
+                return max(0.0, charge.at + self.window_s - self.now)
         return self.window_s
 
-    def take(self, amount: float) -> list:
-        charge = [self.now, amount]
+    def take(self, amount: float) -> Charge:
+        charge = Charge(self.now, amount)
         self.charges.append(charge)
         self.used += amount
         return charge
 
-    def correct(self, charge: list, amount: float) -> None:
-        if charge[0] + self.window_s > self.now:  # still in the window
-            self.used += amount - charge[1]
-        charge[1] = amount
+    def correct(self, charge: Charge, amount: float) -> None:
+        if charge.at + self.window_s > self.now:  # still in the window
+            self.used += amount - charge.amount
+        charge.amount = amount
 
     def reset_s(self) -> float:
-        return self.charges[-1][0] + self.window_s - self.now if self.charges else 0.0
+        return self.charges[-1].at + self.window_s - self.now if self.charges else 0.0
 
 
 def count_tokens(text: str) -> int:
@@ -240,7 +249,7 @@ class LocalUpstream:
         headers = {**self.limit_headers(), **(extra_headers or {})}
         return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
-    def admit(self, cost: int) -> tuple[list | None, float]:
+    def admit(self, cost: int) -> tuple[Charge | None, float]:
         """Charge `cost` tokens and one request (the token charge, 0), or (None, the
         seconds until they fit)."""
         now = self.clock()
@@ -252,7 +261,7 @@ class LocalUpstream:
         self.requests.take(1)
         return self.tokens.take(cost), 0.0
 
-    def charge(self, charge: list, used: int) -> None:
+    def charge(self, charge: Charge, used: int) -> None:
         """The reply is done: the charge becomes what it used."""
         self.tokens.refill(self.clock())
         self.tokens.correct(charge, used)
@@ -335,7 +344,7 @@ class LocalUpstream:
         self.done(reply, charge)
         return JSONResponse(reply, headers=self.limit_headers())
 
-    def done(self, reply: dict, charge: list) -> None:
+    def done(self, reply: dict, charge: Charge) -> None:
         usage = reply["usage"]
         self.charge(charge, usage["total_tokens"])
         self.stats["accepted"] += 1
@@ -343,7 +352,7 @@ class LocalUpstream:
         self.stats["completion_tokens"] += usage["completion_tokens"]
         self.stats["tokens_accepted"] += usage["total_tokens"]
 
-    async def stream(self, body: dict, reply: dict, charge: list, script: dict) -> AsyncIterator[bytes]:
+    async def stream(self, body: dict, reply: dict, charge: Charge, script: dict) -> AsyncIterator[bytes]:
         """The reply as server-sent events, a word per chunk, paced like the plain reply."""
         base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
                 "model": reply["model"]}
