@@ -4,6 +4,7 @@ vLLM counted, by vLLM's replies and by vLLM's own metrics, streamed or not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from judge_proxy.app import create_app
 from judge_proxy.local_upstream import serve_in_thread
 from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
+from services.launcher import kill_all, process_tree
 from services.redis_embed import free_port
 
 START_TIMEOUT_S = 240
@@ -50,13 +52,12 @@ def vllm_url(tiny_model, tmp_path_factory):
                 pytest.fail(f"vLLM's server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
         yield url
-    finally:
+    finally:  # vLLM's engine may run in a child process: stop the whole tree
+        tree = process_tree(server.pid)
         server.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        kill_all(tree)
 
 
 @pytest.fixture
