@@ -41,11 +41,11 @@ sys.path.insert(0, str(REPO))
 
 from collab_clarify import evaluate_policies  # noqa: E402  (bench/ is on sys.path as the script's folder)
 
-from services.client import ApiClient, follow, load_spec_file  # noqa: E402
-from services.demo import DEMO_SPEC, prepare  # noqa: E402
-from services.launcher import Ports, Stack  # noqa: E402
+from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
+from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
+from tandem.launcher import Ports, Stack  # noqa: E402
 from services.queues import Keys  # noqa: E402
-from services.redis_embed import free_port  # noqa: E402
+from tandem.redis_embed import free_port  # noqa: E402
 
 UPSTREAM = "stand-in"
 """The one upstream: the provider's key, shared by the user simulator and the judge."""
@@ -147,7 +147,7 @@ def cpu_seconds(stack: Stack, stand_in: StandIn) -> dict[str, float]:
     learner's ranks, the rollout server's engine processes): where the cores go."""
     import psutil
 
-    from services.launcher import process_tree
+    from tandem.launcher import process_tree
 
     roots = {name: process.pid for name, process in stack.processes.items()} | {"stand-in": stand_in.process.pid}
     used: dict[str, float] = {}

@@ -30,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.client import ApiClient, follow, load_spec_file  # noqa: E402
-from services.demo import DEMO_SPEC, prepare  # noqa: E402
-from services.launcher import Ports, Stack  # noqa: E402
+from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
+from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
+from tandem.launcher import Ports, Stack  # noqa: E402
 
 # Both runs: half the contexts are follow-ups (the question already asked and answered),
 # so the answer turn is trained too. Advantages are centred but not divided by the group's

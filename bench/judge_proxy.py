@@ -3,7 +3,7 @@ provider whose limits match the proxy's model and against one whose limits do no
 
 Real processes on loopback: an embedded Redis, two local upstreams (`judge_proxy.local_upstream`:
 OpenAI-compatible, enforcing their own TPM/RPM with 429 + retry-after, 2 ms service time)
-and proxy replicas (`python -m services.cli judge-proxy`) sharing the Redis.
+and proxy replicas (`python -m tandem.cli judge-proxy`) sharing the Redis.
 
   latency     200 requests/s, open loop, to the upstream whose budget is far away: directly
               (the baseline) and through the replicas (alternating between them), in
@@ -57,7 +57,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from services.redis_embed import EmbeddedRedis, free_port  # noqa: E402
+from tandem.redis_embed import EmbeddedRedis, free_port  # noqa: E402
 
 TPM, RPM = 240_000, 1800
 NUM_CLIENTS, NUM_JOBS = 64, 8
@@ -126,7 +126,7 @@ def processes(log_dir: Path, queue_deadline_s: float, scenario: Scenario):
             env = {"TANDEM_REDIS_URL": redis.url, "TANDEM_PORT": str(port), "TANDEM_UPSTREAMS": str(config),
                    "TANDEM_QUEUE_DEADLINE_S": str(queue_deadline_s), "TANDEM_LOG_LEVEL": "WARNING"}
             stack.enter_context(spawn(log_dir / f"proxy-{i}.log",
-                                      [sys.executable, "-m", "services.cli", "judge-proxy"], env))
+                                      [sys.executable, "-m", "tandem.cli", "judge-proxy"], env))
         urls = {"limited": f"http://127.0.0.1:{limited}", "fast": f"http://127.0.0.1:{fast}",
                 "proxies": [f"http://127.0.0.1:{p}" for p in proxy_ports]}
         for url in [urls["limited"] + "/admin/stats", urls["fast"] + "/admin/stats",

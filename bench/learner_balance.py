@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/learner_balance.json")
     args = parser.parse_args()
     from rollout.tasks import clarify
-    from services.tiny_model import make_tiny_model
+    from tandem.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", clarify.corpus())
     balance = balance_table(args.balance_batches, args.batch)

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from services import weight_group  # noqa: E402
-from services.redis_embed import free_port  # noqa: E402
+from tandem.redis_embed import free_port  # noqa: E402
 
 TIMEOUT_S = 600.0
 METHODS = ("raw", "bucketed", "per-tensor")

@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from services.redis_embed import free_port
-from services.redis_embed import redis_url as embedded_or_configured_redis
+from tandem.redis_embed import free_port
+from tandem.redis_embed import redis_url as embedded_or_configured_redis
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +34,7 @@ async def redis_client(redis_url):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from rollout.tasks import clarify
-    from services.tiny_model import make_tiny_model
+    from tandem.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), clarify.corpus())
 

@@ -21,7 +21,7 @@ from rollout.tasks import clarify
 from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
 

@@ -18,7 +18,7 @@ from judge_proxy.app import create_app
 from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
 from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 
 KEY = "sk-test-a1b2c3d4e5f6a7b8c9d0"
 WRONG_KEY = "sk-test-ffffeeeeddddccccbbbb"

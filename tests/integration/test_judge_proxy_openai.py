@@ -20,7 +20,7 @@ from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
 from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
 from services.logs import RequestIdFilter
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 
 TOKEN = "proxy-token-0123456789"
 TPM, RPM = 600_000, 6000

@@ -20,8 +20,8 @@ from judge_proxy.app import create_app
 from judge_proxy.local_upstream import serve_in_thread
 from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
-from services.launcher import kill_all, process_tree
-from services.redis_embed import free_port
+from tandem.launcher import kill_all, process_tree
+from tandem.redis_embed import free_port
 
 START_TIMEOUT_S = 240
 

@@ -19,7 +19,7 @@ from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
 from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
 from services.judge_client import JudgeClient, JudgeError
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 
 PROMPT = [{"role": "user", "content": "Count the tokens of this sentence, please."}]
 
@@ -144,7 +144,7 @@ def test_the_cli_starts_the_proxy_as_a_process_that_never_logs_the_key(redis_url
         env = {**os.environ, "TANDEM_REDIS_URL": redis_url, "TANDEM_PORT": str(port), "TEST_CLI_KEY": key,
                "TANDEM_UPSTREAMS": upstreams_file(tmp_path, upstream_url, 60_000, 600, api_key_env="TEST_CLI_KEY"),
                "TANDEM_LOG_LEVEL": "DEBUG"}
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "judge-proxy"], env=env,
+        process = subprocess.Popen([sys.executable, "-m", "tandem.cli", "judge-proxy"], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             base = f"http://127.0.0.1:{port}"

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Ports, Stack
-from services.redis_embed import free_port
+from tandem.launcher import Ports, Stack
+from tandem.redis_embed import free_port
 
 from helpers import wait_for
 

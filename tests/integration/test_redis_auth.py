@@ -12,8 +12,8 @@ import yaml
 
 from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
 from judge_proxy.local_upstream import create_app as create_upstream
-from services.launcher import Ports, Stack
-from services.redis_embed import EmbeddedRedis, free_port
+from tandem.launcher import Ports, Stack
+from tandem.redis_embed import EmbeddedRedis, free_port
 
 from helpers import wait_for
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from services.queues import Keys
-from services.redis_embed import EmbeddedRedis, free_port
+from tandem.redis_embed import EmbeddedRedis, free_port
 
 from helpers import wait_for
 
@@ -24,7 +24,7 @@ def test_the_rollout_server_outlives_a_redis_restart(tmp_path):
     env = os.environ | {"TANDEM_REDIS_URL": first.url, "TANDEM_METRICS_PORT": str(free_port()),
                         "TANDEM_SERVER_ID": "outage", "TANDEM_HEARTBEAT_S": "0.5"}
     with open(tmp_path / "rollout.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "services.cli", "rollout"], env=env,
+        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout"], env=env,
                                   stdout=log, stderr=subprocess.STDOUT)
     second = None
     try:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from learner.driver import JobRun
 from services import jobs
 from services.config import JobSpec, LearnerSettings, ModelSpec, RolloutSpec, TrainSpec
-from services.launcher import kill_all, process_tree
+from tandem.launcher import kill_all, process_tree
 from services.queues import Keys
 
 from helpers import Producer, create_job, rl_steps, start_learner, wait_for

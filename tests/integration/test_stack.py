@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from services import protocol
-from services.launcher import Ports, Stack, kill_all, process_tree
+from tandem.launcher import Ports, Stack, kill_all, process_tree
 from services.queues import FIELD, Keys
 
 from helpers import wait_for

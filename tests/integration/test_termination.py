@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_to_the_demo_stops_every_process_it_started(tmp_path):
-    demo = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", "--out", str(tmp_path), "--steps", "50"],
+    demo = subprocess.Popen([sys.executable, "-m", "tandem.cli", "demo", "--out", str(tmp_path), "--steps", "50"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         wait_for(lambda: "submitted" in demo.stdout.readline(), 240, "the stack to be up and the job submitted")

@@ -13,7 +13,7 @@ from learner.weight_sender import WeightSender
 from rollout.tasks import clarify
 from services import protocol
 from services.config import JobSpec, ModelSpec
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from judge_proxy.rubrics import RUBRICS
-from services.client import load_spec_file
+from tandem.client import load_spec_file
 from services.config import JobSpec, JudgeProxySettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"

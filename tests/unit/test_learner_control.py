@@ -12,7 +12,7 @@ import torch
 
 from learner.control import Command, Worker
 from services.config import LearnerSettings
-from services.redis_embed import free_port
+from tandem.redis_embed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

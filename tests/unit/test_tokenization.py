@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.tasks import clarify
-from services.tiny_model import train_tokenizer
+from tandem.tiny_model import train_tokenizer
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 
 CHATML_WITH_SYSTEM = (

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.client import ApiClient, follow, load_spec_file
-from services.launcher import Ports, Stack
+from tandem.client import ApiClient, follow, load_spec_file
+from tandem.launcher import Ports, Stack
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
@@ -20,7 +20,7 @@ DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
 def prepare(out: Path, spec: dict) -> dict:
     """Tiny model + warm-start data under `out`; returns the spec pointing at them."""
     from rollout.tasks import clarify
-    from services.tiny_model import make_tiny_model
+    from tandem.tiny_model import make_tiny_model
 
     model_dir = out / "tiny-model"
     if not (model_dir / "model.safetensors").exists():

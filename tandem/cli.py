@@ -56,14 +56,14 @@ def cmd_rollout(args: argparse.Namespace) -> None:
 
 
 def cmd_learner(args: argparse.Namespace) -> None:
-    from services.launcher import learner_command
+    from tandem.launcher import learner_command
 
     os.execv(sys.executable, learner_command(args.nproc, resume=args.resume))
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     from rollout.tasks import clarify
-    from services.tiny_model import make_tiny_model
+    from tandem.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, clarify.corpus(), hidden_size=args.hidden, num_layers=args.layers)
     print(f"tiny model written to {out}")
@@ -84,7 +84,7 @@ def exit_on_termination() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from services.launcher import Ports, Stack
+    from tandem.launcher import Ports, Stack
 
     exit_on_termination()
     ports = Ports(rollout=[8002 + 10 * i for i in range(args.rollout_servers)])
@@ -100,21 +100,21 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from services.demo import run_demo
+    from tandem.demo import run_demo
 
     exit_on_termination()
     run_demo(Path(args.out), steps=args.steps)
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from services.client import ApiClient, load_spec_file
+    from tandem.client import ApiClient, load_spec_file
 
     job = ApiClient(args.api, args.token).submit(load_spec_file(args.file))
     print(job["id"])
 
 
 def cmd_list(args: argparse.Namespace) -> None:
-    from services.client import ApiClient
+    from tandem.client import ApiClient
 
     for job in ApiClient(args.api, args.token).list():
         print(f"{job['id']:32} {job['status']:10} step {job['step']:>5}  version {job['version']:>5}")
@@ -123,20 +123,20 @@ def cmd_list(args: argparse.Namespace) -> None:
 def cmd_status(args: argparse.Namespace) -> None:
     import json
 
-    from services.client import ApiClient
+    from tandem.client import ApiClient
 
     print(json.dumps(ApiClient(args.api, args.token).get(args.job_id), indent=2))
 
 
 def cmd_follow(args: argparse.Namespace) -> None:
-    from services.client import ApiClient, follow
+    from tandem.client import ApiClient, follow
 
     record = follow(ApiClient(args.api, args.token), args.job_id)
     print(f"{args.job_id}: {record['status']} {record.get('error') or ''}")
 
 
 def cmd_cancel(args: argparse.Namespace) -> None:
-    from services.client import ApiClient
+    from tandem.client import ApiClient
 
     print(ApiClient(args.api, args.token).cancel(args.job_id)["status"])
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from services.redis_embed import EmbeddedRedis, free_port
+from tandem.redis_embed import EmbeddedRedis, free_port
 
 
 @dataclass
@@ -70,10 +70,10 @@ class Stack:
             self.redis_url = self.redis.url
         python = sys.executable
         p = self.ports
-        self.spawn("api", [python, "-m", "services.cli", "api"], TANDEM_PORT=str(p.api))
-        self.spawn("judge-proxy", [python, "-m", "services.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
+        self.spawn("api", [python, "-m", "tandem.cli", "api"], TANDEM_PORT=str(p.api))
+        self.spawn("judge-proxy", [python, "-m", "tandem.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
         for i, port in enumerate(p.rollout):
-            self.spawn(f"rollout-{i}", [python, "-m", "services.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
+            self.spawn(f"rollout-{i}", [python, "-m", "tandem.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
                        TANDEM_JUDGE_URL=self.judge_url, TANDEM_SERVER_ID=f"rollout-{i}")
         self.spawn("learner", learner_command(self.learner_ranks), TANDEM_METRICS_PORT=str(p.learner))
         self.wait_healthy(timeout_s)
