@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import msgspec
 import pytest
 
 from learner.dispatcher import Dispatcher
-from learner.driver import JobRun
+from learner.intake import Acks, BatchIntake
 from services import protocol
-from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
+from services.config import JobSpec, ModelSpec, TrainSpec
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
 
 
@@ -63,36 +61,35 @@ def group(task_id: int, versions: list[int], job_id: str = "j") -> Delivery:
 
 
 @pytest.fixture
-def job_run(redis_client, tmp_path):
-    driver = SimpleNamespace(settings=LearnerSettings(runs_dir=str(tmp_path)), redis=redis_client, worker=None)
-    run = JobRun(driver, "j", spec(eta=1))
-    run.trajectories = SimpleNamespace(ack=lambda *ids: _noop())
-    run.version = 5
-    return run
+async def intake(redis_client):
+    trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
+                                        protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    job = spec(eta=1)
+    return BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
+                       Acks(trajectories, deferred=False))
 
 
-async def _noop():
-    return None
+VERSION = 5
 
 
-async def test_stale_groups_over_bound_are_dropped_counted_and_replaced(job_run):
-    assert await job_run.admit(group(1, [4, 5]), set())          # staleness 1 = eta: kept
-    assert not await job_run.admit(group(2, [3, 5]), set())      # oldest token 2 versions back
-    assert job_run.counts["stale_dropped"] == 1
-    assert job_run.dispatcher.replaced == 1
+async def test_stale_groups_over_bound_are_dropped_counted_and_replaced(intake):
+    assert await intake.admit(group(1, [4, 5]), VERSION, set())          # staleness 1 = eta: kept
+    assert not await intake.admit(group(2, [3, 5]), VERSION, set())      # oldest token 2 versions back
+    assert intake.counts["stale_dropped"] == 1
+    assert intake.dispatcher.replaced == 1
 
 
-async def test_groups_from_versions_the_learner_never_had_are_dropped(job_run):
-    assert not await job_run.admit(group(3, [5, 6]), set())     # a crashed learner's version 6
-    assert job_run.counts["stale_dropped"] == 1
+async def test_groups_from_versions_the_learner_never_had_are_dropped(intake):
+    assert not await intake.admit(group(3, [5, 6]), VERSION, set())     # a crashed learner's version 6
+    assert intake.counts["stale_dropped"] == 1
 
 
-async def test_a_task_trained_before_or_already_in_the_batch_is_skipped(job_run):
-    job_run.trained = {7}
-    assert not await job_run.admit(group(7, [5]), set())
-    assert not await job_run.admit(group(8, [5]), {8})
-    assert job_run.counts["duplicates"] == 2
-    assert job_run.dispatcher.replaced == 0
+async def test_a_task_trained_before_or_already_in_the_batch_is_skipped(intake):
+    await intake.trained_on([group(7, [5])])
+    assert not await intake.admit(group(7, [5]), VERSION, set())
+    assert not await intake.admit(group(8, [5]), VERSION, {8})
+    assert intake.counts["duplicates"] == 2
+    assert intake.dispatcher.replaced == 0
 
 
 async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis_client):
@@ -115,9 +112,8 @@ async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis
     assert dispatcher.replaced == 2
 
 
-async def test_a_resumed_run_reads_back_every_entry_it_left_pending(job_run, redis_client):
-    consumer = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                    protocol.TrajectoryGroup, Keys.dead("j")).setup()
+async def test_a_resumed_run_reads_back_every_entry_it_left_pending(intake, redis_client):
+    consumer = intake.trajectories
     num_pending = 10_050
     data = protocol.encode(group(1, [0]).message)
     async with redis_client.pipeline(transaction=False) as pipe:
@@ -125,27 +121,24 @@ async def test_a_resumed_run_reads_back_every_entry_it_left_pending(job_run, red
             pipe.xadd(Keys.trajectories("j"), {FIELD: data})
         await pipe.execute()
     assert len(await consumer.read(num_pending)) == num_pending  # read, never acknowledged
-    job_run.trajectories = consumer
 
-    assert len(await job_run.read_backlog()) == num_pending
+    await intake.read_backlog()
+    assert len(intake.backlog) == num_pending
 
 
-async def test_a_malformed_group_is_dead_lettered_with_the_reason_and_its_task_replaced(job_run, redis_client):
-    await job_run.dispatcher.top_up(job_run.version)
-    job_run.trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                                protocol.TrajectoryGroup, Keys.dead("j")).setup()
+async def test_a_malformed_group_is_dead_lettered_with_the_reason_and_its_task_replaced(intake, redis_client):
+    await intake.dispatcher.top_up(VERSION)
     bad = group(2, [5, 5])
     bad.message.samples[0].logprobs.pop()
 
-    assert not await job_run.admit(bad, set())
+    assert not await intake.admit(bad, VERSION, set())
     [(_, fields)] = await redis_client.xrange(Keys.dead("j"))
     assert b"differ in length" in fields[b"reason"]
-    assert await job_run.dispatcher.top_up(job_run.version) == 1
+    assert await intake.dispatcher.top_up(VERSION) == 1
 
 
-async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(redis_client, redis_url, monkeypatch,
-                                                                               tmp_path):
-    from learner.driver import Driver
+async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(redis_client, monkeypatch):
+    from learner.driver import claim_job
     from services import jobs
 
     job_id = await jobs.create_job(redis_client, spec(0))
@@ -157,11 +150,7 @@ async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(red
         return record
 
     monkeypatch.setattr(jobs, "get_job", read_then_cancel)
-    commands = []
-    driver = Driver(LearnerSettings(redis_url=redis_url, runs_dir=str(tmp_path)), SimpleNamespace(run=commands.append))
 
-    await driver.run_job(job_id)
-
-    assert commands == []  # no model loaded, no warm start
+    assert await claim_job(redis_client, job_id, resume=False) is None  # no model loaded, no warm start
     assert (await read(redis_client, job_id))["status"] == "CANCELLED"
     assert not await redis_client.sismember(Keys.jobs_running, job_id)

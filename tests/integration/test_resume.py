@@ -12,17 +12,16 @@ import os
 import signal
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import redis
 from safetensors.torch import load_file
 
-from learner.driver import JobRun
+from learner.step_log import StepLog
 from services import jobs
-from services.config import JobSpec, LearnerSettings, ModelSpec, RolloutSpec, TrainSpec
-from tandem.launcher import kill_all, process_tree
+from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
 from services.queues import Keys
+from tandem.launcher import kill_all, process_tree
 
 from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
@@ -104,10 +103,9 @@ def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(strai
 
 @pytest.mark.parametrize("covered", [0, 2])
 async def test_resuming_drops_the_history_records_written_after_the_checkpoint(redis_client, tmp_path, covered):
-    run = JobRun(SimpleNamespace(settings=LearnerSettings(runs_dir=str(tmp_path)), redis=redis_client, worker=None),
-                 "j", JobSpec(model=ModelSpec(path="/m")))
+    steps = StepLog(redis_client, "j", tmp_path, rules=[])
     await redis_client.rpush(Keys.history("j"), "a", "b", "c")
 
-    await run.trim_history(covered)
+    await steps.trim(covered)
 
     assert await redis_client.lrange(Keys.history("j"), 0, -1) == [b"a", b"b", b"c"][:covered]

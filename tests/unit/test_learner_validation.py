@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.driver import invalid_reason
+from learner.intake import invalid_reason
 from services import protocol
 
 

@@ -1,0 +1,139 @@
+"""Batch intake: the job's trajectory stream -> the groups the next step trains on.
+
+Every group read is decided once: admitted into the batch, or refused as a duplicate (its
+task was trained already), as malformed (dead-lettered with the reason) or as over-stale
+(its task is replaced). Entries are acknowledged when the checkpoint that covers their
+decision is complete, so a resumed run sees exactly the entries the lost one had not
+covered (or at once, with checkpoints off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import Counter
+
+from learner.dispatcher import Dispatcher
+from services import protocol
+from services.config import TrainSpec
+from services.queues import Delivery, StreamConsumer
+
+STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
+DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
+
+
+def invalid_reason(group: protocol.TrajectoryGroup, max_tokens_per_rank: int) -> str:
+    """Why the trainer could not train `group` ("" if it can): no samples, a sample without
+    tokens, per-token fields of different lengths, or a sequence longer than a rank takes."""
+    if not group.samples:
+        return "the group has no samples"
+    for sample in group.samples:
+        lengths = {field: len(getattr(sample, field)) for field in ("tokens", "mask", "logprobs", "versions")}
+        if len(set(lengths.values())) > 1:
+            return f"sample {sample.sample_id}: per-token fields differ in length {lengths}"
+        if not sample.tokens:
+            return f"sample {sample.sample_id} has no tokens"
+        if len(sample.tokens) > max_tokens_per_rank:
+            return (f"sample {sample.sample_id}: {len(sample.tokens)} tokens exceed "
+                    f"train.max_tokens_per_rank={max_tokens_per_rank}")
+    return ""
+
+
+class Acks:
+    """Acknowledges decided trajectory entries: with the next checkpoint (`deferred`), or
+    at once when checkpoints are off."""
+
+    def __init__(self, trajectories: StreamConsumer, deferred: bool) -> None:
+        self.trajectories = trajectories
+        self.deferred = deferred
+        self.unacked: list[bytes] = []
+        """Entries decided since the last checkpoint."""
+
+    async def settle(self, entry_id: bytes) -> None:
+        if self.deferred:
+            self.unacked.append(entry_id)
+        else:
+            await self.trajectories.ack(entry_id)
+
+    async def flush(self) -> None:
+        """The checkpoint covering every unacknowledged entry is complete."""
+        await self.trajectories.ack(*self.unacked)
+        self.unacked = []
+
+
+class BatchIntake:
+    COUNTS = ("stale_dropped", "duplicates")
+
+    def __init__(self, job_id: str, train: TrainSpec, trajectories: StreamConsumer, dispatcher: Dispatcher,
+                 acks: Acks) -> None:
+        self.job_id = job_id
+        self.train = train
+        self.trajectories = trajectories
+        self.dispatcher = dispatcher
+        self.acks = acks
+        self.trained: set[int] = set()
+        """Tasks whose group was trained (checkpointed with the job)."""
+        self.counts = dict.fromkeys(self.COUNTS, 0)
+        self.backlog: list[Delivery] = []
+        """Entries an earlier run read and never acknowledged, still to decide."""
+
+    async def read_backlog(self) -> None:
+        """Every trajectory entry an earlier run of this job read and never acknowledged, in
+        stream order: all of them, since what a capped read leaves out is never read again."""
+        consumer = self.trajectories
+        summary = await consumer.client.xpending(consumer.stream, consumer.group)
+        pending = sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == consumer.consumer)
+        self.backlog = await consumer.read_own_pending(pending) if pending else []
+
+    async def collect(self, version: int, when_idle: Callable[[], Awaitable[None]]) -> list[Delivery]:
+        """`batch_size` fresh groups of distinct, untrained tasks for the step after
+        `version`, keeping the dispatcher topped up; `when_idle` runs whenever a read
+        finds nothing."""
+        batch: list[Delivery] = []
+        seen: set[int] = set()
+        while len(batch) < self.train.batch_size:
+            await self.dispatcher.top_up(version)
+            need = self.train.batch_size - len(batch)
+            deliveries, self.backlog = self.backlog[:need], self.backlog[need:]
+            if not deliveries:
+                deliveries = await self.trajectories.read(need, block_ms=200)
+                if not deliveries:
+                    await when_idle()
+            for delivery in deliveries:
+                if await self.admit(delivery, version, seen):
+                    batch.append(delivery)
+                    seen.add(delivery.message.task_id)
+        return batch
+
+    async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
+        """Whether a group may join the batch trained on `version`. Refused: a task already
+        trained (a rollout server died after writing it) or already in the batch, malformed
+        groups (dead-lettered), over-stale groups and groups from versions newer than
+        `version` (sampled by weights a crashed learner published and this one never had)."""
+        group: protocol.TrajectoryGroup = delivery.message
+        if group.task_id in self.trained or group.task_id in seen:
+            self.counts["duplicates"] += 1
+            DUPLICATES.labels(self.job_id).inc()
+            await self.acks.settle(delivery.entry_id)
+            return False
+        problem = invalid_reason(group, self.train.max_tokens_per_rank)
+        if problem:
+            # Refused here, on rank 0, for all ranks: in a step it would fail on some ranks
+            # only and leave the others blocked in a collective.
+            await self.trajectories.dead_letter(delivery.entry_id, protocol.encode(group), problem)
+            return False  # the dispatcher replaces its task when it reads the dead stream
+        oldest = group.min_version()
+        staleness = version - (version if oldest is None else oldest)
+        if staleness > self.train.max_staleness or group.max_version() > version:
+            self.counts["stale_dropped"] += 1
+            STALE_DROPPED.labels(self.job_id).inc()
+            self.dispatcher.replace()
+            await self.acks.settle(delivery.entry_id)
+            return False
+        return True
+
+    async def trained_on(self, batch: list[Delivery]) -> None:
+        """`batch` was trained: its entries are decided, its tasks done."""
+        for delivery in batch:
+            await self.acks.settle(delivery.entry_id)
+        self.trained.update(d.message.task_id for d in batch)

@@ -1,0 +1,106 @@
+"""Weight publishing with membership: which rollout servers are on the job, and getting
+each policy version to them.
+
+A publish writes the plan (version, members, ranks) to the job's `weights` hash, announces
+it on the job's events channel and then broadcasts the weights from every learner rank
+(`learner.weight_sender`). Members are the servers on the job whose heartbeat is younger
+than `server_timeout_s`; a server that joins or vanishes while the learner waits for data
+gets the current version in a new group at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from prometheus_client import Histogram
+
+from learner.control import Command, Worker
+from services import protocol
+from services.config import LearnerSettings
+from services.queues import Keys
+
+log = logging.getLogger(__name__)
+
+SYNC_SECONDS = Histogram("tandem_learner_weight_sync_seconds", "Gather + broadcast of one update",
+                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+
+
+class WeightPublisher:
+    COUNTS = ("weight_updates", "regroups", "sync_failures")
+
+    def __init__(self, client: aioredis.Redis, job_id: str, settings: LearnerSettings, worker: Worker) -> None:
+        self.redis = client
+        self.job_id = job_id
+        self.settings = settings
+        self.worker = worker
+        self.counts = dict.fromkeys(self.COUNTS, 0)
+        self.membership_checked = 0.0
+
+    async def job_servers(self) -> list[protocol.ServerInfo]:
+        infos = [protocol.decode(raw, protocol.ServerInfo)
+                 for raw in (await self.redis.hgetall(Keys.rollout_servers)).values()]
+        return [info for info in infos if info.job_id == self.job_id]
+
+    async def live_servers(self) -> list[str]:
+        """Servers on this job whose last heartbeat is younger than `server_timeout_s`."""
+        now = time.time()
+        return [info.server_id for info in await self.job_servers()
+                if now - info.heartbeat < self.settings.server_timeout_s]
+
+    async def wait_for_servers(self, check_cancel: Callable[[], Awaitable[None]]) -> None:
+        """Until `min_rollout_servers` are on the job; fails when one reports it cannot serve
+        the job, or none joins within `rollout_wait_s`."""
+        deadline = time.monotonic() + self.settings.rollout_wait_s
+        while len(await self.live_servers()) < self.settings.min_rollout_servers:
+            await check_cancel()
+            error = await self.redis.hget(Keys.job(self.job_id), "rollout_error")
+            if error:
+                raise RuntimeError(f"a rollout server cannot serve this job: {error.decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout server joined within {self.settings.rollout_wait_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def settle_membership(self, since: float) -> None:
+        """After a failed update, wait until every server on the job has either sent a
+        heartbeat since `since` (alive) or aged out (dead), so the next group is right."""
+        timeout = self.settings.server_timeout_s
+        while time.time() < since + timeout:
+            now = time.time()
+            if all(info.heartbeat > since or now - info.heartbeat >= timeout for info in await self.job_servers()):
+                return
+            await asyncio.sleep(0.2)
+
+    async def publish(self, version: int, servers: list[str] | None = None, regroup: bool = False) -> dict:
+        """Announce the plan for `version`, then broadcast it (all ranks). `regroup` re-sends
+        the current version to a new membership (a server joined or vanished). A failed
+        broadcast (a member died) is retried on the settled membership."""
+        for attempt in range(3):
+            plan = self.worker.sender.plan(version, await self.live_servers() if servers is None else servers)
+            await self.redis.hset(Keys.weights(self.job_id),
+                                  mapping={"version": version, "plan": protocol.encode(plan)})
+            await self.redis.publish(Keys.events(self.job_id),
+                                     protocol.encode(protocol.JobEvent(kind="version", version=version)))
+            result = self.worker.run(Command(kind="sync", plan=plan))
+            SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
+            self.counts["regroups" if regroup or attempt else "weight_updates"] += 1
+            if not result["failed"]:
+                return result
+            self.counts["sync_failures"] += 1
+            await self.settle_membership(since=time.time())
+            servers = None
+        return result
+
+    async def follow_membership(self, version: int) -> None:
+        """While waiting for data: a server that joined (or left) since the last update gets
+        the current weights now, in a new group, instead of idling until the next step."""
+        if time.monotonic() - self.membership_checked < 1.0:
+            return
+        self.membership_checked = time.monotonic()
+        servers = await self.live_servers()
+        if set(servers) != set(self.worker.sender.ranks):
+            log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
+            await self.publish(version, servers, regroup=True)

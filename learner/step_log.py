@@ -1,0 +1,204 @@
+"""What each learner step leaves behind: its record and the job's Prometheus metrics.
+
+A step's record is one JSON object, appended to the run's `metrics.jsonl` and to the job's
+`history` list in Redis (the API's history endpoint and the health rules read it); its
+numbers also set the learner's gauges. The health rules are judged on the records here,
+since they need the last few of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from learner import health
+from services import jobs, protocol
+from services.config import HealthRule
+from services.queues import Keys
+from services.stats import TrailingRate, mean_by_key
+
+log = logging.getLogger(__name__)
+
+STEP = Gauge("tandem_learner_step", "Learner steps done", ["job"])
+VERSION = Gauge("tandem_learner_version", "Policy version", ["job"])
+REWARD = Gauge("tandem_learner_reward_mean", "Mean reward of the last batch", ["job"])
+STEP_GAUGES = {  # record key -> gauge of the last step's value
+    "loss": Gauge("tandem_learner_loss", "Policy loss of the last step", ["job"]),
+    "sft_loss": Gauge("tandem_learner_sft_loss", "Warm-start (SFT) loss of the last step", ["job"]),
+    "grad_norm": Gauge("tandem_learner_grad_norm", "Gradient norm before clipping", ["job"]),
+    "entropy": Gauge("tandem_learner_entropy", "Mean policy entropy on trained tokens", ["job"]),
+    "mismatch_kl": Gauge("tandem_learner_mismatch_kl", "KL(behaviour || proximal), k3, per token", ["job"]),
+    "kl_ref": Gauge("tandem_learner_kl_ref", "KL to the reference policy per token", ["job"]),
+    "clip_fraction": Gauge("tandem_learner_clip_fraction", "Share of tokens where the PPO clip bites", ["job"]),
+    "is_weight_mean": Gauge("tandem_learner_importance_weight_mean", "Mean behaviour importance weight", ["job"]),
+    "is_weight_max": Gauge("tandem_learner_importance_weight_max", "Largest behaviour importance weight", ["job"]),
+    "is_masked_fraction": Gauge("tandem_learner_importance_masked_fraction", "Share of tokens masked by MIS", ["job"]),
+    "success": Gauge("tandem_learner_task_success", "Task success in the last batch", ["job"]),
+    "zero_spread_share": Gauge("tandem_learner_zero_spread_group_share",
+                               "Share of the last batch's groups whose advantages are all 0 (trained on nothing)",
+                               ["job"]),
+    "is_capped_tokens": Gauge("tandem_learner_importance_capped_tokens",
+                              "Trained tokens of the last step whose importance weight the cap C set", ["job"]),
+    "futures_malformed": Gauge("tandem_learner_futures_malformed_share",
+                               "Share of MR futures a later policy turn left malformed, last batch", ["job"]),
+    "skipped_updates": Gauge("tandem_learner_skipped_updates",
+                             "Optimizer updates of the last step skipped for an exactly zero gradient", ["job"]),
+}
+MALFORMED = Gauge("tandem_learner_malformed_share",
+                  "Share of the last batch's trained responses the format filter rejected, by reason",
+                  ["job", "reason"])
+TRAINED_TOKENS = Counter("tandem_learner_trained_tokens_total", "Tokens trained on", ["job"])
+STALENESS = Histogram("tandem_learner_staleness", "Staleness of trained groups (versions)", ["job"],
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+STEP_SECONDS = Histogram("tandem_learner_step_seconds", "Wall time of a training step", ["job"],
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+IDLE_RATIO = Gauge("tandem_learner_idle_ratio",
+                   "Share of the last minute the learner spent waiting for a batch of groups", ["job"])
+WAIT_SECONDS = Histogram("tandem_learner_batch_wait_seconds", "Time waiting for a batch of groups",
+                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+QUEUE_DEPTH = Gauge("tandem_queue_depth", "Entries in a job stream not yet read", ["job", "stream"])
+PENDING = Gauge("tandem_queue_pending", "Entries read but not acknowledged", ["job", "stream"])
+DEAD = Gauge("tandem_queue_dead_letters", "Entries in the job's dead stream", ["job"])
+HEALTH_ALERTS = Counter("tandem_learner_health_alerts_total", "Health rules that fired, by metric and action",
+                        ["job", "metric", "action"])
+
+
+class JobUnhealthy(Exception):
+    """A health rule with action `stop` fired; the message says which and why."""
+
+
+def rl_record(step: int, version: int, groups: list[protocol.TrajectoryGroup], step_metrics: dict,
+              step_seconds: float, sync_seconds: float, waited: dict, counts: dict) -> dict:
+    """The record of RL step `step`, which trained `groups` and published `version`: what
+    the batch was (rewards, staleness, sizes, tasks), what the step measured, the wait for
+    the batch and the job's running counts."""
+    samples = [s for g in groups for s in g.samples]
+    staleness = [version - 1 - g.min_version() for g in groups if g.min_version() is not None]
+    return {
+        "phase": "rl", "step": step, "version": version,
+        "reward_mean": sum(s.reward for s in samples) / len(samples),
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "staleness_max": max(staleness, default=0),
+        "groups": len(groups), "samples": len(samples), "trained_tokens": sum(sum(s.mask) for s in samples),
+        "zero_spread_share": sum(not g.has_spread() for g in groups) / len(groups),
+        "task_ids": sorted(g.task_id for g in groups),
+        "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
+        "step_seconds": step_seconds, "sync_seconds": sync_seconds,
+        "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
+        "staleness_counts": {str(v): staleness.count(v) for v in sorted(set(staleness))},
+        **waited, **mean_by_key([s.metrics for s in samples]), **step_metrics, **counts,
+    }
+
+
+class StepLog:
+    """One job's step records (file, Redis history, gauges), its idle-time accounting and
+    its health rules."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule]) -> None:
+        self.redis = client
+        self.job_id = job_id
+        self.path = run_dir / "metrics.jsonl"
+        self.rules = rules
+        self.rl_started = time.monotonic()
+        """When this run of the job began RL steps (after the first weight publish)."""
+        self.waited_s = 0.0
+        """Seconds since `rl_started` spent waiting for batches: the learner's idle time."""
+        self.idle_rate = TrailingRate(window_s=60.0)
+
+    # ---- the history ---------------------------------------------------------------
+
+    async def length(self) -> int:
+        return await self.redis.llen(Keys.history(self.job_id))
+
+    async def trim(self, length: int) -> None:
+        """Keep the first `length` history records: those a checkpoint covers."""
+        if length:
+            await self.redis.ltrim(Keys.history(self.job_id), 0, length - 1)
+        else:  # LTRIM 0 -1 would keep every record
+            await self.redis.delete(Keys.history(self.job_id))
+
+    async def write(self, record: dict, step: int, version: int) -> None:
+        record["time"] = time.time()
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        await self.redis.rpush(Keys.history(self.job_id), json.dumps(record))
+        await jobs.record_progress(self.redis, self.job_id, step, version, record)
+        self.export_gauges(record, step, version)
+        await self.export_queue_gauges()
+
+    # ---- idle time -----------------------------------------------------------------
+
+    def start_rl(self) -> None:
+        self.rl_started = time.monotonic()
+
+    def waited(self, wait_s: float) -> dict[str, float]:
+        """Count a wait of `wait_s` for a batch; the step's wait and the learner's idle
+        share since RL began (for the record) and over the last minute (the gauge)."""
+        WAIT_SECONDS.labels(self.job_id).observe(wait_s)
+        self.waited_s += wait_s
+        now = time.monotonic()
+        IDLE_RATIO.labels(self.job_id).set(self.idle_rate.add(now, self.waited_s))
+        rl_seconds = now - self.rl_started
+        return {"batch_wait_seconds": wait_s, "rl_seconds": rl_seconds,
+                "idle_ratio": self.waited_s / rl_seconds if rl_seconds > 0 else 0.0}
+
+    def observe_step(self, groups: list[protocol.TrajectoryGroup], record: dict) -> None:
+        """The step's histograms and counters (gauges follow from the record when written)."""
+        for group in groups:
+            if group.min_version() is not None:
+                STALENESS.labels(self.job_id).observe(record["version"] - 1 - group.min_version())
+        TRAINED_TOKENS.labels(self.job_id).inc(record["trained_tokens"])
+        STEP_SECONDS.labels(self.job_id).observe(record["step_seconds"])
+
+    # ---- health --------------------------------------------------------------------
+
+    async def judge_health(self, record: dict) -> list[health.Alert]:
+        """The job's health rules that fire at this step, also listed in its record."""
+        if not self.rules:
+            return []
+        raw = await self.redis.lrange(Keys.history(self.job_id), 1 - health.history_needed(self.rules), -1)
+        recent = [r for r in map(json.loads, raw) if r.get("phase") == "rl"] + [record]
+        fired = health.alerts(self.rules, recent)
+        if fired:
+            record["health"] = [alert.message for alert in fired]
+        return fired
+
+    async def act_on(self, fired: list[health.Alert]) -> None:
+        """Warnings go to the log, the job's alerts and a counter; a `stop` ends the job."""
+        for alert in fired:
+            log.warning("job %s: %s", self.job_id, alert.message)
+            HEALTH_ALERTS.labels(self.job_id, alert.rule.metric, alert.rule.action).inc()
+            await jobs.add_alert(self.redis, self.job_id, alert.message)
+        stops = [alert.message for alert in fired if alert.stops]
+        if stops:
+            raise JobUnhealthy("; ".join(stops))
+
+    # ---- Prometheus ----------------------------------------------------------------
+
+    def export_gauges(self, record: dict, step: int, version: int) -> None:
+        STEP.labels(self.job_id).set(step)
+        VERSION.labels(self.job_id).set(version)
+        if "reward_mean" in record:
+            REWARD.labels(self.job_id).set(record["reward_mean"])
+        for name, gauge in STEP_GAUGES.items():
+            if name in record:
+                gauge.labels(self.job_id).set(record[name])
+        for name, value in record.items():
+            if name.startswith("malformed_"):
+                MALFORMED.labels(self.job_id, name.removeprefix("malformed_")).set(value)
+
+    async def export_queue_gauges(self) -> None:
+        for name, stream, group in (("tasks", Keys.tasks(self.job_id), "rollout"),
+                                    ("trajectories", Keys.trajectories(self.job_id), "learner")):
+            if not await self.redis.exists(stream):
+                continue
+            for info in await self.redis.xinfo_groups(stream):
+                if info["name"].decode() == group:
+                    QUEUE_DEPTH.labels(self.job_id, name).set(info.get("lag") or 0)
+                    PENDING.labels(self.job_id, name).set(info["pending"])
+        DEAD.labels(self.job_id).set(await self.redis.xlen(Keys.dead(self.job_id)))
