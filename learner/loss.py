@@ -17,22 +17,10 @@ however the sequences were split across ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    algorithm: Literal["grpo", "reinforce"] = "grpo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    correction: Literal["tis", "mis", "none"] = "tis"
-    correction_level: Literal["token", "sequence"] = "token"
-    correction_cap: float = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    normalise: Literal["token", "sequence"] = "token"
+from services.config import LossSpec
 
 
 @dataclass
@@ -83,34 +71,34 @@ def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> t
 
 
 def behaviour_ratio(prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
-                    num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+                    num_seqs: int, spec: LossSpec) -> torch.Tensor:
     """[T] pi_prox / mu per token (detached); at sequence level the product of the
     sequence's token ratios, the same for each of its tokens."""
     log_ratio = (prox - mu).detach() * mask
-    if cfg.correction_level == "sequence":
+    if spec.correction_level == "sequence":
         log_ratio = segment_sum(log_ratio, seq_ids, num_seqs)[seq_ids]
     return torch.exp(log_ratio)
 
 
-def behaviour_weight(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def behaviour_weight(ratio: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """[T] the importance weight correcting for the behaviour policy: `tis` truncates the
     ratio at C, `mis` zeroes weights outside [1/C, C], `none` is 1."""
-    cap = cfg.correction_cap
-    if cfg.correction == "tis":
+    cap = spec.correction_cap
+    if spec.correction == "tis":
         return ratio.clamp(max=cap)
-    if cfg.correction == "mis":
+    if spec.correction == "mis":
         return ((ratio >= 1.0 / cap) & (ratio <= cap)).float()
     return torch.ones_like(ratio)
 
 
-def at_cap(ratio: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def at_cap(ratio: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """[T] 1.0 on tokens whose weight the cap C decides rather than their ratio: above C
     (`tis`, truncated) or outside [1/C, C] (`mis`, masked). Many of them mean the behaviour
     policy is far from the proximal one: the data is more off-policy than C corrects."""
-    cap = cfg.correction_cap
-    if cfg.correction == "tis":
+    cap = spec.correction_cap
+    if spec.correction == "tis":
         return (ratio > cap).float()
-    if cfg.correction == "mis":
+    if spec.correction == "mis":
         return ((ratio < 1.0 / cap) | (ratio > cap)).float()
     return torch.zeros_like(ratio)
 
@@ -130,29 +118,29 @@ def kl_penalty(theta: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
     return torch.exp(-delta) - 1.0 + delta
 
 
-def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, cfg: LossConfig,
+def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec: LossSpec,
                   normaliser: float) -> torch.Tensor:
     """[T] the factor each token's term gets: 1/normaliser per token (token mode) or
     1/(len(seq) * normaliser) (sequence mode: each sequence's mean counts once)."""
-    if cfg.normalise == "token":
+    if spec.normalise == "token":
         return mask / normaliser
     lengths = segment_sum(mask, seq_ids, num_seqs).clamp(min=1.0)
     return mask / (lengths[seq_ids] * normaliser)
 
 
-def policy_loss(inputs: LossInputs, cfg: LossConfig, normaliser: float) -> LossOutputs:
+def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOutputs:
     """The full per-rank loss; `normaliser` is the global count of trained tokens (token
     mode) or of sequences (sequence mode)."""
     x = inputs
     ratio = ppo_ratio(x.theta, x.prox)
-    if cfg.algorithm == "reinforce":
+    if spec.algorithm == "reinforce":
         # Plain policy gradient through the ratio (value 1 at prox == theta): no trust region.
         surrogate, clipped = ratio * x.advantages, torch.zeros_like(ratio)
     else:
-        surrogate, clipped = clipped_surrogate(ratio, x.advantages, cfg.eps_low, cfg.eps_high)
-    behaviour = behaviour_ratio(x.prox, x.mu, x.mask, x.seq_ids, x.num_seqs, cfg)
-    weight = behaviour_weight(behaviour, cfg)
-    scale = token_weights(x.mask, x.seq_ids, x.num_seqs, cfg, normaliser)
+        surrogate, clipped = clipped_surrogate(ratio, x.advantages, spec.eps_low, spec.eps_high)
+    behaviour = behaviour_ratio(x.prox, x.mu, x.mask, x.seq_ids, x.num_seqs, spec)
+    weight = behaviour_weight(behaviour, spec)
+    scale = token_weights(x.mask, x.seq_ids, x.num_seqs, spec, normaliser)
     loss = -(weight * surrogate * scale).sum()
     metrics = {
         "clip_fraction": (clipped * x.mask).sum(),
@@ -160,12 +148,12 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig, normaliser: float) -> LossO
         "is_weight_mean": (weight * x.mask).sum(),
         "is_weight_max": (weight * x.mask).max() if x.mask.any() else weight.new_zeros(()),
         "is_masked_fraction": ((weight == 0).float() * x.mask).sum(),
-        "is_capped_tokens": (at_cap(behaviour, cfg) * x.mask).sum(),
+        "is_capped_tokens": (at_cap(behaviour, spec) * x.mask).sum(),
         "ratio_mean": (ratio.detach() * x.mask).sum(),
     }
-    if cfg.kl_coef > 0 and x.ref is not None:
-        kl = kl_penalty(x.theta, x.ref, cfg.kl_estimator)
-        loss = loss + cfg.kl_coef * (kl * scale).sum()
+    if spec.kl_coef > 0 and x.ref is not None:
+        kl = kl_penalty(x.theta, x.ref, spec.kl_estimator)
+        loss = loss + spec.kl_coef * (kl * scale).sum()
         metrics["kl_ref"] = (kl.detach() * x.mask).sum()
     return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
 

@@ -42,22 +42,12 @@ class MicroBatch:
     """Indices into the step's batch."""
 
 
-def loss_config(spec: JobSpec) -> loss.LossConfig:
-    t = spec.train
-    return loss.LossConfig(
-        algorithm=t.algorithm, eps_low=t.eps_low, eps_high=t.eps_high, correction=t.correction,
-        correction_level=t.correction_level, correction_cap=t.correction_cap, kl_coef=t.kl_coef,
-        kl_estimator=t.kl_estimator, normalise=t.normalise,
-    )
-
-
 class Trainer:
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.cfg = loss_config(spec)
         self.split = batching.karmarkar_karp
         """How sequences are split across ranks and micro-batches (round-robin in benchmarks)."""
         torch.manual_seed(spec.train.seed)
@@ -188,7 +178,7 @@ class Trainer:
                       ref: list[torch.Tensor] | None) -> dict[str, float]:
         micro = self.micro_batches(samples)
         num_tokens = sum(sum(s.mask) for s in samples)
-        normaliser = float(num_tokens if self.cfg.normalise == "token" else len(samples))
+        normaliser = float(num_tokens if self.spec.train.normalise == "token" else len(samples))
         sums: dict[str, torch.Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
         is_max = torch.zeros((), device=self.device)
@@ -204,7 +194,7 @@ class Trainer:
                 advantages=advantages, mask=mask, seq_ids=mb.seq_ids, num_seqs=max(len(mb.samples), 1),
                 ref=ref[i] if ref else None,
             )
-            out = loss.policy_loss(inputs, self.cfg, max(normaliser, 1.0))
+            out = loss.policy_loss(inputs, self.spec.train, max(normaliser, 1.0))
             (out.loss * self.world_size).backward()
             sums["loss"] = sums.get("loss", 0) + out.loss.detach()
             for name, value in out.metrics.items():

@@ -91,15 +91,11 @@ class RolloutSpec(_Strict):
     tokenization_check: Literal["strict", "ignore_strippable", "off"] = "strict"
 
 
-class TrainSpec(_Strict):
+class LossSpec(_Strict):
+    """The policy loss's settings (learner/loss.py). A section of its own in code only: the
+    job spec holds them flat in `train`, which inherits them."""
+
     algorithm: Literal["grpo", "reinforce"] = "grpo"
-    num_steps: int = Field(40, ge=1, le=1_000_000)
-    batch_size: int = Field(8, ge=1, le=65536, description="Trajectory groups per step.")
-    num_minibatches: int = Field(1, ge=1, le=1024, description="Optimizer steps per batch.")
-    lr: float = Field(1e-3, gt=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
     eps_low: float = Field(0.2, ge=0.0, le=1.0)
     eps_high: float = Field(0.28, ge=0.0, le=10.0)
     correction: Literal["tis", "mis", "none"] = "tis"
@@ -108,6 +104,16 @@ class TrainSpec(_Strict):
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k3"] = "k3"
     normalise: Literal["token", "sequence"] = "token"
+
+
+class TrainSpec(LossSpec):
+    num_steps: int = Field(40, ge=1, le=1_000_000)
+    batch_size: int = Field(8, ge=1, le=65536, description="Trajectory groups per step.")
+    num_minibatches: int = Field(1, ge=1, le=1024, description="Optimizer steps per batch.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
     seed: int = 0

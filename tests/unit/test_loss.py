@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from learner import loss
+from services.config import LossSpec
 
 RATIOS = [1.0, 1.1, 1.5, 0.6]
 BEHAVIOUR = [1.0, 0.5, 3.0, 1.2]
@@ -28,8 +29,8 @@ def inputs(mask=(1, 1, 1, 1), seq_ids=(0, 0, 0, 0), num_seqs=1, requires_grad=Tr
                            num_seqs=num_seqs)
 
 
-def cfg(**kw) -> loss.LossConfig:
-    return loss.LossConfig(eps_low=0.2, eps_high=0.28, correction_cap=2.0, **kw)
+def cfg(**kw) -> LossSpec:
+    return LossSpec(eps_low=0.2, eps_high=0.28, correction_cap=2.0, **kw)
 
 
 def test_clipped_surrogate_clips_both_sides():
