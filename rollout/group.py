@@ -1,0 +1,108 @@
+"""One task -> one `TrajectoryGroup`: `group_size` samples, their rewards and advantages.
+
+Episode mode: each sample is a whole conversation from the task's context, scored by R*
+and trained on all its assistant turns. Multiturn mode: each is one response m_j, scored
+by MR over sampled futures and trained alone. The job's reward mode picks the pair of
+steps (play a sample, score it) once, when its `GroupRollout` is built. Nothing here
+touches Redis: the server publishes the group and acknowledges the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import Counter, Histogram, Summary
+
+from rollout.concurrent import gather_all
+from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
+from rollout.rewards.advantage import group_advantages
+from rollout.rewards import multiturn
+from rollout.rewards.conversation import Judge, episode_reward
+from rollout.tasks.base import TaskSet
+from services import protocol
+from services.config import RewardSpec
+from services.stats import mean_by_key
+
+TOKENS = Counter("tandem_rollout_generated_tokens_total", "Tokens the policy generated", ["job"])
+EPISODE = Histogram(
+    "tandem_rollout_episode_seconds", "One sample: its conversation (or response) and its reward", ["job"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
+                   buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2))
+# A histogram with a negative bucket exports no _sum (the client leaves it out, since such a
+# sum need not grow monotonically), so the mean reward comes from this summary's _sum/_count.
+REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
+
+
+class GroupRollout:
+    """Everything one job's tasks are played and scored with. `reward_slots` bounds the
+    rewards being computed at once (judge calls, futures), across all of a server's tasks."""
+
+    def __init__(self, runner: EpisodeRunner, task_set: TaskSet, spec: RewardSpec, judge: Judge,
+                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str) -> None:
+        self.runner, self.task_set, self.spec, self.judge = runner, task_set, spec, judge
+        self.reward_slots = reward_slots
+        self.server_id, self.job_id = server_id, job_id
+        if spec.mode == "episode":
+            self.play, self.score = self.play_conversation, self.score_conversation
+        else:
+            self.play, self.score = self.play_response, self.score_response
+
+    async def group(self, task: protocol.Task) -> protocol.TrajectoryGroup:
+        """`group_size` samples for the task's context, with group-relative advantages."""
+        context = self.task_set.context(task.example)
+        samples = await gather_all(*(self.sample(task, index, context) for index in range(task.group_size)))
+        advantages = group_advantages([s.reward for s in samples], self.spec.scale_advantage_by_std)
+        for sample, advantage in zip(samples, advantages):
+            sample.advantage = advantage
+        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
+                                        server_id=self.server_id, elapsed_s=0.0)
+
+    async def sample(self, task: protocol.Task, index: int, context: list[dict]) -> protocol.Sample:
+        """One sample, its advantage still 0."""
+        started = time.perf_counter()
+        episode = await self.play(task.example, context)
+        async with self.reward_slots:
+            reward, scored = await self.score(task.example, episode)
+        TOKENS.labels(self.job_id).inc(episode.policy_tokens)
+        REWARD.labels(self.job_id).observe(reward)
+        REWARD_TOTAL.labels(self.job_id).observe(reward)
+        EPISODE.labels(self.job_id).observe(time.perf_counter() - started)
+        return protocol.Sample(
+            sample_id=f"{self.job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
+            logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,
+            num_turns=episode.num_turns, metrics=sample_metrics(self.task_set, task.example, episode, scored),
+        )
+
+    async def play_conversation(self, example: int, context: list[dict]) -> Episode:
+        return await self.runner.run(example, context)
+
+    async def score_conversation(self, example: int, episode: Episode) -> tuple[float, list[Episode]]:
+        """R* of the conversation, which is also the one conversation it is scored from."""
+        return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
+
+    async def play_response(self, example: int, context: list[dict]) -> Episode:
+        episode = self.runner.start(context)
+        await self.runner.policy_turn(episode)
+        return episode
+
+    async def score_response(self, example: int, episode: Episode) -> tuple[float, list[Episode]]:
+        """MR of the response, and the futures it was computed from."""
+        return await multiturn.score_response(self.runner, episode, self.task_set, example, self.spec, self.judge)
+
+
+def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:
+    """Task metrics averaged over the scored conversations (the episode itself, or the
+    futures behind MR), the response's own length and format (`malformed_<reason>`: 1.0 for
+    the reason the format filter rejected it), and, when futures were sampled, the share
+    of them a later policy turn left malformed."""
+    rows = [task_set.metrics(example, c.messages) | {"conversation_tokens": float(c.policy_tokens)}
+            for c in scored if c.well_formed()]
+    reason = episode.malformed_reason()
+    own = {"tokens": float(episode.policy_tokens), "well_formed": float(not reason)}
+    own |= {f"malformed_{r}": float(reason == r) for r in MALFORMED_REASONS}
+    if scored and scored[0] is not episode:
+        own["futures_malformed"] = sum(not c.well_formed() for c in scored) / len(scored)
+    return mean_by_key(rows) | own
