@@ -16,8 +16,8 @@ from prometheus_client import Counter, Histogram, Summary
 
 from rollout.concurrent import gather_all
 from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
-from rollout.rewards.advantage import group_advantages
 from rollout.rewards import multiturn
+from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import Judge, episode_reward
 from rollout.tasks.base import TaskSet
 from services import protocol
