@@ -23,6 +23,15 @@ import torch
 from services.config import LossSpec
 
 
+MAXIMA = frozenset({"is_weight_max"})
+"""Metrics of `policy_loss` that are maxima over tokens: they combine by max across
+micro-batches, ranks and minibatches."""
+COUNTS = frozenset({"is_capped_tokens"})
+"""Metrics of `policy_loss` that are counts: they combine by sum and are reported as they are.
+Every other metric is a sum over trained tokens, reported per trained token (divided by the
+global count of trained tokens)."""
+
+
 @dataclass
 class LossInputs:
     theta: torch.Tensor
@@ -48,8 +57,8 @@ class LossOutputs:
     loss: torch.Tensor
     """Scalar: this rank's share of the global loss (sum of token terms / global normaliser)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Sums over this rank's trained tokens (divide by the global token count to report,
-    except counts such as `is_capped_tokens`) and `is_weight_max`, a maximum."""
+    """This rank's scalar statistics: maxima (`MAXIMA`), counts (`COUNTS`) and otherwise sums
+    over its trained tokens."""
 
 
 def ppo_ratio(theta: torch.Tensor, prox: torch.Tensor) -> torch.Tensor:
@@ -118,6 +127,13 @@ def kl_penalty(theta: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
     return torch.exp(-delta) - 1.0 + delta
 
 
+def normaliser(spec: LossSpec, num_tokens: int, num_sequences: int) -> float:
+    """What the loss divides by, given the global counts of trained tokens and of sequences:
+    the tokens (token mode) or the sequences (sequence mode); at least 1, so a batch with
+    nothing to train divides its zero sum by 1."""
+    return float(max(num_tokens if spec.normalise == "token" else num_sequences, 1))
+
+
 def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec: LossSpec,
                   normaliser: float) -> torch.Tensor:
     """[T] the factor each token's term gets: 1/normaliser per token (token mode) or
@@ -129,8 +145,8 @@ def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec
 
 
 def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOutputs:
-    """The full per-rank loss; `normaliser` is the global count of trained tokens (token
-    mode) or of sequences (sequence mode)."""
+    """The full per-rank loss; `normaliser` is the global count the loss divides by (all
+    ranks and micro-batches: the function `normaliser` computes it)."""
     x = inputs
     ratio = ppo_ratio(x.theta, x.prox)
     if spec.algorithm == "reinforce":

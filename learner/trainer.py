@@ -22,9 +22,7 @@ from services.protocol import Sample
 
 log = logging.getLogger(__name__)
 
-MAXIMA = frozenset({"is_weight_max"})
-"""Metrics that are maxima over tokens: they combine by max, across ranks and minibatches."""
-COUNTS = frozenset({"is_capped_tokens", "skipped_updates"})
+COUNTS = loss.COUNTS | {"skipped_updates"}
 """Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
 
 
@@ -178,10 +176,8 @@ class Trainer:
                       ref: list[torch.Tensor] | None) -> dict[str, float]:
         micro = self.micro_batches(samples)
         num_tokens = sum(sum(s.mask) for s in samples)
-        normaliser = float(num_tokens if self.spec.train.normalise == "token" else len(samples))
-        sums: dict[str, torch.Tensor] = {}
-        entropy_sum = torch.zeros((), device=self.device)
-        is_max = torch.zeros((), device=self.device)
+        normaliser = loss.normaliser(self.spec.train, num_tokens, len(samples))
+        totals: dict[str, torch.Tensor] = {"entropy": torch.zeros((), device=self.device)}
         for i, mb in enumerate(micro):
             theta, entropy = self.token_logprobs(mb, with_entropy=True)
             mask = self._token_tensor(samples, mb, "mask")
@@ -194,23 +190,15 @@ class Trainer:
                 advantages=advantages, mask=mask, seq_ids=mb.seq_ids, num_seqs=max(len(mb.samples), 1),
                 ref=ref[i] if ref else None,
             )
-            out = loss.policy_loss(inputs, self.spec.train, max(normaliser, 1.0))
+            out = loss.policy_loss(inputs, self.spec.train, normaliser)
             (out.loss * self.world_size).backward()
-            sums["loss"] = sums.get("loss", 0) + out.loss.detach()
-            for name, value in out.metrics.items():
-                if name == "is_weight_max":
-                    is_max = torch.maximum(is_max, value)
-                else:
-                    sums[name] = sums.get(name, 0) + value
-            entropy_sum += (entropy * mask).sum()
-        sums["entropy"] = entropy_sum
+            accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
+            totals["entropy"] += (entropy * mask).sum()
         grad_norm, stepped = self._optimizer_step()
-        reduced = self._all_reduce(sums)
-        dist.all_reduce(is_max, op=dist.ReduceOp.MAX)
-        metrics = {name: value if name in COUNTS else value / max(num_tokens, 1)
+        reduced = self._reduce_over_ranks(totals)
+        metrics = {name: value if name in COUNTS | loss.MAXIMA else value / max(num_tokens, 1)
                    for name, value in reduced.items() if name != "loss"}
-        metrics |= {"loss": reduced["loss"], "grad_norm": grad_norm, "is_weight_max": float(is_max),
-                    "skipped_updates": float(not stepped)}
+        metrics |= {"loss": reduced["loss"], "grad_norm": grad_norm, "skipped_updates": float(not stepped)}
         return metrics
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -228,10 +216,17 @@ class Trainer:
     def _optimizer_step(self) -> tuple[float, bool]:
         return optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)
 
-    def _all_reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        names = sorted(sums)
-        packed = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64, device=self.device) for n in names])
-        dist.all_reduce(packed)
+    def _reduce_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """All ranks' totals combined: maxima by max, the rest by sum."""
+        maxima = {name: value for name, value in totals.items() if name in loss.MAXIMA}
+        sums = {name: value for name, value in totals.items() if name not in maxima}
+        return self._all_reduce(sums) | self._all_reduce(maxima, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: dict[str, torch.Tensor],
+                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dict[str, float]:
+        names = sorted(values)
+        packed = torch.stack([torch.as_tensor(values[n], dtype=torch.float64, device=self.device) for n in names])
+        dist.all_reduce(packed, op=op)
         return dict(zip(names, packed.tolist()))
 
     # ---- weights -------------------------------------------------------------------
@@ -288,12 +283,24 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return grad_norm, stepped
 
 
+def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add one micro-batch's metrics into a rank's running totals: maxima by max, the rest
+    by sum."""
+    for name, value in metrics.items():
+        if name not in totals:
+            totals[name] = value
+        elif name in loss.MAXIMA:
+            totals[name] = torch.maximum(totals[name], value)
+        else:
+            totals[name] = totals[name] + value
+
+
 def merge_minibatches(stats: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from its minibatches': the mean of each, the max of maxima, the
     sum of counts."""
     def merge(name: str) -> float:
         values = [s[name] for s in stats]
-        if name in MAXIMA:
+        if name in loss.MAXIMA:
             return max(values)
         return sum(values) if name in COUNTS else sum(values) / len(values)
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.trainer import merge_minibatches, optimizer_step
+from learner.trainer import accumulate, merge_minibatches, optimizer_step
+
+
+def test_micro_batch_metrics_add_up_except_maxima_which_keep_the_largest():
+    totals = {}
+    accumulate(totals, {"loss": torch.tensor(0.5), "is_capped_tokens": torch.tensor(2.0),
+                        "is_weight_max": torch.tensor(1.5)})
+    accumulate(totals, {"loss": torch.tensor(0.25), "is_capped_tokens": torch.tensor(3.0),
+                        "is_weight_max": torch.tensor(1.25)})
+
+    assert {name: value.item() for name, value in totals.items()} == {
+        "loss": 0.75, "is_capped_tokens": 5.0, "is_weight_max": 1.5}
 
 
 def test_a_step_reports_the_largest_importance_weight_of_its_minibatches_and_the_mean_of_the_rest():

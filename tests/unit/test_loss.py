@@ -65,6 +65,16 @@ def test_sequence_normalisation_averages_each_sequence_then_sequences():
     assert sequence_mode.loss.item() == pytest.approx(-(1.0 + (2.56 - 0.96) / 2) / 2, abs=1e-6)
 
 
+@pytest.mark.parametrize("normalise, num_tokens, num_sequences, expected", [
+    ("token", 30, 4, 30.0),
+    ("sequence", 30, 4, 4.0),
+    ("token", 0, 4, 1.0),       # nothing trained: the zero sum is divided by 1, not 0
+])
+def test_normaliser_is_the_global_count_of_trained_tokens_or_of_sequences(normalise, num_tokens, num_sequences,
+                                                                          expected):
+    assert loss.normaliser(cfg(normalise=normalise), num_tokens, num_sequences) == expected
+
+
 def test_reinforce_has_no_ratio_clip():
     out = loss.policy_loss(inputs(), cfg(algorithm="reinforce", correction="none"), normaliser=4)
     assert out.loss.item() == pytest.approx(-(1.0 - 1.1 + 1.5 - 0.6) / 4, abs=1e-6)
