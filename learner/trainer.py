@@ -46,8 +46,6 @@ class Trainer:
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.split = batching.karmarkar_karp
-        """How sequences are split across ranks and micro-batches (round-robin in benchmarks)."""
         torch.manual_seed(spec.train.seed)
         self.model = self.setup_model(spec.model.local_folder())
         self.reference: torch.nn.Module | None = None
@@ -112,8 +110,7 @@ class Trainer:
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """This rank's micro-batches for `samples` (same partition on every rank)."""
         lengths = [len(s.tokens) for s in samples]
-        mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank,
-                                  self.split)[self.rank]
+        mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank)[self.rank]
         return [self._collate(samples, indices) for indices in mine]
 
     def _collate(self, samples: list[Sample], indices: list[int]) -> MicroBatch:

@@ -157,9 +157,6 @@ class Engine:
             await self.llm.resume_generation()
             self._serving.set()
 
-    async def checksum(self) -> float:
-        return (await self.llm.collective_rpc("tandem_checksum"))[0]
-
     def shutdown(self) -> None:
         import gc
 

@@ -24,7 +24,7 @@ class WeightReceiverExtension:
     _tandem_buffers: list = []
 
     def tandem_receive(self, plan_bytes: bytes, first_rank: int) -> dict:
-        """Receive the update `plan_bytes` announces; returns timing and a checksum."""
+        """Receive the update `plan_bytes` announces; returns its version, timings and size."""
         plan = protocol.decode(plan_bytes, protocol.WeightPlan)
         started = time.perf_counter()
         try:
@@ -42,13 +42,6 @@ class WeightReceiverExtension:
             "reload_s": time.perf_counter() - received,
             "nbytes": sum(bucket.nbytes for bucket in plan.buckets),
         }
-
-    def tandem_checksum(self) -> float:
-        """Sum of |w| over the engine's parameters, for tests and debugging."""
-        import torch
-
-        with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.model_runner.model.parameters()))
 
     def tandem_leave(self) -> None:
         """Forget the group and the store connection: the next plan connects afresh."""
