@@ -25,7 +25,6 @@ field), unknown model, rubric or route 404, no budget before the deadline 429 wi
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -45,6 +44,7 @@ from redis.exceptions import RedisError
 from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS
+from services.auth import match_bearer
 from services.config import JudgeProxySettings
 from services.logs import REQUEST_ID
 from services.metrics import metrics_router
@@ -245,16 +245,10 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
 
 def client_auth(tokens: str) -> Callable[[Request], None]:
     """A check accepting `Authorization: Bearer <one of tokens>`; open when there are none."""
-    allowed = [t.strip().encode() for t in tokens.split(",") if t.strip()]
+    allowed = [t.strip() for t in tokens.split(",") if t.strip()]
 
     def check(request: Request) -> None:
-        if not allowed:
-            return
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        matched = False
-        for token in allowed:  # compare with every token, in constant time each
-            matched |= hmac.compare_digest(token, presented.strip().encode())
-        if scheme.lower() != "bearer" or not matched:
+        if allowed and match_bearer(request.headers.get("authorization", ""), allowed) is None:
             raise ProxyError(401, "missing or unknown bearer token", "unauthorized")
 
     return check

@@ -15,7 +15,6 @@ Bodies over `max_body_bytes` get 413.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from starlette.routing import Match
 from pydantic import BaseModel, Field
 
 from services import jobs
+from services.auth import match_bearer
 from services.config import PATH_FIELDS, ApiSettings, JobSpec
 from services.metrics import metrics_router
 from services.queues import Keys
@@ -148,14 +148,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
         tokens: dict[str, str] = request.app.state.tokens
         if not tokens:
             return ""
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        found = ""
-        for token, owner in tokens.items():  # every token compared: timing reveals nothing
-            if hmac.compare_digest(presented.encode(), token.encode()) and scheme.lower() == "bearer":
-                found = owner
-        if not found:
+        token = match_bearer(request.headers.get("authorization", ""), tokens)
+        if token is None:
             raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
-        return found
+        return tokens[token]
 
     async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
         record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
