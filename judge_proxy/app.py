@@ -46,6 +46,7 @@ from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS
 from services.auth import match_bearer
 from services.config import JudgeProxySettings
+from services.judge_api import JudgeRequest, JudgeResult
 from services.logs import REQUEST_ID
 from services.metrics import metrics_router
 
@@ -92,28 +93,6 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-
-
-class Turn(BaseModel):
-    role: str = Field(min_length=1)
-    content: str
-
-
-class JudgeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    rubric: str = Field(min_length=1)
-    messages: list[Turn] = Field(min_length=1)
-    reference: str | None = None
-    model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
-
-
-class JudgeResponse(BaseModel):
-    score: float = Field(ge=0, le=1, description="The rubric's combination of its criteria.")
-    criteria: dict[str, float] = Field(description="Each criterion's score in [0, 1].")
-    verdict: str = Field(description="The judge's one-sentence verdict.")
-    raw: str = Field(description="The judge's reply the scores were read from.")
-    usage: dict[str, int]
 
 
 class UpstreamBudget(BaseModel):
@@ -183,8 +162,8 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
                                           priority=priority_of(request))
         return await completion_response(proxy, completion, chat.model)
 
-    @app.post("/v1/judge", response_model=JudgeResponse)
-    async def judge(request: Request) -> JudgeResponse:
+    @app.post("/v1/judge", response_model=JudgeResult)
+    async def judge(request: Request) -> JudgeResult:
         authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
         rubric = RUBRICS.get(ask.rubric)
@@ -192,10 +171,8 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             raise ProxyError(404, f"unknown rubric {ask.rubric!r}; known: {sorted(RUBRICS)}", "rubric_not_found")
         if rubric.needs_reference and ask.reference is None:
             raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error")
-        result = await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
-                                   ask.model or settings.judge_model, job_of(request))
-        return JudgeResponse(score=result.verdict.score, criteria=result.verdict.criteria,
-                             verdict=result.verdict.verdict, raw=result.raw, usage=result.usage)
+        return await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
+                                 ask.model or settings.judge_model, job_of(request))
 
     app.include_router(info_router(proxy, authorize))
     return app

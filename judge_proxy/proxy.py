@@ -40,12 +40,13 @@ from redis.exceptions import RedisError
 from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
 from judge_proxy.queue import Admitter, QueueTimeout
-from judge_proxy.rubrics import Rubric, Verdict, parse_verdict, render
+from judge_proxy.rubrics import Rubric, parse_verdict, render
 from judge_proxy.upstream import (
     Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
     weighted_order,
 )
 from services.config import JudgeProxySettings
+from services.judge_api import JudgeResult
 from services.judge_client import backoff_s
 from services.stats import TrailingRate
 
@@ -126,13 +127,6 @@ class Attempts:
     last_pause_s: float = 0.0
     queue_s: float = 0.0
     upstream_s: float = 0.0
-
-
-@dataclass
-class JudgeResult:
-    verdict: Verdict
-    raw: str
-    usage: dict[str, int]
 
 
 def outcome_of(status: int) -> str:
@@ -431,7 +425,8 @@ class Proxy:
             verdict = parse_verdict(rubric, raws[-1])
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
-                return JudgeResult(verdict, raws[-1], usage)
+                return JudgeResult(score=verdict.score, criteria=verdict.criteria, verdict=verdict.verdict,
+                                   raw=raws[-1], usage=usage)
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
         raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from services.judge_api import JudgeRequest, JudgeResult
+
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
 """Unreachable, over budget, upstreams failing: worth another try."""
 BACKOFF_BASE_S = 0.5
@@ -36,16 +38,6 @@ class JudgeError(Exception):
 @dataclass(frozen=True)
 class ChatResult:
     content: str
-    usage: dict[str, int]
-
-
-@dataclass(frozen=True)
-class JudgeResult:
-    score: float
-    """The rubric's score in [0, 1]."""
-    criteria: dict[str, float]
-    verdict: str
-    raw: str
     usage: dict[str, int]
 
 
@@ -75,9 +67,9 @@ class JudgeClient:
 
     async def judge(self, rubric: str, messages: list[dict], reference: str | None = None, *, job: str = "",
                     model: str | None = None) -> JudgeResult:
-        body = {"rubric": rubric, "messages": messages, "reference": reference, "model": model}
+        body = JudgeRequest(rubric=rubric, messages=messages, reference=reference, model=model).model_dump()
         reply = await self._post("/v1/judge", body, job, "judge")
-        return JudgeResult(reply["score"], reply["criteria"], reply["verdict"], reply["raw"], reply["usage"])
+        return JudgeResult.model_validate(reply)
 
     async def aclose(self) -> None:
         if self.session is not None:

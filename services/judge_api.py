@@ -1,0 +1,31 @@
+"""Wire types of the judge proxy's own endpoint, `POST /v1/judge`: the request rollout
+servers send (`services.judge_client`) and the reply the proxy returns (`judge_proxy.app`).
+Its OpenAI-compatible chat endpoint keeps OpenAI's shapes, declared where they are read."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Turn(BaseModel):
+    """One message of the conversation to judge."""
+
+    role: str = Field(min_length=1, description="'system', 'user' or 'assistant'.")
+    content: str = Field(description="The message's text.")
+
+
+class JudgeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rubric: str = Field(min_length=1, description="Name of a rubric the proxy knows (judge_proxy/rubrics).")
+    messages: list[Turn] = Field(min_length=1, description="The conversation to judge, oldest first.")
+    reference: str | None = Field(None, description="The expected answer, for rubrics that need one.")
+    model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
+
+
+class JudgeResult(BaseModel):
+    score: float = Field(ge=0, le=1, description="The rubric's combination of its criteria.")
+    criteria: dict[str, float] = Field(description="Each criterion's score in [0, 1].")
+    verdict: str = Field(description="The judge's one-sentence verdict.")
+    raw: str = Field(description="The judge's reply the scores were read from.")
+    usage: dict[str, int] = Field(description="Token counts of every call the verdict took, summed.")
