@@ -63,7 +63,8 @@ def worker(split: str, model_dir: str, out: str, steps: int, batch: int) -> None
     import torch
     import torch.distributed as dist
 
-    from learner.trainer import MicroBatch, Trainer
+    from learner.micro_batch import Collator
+    from learner.trainer import Trainer
     from services.config import JobSpec, ModelSpec, TrainSpec
     from services.protocol import Sample
 
@@ -75,16 +76,10 @@ def worker(split: str, model_dir: str, out: str, steps: int, batch: int) -> None
                    # (dense block-diagonal mask) costs the square of its length.
                    train=TrainSpec(max_tokens_per_rank=65536, lr=1e-4))
 
-    class RoundRobinTrainer(Trainer):
-        """The baseline: the learner with sequences dealt to ranks and micro-batches round-robin."""
-
-        def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-            lengths = [len(s.tokens) for s in samples]
-            mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank,
-                                      batching.round_robin)[self.rank]
-            return [self._collate(samples, indices) for indices in mine]
-
-    trainer = (RoundRobinTrainer if split == "round_robin" else Trainer)(spec, torch.device("cpu"))
+    trainer = Trainer(spec, torch.device("cpu"))
+    if split == "round_robin":  # the baseline: sequences dealt to ranks and micro-batches round-robin
+        trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank,
+                                   trainer.can_pack, trainer.device, split=batching.round_robin)
     rng = random.Random(0)
     vocab = trainer.model.config.vocab_size
     batches = []

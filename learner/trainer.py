@@ -1,136 +1,54 @@
-"""The policy under FSDP2: logprobs, the RL step, the SFT step.
+"""The policy's training steps on one rank: logprobs, the RL step, the SFT step.
 
 Every rank holds the whole batch (it is small: token ids and scalars) and takes its own
-micro-batches from the same deterministic partition (`learner.batching`). Losses are
+micro-batches from the same deterministic partition (`learner.micro_batch`). Losses are
 divided by global counts and multiplied by the data-parallel size, because FSDP averages
 gradients over ranks: the update is the same for any split of the batch.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from learner import batching, loss
+from learner import loss, policy
+from learner.micro_batch import Collator, MicroBatch
 from services.config import JobSpec
 from services.protocol import Sample
-
-log = logging.getLogger(__name__)
 
 COUNTS = loss.COUNTS | {"skipped_updates"}
 """Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
 
 
-@dataclass
-class MicroBatch:
-    """One packed row (or padded rows, when the model cannot pack) on one rank."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    seq_ids: torch.Tensor
-    """[T] sequence index (within the micro-batch) of every token of the flattened rows."""
-    keep: torch.Tensor
-    """[T] bool, False on padding: selects real tokens out of the flattened rows."""
-    samples: list[int]
-    """Indices into the step's batch."""
-
-
 class Trainer:
+    """One rank's share of the policy (`learner.policy`) and its steps on the batches the
+    driver sends: logprobs, the RL step, the SFT step."""
+
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         torch.manual_seed(spec.train.seed)
-        self.model = self.setup_model(spec.model.local_folder())
+        self.model = policy.sharded_model(spec.model.local_folder(), device, self.world_size, spec.model.dtype)
         self.reference: torch.nn.Module | None = None
         warm = spec.warm_start
-        self.optimizer, self.scheduler = self.setup_optimizer(warm.lr if warm.steps else spec.train.lr,
-                                                              decay_steps=warm.steps)
-        self.can_pack = self.probe_packing()
-
-    def setup_model(self, path: str) -> torch.nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mixed = None
-        if self.device.type == "cuda" and self.spec.model.dtype == "bfloat16":
-            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
-        for layer in model.model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        self.optimizer, self.scheduler = policy.optimizer(self.model, warm.lr if warm.steps else spec.train.lr,
+                                                          spec.train.weight_decay, decay_steps=warm.steps)
+        self.can_pack = policy.separates_packed_sequences(self.model, device)
+        self.batches = Collator(self.rank, self.world_size, spec.train.max_tokens_per_rank, self.can_pack, device)
 
     def start_rl(self) -> None:
         """End of the warm start: a fresh optimizer at the RL learning rate, and the current
         policy frozen as the KL reference (same sharding: the shards copy over locally)."""
-        self.optimizer, self.scheduler = self.setup_optimizer(self.spec.train.lr)
+        self.optimizer, self.scheduler = policy.optimizer(self.model, self.spec.train.lr, self.spec.train.weight_decay)
         if self.spec.train.kl_coef > 0:
-            self.reference = self.setup_model(self.spec.model.path)
+            self.reference = policy.sharded_model(self.spec.model.path, self.device, self.world_size,
+                                                  self.spec.model.dtype)
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.requires_grad_(False)
-
-    def setup_optimizer(self, lr: float, decay_steps: int = 0):
-        """AdamW over the sharded (DTensor) parameters (build it only while sharded), with a
-        learning rate that decays linearly to 10% over `decay_steps` (the warm start, so the
-        policy RL starts from is settled) or stays constant (RL)."""
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.spec.train.weight_decay,
-                                      betas=(0.9, 0.99))
-        decay = (lambda step: max(0.1, 1.0 - step / decay_steps)) if decay_steps else (lambda step: 1.0)
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
-
-    def probe_packing(self) -> bool:
-        """Whether this model's attention keeps packed sequences apart (transformers does so
-        from restarting position ids with sdpa/eager/flash); padding is used otherwise."""
-        generator = torch.Generator().manual_seed(0)
-        vocab = self.model.config.vocab_size
-        a, b = (torch.randint(0, vocab, (1, n), generator=generator).to(self.device) for n in (5, 4))
-        with torch.no_grad():
-            alone = self._logits(b, torch.arange(4, device=self.device)[None])
-            both = self._logits(torch.cat([a, b], 1), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]], device=self.device))
-        self.model.reshard()
-        ok = torch.allclose(alone, both[:, 5:], atol=1e-3)
-        if not ok:
-            log.warning("model attention does not separate packed sequences: padding instead")
-        return ok
-
-    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-
-    # ---- batches -------------------------------------------------------------------
-
-    def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        """This rank's micro-batches for `samples` (same partition on every rank)."""
-        lengths = [len(s.tokens) for s in samples]
-        mine = batching.partition(lengths, self.world_size, self.spec.train.max_tokens_per_rank)[self.rank]
-        return [self._collate(samples, indices) for indices in mine]
-
-    def _collate(self, samples: list[Sample], indices: list[int]) -> MicroBatch:
-        sequences = [samples[i].tokens for i in indices] or [[0]]  # an empty share still runs
-        if self.can_pack:
-            tokens, positions, seq_ids = batching.pack(sequences)
-            rows, pos_rows, keep = [tokens], [positions], [True] * len(tokens)
-        else:
-            width = max(map(len, sequences))
-            rows = [s + [0] * (width - len(s)) for s in sequences]
-            pos_rows = [list(range(width)) for _ in sequences]
-            keep = [j < len(s) for s in sequences for j in range(width)]
-            seq_ids = [i for i, s in enumerate(sequences) for _ in s]
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return MicroBatch(as_long(rows), as_long(pos_rows), as_long(seq_ids),
-                          torch.tensor(keep, device=self.device), list(indices))
-
-    def _token_tensor(self, samples: list[Sample], micro: MicroBatch, field: str) -> torch.Tensor:
-        values = [v for i in micro.samples for v in getattr(samples[i], field)] or [0]
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def token_logprobs(self, micro: MicroBatch, model: torch.nn.Module | None = None,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,8 +76,9 @@ class Trainer:
         chunks = _split(len(samples), self.spec.train.num_minibatches)
         plans = [[samples[i] for i in chunk] for chunk in chunks]
         with torch.no_grad():
-            prox = [[self.token_logprobs(m)[0] for m in self.micro_batches(p)] for p in plans]
-            ref = ([[self.token_logprobs(m, self.reference)[0] for m in self.micro_batches(p)] for p in plans]
+            micro = [self.batches.micro_batches(p) for p in plans]
+            prox = [[self.token_logprobs(m)[0] for m in plan] for plan in micro]
+            ref = ([[self.token_logprobs(m, self.reference)[0] for m in plan] for plan in micro]
                    if self.reference is not None else None)
         # A forward without backward leaves the root module unsharded; reshard so the
         # optimizer (which holds the sharded parameters) and the next forward agree.
@@ -171,20 +90,16 @@ class Trainer:
 
     def _rl_minibatch(self, samples: list[Sample], prox: list[torch.Tensor],
                       ref: list[torch.Tensor] | None) -> dict[str, float]:
-        micro = self.micro_batches(samples)
+        micro = self.batches.micro_batches(samples)
         num_tokens = sum(sum(s.mask) for s in samples)
         normaliser = loss.normaliser(self.spec.train, num_tokens, len(samples))
         totals: dict[str, torch.Tensor] = {"entropy": torch.zeros((), device=self.device)}
         for i, mb in enumerate(micro):
             theta, entropy = self.token_logprobs(mb, with_entropy=True)
-            mask = self._token_tensor(samples, mb, "mask")
-            advantages = torch.cat([
-                torch.full((len(samples[j].tokens),), samples[j].advantage, device=self.device)
-                for j in mb.samples
-            ]) if mb.samples else torch.zeros(1, device=self.device)
+            mask = self.batches.per_token(samples, mb, "mask")
             inputs = loss.LossInputs(
-                theta=theta, prox=prox[i], mu=self._token_tensor(samples, mb, "logprobs"),
-                advantages=advantages, mask=mask, seq_ids=mb.seq_ids, num_seqs=max(len(mb.samples), 1),
+                theta=theta, prox=prox[i], mu=self.batches.per_token(samples, mb, "logprobs"),
+                advantages=self.batches.advantages(samples, mb), mask=mask, seq_ids=mb.seq_ids, num_seqs=max(len(mb.samples), 1),
                 ref=ref[i] if ref else None,
             )
             out = loss.policy_loss(inputs, self.spec.train, normaliser)
@@ -202,16 +117,16 @@ class Trainer:
         """Masked cross-entropy on assistant tokens (the warm start)."""
         num_tokens = sum(sum(s.mask) for s in samples)
         total = torch.zeros((), device=self.device)
-        for mb in self.micro_batches(samples):
+        for mb in self.batches.micro_batches(samples):
             theta, _ = self.token_logprobs(mb)
-            step_loss = loss.sft_loss(theta, self._token_tensor(samples, mb, "mask"), max(num_tokens, 1))
+            step_loss = loss.sft_loss(theta, self.batches.per_token(samples, mb, "mask"), max(num_tokens, 1))
             (step_loss * self.world_size).backward()
             total += step_loss.detach()
         grad_norm, _ = self._optimizer_step()
         return {"sft_loss": self._all_reduce({"loss": total})["loss"], "grad_norm": grad_norm}
 
     def _optimizer_step(self) -> tuple[float, bool]:
-        return optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)
+        return policy.optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)
 
     def _reduce_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """All ranks' totals combined: maxima by max, the rest by sum."""
@@ -226,58 +141,9 @@ class Trainer:
         dist.all_reduce(packed, op=op)
         return dict(zip(names, packed.tolist()))
 
-    # ---- weights -------------------------------------------------------------------
-
-    def parameter_specs(self, dtype: str) -> list[tuple[str, list[int], str]]:
-        """(checkpoint name, full shape, wire dtype) of every parameter, in a fixed order."""
-        return [(name, list(p.shape), dtype) for name, p in self.model.named_parameters()]
-
-    def full_tensors(self, names: list[str], dtype: str) -> dict[str, torch.Tensor]:
-        """Gather full tensors of `names` from their shards (a collective: all ranks call it)."""
-        params = dict(self.model.named_parameters())
-        wire = getattr(torch, dtype)
-        out = {}
-        for name in names:
-            p = params[name].detach()
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = full.to(wire)
-        return out
-
     def export(self, out_dir: str) -> None:
-        """Save the policy as a Hugging Face folder (rank 0 writes; all ranks must call)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            from pathlib import Path
-
-            from safetensors.torch import save_file
-            from transformers import AutoConfig, AutoTokenizer
-
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/model.safetensors")
-            AutoConfig.from_pretrained(self.spec.model.path).save_pretrained(out_dir)
-            AutoTokenizer.from_pretrained(self.spec.model.path).save_pretrained(out_dir)
-            generation = Path(self.spec.model.path) / "generation_config.json"
-            if generation.exists():
-                (Path(out_dir) / generation.name).write_text(generation.read_text())
-
-
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float) -> tuple[float, bool]:
-    """Clip the gradient and step, unless it is exactly zero; returns (norm before
-    clipping, stepped). A zero gradient (every advantage of the batch 0, no KL term) is no
-    reason to move, yet AdamW would: its momentum carries the last real update on, about ten
-    updates' worth with beta1 = 0.9, so a policy whose groups have no spread would keep
-    drifting the way it last went. The norm is global (all ranks), so all ranks agree."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    stepped = grad_norm != 0.0
-    if stepped:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, stepped
+        """The policy as a Hugging Face folder (rank 0 writes; all ranks must call)."""
+        policy.export(self.model, self.spec.model.path, out_dir, self.rank)
 
 
 def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:

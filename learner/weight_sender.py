@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 
+from learner import policy
 from learner.trainer import Trainer
 from services import weight_group
 from services.protocol import WeightPlan
@@ -29,7 +30,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.dtype = trainer.spec.model.dtype.removeprefix("torch.")
         self.backend = "nccl" if trainer.device.type == "cuda" else "gloo"
-        specs = trainer.parameter_specs(self.dtype)
+        specs = policy.parameter_specs(trainer.model, self.dtype)
         self.buckets = weight_group.plan_buckets(specs, bucket_mib << 20)
         self.advertise_host = advertise_host
         self.store = weight_group.host_store(store_port, timeout_s, advertise_host) if trainer.rank == 0 else None
@@ -63,7 +64,7 @@ class WeightSender:
         def fetch(bucket) -> dict:
             nonlocal fetched
             fetched += 1
-            return self.trainer.full_tensors([t.name for t in bucket.tensors], self.dtype)
+            return policy.full_tensors(self.trainer.model, [t.name for t in bucket.tensors], self.dtype)
 
         nbytes, failed = 0, False
         if self.trainer.rank == 0 and plan.ranks:

@@ -45,7 +45,7 @@ def learner_logprobs(trainer: Trainer, tokens: list[int]) -> list[float]:
     sample = protocol.Sample(sample_id="x", tokens=tokens, mask=[1] * len(tokens), logprobs=[0.0] * len(tokens),
                              versions=[0] * len(tokens), reward=0.0, advantage=0.0, num_turns=0)
     with torch.no_grad():
-        logprobs, _ = trainer.token_logprobs(trainer._collate([sample], [0]))
+        logprobs, _ = trainer.token_logprobs(trainer.batches.collate([sample], [0]))
     trainer.model.reshard()
     return logprobs.tolist()
 

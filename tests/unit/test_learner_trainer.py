@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.trainer import accumulate, merge_minibatches, optimizer_step
+from learner.policy import optimizer_step
+from learner.trainer import accumulate, merge_minibatches
 
 
 def test_micro_batch_metrics_add_up_except_maxima_which_keep_the_largest():

@@ -1,0 +1,111 @@
+"""The policy model under FSDP2 on every rank: building it, its optimizer, and its weights
+going out (full tensors for a weight update, a Hugging Face folder for export)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+
+def sharded_model(path: str, device: torch.device, world_size: int, dtype: str) -> torch.nn.Module:
+    """The model at `path` in fp32, each decoder layer and then the whole model sharded over
+    `world_size` ranks; bf16 compute with fp32 gradient reduction on CUDA when `dtype` asks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    mixed = None
+    if device.type == "cuda" and dtype == "bfloat16":
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def optimizer(model: torch.nn.Module, lr: float, weight_decay: float, decay_steps: int = 0):
+    """AdamW over the sharded (DTensor) parameters (build it only while sharded), with a
+    learning rate that decays linearly to 10% over `decay_steps` (the warm start, so the
+    policy RL starts from is settled) or stays constant (RL)."""
+    adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+    decay = (lambda step: max(0.1, 1.0 - step / decay_steps)) if decay_steps else (lambda step: 1.0)
+    return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, decay)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the gradient and step, unless it is exactly zero; returns (norm before
+    clipping, stepped). A zero gradient (every advantage of the batch 0, no KL term) is no
+    reason to move, yet AdamW would: its momentum carries the last real update on, about ten
+    updates' worth with beta1 = 0.9, so a policy whose groups have no spread would keep
+    drifting the way it last went. The norm is global (all ranks), so all ranks agree."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    stepped = grad_norm != 0.0
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+def separates_packed_sequences(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether this model's attention keeps packed sequences apart (transformers does so
+    from restarting position ids with sdpa/eager/flash); padding is used otherwise."""
+    def logits(input_ids: torch.Tensor, position_ids: list[int]) -> torch.Tensor:
+        positions = torch.tensor([position_ids], device=device)
+        return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, model.config.vocab_size, (1, n), generator=generator).to(device) for n in (5, 4))
+    with torch.no_grad():
+        alone = logits(b, [0, 1, 2, 3])
+        both = logits(torch.cat([a, b], 1), [0, 1, 2, 3, 4, 0, 1, 2, 3])
+    model.reshard()
+    ok = torch.allclose(alone, both[:, 5:], atol=1e-3)
+    if not ok:
+        log.warning("model attention does not separate packed sequences: padding instead")
+    return ok
+
+
+def parameter_specs(model: torch.nn.Module, dtype: str) -> list[tuple[str, list[int], str]]:
+    """(checkpoint name, full shape, wire dtype) of every parameter, in a fixed order."""
+    return [(name, list(p.shape), dtype) for name, p in model.named_parameters()]
+
+
+def full_tensors(model: torch.nn.Module, names: list[str], dtype: str) -> dict[str, torch.Tensor]:
+    """Gather full tensors of `names` from their shards (a collective: all ranks call it)."""
+    params = dict(model.named_parameters())
+    wire = getattr(torch, dtype)
+    out = {}
+    for name in names:
+        p = params[name].detach()
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.to(wire)
+    return out
+
+
+def export(model: torch.nn.Module, source: str, out_dir: str, rank: int) -> None:
+    """Save the policy as a Hugging Face folder, with the config, tokenizer and generation
+    config of the model at `source` (rank 0 writes; all ranks must call)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig, AutoTokenizer
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/model.safetensors")
+    AutoConfig.from_pretrained(source).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)
+    generation = Path(source) / "generation_config.json"
+    if generation.exists():
+        (Path(out_dir) / generation.name).write_text(generation.read_text())
