@@ -132,9 +132,12 @@ def test_prometheus_scrapes_every_process_and_records_the_reward(stack, tmp_path
     try:
         def all_up():
             try:
-                active = httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
+                reply = httpx.get(f"{api}/targets", timeout=5)
             except httpx.HTTPError:
                 return False
+            if reply.status_code != 200:  # 503 "Service Unavailable" while Prometheus starts
+                return False
+            active = reply.json()["data"]["activeTargets"]
             return len(active) == 4 and all(t["health"] == "up" for t in active) and active
 
         active = wait_for(all_up, 60, "every target to be up")
