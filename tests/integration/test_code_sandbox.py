@@ -4,7 +4,6 @@ that loop, eat memory, flood their output or leave processes behind."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 
