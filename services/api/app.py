@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -143,52 +143,63 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
+    app.include_router(jobs_router())
+    return app
 
-    def tenant(request: Request) -> str:
-        tokens: dict[str, str] = request.app.state.tokens
-        if not tokens:
-            return ""
-        token = match_bearer(request.headers.get("authorization", ""), tokens)
-        if token is None:
-            raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
-        return tokens[token]
 
-    async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
-        record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
-        if record is None:
-            raise HTTPException(404, f"no job {job_id!r}")
-        if record.get("tenant", "") != who:
-            raise HTTPException(403, f"job {job_id!r} belongs to another tenant")
-        return record
+def tenant(request: Request) -> str:
+    """The caller's tenant, from its bearer token ("" when the API has no tokens)."""
+    tokens: dict[str, str] = request.app.state.tokens
+    if not tokens:
+        return ""
+    token = match_bearer(request.headers.get("authorization", ""), tokens)
+    if token is None:
+        raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return tokens[token]
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobCreated,
-              responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
+
+async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
+    """The job's record, if it exists (404) and belongs to the caller (403)."""
+    record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
+    if record is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    if record.get("tenant", "") != who:
+        raise HTTPException(403, f"job {job_id!r} belongs to another tenant")
+    return record
+
+
+def jobs_router() -> APIRouter:
+    """The job routes: submit, list, read, history, checkpoints, cancel, events."""
+    router = APIRouter()
+
+    @router.post("/v1/jobs", status_code=201, response_model=JobCreated,
+                 responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         if request.app.state.tokens:  # without tokens the API is the operator's own (local use)
             spec = confine_paths(spec, request.app.state.path_roots)
         job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 
-    @app.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
+    @router.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
     async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
                         who: str = Depends(tenant)) -> list[JobView]:
         return [JobView(**r) for r in await jobs.list_jobs(request.app.state.redis, who, limit)]
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
+    @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
     async def get(record: dict = Depends(owned)) -> JobView:
         return JobView(**record)
 
-    @app.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
+    @router.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
     async def history(request: Request, start: int = Query(0, ge=0), record: dict = Depends(owned)) -> list[dict]:
         raw = await request.app.state.redis.lrange(Keys.history(record["id"]), start, -1)
         return [json.loads(r) for r in raw]
 
-    @app.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
+    @router.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
     async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
         raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
         return [Checkpoint(**json.loads(r)) for r in raw]
 
-    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
+    @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
     async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
         """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
         CANCELLED at its next step); an ended one is left as it is."""
@@ -196,13 +207,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
         await jobs.cancel(client, record["id"])
         return JobView(**await jobs.get_job(client, record["id"]))
 
-    @app.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
+    @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
     async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
         """Server-sent events: `status` on every status change, `step` for every SFT/RL step
         record, `health` for every health rule that fired, until the job ends."""
         return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
 
-    return app
+    return router
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
