@@ -190,7 +190,7 @@ class JobRun:
         await self.intake.trained_on(batch)
         record = rl_record(self.step, self.version, groups, metrics, step_seconds, sync["seconds"],
                            self.steps.waited(wait_s), self.counts())
-        self.steps.observe_step(groups, record)
+        self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)
         await self.steps.write(record, self.step, self.version)
         await self.steps.act_on(fired)

@@ -147,11 +147,12 @@ class StepLog:
         return {"batch_wait_seconds": wait_s, "rl_seconds": rl_seconds,
                 "idle_ratio": self.waited_s / rl_seconds if rl_seconds > 0 else 0.0}
 
-    def observe_step(self, groups: list[protocol.TrajectoryGroup], record: dict) -> None:
-        """The step's histograms and counters (gauges follow from the record when written)."""
-        for group in groups:
-            if group.min_version() is not None:
-                STALENESS.labels(self.job_id).observe(record["version"] - 1 - group.min_version())
+    def observe_step(self, record: dict) -> None:
+        """The step's histograms and counters, from its record (gauges follow from the
+        record when it is written)."""
+        for staleness, count in record["staleness_counts"].items():
+            for _ in range(count):
+                STALENESS.labels(self.job_id).observe(int(staleness))
         TRAINED_TOKENS.labels(self.job_id).inc(record["trained_tokens"])
         STEP_SECONDS.labels(self.job_id).observe(record["step_seconds"])
 

@@ -29,10 +29,15 @@ def job_spec(model: str) -> dict:
     }
 
 
+OUT_OF_RANGE_TASK = 10_000
+"""Task id (and example) of the injected task no task set has: dead-lettered, never trained."""
+
+
 def inject_bad_messages(client: redis.Redis, job_id: str) -> None:
     client.xadd(Keys.tasks(job_id), {FIELD: b"\xc1 not msgpack"})
     client.xadd(Keys.tasks(job_id), {b"unexpected": b"field"})
-    out_of_range = protocol.Task(job_id=job_id, task_id=10_000, example=10_000, group_size=4, dispatched_version=0)
+    out_of_range = protocol.Task(job_id=job_id, task_id=OUT_OF_RANGE_TASK, example=OUT_OF_RANGE_TASK, group_size=4,
+                                 dispatched_version=0)
     client.xadd(Keys.tasks(job_id), {FIELD: protocol.encode(out_of_range)})
     client.xadd(Keys.trajectories(job_id), {FIELD: protocol.encode(out_of_range)})  # wrong type here
 
@@ -66,7 +71,7 @@ def test_killed_rollout_server_loses_nothing_and_bad_input_takes_nothing_down(tm
                         task_id = protocol.decode(fields[FIELD], protocol.Task).task_id
                     except (KeyError, ValueError, msgspec.DecodeError):  # the injected malformed ones
                         continue
-                    if task_id != 10_000:
+                    if task_id != OUT_OF_RANGE_TASK:
                         held.add(task_id)
             return held
 
