@@ -9,6 +9,13 @@ A verdict is read from the first JSON object in the reply that holds every crite
 else from tags (`<understanding>7</understanding>`). A reply that gives neither is
 unparseable: the caller asks once more with `strict=True`, then reports an error. No score
 is ever filled in, clamped or guessed.
+
+Group judging scores several candidate conversations (the futures of one turn) in one call:
+the instructions once, the turns all candidates share once (`<shared>`), then each
+candidate's own turns (`<candidate id="N">`), and the judge answers with one JSON list,
+an object per candidate (`{"candidate": N, <criteria>, "verdict"}`). `parse_group_verdicts`
+accepts the list only when every candidate has exactly one object, every criterion in
+range; otherwise it names what was wrong and the caller judges each candidate alone.
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ class Rubric:
     needs_reference: bool = False
     max_tokens: int = 400
     """Room for the judge's reply (the verdict sentence and the scores)."""
+    candidate_tokens: int = 80
+    """Room for each further candidate's object in a group verdict."""
+
+    def group_max_tokens(self, num_candidates: int) -> int:
+        return self.max_tokens + self.candidate_tokens * (num_candidates - 1)
 
     def combine(self, scores: dict[str, float]) -> float:
         return sum(scores[c.name] for c in self.criteria) / len(self.criteria)
@@ -72,7 +84,84 @@ def parse_verdict(rubric: Rubric, text: str) -> Verdict | None:
     return Verdict(rubric.combine(scores), scores, verdict)
 
 
-def _instructions(rubric: Rubric) -> str:
+class GroupParseError(ValueError):
+    """Why a group verdict cannot be used; `reason` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def render_group(rubric: Rubric, candidates: list[list[dict]], reference: str | None) -> list[dict]:
+    """The chat messages that ask the judge to score every candidate conversation at once
+    (candidate ids are 1-based positions)."""
+    shared = shared_prefix(candidates)
+    parts = []
+    if shared:
+        parts.append(f"<shared>\n{_turns(candidates[0][:shared])}\n</shared>")
+    for number, candidate in enumerate(candidates, 1):
+        parts.append(f'<candidate id="{number}">\n{_turns(candidate[shared:])}\n</candidate>')
+    if reference is not None:
+        parts.append(f"<reference>\n{reference}\n</reference>")
+    system = _instructions(rubric, group=True)
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def shared_prefix(candidates: list[list[dict]]) -> int:
+    """How many leading messages every candidate has in common, leaving each at least one
+    of its own (a candidate is never empty in the prompt)."""
+    shortest = min(len(c) for c in candidates)
+    count = 0
+    while count < shortest - 1 and all(c[count] == candidates[0][count] for c in candidates):
+        count += 1
+    return count
+
+
+def parse_group_verdicts(rubric: Rubric, text: str, num_candidates: int) -> list[Verdict]:
+    """One verdict per candidate, in candidate order, from the JSON list in `text`; raises
+    `GroupParseError` when any candidate lacks exactly one well-formed object."""
+    names = [c.name for c in rubric.criteria]
+    items = _last_json_list(text)
+    if items is None:
+        raise GroupParseError("no_list", "the reply holds no JSON list of objects")
+    found: dict[int, Verdict] = {}
+    for item in items:
+        fields = {str(k).lower(): v for k, v in item.items()}
+        number = fields.get("candidate")
+        if isinstance(number, str) and number.strip().isdigit():
+            number = int(number)
+        if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= num_candidates:
+            raise GroupParseError("unknown_candidate", f"candidate {number!r} is not one of 1..{num_candidates}")
+        if number in found:
+            raise GroupParseError("duplicate", f"candidate {number} is scored twice")
+        raw = {name: _score(fields.get(name)) for name in names}
+        if any(v is None for v in raw.values()):
+            bad = [n for n, v in raw.items() if v is None]
+            raise GroupParseError("out_of_range", f"candidate {number}: {bad} missing or not 0-{SCALE_MAX}")
+        scores = {name: raw[name] / SCALE_MAX for name in names}
+        verdict = fields.get("verdict")
+        found[number] = Verdict(rubric.combine(scores), scores, verdict if isinstance(verdict, str) else "")
+    missing = [n for n in range(1, num_candidates + 1) if n not in found]
+    if missing:
+        raise GroupParseError("missing", f"candidates {missing} have no scores")
+    return [found[n] for n in range(1, num_candidates + 1)]
+
+
+def _last_json_list(text: str) -> list[dict] | None:
+    """The last JSON list of objects in `text` (after any reasoning), or None."""
+    decoder = json.JSONDecoder()
+    last = None
+    for match in re.finditer(r"\[", text):
+        try:
+            obj, _ = decoder.raw_decode(text, match.start())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, list) and obj and all(isinstance(item, dict) for item in obj):
+            last = obj
+    return last
+
+
+def _instructions(rubric: Rubric, group: bool = False) -> str:
     sections = [
         "You grade conversations between a user and an AI assistant. Be strict and consistent: "
         "judge only what the assistant actually wrote, and use the whole scale.",
@@ -83,8 +172,24 @@ def _instructions(rubric: Rubric) -> str:
     for criterion in rubric.criteria:
         anchors = "\n".join(f"  {score}: {text}" for score, text in criterion.anchors)
         sections.append(f"{criterion.name}: {criterion.question}\n{anchors}")
-    sections.append("First think briefly, then end your reply with one JSON object:\n" + _format(rubric))
+    if group:
+        sections.append(
+            "Several candidate conversations follow. Each one is the <shared> turns (if any) followed by "
+            "its own turns. Score each candidate on its own, as if it were the only one. First think "
+            "briefly, then end your reply with one JSON list holding one object per candidate:\n"
+            + _group_format(rubric))
+    else:
+        sections.append("First think briefly, then end your reply with one JSON object:\n" + _format(rubric))
     return "\n\n".join(sections)
+
+
+def _group_format(rubric: Rubric) -> str:
+    fields = ", ".join(f'"{c.name}": <0-10>' for c in rubric.criteria)
+    return '[{"candidate": <id>, ' + fields + ', "verdict": "<one sentence>"}, ...]'
+
+
+def _turns(messages: list[dict]) -> str:
+    return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
 
 
 def _format(rubric: Rubric) -> str:
@@ -98,8 +203,7 @@ def _strict_instruction(rubric: Rubric) -> str:
 
 
 def _case(messages: list[dict], reference: str | None) -> str:
-    turns = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
-    case = f"<conversation>\n{turns}\n</conversation>"
+    case = f"<conversation>\n{_turns(messages)}\n</conversation>"
     if reference is not None:
         case += f"\n\n<reference>\n{reference}\n</reference>"
     return case

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from judge_proxy.rubrics import RUBRICS, parse_verdict, render
+from judge_proxy.rubrics import (
+    RUBRICS, GroupParseError, parse_group_verdicts, parse_verdict, render, render_group,
+)
+from judge_proxy.rubrics.base import shared_prefix
+from judge_proxy.stand_in import reply_for
 
 INTERACTIVITY = RUBRICS["interactivity"]
 
@@ -91,3 +97,71 @@ def test_rubrics_are_fine_grained_with_anchors_spanning_the_scale():
         for criterion in rubric.criteria:
             scores = [score for score, _ in criterion.anchors]
             assert scores[0] == 0 and scores[-1] == 10 and len(scores) >= 3 and scores == sorted(scores)
+
+
+# ---- group judging ---------------------------------------------------------------------
+
+VAGUE = {"role": "user", "content": "I want a fruit."}
+ASK = {"role": "assistant", "content": "Which fruit?"}
+SAYS = {"role": "user", "content": "I mean mango."}
+
+
+def test_a_group_prompt_states_shared_turns_once_and_each_candidate_its_own():
+    candidates = [[VAGUE, ASK, SAYS, {"role": "assistant", "content": "A mango."}],
+                  [VAGUE, ASK, SAYS, {"role": "assistant", "content": "An apple."}]]
+    system, case = (m["content"] for m in render_group(RUBRICS["interactivity"], candidates, "mango"))
+    assert system.startswith("You grade conversations") and '"candidate": <id>' in system
+    assert case.count("I mean mango.") == 1
+    assert '<candidate id="1">\n[assistant]\nA mango.\n</candidate>' in case
+    assert '<candidate id="2">\n[assistant]\nAn apple.\n</candidate>' in case
+    assert case.endswith("<reference>\nmango\n</reference>")
+
+
+def test_identical_candidates_keep_their_last_turn_in_their_own_block():
+    assert shared_prefix([[VAGUE, ASK], [VAGUE, ASK]]) == 1
+    assert shared_prefix([[VAGUE, ASK], [SAYS]]) == 0
+
+
+def group_reply(*objects: dict) -> str:
+    return "Both asked first; the first answered right.\n" + json.dumps(list(objects))
+
+
+def test_a_well_formed_group_verdict_gives_each_candidate_its_scores_in_order():
+    rubric = RUBRICS["interactivity"]
+    text = group_reply({"candidate": 2, "understanding": 3, "clarification": "10", "suggestions": 5},
+                       {"candidate": "1", "understanding": 10, "clarification": 10, "suggestions": 5, "verdict": "Good."})
+    first, second = parse_group_verdicts(rubric, text, 2)
+    assert first.score == pytest.approx((1.0 + 1.0 + 0.5) / 3) and first.verdict == "Good."
+    assert second.criteria == {"understanding": 0.3, "clarification": 1.0, "suggestions": 0.5}
+
+
+@pytest.mark.parametrize("objects, reason", [
+    ([{"candidate": 1, "correctness": 10}], "missing"),
+    ([{"candidate": 1, "correctness": 10}, {"candidate": 1, "correctness": 0}, {"candidate": 2, "correctness": 0}],
+     "duplicate"),
+    ([{"candidate": 1, "correctness": 11}, {"candidate": 2, "correctness": 0}], "out_of_range"),
+    ([{"candidate": 1, "correctness": 10}, {"candidate": 2}], "out_of_range"),
+    ([{"candidate": 1, "correctness": 10}, {"candidate": 3, "correctness": 0}], "unknown_candidate"),
+    ([{"candidate": True, "correctness": 10}, {"candidate": 2, "correctness": 0}], "unknown_candidate"),
+])
+def test_a_group_verdict_that_misses_repeats_or_overflows_a_candidate_is_refused(objects, reason):
+    with pytest.raises(GroupParseError) as refused:
+        parse_group_verdicts(RUBRICS["accuracy"], group_reply(*objects), 2)
+    assert refused.value.reason == reason
+
+
+def test_a_group_reply_without_a_list_is_refused():
+    with pytest.raises(GroupParseError) as refused:
+        parse_group_verdicts(RUBRICS["accuracy"], '{"correctness": 10}', 1)
+    assert refused.value.reason == "no_list"
+
+
+def test_the_stand_in_scores_a_group_as_it_scores_each_candidate_alone():
+    rubric = RUBRICS["interactivity"]
+    candidates = [[VAGUE, ASK, SAYS, {"role": "assistant", "content": "A mango."}],
+                  [VAGUE, ASK, SAYS, {"role": "assistant", "content": "An apple."}],
+                  [VAGUE, {"role": "assistant", "content": "A banana."}]]
+    together = parse_group_verdicts(rubric, reply_for(render_group(rubric, candidates, None)), 3)
+    alone = [parse_verdict(rubric, reply_for(render(rubric, c, None))) for c in candidates]
+    assert [v.score for v in together] == [v.score for v in alone]
+    assert len({v.score for v in alone}) == 3
