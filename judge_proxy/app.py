@@ -3,18 +3,24 @@
 - `POST /v1/chat/completions`: OpenAI-compatible; the upstream's reply (with `usage`) is
   passed through; with `stream: true` its server-sent events are relayed as they arrive.
 - `GET /v1/models` (and `/v1/models/{model}`): the model names this proxy serves.
-- `POST /v1/judge`: `{rubric, messages, reference?, model?}` -> `{score, criteria, verdict,
-  raw, usage}`; 404 for an unknown rubric, 502 `unparseable verdict` (with the raw replies)
-  when the judge's reply cannot be read twice.
+- `POST /v1/judge`: `{rubric, messages, reference?, model?, cache?}` -> `{score, criteria,
+  verdict, raw, usage, remembered}`; 404 for an unknown rubric, 502 `unparseable verdict`
+  (with the raw replies) when the judge's reply cannot be read twice.
+- `POST /v1/judge/group`: `{rubric, candidates: [[message...]...], reference?, model?, cache?}`
+  -> `{results: [verdict...], usage, fallback, remembered}`: every candidate scored in one
+  judge call where the reply allows (`judge_proxy.proxy.GroupVerdicts`).
 - `GET /v1/budget`: limits and shared usage per upstream (never keys).
 - `/metrics`, `/healthz`.
 
 Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set),
 `X-Tandem-Job` (queue fairness: jobs take turns), `X-Tandem-Priority: judge|simulator`
-(default simulator for chat; /v1/judge is always judge) and `X-Request-Id` (optional).
+(default simulator for chat; /v1/judge is always judge), `X-Request-Id` (optional) and
+`Idempotency-Key` (optional: a retry with the same key and body gets the stored reply, and
+no second upstream call; `judge_proxy.memory`).
 Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
 else a new one; log lines of the request carry it), and on chat replies `X-Tandem-Upstream`
-(who answered), `Server-Timing: queue;dur=<ms>, upstream;dur=<ms>` and OpenAI's
+(who answered), `X-Tandem-Remembered: true` on a reply from memory,
+`Server-Timing: queue;dur=<ms>, upstream;dur=<ms>` and OpenAI's
 `x-ratelimit-limit|remaining|reset-requests|tokens` for the budget the model's upstreams
 share across all replicas. Errors have OpenAI's shape, `{"error": {"message", "type",
 "param", "code"}}`: malformed JSON or a bad field 400 (`param` and the message name the
@@ -43,10 +49,10 @@ from redis.exceptions import RedisError
 
 from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
-from judge_proxy.rubrics import RUBRICS
+from judge_proxy.rubrics import RUBRICS, Rubric
 from services.auth import match_bearer
 from services.config import JudgeProxySettings
-from services.judge_api import JudgeRequest, JudgeResult
+from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
 from services.logs import REQUEST_ID
 from services.metrics import metrics_router
 
@@ -158,24 +164,51 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         body = await json_object(request)
         chat = validated(ChatRequest, body)
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
-        completion = await proxy.complete(body, max_tokens, chat.n, job=job_of(request),
-                                          priority=priority_of(request))
-        return await completion_response(proxy, completion, chat.model)
+        job, priority = job_of(request), priority_of(request)
+        tag = request.headers.get("idempotency-key", "")
+        key = proxy.chat_memory_key(body, job, tag)
+        if key is None:
+            completion = await proxy.complete(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
+            return await completion_response(proxy, completion, chat.model)
+        content, remembered = await proxy.memory.once(
+            key, job, lambda: proxy.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag))
+        headers = await proxy.limit_headers(proxy.group(chat.model))
+        if remembered:
+            headers["x-tandem-remembered"] = "true"
+        return Response(content, media_type="application/json", headers=headers)
 
     @app.post("/v1/judge", response_model=JudgeResult)
     async def judge(request: Request) -> JudgeResult:
         authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
-        rubric = RUBRICS.get(ask.rubric)
-        if rubric is None:
-            raise ProxyError(404, f"unknown rubric {ask.rubric!r}; known: {sorted(RUBRICS)}", "rubric_not_found")
-        if rubric.needs_reference and ask.reference is None:
-            raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error")
+        rubric = rubric_for(ask.rubric, ask.reference)
         return await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
-                                 ask.model or settings.judge_model, job_of(request))
+                                 ask.model or settings.judge_model, job_of(request), cache=ask.cache,
+                                 idempotency_key=request.headers.get("idempotency-key"))
+
+    @app.post("/v1/judge/group", response_model=GroupJudgeResult)
+    async def judge_group(request: Request) -> GroupJudgeResult:
+        authorize(request)
+        ask = validated(GroupJudgeRequest, await json_object(request))
+        rubric = rubric_for(ask.rubric, ask.reference)
+        candidates = [[t.model_dump() for t in c] for c in ask.candidates]
+        return await proxy.judge_group(rubric, candidates, ask.reference, ask.model or settings.judge_model,
+                                       job_of(request), cache=ask.cache,
+                                       idempotency_key=request.headers.get("idempotency-key"))
 
     app.include_router(info_router(proxy, authorize))
     return app
+
+
+def rubric_for(name: str, reference: str | None) -> Rubric:
+    rubric = RUBRICS.get(name)
+    if rubric is None:
+        raise ProxyError(404, f"unknown rubric {name!r}; known: {sorted(RUBRICS)}", "rubric_not_found",
+                         param="rubric")
+    if rubric.needs_reference and reference is None:
+        raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error",
+                         param="reference")
+    return rubric
 
 
 async def completion_response(proxy: Proxy, completion: Completion, model: str) -> Response:

@@ -33,7 +33,9 @@ taken one per chat request: `{"content": "..."}` answers with that text, `{"stat
 `{"delay_s": 1.5}` waits that long first, `{"cut_after": 2}` breaks a stream's connection
 after that many content chunks (charging the whole reservation) and `{"token_delay_s": 0.1}`
 paces a stream's chunks. `GET /admin/stats` gives the counters,
-`GET /admin/requests` the last request bodies, `POST /admin/reset` starts afresh.
+`GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many requests
+came with each `X-Client-Request-Id` (the proxy sends its clients' idempotency keys there),
+`POST /admin/reset` starts afresh.
 
 Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600 --latency`.
 
@@ -54,7 +56,7 @@ import random
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -227,6 +229,7 @@ class LocalUpstream:
         self.rng = random.Random(self.config.seed)
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
+        self.request_tags: Counter[str] = Counter()
         self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0, "streams_cut": 0,
                       "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0,
                       "recognised": 0, "latency_s_total": 0.0}
@@ -314,6 +317,8 @@ class LocalUpstream:
         except json.JSONDecodeError as err:
             return self.error(400, f"malformed JSON: {err}", "invalid_request_error")
         self.recent.append(body)
+        if tag := request.headers.get("x-client-request-id"):
+            self.request_tags[tag] += 1
         script = self.script.popleft() if self.script else {}
         if script.get("delay_s"):
             await asyncio.sleep(script["delay_s"])
@@ -419,6 +424,10 @@ def create_app(config: LocalUpstreamConfig) -> FastAPI:
     @app.get("/admin/stats")
     async def stats() -> dict:
         return upstream.snapshot()
+
+    @app.get("/admin/request-tags")
+    async def request_tags() -> dict[str, int]:
+        return dict(upstream.request_tags)
 
     @app.get("/admin/requests")
     async def requests() -> list[dict]:

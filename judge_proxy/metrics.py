@@ -57,3 +57,26 @@ PROMPT_RATIO = Gauge(
     "Learned prompt tokens the upstream counts per locally estimated one (reservations scale by it)",
     ["upstream"],
 )
+MEMORY = Counter(
+    "tandem_judge_memory_total",
+    "Requests the proxy could answer from memory, by kind (cache: identical temperature-0 request; replay: same "
+    "idempotency key) and result (hit, miss)",
+    ["job", "kind", "result"],
+)
+GROUP_CANDIDATES = Counter(
+    "tandem_judge_group_candidates_total",
+    "Candidates of group verdict requests by how each was answered: cached, duplicate (of another in the group), "
+    "group (in the group call), alone (the only one left to judge), fallback (judged alone after an unusable "
+    "group verdict)",
+    ["rubric", "outcome"],
+)
+GROUP_FALLBACKS = Counter(
+    "tandem_judge_group_fallbacks_total",
+    "Group verdicts that could not be used, by reason (no_list, missing, duplicate, out_of_range, "
+    "unknown_candidate, unparseable): their candidates were judged one by one",
+    ["rubric", "reason"],
+)
+JOB_TOKENS = Counter(
+    "tandem_judge_job_tokens_total", "Tokens upstreams charged (usage.total_tokens), per job and priority",
+    ["job", "priority"],
+)

@@ -39,14 +39,15 @@ from redis.exceptions import RedisError
 
 from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
+from judge_proxy.memory import Memory, digest
 from judge_proxy.queue import Admitter, QueueTimeout
-from judge_proxy.rubrics import Rubric, parse_verdict, render
+from judge_proxy.rubrics import GroupParseError, Rubric, parse_group_verdicts, parse_verdict, render, render_group
 from judge_proxy.upstream import (
     Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
     weighted_order,
 )
 from services.config import JudgeProxySettings
-from services.judge_api import JudgeResult
+from services.judge_api import GroupJudgeResult, JudgeResult
 from services.judge_client import backoff_s
 from services.stats import TrailingRate
 
@@ -121,6 +122,10 @@ class Completion:
 class Attempts:
     """What one request's attempts have met so far."""
 
+    job: str
+    priority: str
+    tag: str = ""
+    """Sent upstream as `X-Client-Request-Id` (the client's idempotency key, if any)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Upstream name -> why it failed (5xx, timeout, ...)."""
     rate_limited_last: bool = False
@@ -166,6 +171,9 @@ class Proxy:
         self.cooldown_until: dict[str, float] = {}
         self.groups: dict[str, Group] = {}
         self.setup_groups(configs)
+        longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
+        self.memory = Memory(redis, settings.cache_ttl_s, settings.idempotency_ttl_s,
+                             pending_ttl_s=settings.queue_deadline_s + longest_call_s + LEASE_MARGIN_S)
 
     @classmethod
     def from_settings(cls, settings: JudgeProxySettings) -> "Proxy":
@@ -201,14 +209,15 @@ class Proxy:
     def upstreams(self) -> list[Upstream]:
         return [u for g in self.groups.values() for u in g.upstreams]
 
-    async def complete(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str) -> Completion:
+    async def complete(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str,
+                       tag: str = "") -> Completion:
         """Send one chat request (`body`, already validated) through the budget."""
         group = self.group(body["model"])
         need = Need(n * max_tokens, {u.name: u.prompt_estimate(body["messages"]) for u in group.upstreams})
         self.check_fits(group, need)
         payload = upstream_body(body, max_tokens)
         deadline = time.monotonic() + self.settings.queue_deadline_s
-        attempts = Attempts()
+        attempts = Attempts(job, priority, tag)
         for attempt in range(self.settings.max_attempts):
             grant = await self.admit(group, need, attempts, deadline, job, priority)
             upstream_payload = msgspec.json.encode({**payload, "model": grant.upstream.config.upstream_model
@@ -270,7 +279,7 @@ class Proxy:
         await upstream.budget.sent(grant.lease)
         started = time.perf_counter()
         try:
-            reply = await upstream.post(payload, stream=stream)
+            reply = await upstream.post(payload, stream=stream, tag=attempts.tag)
             if reply.events is not None:
                 attempts.upstream_s += time.perf_counter() - started
                 return self.relay(group, grant, reply, attempts, client_wants_usage)
@@ -306,6 +315,7 @@ class Proxy:
         used = usage.get("total_tokens", lease.tokens)  # no usage: it may have charged all we reserved
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
         _record_usage(upstream.name, lease.tokens, used)
+        metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
         settle = functools.partial(self.settle, group, upstream, lease, used, reply,
                                    prompt_tokens=usage.get("prompt_tokens"))
         return Completion(upstream.name, reply.body, data, settle, upstream_s=attempts.upstream_s)
@@ -344,6 +354,7 @@ class Proxy:
                 used = usage["total_tokens"] if complete else lease.tokens
                 metrics.STREAMS.labels(upstream.name, outcome).inc()
                 _record_usage(upstream.name, lease.tokens, used)
+                metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
                 await self.settle(group, upstream, lease, used, reply, prompt_tokens=usage.get("prompt_tokens"))
 
         return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
@@ -408,27 +419,66 @@ class Proxy:
         reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
         return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
 
-    async def judge(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str,
-                    job: str) -> JudgeResult:
+    def replay_key(self, job: str, idempotency_key: str | None, *parts: object) -> str | None:
+        return self.memory.key("replay", job, idempotency_key, *parts) if idempotency_key else None
+
+    def chat_memory_key(self, body: dict, job: str, idempotency_key: str | None) -> str | None:
+        """Where a chat reply is remembered: a temperature-0 request by its content, any
+        other by its idempotency key; a stream is never remembered."""
+        if body.get("stream"):
+            return None
+        if body.get("temperature") == 0 and body.get("n", 1) == 1:
+            return self.memory.key("cache", job, body)
+        return self.replay_key(job, idempotency_key, body)
+
+    async def complete_whole(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str,
+                             tag: str = "") -> bytes:
+        """A chat reply as bytes, its budget settled (for a reply to be remembered)."""
+        completion = await self.complete(body, max_tokens, n, job=job, priority=priority, tag=tag)
+        await completion.settle()
+        return completion.body
+
+    async def judge(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str, job: str, *,
+                    cache: bool = True, idempotency_key: str | None = None) -> JudgeResult:
+        """A verdict: the job's earlier one on the same conversation (`cache`), the one
+        stored under `idempotency_key`, or a new one."""
+        parts = (model, rubric.name, messages, reference)
+        key = self.memory.key("cache", job, *parts) if cache else None
+        key = key or self.replay_key(job, idempotency_key, *parts)
+        raw, remembered = await self.memory.once(
+            key, job, lambda: self.verdict(rubric, messages, reference, model, job, idempotency_key or ""))
+        return JudgeResult.model_validate_json(raw).model_copy(update={"remembered": remembered})
+
+    async def verdict(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str,
+                      job: str, tag: str = "") -> bytes:
         """Ask for a verdict; ask once more, strictly, when the first cannot be read."""
         raws: list[str] = []
         usage: dict[str, int] = {}
         for strict in (False, True):
             prompt = render(rubric, messages, reference, strict=strict, previous_reply=raws[-1] if raws else "")
             body = {"model": model, "messages": prompt, "temperature": 0.0}
-            completion = await self.complete(body, rubric.max_tokens, 1, job=job, priority="judge")
+            completion = await self.complete(body, rubric.max_tokens, 1, job=job, priority="judge",
+                                             tag=tag and tag + "/strict" * strict)
             await completion.settle()
             raws.append(content_of(completion.data))
-            for key, value in (completion.data.get("usage") or {}).items():
-                if isinstance(value, int):
-                    usage[key] = usage.get(key, 0) + value
+            add_usage(usage, completion.data.get("usage"))
             verdict = parse_verdict(rubric, raws[-1])
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
                 return JudgeResult(score=verdict.score, criteria=verdict.criteria, verdict=verdict.verdict,
-                                   raw=raws[-1], usage=usage)
+                                   raw=raws[-1], usage=usage).model_dump_json().encode()
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
         raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
+
+    async def judge_group(self, rubric: Rubric, candidates: list[list[dict]], reference: str | None, model: str,
+                          job: str, *, cache: bool = True, idempotency_key: str | None = None) -> GroupJudgeResult:
+        """One verdict per candidate, from as few judge calls as possible: candidates the
+        job's cache knows cost nothing, identical ones are judged once, the rest together
+        in one call (`GroupVerdicts`)."""
+        key = self.replay_key(job, idempotency_key, model, rubric.name, candidates, reference)
+        verdicts = GroupVerdicts(self, rubric, candidates, reference, model, job, cache, idempotency_key or "")
+        raw, remembered = await self.memory.once(key, job, verdicts.reply)
+        return GroupJudgeResult.model_validate_json(raw).model_copy(update={"remembered": remembered})
 
     async def watch_budgets(self, every_s: float = BUDGET_SAMPLE_S) -> None:
         """Keep `tandem_judge_budget_utilization` current: per upstream, the tokens every
@@ -451,6 +501,99 @@ class Proxy:
         for upstream in self.upstreams:
             await upstream.aclose()
         await self.redis.aclose()
+
+
+@dataclass
+class GroupVerdicts:
+    """One group verdict request being answered."""
+
+    proxy: Proxy
+    rubric: Rubric
+    candidates: list[list[dict]]
+    reference: str | None
+    model: str
+    job: str
+    cache: bool
+    tag: str = ""
+    """The request's idempotency key, sent upstream to name its calls."""
+
+    async def reply(self) -> bytes:
+        """Cached candidates first; the distinct rest in one group call, or one by one when
+        its reply is unusable (counted by reason)."""
+        keys = [self.cache_key(c) for c in self.candidates]
+        stored = await self.proxy.memory.lookup([k for k in keys if k]) if self.cache else []
+        results: list[JudgeResult | None] = [None] * len(self.candidates)
+        for index, raw in zip((i for i, k in enumerate(keys) if k), stored):
+            if raw is not None:
+                results[index] = JudgeResult.model_validate_json(raw).model_copy(update={"remembered": True})
+        todo: dict[str, list[int]] = {}
+        for index, candidate in enumerate(self.candidates):
+            if results[index] is None:
+                todo.setdefault(digest(candidate), []).append(index)
+        self.count("cached", sum(r is not None for r in results))
+        self.count("duplicate", sum(len(same) - 1 for same in todo.values()))
+        usage: dict[str, int] = {}
+        fallback = None
+        if todo:
+            firsts = [same[0] for same in todo.values()]
+            verdicts, fallback = await self.judge([self.candidates[i] for i in firsts], usage)
+            for same, verdict in zip(todo.values(), verdicts):
+                for index in same:
+                    results[index] = verdict
+        return GroupJudgeResult(results=results, usage=usage, fallback=fallback).model_dump_json().encode()
+
+    async def judge(self, distinct: list[list[dict]], usage: dict[str, int]) -> tuple[list[JudgeResult], str | None]:
+        if len(distinct) > 1:
+            try:
+                verdicts = await self.group_call(distinct, usage)
+                self.count("group", len(distinct))
+                return verdicts, None
+            except GroupParseError as err:
+                reason = err.reason
+                metrics.GROUP_FALLBACKS.labels(self.rubric.name, reason).inc()
+                log.warning("group verdict unusable (%s); judging %d candidates one by one", err, len(distinct))
+        else:
+            reason = None
+        singles = await asyncio.gather(*(
+            self.proxy.judge(self.rubric, c, self.reference, self.model, self.job, cache=self.cache,
+                             idempotency_key=self.tag and f"{self.tag}/c{index}")
+            for index, c in enumerate(distinct)))
+        for single in singles:
+            add_usage(usage, single.usage if not single.remembered else {})
+        self.count("fallback" if reason else "alone", len(distinct))
+        return list(singles), reason
+
+    async def group_call(self, distinct: list[list[dict]], usage: dict[str, int]) -> list[JudgeResult]:
+        prompt = render_group(self.rubric, distinct, self.reference)
+        body = {"model": self.model, "messages": prompt, "temperature": 0.0}
+        completion = await self.proxy.complete(body, self.rubric.group_max_tokens(len(distinct)), 1,
+                                               job=self.job, priority="judge", tag=self.tag)
+        await completion.settle()
+        add_usage(usage, completion.data.get("usage"))
+        text = content_of(completion.data)
+        verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={})
+                    for v in parse_group_verdicts(self.rubric, text, len(distinct))]
+        if self.cache:
+            await self.proxy.memory.store({self.cache_key(c): v.model_dump_json().encode()
+                                           for c, v in zip(distinct, verdicts)}, "cache")
+        return verdicts
+
+    def cache_key(self, candidate: list[dict]) -> str | None:
+        """The same entry a single verdict on this conversation is cached under."""
+        if not self.cache:
+            return None
+        return self.proxy.memory.key("cache", self.job, self.model, self.rubric.name, candidate, self.reference)
+
+    def count(self, outcome: str, number: int) -> None:
+        if number:
+            metrics.GROUP_CANDIDATES.labels(self.rubric.name, outcome).inc(number)
+
+
+def add_usage(total: dict[str, int], usage: object) -> None:
+    """Add a reply's integer usage counts into `total`."""
+    for key, value in (usage or {}).items() if isinstance(usage, dict) else ():
+        if isinstance(value, int) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
 
 
 @dataclass(frozen=True)

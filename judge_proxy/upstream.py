@@ -141,10 +141,13 @@ class Upstream:
         """The prompt's tokens by the local count (the budget scales it by the learned ratio)."""
         return estimate_prompt_tokens(messages, self.count_tokens)
 
-    async def post(self, payload: bytes, *, stream: bool = False) -> Reply:
+    async def post(self, payload: bytes, *, stream: bool = False, tag: str = "") -> Reply:
         """POST a chat request. A stream that the upstream accepts comes back open, in
-        `Reply.events`; anything else is read whole."""
+        `Reply.events`; anything else is read whole. `tag` names the call to the upstream
+        (`X-Client-Request-Id`, which OpenAI's API echoes in its logs)."""
         headers = {"content-type": "application/json"}
+        if tag:
+            headers["x-client-request-id"] = tag
         if self._key is not None:
             headers["authorization"] = f"Bearer {self._key.get_secret_value()}"
         if self.http is None or self.http.closed:

@@ -227,6 +227,13 @@ class JudgeProxySettings(_ProcessSettings):
     judge_priority_weight: int = Field(
         3, ge=1, le=100, description="Judge requests admitted per simulator request while both wait."
     )
+    cache_ttl_s: float = Field(
+        3600.0, ge=0, description="How long a job's verdicts (and temperature-0 chat replies) are remembered for "
+                                  "identical requests; 0 = no cache."
+    )
+    idempotency_ttl_s: float = Field(
+        3600.0, ge=0, description="How long a reply is kept for a retry with the same Idempotency-Key; 0 = off."
+    )
 
 
 class RolloutSettings(_ProcessSettings):

@@ -1,6 +1,7 @@
-"""Wire types of the judge proxy's own endpoint, `POST /v1/judge`: the request rollout
-servers send (`services.judge_client`) and the reply the proxy returns (`judge_proxy.app`).
-Its OpenAI-compatible chat endpoint keeps OpenAI's shapes, declared where they are read."""
+"""Wire types of the judge proxy's own endpoints, `POST /v1/judge` and `POST
+/v1/judge/group`: the requests rollout servers send (`services.judge_client`) and the
+replies the proxy returns (`judge_proxy.app`). Its OpenAI-compatible chat endpoint keeps
+OpenAI's shapes, declared where they are read."""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ class JudgeRequest(BaseModel):
     messages: list[Turn] = Field(min_length=1, description="The conversation to judge, oldest first.")
     reference: str | None = Field(None, description="The expected answer, for rubrics that need one.")
     model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
+    cache: bool = Field(True, description="Answer from the job's earlier verdict on the same conversation, if any.")
+
+
+class GroupJudgeRequest(BaseModel):
+    """Several conversations (the futures of one turn) scored in one judge call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rubric: str = Field(min_length=1, description="Name of a rubric the proxy knows (judge_proxy/rubrics).")
+    candidates: list[list[Turn]] = Field(min_length=1, max_length=64,
+                                         description="The conversations to judge, each oldest first.")
+    reference: str | None = Field(None, description="The expected answer, for rubrics that need one.")
+    model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
+    cache: bool = Field(True, description="Answer candidates from the job's earlier verdicts on them, if any.")
 
 
 class JudgeResult(BaseModel):
@@ -29,3 +44,12 @@ class JudgeResult(BaseModel):
     verdict: str = Field(description="The judge's one-sentence verdict.")
     raw: str = Field(description="The judge's reply the scores were read from.")
     usage: dict[str, int] = Field(description="Token counts of every call the verdict took, summed.")
+    remembered: bool = Field(False, description="Answered from the proxy's memory: no call was made for it now.")
+
+
+class GroupJudgeResult(BaseModel):
+    results: list[JudgeResult] = Field(description="One verdict per candidate, in the request's order.")
+    usage: dict[str, int] = Field(description="Token counts of every call this request made, summed.")
+    fallback: str | None = Field(None, description="Why the group verdict was unusable, when the candidates were "
+                                                   "then judged one by one.")
+    remembered: bool = Field(False, description="The whole reply was replayed (same idempotency key).")

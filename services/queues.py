@@ -71,6 +71,17 @@ class Keys:
     def judge_budget(upstream: str) -> str:
         return f"{PREFIX}judge:budget:{upstream}"
 
+    @staticmethod
+    def judge_memory(kind: str, job_id: str, digest: str) -> str:
+        """A reply the judge proxy remembers: `cache` (same temperature-0 request) or
+        `replay` (same idempotency key and body)."""
+        return f"{PREFIX}judge:memory:{kind}:{job_id}:{digest}"
+
+    @staticmethod
+    def journal(job_id: str, task_id: int) -> str:
+        """The policy turns of a task in flight, for a server that takes the task over."""
+        return f"{PREFIX}job:{job_id}:journal:{task_id}"
+
 
 @dataclass
 class Delivery(Generic[M]):
