@@ -33,8 +33,9 @@ taken one per chat request: `{"content": "..."}` answers with that text, `{"stat
 `{"delay_s": 1.5}` waits that long first, `{"cut_after": 2}` breaks a stream's connection
 after that many content chunks (charging the whole reservation) and `{"token_delay_s": 0.1}`
 paces a stream's chunks. `GET /admin/stats` gives the counters,
-`GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many requests
-came with each `X-Client-Request-Id` (the proxy sends its clients' idempotency keys there),
+`GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many admitted
+requests came with each `X-Client-Request-Id` (the proxy sends its clients' idempotency
+keys there),
 `POST /admin/reset` starts afresh.
 
 Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600 --latency`.
@@ -317,8 +318,6 @@ class LocalUpstream:
         except json.JSONDecodeError as err:
             return self.error(400, f"malformed JSON: {err}", "invalid_request_error")
         self.recent.append(body)
-        if tag := request.headers.get("x-client-request-id"):
-            self.request_tags[tag] += 1
         script = self.script.popleft() if self.script else {}
         if script.get("delay_s"):
             await asyncio.sleep(script["delay_s"])
@@ -326,9 +325,9 @@ class LocalUpstream:
             return self.scripted_error(script, authorization)
         if body.get("model") not in self.config.models:
             return self.error(404, f"The model `{body.get('model')}` does not exist", "model_not_found")
-        return await self.answer(body, script)
+        return await self.answer(body, script, request.headers.get("x-client-request-id", ""))
 
-    async def answer(self, body: dict, script: dict) -> Response:
+    async def answer(self, body: dict, script: dict, tag: str = "") -> Response:
         prompt_tokens = count_prompt_tokens(body.get("messages", []), self.config.prompt_chars_per_token)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         reserved = prompt_tokens + body.get("n", 1) * max_tokens
@@ -338,6 +337,8 @@ class LocalUpstream:
         charge, wait_s = self.admit(reserved)
         if charge is None:
             return self.rate_limited(wait_s)
+        if tag:
+            self.request_tags[tag] += 1
         reply = self.completion(body, prompt_tokens, max_tokens, script.get("content"))
         if body.get("stream"):
             return StreamingResponse(self.stream(body, reply, charge, script),

@@ -46,6 +46,18 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
                               "Trained tokens of the last step whose importance weight the cap C set", ["job"]),
     "futures_malformed": Gauge("tandem_learner_futures_malformed_share",
                                "Share of MR futures a later policy turn left malformed, last batch", ["job"]),
+    "judge_tokens_per_trained_token": Gauge(
+        "tandem_learner_judge_tokens_per_trained_token",
+        "Judge (verdict) tokens the provider charged for the last batch, per token it trained", ["job"]),
+    "llm_tokens_per_trained_token": Gauge(
+        "tandem_learner_llm_tokens_per_trained_token",
+        "Judge and user-simulator tokens the provider charged for the last batch, per token it trained", ["job"]),
+    "futures": Gauge("tandem_learner_futures_per_turn", "Mean futures sampled per scored response, last batch",
+                     ["job"]),
+    "futures_max": Gauge("tandem_learner_futures_per_turn_max", "Most futures one response of the last batch got",
+                         ["job"]),
+    "judge_budget_left": Gauge("tandem_learner_judge_budget_left",
+                               "Share of the judge budget left as the last batch's calls saw it", ["job"]),
     "skipped_updates": Gauge("tandem_learner_skipped_updates",
                              "Optimizer updates of the last step skipped for an exactly zero gradient", ["job"]),
 }
@@ -91,8 +103,26 @@ def rl_record(step: int, version: int, groups: list[protocol.TrajectoryGroup], s
         "step_seconds": step_seconds, "sync_seconds": sync_seconds,
         "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
         "staleness_counts": {str(v): staleness.count(v) for v in sorted(set(staleness))},
-        **waited, **mean_by_key([s.metrics for s in samples]), **step_metrics, **counts,
+        **waited, **mean_by_key([s.metrics for s in samples]), **llm_spend(samples), **step_metrics, **counts,
     }
+
+
+def llm_spend(samples: list[protocol.Sample]) -> dict[str, float]:
+    """What the batch's judge and user-simulator calls cost: tokens the provider charged in
+    all and per trained token, and the most futures one response took (their mean is the
+    samples' `futures`)."""
+    if not any("llm_calls" in s.metrics for s in samples):
+        return {}
+    judge = sum(s.metrics.get("judge_tokens", 0.0) for s in samples)
+    simulator = sum(s.metrics.get("simulator_tokens", 0.0) for s in samples)
+    trained = max(sum(sum(s.mask) for s in samples), 1)
+    spend = {"judge_tokens_step": judge, "llm_tokens_step": judge + simulator,
+             "judge_tokens_per_trained_token": judge / trained,
+             "llm_tokens_per_trained_token": (judge + simulator) / trained}
+    futures = [s.metrics["futures"] for s in samples if "futures" in s.metrics]
+    if futures:
+        spend["futures_max"] = max(futures)
+    return spend
 
 
 class StepLog:

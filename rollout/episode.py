@@ -3,6 +3,12 @@
 The context is rendered once; after that the sequence only grows by the engine's own
 output ids and delta-tokenized user turns (`services.tokenization`). Generated text is
 decoded for the user simulator and the judge but never re-encoded.
+
+Every turn has a name, the episode's `trace` and the number of messages before it
+(`task12/s3/f1/t4`). A policy turn is looked up in the task's journal before it is
+generated and recorded after; a user turn is asked for under its name as the idempotency
+key (`rollout.journal`), so a task taken over from a dead server replays the same
+conversation without paying for its calls again.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rollout.engine import Engine
+from rollout.engine import Engine, Generation
 from rollout.interactions.base import UserSimulator
+from rollout.journal import Journal
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
@@ -39,16 +46,25 @@ class Episode:
     """Assistant turns generated in this episode."""
     policy_tokens: int = 0
     """Tokens the policy generated in this episode, trained or not (the token penalty's count)."""
+    trace: str = ""
+    """Where this conversation sits in its task (`task12/s3`, a future `task12/s3/f1`)."""
+    journal: Journal | None = None
+    """The task's journal of policy turns; None to generate every turn afresh."""
 
     @classmethod
-    def from_context(cls, messages: list[dict], tokens: list[int]) -> "Episode":
+    def from_context(cls, messages: list[dict], tokens: list[int], trace: str = "",
+                     journal: Journal | None = None) -> "Episode":
         n = len(tokens)
-        return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n)
+        return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n, trace=trace, journal=journal)
 
-    def fork(self) -> "Episode":
-        """An independent copy to extend with a sampled future."""
+    def fork(self, name: str) -> "Episode":
+        """An independent copy to extend with a sampled future, traced as `name` under this one."""
         return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
-                       logprobs=list(self.logprobs), versions=list(self.versions))
+                       logprobs=list(self.logprobs), versions=list(self.versions), trace=f"{self.trace}/{name}")
+
+    def turn_name(self) -> str:
+        """The name of the turn that comes next."""
+        return f"{self.trace}/t{len(self.messages)}"
 
     def malformed_reason(self) -> str:
         """Why the format filter rejects this episode: `truncated`, `wrong_stop`,
@@ -79,8 +95,8 @@ class EpisodeRunner:
     user: UserSimulator
     spec: RolloutSpec
 
-    def start(self, context: list[dict]) -> Episode:
-        return Episode.from_context(context, self.chat.prompt(context))
+    def start(self, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
+        return Episode.from_context(context, self.chat.prompt(context), trace, journal)
 
     async def policy_turn(self, episode: Episode, trained: bool = True) -> bool:
         """Generate one assistant turn into `episode`; False if it ended the episode (cut at a
@@ -89,7 +105,7 @@ class EpisodeRunner:
         if budget <= 0:
             episode.end = "max_tokens"
             return False
-        gen = await self.engine.generate(episode.tokens, budget, self.spec.temperature, [self.chat.eot_id])
+        gen = await self.generate(episode, budget)
         episode.append(gen.tokens, int(trained), gen.logprobs, gen.versions)
         episode.policy_tokens += len(gen.tokens)
         text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -103,9 +119,20 @@ class EpisodeRunner:
             episode.end = "special_token"
         return episode.end not in MALFORMED_ENDS
 
+    async def generate(self, episode: Episode, budget: int) -> Generation:
+        """The next policy turn: from the task's journal, or the engine's (then recorded)."""
+        name = episode.turn_name()
+        journal = episode.journal
+        if journal is not None and (recorded := journal.recall(name)) is not None:
+            return recorded
+        gen = await self.engine.generate(episode.tokens, budget, self.spec.temperature, [self.chat.eot_id])
+        if journal is not None:
+            await journal.record(name, gen)
+        return gen
+
     async def user_turn(self, episode: Episode, example: int) -> bool:
         """Append the simulated user's reply; False when the conversation is over."""
-        reply = await self.user.respond(example, episode.messages)
+        reply = await self.user.respond(example, episode.messages, call_id=episode.turn_name())
         if reply is None:
             episode.end = "user_ended"
             return False
@@ -132,9 +159,9 @@ class EpisodeRunner:
             self.chat.check(episode.tokens, episode.messages)
         return episode
 
-    async def run(self, example: int, context: list[dict]) -> Episode:
+    async def run(self, example: int, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
         """A whole conversation from `context`: at most `spec.max_turns` assistant turns."""
-        episode = self.start(context)
+        episode = self.start(context, trace, journal)
         if await self.policy_turn(episode):
             await self.extend(episode, example, self.spec.max_turns - 1)
         return episode

@@ -3,8 +3,14 @@
 Episode mode: each sample is a whole conversation from the task's context, scored by R*
 and trained on all its assistant turns. Multiturn mode: each is one response m_j, scored
 by MR over sampled futures and trained alone. The job's reward mode picks the pair of
-steps (play a sample, score it) once, when its `GroupRollout` is built. Nothing here
-touches Redis: the server publishes the group and acknowledges the task.
+steps (play a sample, score it) once, when its `GroupRollout` is built. The server
+publishes the group and acknowledges the task; the only Redis here is the task's journal
+of policy turns, when the server passes one (`rollout.journal`).
+
+Each sample counts what its LLM calls cost (`services.judge_client.Spend`: judge and
+simulator tokens the provider charged, calls answered from the proxy's memory) and, in
+multiturn mode, how many futures it took; the learner turns these into judge tokens per
+trained token.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from prometheus_client import Counter, Histogram, Summary
 
 from rollout.concurrent import gather_all
 from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
+from rollout.journal import Journal
 from rollout.rewards import multiturn
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import Judge, episode_reward
+from rollout.rewards.multiturn import FuturesAllowance
 from rollout.tasks.base import TaskSet
 from services import protocol
 from services.config import RewardSpec
+from services.judge_client import SPEND, Spend
 from services.stats import mean_by_key
 
 TOKENS = Counter("tandem_rollout_generated_tokens_total", "Tokens the policy generated", ["job"])
@@ -34,6 +43,12 @@ REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
 # A histogram with a negative bucket exports no _sum (the client leaves it out, since such a
 # sum need not grow monotonically), so the mean reward comes from this summary's _sum/_count.
 REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
+FUTURES = Histogram("tandem_rollout_futures_per_turn", "Futures sampled to score one response (multiturn mode)",
+                    ["job"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+LLM_TOKENS = Counter("tandem_rollout_llm_tokens_total",
+                     "Tokens the provider charged for this server's judge and user-simulator calls", ["job", "kind"])
+REMEMBERED = Counter("tandem_rollout_remembered_calls_total",
+                     "Judge and simulator calls the proxy answered from memory (cache or replay)", ["job"])
 
 
 class GroupRollout:
@@ -50,47 +65,73 @@ class GroupRollout:
         else:
             self.play, self.score = self.play_response, self.score_response
 
-    async def group(self, task: protocol.Task) -> protocol.TrajectoryGroup:
+    async def group(self, task: protocol.Task, journal: Journal | None = None) -> protocol.TrajectoryGroup:
         """`group_size` samples for the task's context, with group-relative advantages."""
         context = self.task_set.context(task.example)
-        samples = await gather_all(*(self.sample(task, index, context) for index in range(task.group_size)))
+        allowance = FuturesAllowance(self.spec, task.group_size)
+        samples = await gather_all(*(self.sample(task, index, context, journal, allowance)
+                                     for index in range(task.group_size)))
         advantages = group_advantages([s.reward for s in samples], self.spec.scale_advantage_by_std)
         for sample, advantage in zip(samples, advantages):
             sample.advantage = advantage
         return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
                                         server_id=self.server_id, elapsed_s=0.0)
 
-    async def sample(self, task: protocol.Task, index: int, context: list[dict]) -> protocol.Sample:
-        """One sample, its advantage still 0."""
+    async def sample(self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None,
+                     allowance: FuturesAllowance) -> protocol.Sample:
+        """One sample, its advantage still 0. Runs as a task of its own (`gather_all`), so
+        the `Spend` set here counts this sample's calls only."""
         started = time.perf_counter()
-        episode = await self.play(task.example, context)
+        spend = Spend()
+        SPEND.set(spend)
+        episode = await self.play(task.example, context, f"task{task.task_id}/s{index}", journal)
         async with self.reward_slots:
-            reward, scored = await self.score(task.example, episode)
+            reward, scored = await self.score(task.example, episode, allowance)
         TOKENS.labels(self.job_id).inc(episode.policy_tokens)
         REWARD.labels(self.job_id).observe(reward)
         REWARD_TOTAL.labels(self.job_id).observe(reward)
         EPISODE.labels(self.job_id).observe(time.perf_counter() - started)
+        metrics = sample_metrics(self.task_set, task.example, episode, scored) | self.count_spend(spend, episode,
+                                                                                                   scored)
         return protocol.Sample(
             sample_id=f"{self.job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
             logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,
-            num_turns=episode.num_turns, metrics=sample_metrics(self.task_set, task.example, episode, scored),
+            num_turns=episode.num_turns, metrics=metrics,
         )
 
-    async def play_conversation(self, example: int, context: list[dict]) -> Episode:
-        return await self.runner.run(example, context)
+    def count_spend(self, spend: Spend, episode: Episode, scored: list[Episode]) -> dict[str, float]:
+        """The sample's LLM-call costs, as Prometheus counters and as sample metrics."""
+        LLM_TOKENS.labels(self.job_id, "judge").inc(spend.judge_tokens)
+        LLM_TOKENS.labels(self.job_id, "simulator").inc(spend.simulator_tokens)
+        REMEMBERED.labels(self.job_id).inc(spend.remembered_calls)
+        counts = {"judge_tokens": float(spend.judge_tokens), "simulator_tokens": float(spend.simulator_tokens),
+                  "llm_calls": float(spend.calls), "remembered_calls": float(spend.remembered_calls)}
+        if spend.budget_left is not None:
+            counts["judge_budget_left"] = spend.budget_left
+        if scored and scored[0] is not episode:
+            FUTURES.labels(self.job_id).observe(len(scored))
+            counts["futures"] = float(len(scored))
+        return counts
 
-    async def score_conversation(self, example: int, episode: Episode) -> tuple[float, list[Episode]]:
+    async def play_conversation(self, example: int, context: list[dict], trace: str,
+                                journal: Journal | None) -> Episode:
+        return await self.runner.run(example, context, trace, journal)
+
+    async def score_conversation(self, example: int, episode: Episode,
+                                 allowance: FuturesAllowance) -> tuple[float, list[Episode]]:
         """R* of the conversation, which is also the one conversation it is scored from."""
         return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
 
-    async def play_response(self, example: int, context: list[dict]) -> Episode:
-        episode = self.runner.start(context)
+    async def play_response(self, example: int, context: list[dict], trace: str, journal: Journal | None) -> Episode:
+        episode = self.runner.start(context, trace, journal)
         await self.runner.policy_turn(episode)
         return episode
 
-    async def score_response(self, example: int, episode: Episode) -> tuple[float, list[Episode]]:
+    async def score_response(self, example: int, episode: Episode,
+                             allowance: FuturesAllowance) -> tuple[float, list[Episode]]:
         """MR of the response, and the futures it was computed from."""
-        return await multiturn.score_response(self.runner, episode, self.task_set, example, self.spec, self.judge)
+        return await multiturn.score_response(self.runner, episode, self.task_set, example, self.spec, self.judge,
+                                              allowance)
 
 
 def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:

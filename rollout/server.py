@@ -25,6 +25,8 @@ from rollout.engine import Engine
 from rollout.episode import EpisodeRunner
 from rollout.group import GroupRollout
 from rollout.interactions.llm_user import LLMUser
+from rollout.journal import Journal
+from rollout.judging import ProxyJudge
 from rollout.tasks import load_task
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
@@ -75,7 +77,6 @@ class RolloutServer:
         """The job's tasks being worked on, by stream entry; the heartbeat keeps them claimed."""
         self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token,
                                         max_connections=settings.judge_max_connections)
-        self.judge_model: str | None = None
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
         self.busy_exported_s = 0.0
         """The engine's busy seconds already counted under the current job."""
@@ -161,11 +162,11 @@ class RolloutServer:
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await self.prepare_engine(spec)
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
-        task_set = load_task(spec.task, spec.train.seed, judge=self.judge)
+        judge = ProxyJudge(self.judge_client, job_id, spec.reward)
+        task_set = load_task(spec.task, spec.train.seed, judge=judge)
         user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
-        self.judge_model = spec.reward.judge_model
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout)
-        return GroupRollout(runner, task_set, spec.reward, self.judge, self.reward_slots, self.server_id, job_id)
+        return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(
@@ -196,11 +197,6 @@ class RolloutServer:
     async def wait_until_job_ends(self, job_id: str) -> None:
         while job_id in await jobs.running_jobs(self.redis):
             await asyncio.sleep(0.5)
-
-    async def judge(self, rubric: str, messages: list[dict], reference: str | None) -> float:
-        """R_llm through the judge proxy (the `Judge` callable rewards take)."""
-        result = await self.judge_client.judge(rubric, messages, reference, job=self.job_id, model=self.judge_model)
-        return result.score
 
 
 class ServedJob:
@@ -292,19 +288,21 @@ class ServedJob:
             INFLIGHT.labels(self.job_id).set(len(inflight))
 
     async def run_task(self, delivery: Delivery) -> None:
-        """The task's group into the trajectories stream, then the task acknowledged. Bad
-        task content goes to the dead-letter stream; any other failure leaves the task
-        pending for a retry."""
+        """The task's group into the trajectories stream, then the task acknowledged and its
+        journal dropped. Bad task content goes to the dead-letter stream; any other failure
+        leaves the task pending for a retry (and its journal for the server that retries)."""
         task = delivery.message
         task_set = self.rollout.task_set
         started = time.perf_counter()
         try:
             if not 0 <= task.example < len(task_set):
                 raise BadTask(f"example {task.example} outside the task set (size {len(task_set)})")
-            group = await self.rollout.group(task)
+            journal = await Journal.open(self.server.redis, self.job_id, task.task_id)
+            group = await self.rollout.group(task, journal)
             group.elapsed_s = time.perf_counter() - started
             await publish(self.server.redis, Keys.trajectories(self.job_id), group)
             await self.consumer.ack(delivery.entry_id)
+            await journal.discard()
         except asyncio.CancelledError:
             raise
         except (BadTask, TokenizationMismatch) as err:  # bad task content: no retry can fix it

@@ -65,12 +65,26 @@ class TaskSpec(_Strict):
 
 class RewardSpec(_Strict):
     """How a sample is scored. R* = extrinsic_weight * R_ext - min(lambda * tokens, 1)
-    + judge_weight * R_llm; `multiturn` mode averages R* over `num_futures` futures of at
-    most `window` more turns (window 0 is a next-turn reward)."""
+    + judge_weight * R_llm; `multiturn` mode averages R* over the futures of at most
+    `window` more turns sampled after the response (window 0 is a next-turn reward):
+    `num_futures` of them (`futures: fixed`), or, with `futures: adaptive`, `min_futures`
+    first and more while their scores disagree (`rollout.rewards.multiturn.more_futures`),
+    never more than `max_futures` for a response nor `num_futures` per response on average
+    over its group."""
 
     mode: Literal["episode", "multiturn"] = "episode"
     window: int = Field(2, ge=0, le=16, description="w: future turns per forward sample.")
-    num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response.")
+    num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response (the mean, when "
+                                                         "adaptive).")
+    futures: Literal["fixed", "adaptive"] = Field("fixed", description="How many futures each response gets.")
+    min_futures: int = Field(2, ge=1, le=64, description="Adaptive: futures every response gets.")
+    max_futures: int = Field(8, ge=1, le=64, description="Adaptive: most futures for one response.")
+    futures_se_threshold: float = Field(
+        0.05, ge=0.0, description="Adaptive: add futures while the standard error of their mean R* is above this.")
+    judge_mode: Literal["single", "group"] = Field(
+        "single", description="single: one judge call per conversation; group: one call scores all futures of "
+                              "a response (falls back to single calls when the judge's list is unusable).")
+    judge_cache: bool = Field(True, description="Let the judge proxy answer a verdict it gave this job before.")
     token_penalty: float = Field(0.0, ge=0.0, le=1.0, description="lambda per token.")
     extrinsic_weight: float = Field(1.0, ge=0.0)
     judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
@@ -79,6 +93,12 @@ class RewardSpec(_Strict):
     user_model: str = Field("user-simulator", min_length=1,
                             description="Model name at the judge proxy that plays the user (LLM-user tasks).")
     scale_advantage_by_std: bool = True
+
+    @model_validator(mode="after")
+    def _futures_bounds(self) -> "RewardSpec":
+        if self.min_futures > self.max_futures:
+            raise ValueError("reward.min_futures must not exceed reward.max_futures")
+        return self
 
 
 class RolloutSpec(_Strict):
@@ -162,6 +182,10 @@ class JobSpec(_Strict):
     reward: RewardSpec = RewardSpec()
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
+    judge_weight: float = Field(
+        1.0, gt=0.0, le=1000.0,
+        description="This job's share of a judge upstream's budget against other jobs using it at the same time "
+                    "(2 vs 1: two thirds). Not reward.judge_weight, which weighs R_llm in the reward.")
     health: list[HealthRule] = Field(
         default_factory=list, max_length=64,
         description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "

@@ -8,18 +8,25 @@ py-spy profile of bench/async_speedup.py). A 429 is
 retried after its `Retry-After`; a 502/503/504 or a connection failure after exponential
 backoff with jitter; at most `max_retries` times, each wait at most `max_retry_wait_s`.
 Then, or at once for any other error, it raises `JudgeError`.
+
+Every call may carry an idempotency key (the proxy then sends it upstream at most once,
+`judge_proxy.memory`). What the calls cost is added to the `Spend` in `SPEND`, if a caller
+set one: a rollout sample sets its own, and every call made under it (its futures' user
+turns, its judge calls) adds the tokens the upstream charged; a reply from the proxy's
+memory cost nothing and is counted as remembered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
-from services.judge_api import JudgeRequest, JudgeResult
+from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
 
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
 """Unreachable, over budget, upstreams failing: worth another try."""
@@ -39,6 +46,31 @@ class JudgeError(Exception):
 class ChatResult:
     content: str
     usage: dict[str, int]
+    remembered: bool = False
+
+
+@dataclass
+class Spend:
+    """What the calls made under one `SPEND` cost."""
+
+    judge_tokens: int = 0
+    simulator_tokens: int = 0
+    calls: int = 0
+    remembered_calls: int = 0
+    """Calls the proxy answered from memory (cache or replay): no upstream tokens."""
+    budget_left: float | None = None
+    """The share of the judge budget left, as the last chat reply's rate-limit headers said."""
+
+    def add(self, priority: str, tokens: int, remembered: bool) -> None:
+        self.calls += 1
+        self.remembered_calls += remembered
+        if priority == "judge":
+            self.judge_tokens += tokens
+        else:
+            self.simulator_tokens += tokens
+
+
+SPEND: ContextVar[Spend | None] = ContextVar("tandem_judge_spend", default=None)
 
 
 def backoff_s(attempt: int, cap_s: float, rng: random.Random) -> float:
@@ -60,16 +92,47 @@ class JudgeClient:
         self.rng = random.Random()
 
     async def chat(self, messages: list[dict], *, model: str, max_tokens: int, temperature: float = 1.0,
-                   job: str = "", priority: str = "simulator") -> ChatResult:
+                   job: str = "", priority: str = "simulator", idempotency_key: str = "") -> ChatResult:
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        reply = await self._post("/v1/chat/completions", body, job, priority)
-        return ChatResult(reply["choices"][0]["message"]["content"] or "", reply.get("usage", {}))
+        reply, headers = await self._post("/v1/chat/completions", body, job, priority, idempotency_key)
+        remembered = headers.get("x-tandem-remembered") == "true"
+        usage = reply.get("usage", {})
+        self._spent(priority, usage, remembered)
+        self._note_budget(headers)
+        return ChatResult(reply["choices"][0]["message"]["content"] or "", usage, remembered)
 
     async def judge(self, rubric: str, messages: list[dict], reference: str | None = None, *, job: str = "",
-                    model: str | None = None) -> JudgeResult:
-        body = JudgeRequest(rubric=rubric, messages=messages, reference=reference, model=model).model_dump()
-        reply = await self._post("/v1/judge", body, job, "judge")
-        return JudgeResult.model_validate(reply)
+                    model: str | None = None, cache: bool = True, idempotency_key: str = "") -> JudgeResult:
+        body = JudgeRequest(rubric=rubric, messages=messages, reference=reference, model=model,
+                            cache=cache).model_dump()
+        reply, _ = await self._post("/v1/judge", body, job, "judge", idempotency_key)
+        result = JudgeResult.model_validate(reply)
+        self._spent("judge", result.usage, result.remembered)
+        return result
+
+    async def judge_group(self, rubric: str, candidates: list[list[dict]], reference: str | None = None, *,
+                          job: str = "", model: str | None = None, cache: bool = True,
+                          idempotency_key: str = "") -> GroupJudgeResult:
+        """One verdict per candidate, in order (`POST /v1/judge/group`)."""
+        body = GroupJudgeRequest(rubric=rubric, candidates=candidates, reference=reference, model=model,
+                                 cache=cache).model_dump()
+        reply, _ = await self._post("/v1/judge/group", body, job, "judge", idempotency_key)
+        result = GroupJudgeResult.model_validate(reply)
+        self._spent("judge", result.usage, result.remembered or not result.usage)
+        return result
+
+    @staticmethod
+    def _spent(priority: str, usage: dict[str, int], remembered: bool) -> None:
+        spend = SPEND.get()
+        if spend is not None:
+            spend.add(priority, 0 if remembered else usage.get("total_tokens", 0), remembered)
+
+    @staticmethod
+    def _note_budget(headers: dict[str, str]) -> None:
+        limit, left = headers.get("x-ratelimit-limit-tokens", ""), headers.get("x-ratelimit-remaining-tokens", "")
+        spend = SPEND.get()
+        if spend is not None and limit.isdigit() and left.isdigit() and int(limit) > 0:
+            spend.budget_left = int(left) / int(limit)
 
     async def aclose(self) -> None:
         if self.session is not None:
@@ -82,12 +145,16 @@ class JudgeClient:
             self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, connector=connector)
         return self.session
 
-    async def _post(self, path: str, body: dict, job: str, priority: str) -> dict:
+    async def _post(self, path: str, body: dict, job: str, priority: str,
+                    idempotency_key: str = "") -> tuple[dict, dict[str, str]]:
+        """The reply's JSON and headers, after retries."""
         headers = {"x-tandem-job": job, "x-tandem-priority": priority}
+        if idempotency_key:
+            headers["idempotency-key"] = idempotency_key
         attempt = 0
         while True:
             reply = await self._try(path, body, headers)
-            if isinstance(reply, dict):
+            if isinstance(reply, tuple):
                 return reply
             if not _retried(reply) or attempt == self.max_retries:
                 raise reply
@@ -97,15 +164,17 @@ class JudgeClient:
             await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
             attempt += 1
 
-    async def _try(self, path: str, body: dict, headers: dict) -> dict | JudgeError:
+    async def _try(self, path: str, body: dict, headers: dict) -> tuple[dict, dict[str, str]] | JudgeError:
         try:
             async with self._session().post(self.base_url + path, data=msgspec.json.encode(body),
                                             headers=headers) as response:
                 status, content = response.status, await response.read()
-                retry_after = response.headers.get("retry-after", "")
+                reply_headers = {k.lower(): v for k, v in response.headers.items()}
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             return JudgeError(0, f"judge proxy unreachable: {type(err).__name__}: {err}")
-        return msgspec.json.decode(content) if status == 200 else _error(status, content, retry_after)
+        if status != 200:
+            return _error(status, content, reply_headers.get("retry-after", ""))
+        return msgspec.json.decode(content), reply_headers
 
 
 def _retried(error: JudgeError) -> bool:

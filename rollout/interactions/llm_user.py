@@ -89,18 +89,19 @@ class LLMUser:
         self.max_tokens = max_tokens
         self.temperature = temperature
 
-    async def respond(self, example: int, messages: list[dict]) -> str | None:
+    async def respond(self, example: int, messages: list[dict], call_id: str = "") -> str | None:
         prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), end=END_MARKER)},
                   {"role": "user", "content": transcript(messages)}]
-        reply = await self._ask(prompt)
+        reply = await self._ask(prompt, call_id)
         if reply is None:
-            reply = await self._ask(prompt + [{"role": "user", "content": STRICTER}])
+            reply = await self._ask(prompt + [{"role": "user", "content": STRICTER}], call_id and f"{call_id}/strict")
         if reply is None:
             raise UserSimulatorError("the user simulator's reply had no parseable response, twice")
         response = reply.response.strip()
         return None if not response or END_MARKER in response else response
 
-    async def _ask(self, prompt: list[dict]) -> UserReply | None:
+    async def _ask(self, prompt: list[dict], call_id: str) -> UserReply | None:
         result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
-                                        temperature=self.temperature, job=self.job, priority="simulator")
+                                        temperature=self.temperature, job=self.job, priority="simulator",
+                                        idempotency_key=call_id)
         return parse_user_reply(result.content)

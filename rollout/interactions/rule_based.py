@@ -11,7 +11,7 @@ class ClarifyUser:
     def __init__(self, examples: list[clarify.ClarifyExample]) -> None:
         self.examples = examples
 
-    async def respond(self, example: int, messages: list[dict]) -> str | None:
+    async def respond(self, example: int, messages: list[dict], call_id: str = "") -> str | None:
         if clarify.is_question(messages[-1]["content"]):
             return clarify.clarification(self.examples[example].target)
         return None

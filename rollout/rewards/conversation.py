@@ -17,14 +17,20 @@ no spread and so no gradient to pull the policy back (DESIGN.md, "Multi-turn epi
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+from rollout.concurrent import gather_all
 from rollout.episode import Episode
 from rollout.tasks.base import TaskSet
 from services.config import RewardSpec
 
-Judge = Callable[[str, list[dict], str | None], Awaitable[float]]
-"""(rubric, messages, reference) -> score in [0, 1]: the judge proxy's /v1/judge."""
+
+class Judge(Protocol):
+    """R_llm: the judge's scores in [0, 1] for conversations (`rollout.judging.ProxyJudge`).
+    `call_id` names the request in its task (the proxy's idempotency key)."""
+
+    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
+                        call_id: str = "") -> list[float]: ...
 
 
 def minimum_reward(spec: RewardSpec) -> float:
@@ -33,19 +39,32 @@ def minimum_reward(spec: RewardSpec) -> float:
     return -1.0 if spec.token_penalty > 0 else 0.0
 
 
-async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
-                              judge: Judge | None = None) -> float:
-    """R* of a conversation; one the policy left unfinished scores only its token penalty."""
-    reward = -min(spec.token_penalty * episode.policy_tokens, 1.0)
-    if not episode.well_formed():
-        return reward
+async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episode], spec: RewardSpec,
+                               judge: Judge | None = None, call_id: str = "") -> list[float]:
+    """R* of each conversation; one the policy left unfinished scores only its token
+    penalty. The judge is asked about the finished ones together (one call in group mode)."""
+    rewards = [-min(spec.token_penalty * e.policy_tokens, 1.0) for e in episodes]
+    finished = [i for i, e in enumerate(episodes) if e.well_formed()]
+    if not finished:
+        return rewards
     if spec.extrinsic_weight:
-        reward += spec.extrinsic_weight * await task.score(example, episode.messages)
+        scores = await gather_all(*(task.score(example, episodes[i].messages) for i in finished))
+        for i, score in zip(finished, scores):
+            rewards[i] += spec.extrinsic_weight * score
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
-        reward += spec.judge_weight * await judge(spec.judge_rubric, episode.messages, task.reference(example))
-    return reward
+        scores = await judge.score_all(spec.judge_rubric, [episodes[i].messages for i in finished],
+                                       task.reference(example), call_id)
+        for i, score in zip(finished, scores):
+            rewards[i] += spec.judge_weight * score
+    return rewards
+
+
+async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
+                              judge: Judge | None = None) -> float:
+    """R* of one conversation."""
+    return (await conversation_rewards(task, example, [episode], spec, judge, f"{episode.trace}/judge"))[0]
 
 
 async def episode_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,

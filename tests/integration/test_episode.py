@@ -6,7 +6,7 @@ import pytest
 import pytest_asyncio
 
 from rollout.episode import EpisodeRunner
-from rollout.rewards.multiturn import sample_futures
+from rollout.rewards.multiturn import score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify_task import ClarifyTask
 from services.config import RewardSpec, RolloutSpec, TaskSpec
@@ -45,7 +45,7 @@ async def test_futures_fork_after_the_response_and_are_not_trained(runner):
     episode.num_turns, episode.policy_tokens = 1, len(reply)
     response_tokens = list(episode.tokens)
 
-    futures = await sample_futures(runner, episode, 1, RewardSpec(mode="multiturn", window=2, num_futures=3))
+    _, futures = await score_response(runner, episode, task, 1, RewardSpec(mode="multiturn", window=2, num_futures=3))
 
     assert len(futures) == 3
     assert episode.tokens == response_tokens  # the trained sample is untouched

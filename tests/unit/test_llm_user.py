@@ -37,7 +37,7 @@ class ScriptedClient:
         self.replies = list(replies)
         self.prompts: list[list[dict]] = []
 
-    async def chat(self, messages, *, model, max_tokens, temperature, job, priority) -> ChatResult:
+    async def chat(self, messages, *, model, max_tokens, temperature, job, priority, idempotency_key) -> ChatResult:
         assert priority == "simulator"
         self.prompts.append(messages)
         return ChatResult(self.replies.pop(0), {})

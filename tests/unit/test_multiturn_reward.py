@@ -6,8 +6,8 @@ import pytest
 
 from rollout.episode import Episode
 from rollout.rewards.advantage import group_advantages
-from rollout.rewards.conversation import conversation_reward, episode_reward
-from rollout.rewards.multiturn import multiturn_reward, score_response
+from rollout.rewards.conversation import conversation_reward, conversation_rewards, episode_reward
+from rollout.rewards.multiturn import FuturesAllowance, more_futures, score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify_task import ClarifyTask
 from services.config import RewardSpec, TaskSpec
@@ -33,9 +33,16 @@ class RecordingJudge:
         self.scores = scores
         self.calls: list[int] = []
 
-    async def __call__(self, rubric: str, messages: list[dict], reference: str | None) -> float:
-        self.calls.append(len(messages))
-        return self.scores[len(messages)]
+    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
+                        call_id: str = "") -> list[float]:
+        self.calls += [len(m) for m in conversations]
+        return [self.scores[len(m)] for m in conversations]
+
+
+async def multiturn_reward(futures: list[Episode], task, example: int, spec: RewardSpec, judge=None) -> float:
+    """MR from given futures: the mean of their R*."""
+    rewards = await conversation_rewards(task, example, futures, spec, judge)
+    return sum(rewards) / len(rewards)
 
 
 async def test_mr_is_the_mean_of_r_star_over_the_futures():
@@ -127,3 +134,61 @@ def test_a_group_without_spread_has_advantages_of_exactly_zero():
         assert group_advantages([0.1, 0.1, 0.1], scale_by_std=scale) == [0.0, 0.0, 0.0]
         assert group_advantages([0.1, 0.1, 0.1 + 1e-7], scale_by_std=scale) == [0.0, 0.0, 0.0]
     assert group_advantages([0.0, 1.0], scale_by_std=True) == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
+# ---- adaptive futures ------------------------------------------------------------------
+
+ADAPTIVE = RewardSpec(mode="multiturn", futures="adaptive", num_futures=3, min_futures=2, max_futures=8,
+                      futures_se_threshold=0.1)
+
+
+@pytest.mark.parametrize("rewards, more", [
+    ([1.0, 1.0], 0),                 # agree: standard error 0
+    ([1.0, 0.9], 0),                 # stdev 0.0707 / sqrt 2 = 0.05 <= 0.1
+    ([1.0, 0.0], 2),                 # stdev 0.707 / sqrt 2 = 0.5: as many again
+    ([1.0, 0.0, 1.0, 0.0], 4),       # stdev 0.577 / 2 = 0.289
+    ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], 2),   # capped at max_futures 8
+    ([1.0, 0.0] * 4, 0),             # at max_futures
+    ([0.5], 1),                      # one future: its error is unknown
+])
+def test_futures_are_added_while_their_rewards_disagree_up_to_the_maximum(rewards, more):
+    assert more_futures(rewards, ADAPTIVE) == more
+
+
+def test_a_group_never_spends_more_extra_futures_than_the_fixed_policy_would():
+    allowance = FuturesAllowance(ADAPTIVE, group_size=4)   # 4 * (3 - 2) = 4 beyond the first rounds
+    assert [allowance.take(2), allowance.take(4), allowance.take(2)] == [2, 2, 0]
+
+
+class ScriptedFutures:
+    """An EpisodeRunner stand-in whose futures end with the next of the given replies."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = list(replies)
+
+    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool) -> Episode:
+        episode.messages += [{"role": "user", "content": clarify.clarification(TARGET.target)},
+                             {"role": "assistant", "content": self.replies.pop(0)}]
+        episode.policy_tokens += 10
+        return episode
+
+
+async def test_an_adaptive_response_whose_futures_disagree_gets_more_and_its_mr_is_their_mean():
+    right = clarify.answer(TARGET.category, TARGET.target)
+    wrong = clarify.answer(TARGET.category, next(o for o in TARGET.options if o != TARGET.target))
+    asked = conversation(clarify.question(TARGET.category), policy_tokens=10)
+    runner = ScriptedFutures([right, wrong, right, right])   # 1, 0: disagree, 2 more: 1, 1
+
+    reward, futures = await score_response(runner, asked, TASK, EXAMPLE, ADAPTIVE,
+                                           allowance=FuturesAllowance(ADAPTIVE, group_size=2))
+
+    assert len(futures) == 4 and reward == pytest.approx(0.75)
+    assert [f.trace for f in futures] == ["/f0", "/f1", "/f2", "/f3"]
+
+
+async def test_an_adaptive_response_whose_futures_agree_stops_at_the_minimum():
+    right = clarify.answer(TARGET.category, TARGET.target)
+    runner = ScriptedFutures([right, right, right])
+    reward, futures = await score_response(runner, conversation(clarify.question(TARGET.category), policy_tokens=10),
+                                           TASK, EXAMPLE, ADAPTIVE)
+    assert len(futures) == 2 and reward == 1.0 and runner.replies == [right]

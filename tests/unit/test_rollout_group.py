@@ -124,17 +124,19 @@ async def test_a_truncated_response_gets_the_floor_and_its_malformed_reason_in_t
 async def test_reward_slots_bound_the_rewards_computed_at_once(tokenizer):
     active, peak, references = 0, 0, []
 
-    async def judge(rubric: str, messages: list[dict], reference: str | None) -> float:
-        nonlocal active, peak
-        active += 1
-        peak = max(peak, active)
-        references.append(reference)
-        await asyncio.sleep(0.01)
-        active -= 1
-        return 0.5
+    class Judge:
+        async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
+                            call_id: str = "") -> list[float]:
+            nonlocal active, peak
+            active += 1
+            peak = max(peak, active)
+            references.append(reference)
+            await asyncio.sleep(0.01)
+            active -= 1
+            return [0.5] * len(conversations)
 
     spec = RewardSpec(mode="episode", judge_rubric="interactivity", judge_weight=1.0)
-    rollout, _ = group_rollout(tokenizer, [RIGHT], spec, "job-slots", judge=judge, reward_slots=2)
+    rollout, _ = group_rollout(tokenizer, [RIGHT], spec, "job-slots", judge=Judge(), reward_slots=2)
 
     group = await rollout.group(task("job-slots", 6))
 

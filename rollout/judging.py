@@ -1,0 +1,37 @@
+"""R_llm through the judge proxy, for one job: one call per conversation, or one per group
+of conversations (`reward.judge_mode`), answered from the job's cache where the proxy can
+(`reward.judge_cache`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout.concurrent import gather_all
+from services.config import RewardSpec
+from services.judge_client import JudgeClient
+
+
+@dataclass
+class ProxyJudge:
+    client: JudgeClient
+    job_id: str
+    spec: RewardSpec
+
+    async def __call__(self, rubric: str, messages: list[dict], reference: str | None) -> float:
+        """One conversation's score (the judge a task's metric asks)."""
+        result = await self.client.judge(rubric, messages, reference, job=self.job_id, model=self.spec.judge_model,
+                                         cache=self.spec.judge_cache)
+        return result.score
+
+    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
+                        call_id: str = "") -> list[float]:
+        """Each conversation's score; `call_id` keys the calls (`/c<i>` per conversation)."""
+        options = {"job": self.job_id, "model": self.spec.judge_model, "cache": self.spec.judge_cache}
+        if self.spec.judge_mode == "group" and len(conversations) > 1:
+            group = await self.client.judge_group(rubric, conversations, reference, idempotency_key=call_id,
+                                                  **options)
+            return [r.score for r in group.results]
+        results = await gather_all(*(
+            self.client.judge(rubric, c, reference, idempotency_key=call_id and f"{call_id}/c{i}", **options)
+            for i, c in enumerate(conversations)))
+        return [r.score for r in results]
