@@ -13,10 +13,10 @@
 - `/metrics`, `/healthz`.
 
 Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set),
-`X-Tandem-Job` (queue fairness: jobs take turns), `X-Tandem-Priority: judge|simulator`
-(default simulator for chat; /v1/judge is always judge), `X-Request-Id` (optional) and
-`Idempotency-Key` (optional: a retry with the same key and body gets the stored reply, and
-no second upstream call; `judge_proxy.memory`).
+`X-Tandem-Job` (jobs share a model's budget by their `judge_weight` and take turns in the
+queue), `X-Tandem-Priority: judge|simulator` (default simulator for chat; /v1/judge is
+always judge), `X-Request-Id` (optional) and `Idempotency-Key` (optional: a retry with the
+same key and body gets the stored reply, and no second upstream call; `judge_proxy.memory`).
 Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
 else a new one; log lines of the request carry it), and on chat replies `X-Tandem-Upstream`
 (who answered), `X-Tandem-Remembered: true` on a reply from memory,

@@ -80,3 +80,14 @@ JOB_TOKENS = Counter(
     "tandem_judge_job_tokens_total", "Tokens upstreams charged (usage.total_tokens), per job and priority",
     ["job", "priority"],
 )
+JOB_SHARE = Gauge(
+    "tandem_judge_job_share",
+    "The job's target share of a model group's budget, its judge_weight over the active jobs' (updated when "
+    "this replica reserves for the job)",
+    ["model", "job"],
+)
+SHARE_WAITS = Counter(
+    "tandem_judge_share_waits_total",
+    "Requests held back by their job's share of a model group's budget (counted once per request)",
+    ["model", "job"],
+)

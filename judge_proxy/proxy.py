@@ -1,6 +1,13 @@
 """The proxy's core: admit a chat request into an upstream's budget, call the upstream,
 settle the budget with what it charged, and retry where that helps.
 
+Admission takes the request's cost first from its job's share of the model group
+(`share.py`: jobs share a group's budget by their `judge_weight`, read from the job's record
+and kept 10 s per replica; a job id with no record, or no `X-Tandem-Job`, weighs 1), then
+from an upstream's budget; when no upstream has room the share gets its tokens back at
+once, and a request its share holds back lets other jobs' requests go first (`queue.py`).
+Settling charges the share what the upstream charged, like the budget.
+
 One call of `complete` makes at most `max_attempts` upstream calls:
 - 2xx: the reply is passed through; once it is sent, `usage.total_tokens` settles the
   reservation, `usage.prompt_tokens` teaches the upstream's prompt ratio (`budget.py`) and
@@ -40,8 +47,9 @@ from redis.exceptions import RedisError
 from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
 from judge_proxy.memory import Memory, digest
-from judge_proxy.queue import Admitter, QueueTimeout
+from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.rubrics import GroupParseError, Rubric, parse_group_verdicts, parse_verdict, render, render_group
+from judge_proxy.share import Share, Weights
 from judge_proxy.upstream import (
     Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
     weighted_order,
@@ -90,15 +98,20 @@ class UpstreamClientError(Exception):
 class Grant:
     upstream: Upstream
     lease: Lease
+    job: str
+    share_tokens: int
+    """Taken from the job's share of the group (settled with the lease)."""
 
 
 @dataclass
 class Group:
-    """The upstreams clients reach under one model name, and this replica's queue for them."""
+    """The upstreams clients reach under one model name, this replica's queue for them and
+    the jobs' shares of their budget."""
 
     model: str
     upstreams: list[Upstream]
     admitter: Admitter[Grant]
+    share: Share
 
 
 @dataclass
@@ -170,6 +183,7 @@ class Proxy:
         self.rng = random.Random()
         self.cooldown_until: dict[str, float] = {}
         self.groups: dict[str, Group] = {}
+        self.weights = Weights(redis)
         self.setup_groups(configs)
         longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
         self.memory = Memory(redis, settings.cache_ttl_s, settings.idempotency_ttl_s,
@@ -191,10 +205,11 @@ class Proxy:
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
-                self.groups[config.model] = Group(config.model, [], admitter)
+                self.groups[config.model] = Group(config.model, [], admitter, Share(self.redis, config.model))
             group = self.groups[config.model]
             group.upstreams.append(upstream)
             group.admitter.tokens_per_s += config.tpm / 60
+            group.share.add_upstream(config)
             metrics.BUDGET_TPM.labels(config.name).set(config.tpm)
             metrics.BUDGET_RPM.labels(config.name).set(config.rpm)
 
@@ -237,20 +252,12 @@ class Proxy:
 
     async def admit(self, group: Group, need: "Need", attempts: Attempts, deadline: float,
                     job: str, priority: str) -> Grant:
+        """A grant from the job's share and an upstream's budget, waiting in the queue for it."""
         candidates = [u for u in group.upstreams
                       if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise self.exhausted(group, attempts, priority)
-
-        async def try_admit() -> tuple[Grant | None, float]:
-            wait_s = math.inf
-            for upstream in self.preference(candidates):
-                admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
-                if admission.lease is not None:
-                    return Grant(upstream, admission.lease), 0.0
-                wait_s = min(wait_s, admission.wait_s)
-            return None, wait_s
-
+        try_admit = self.admission(group, candidates, need, job, await self.weights.of(job))
         try:
             grant, waited_s = await group.admitter.admit(job, priority, min(need.cost(u) for u in candidates),
                                                          deadline - time.monotonic(), try_admit)
@@ -261,9 +268,48 @@ class Proxy:
         attempts.queue_s += waited_s
         return grant
 
+    def admission(self, group: Group, candidates: list[Upstream], need: "Need", job: str,
+                  weight: float) -> Callable[[], Awaitable[Tried[Grant]]]:
+        """One request's reservation attempt: its cost from the job's share first (a refusal
+        there lets other jobs go first), then from an upstream's budget; the share is
+        refunded at once when no upstream has room."""
+        share_tokens = max(need.cost(u) for u in candidates)
+        held_back = False
+
+        async def try_admit() -> Tried[Grant]:
+            nonlocal held_back
+            held = await group.share.reserve(job, weight, share_tokens)
+            metrics.JOB_SHARE.labels(group.model, job).set(held.share)
+            if not held.admitted:
+                if not held_back:
+                    metrics.SHARE_WAITS.labels(group.model, job).inc()
+                    held_back = True
+                return Tried(None, held.wait_s, by_share=True)
+            upstream, lease, wait_s = None, None, math.inf
+            try:
+                upstream, lease, wait_s = await self.reserve_upstream(candidates, need)
+            finally:
+                if lease is None:
+                    await group.share.refund(job, share_tokens)
+            return Tried(None, wait_s) if lease is None else Tried(Grant(upstream, lease, job, share_tokens), 0.0)
+
+        return try_admit
+
+    async def reserve_upstream(self, candidates: list[Upstream],
+                               need: "Need") -> tuple[Upstream | None, Lease | None, float]:
+        """A lease from the first upstream, in order of preference, with room for `need`;
+        else no lease and the seconds until the soonest could have room."""
+        wait_s = math.inf
+        for upstream in self.preference(candidates):
+            admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
+            if admission.lease is not None:
+                return upstream, admission.lease, 0.0
+            wait_s = min(wait_s, admission.wait_s)
+        return None, None, wait_s
+
     async def release(self, grant: Grant) -> None:
         """Give back a grant whose request left the queue before using it."""
-        await grant.upstream.budget.settle(grant.lease, 0, used_request=False)
+        await self.settle(self.groups[grant.upstream.config.model], grant, 0, None, used_request=False)
 
     def preference(self, candidates: list[Upstream]) -> list[Upstream]:
         """By weight, upstreams that failed here recently last."""
@@ -299,7 +345,7 @@ class Proxy:
             return None
         if outcome == "client_error":
             metrics.REQUESTS.labels(upstream.name, outcome).inc()
-            await self.settle(group, upstream, grant.lease, 0, reply)
+            await self.settle(group, grant, 0, reply)
             raise UpstreamClientError(reply.status, upstream.redact(reply.body))
         await self.fail(group, grant, outcome, attempts, detail)
         return None
@@ -316,8 +362,7 @@ class Proxy:
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
         _record_usage(upstream.name, lease.tokens, used)
         metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-        settle = functools.partial(self.settle, group, upstream, lease, used, reply,
-                                   prompt_tokens=usage.get("prompt_tokens"))
+        settle = functools.partial(self.settle, group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
         return Completion(upstream.name, reply.body, data, settle, upstream_s=attempts.upstream_s)
 
     def relay(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts,
@@ -355,7 +400,7 @@ class Proxy:
                 metrics.STREAMS.labels(upstream.name, outcome).inc()
                 _record_usage(upstream.name, lease.tokens, used)
                 metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-                await self.settle(group, upstream, lease, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+                await self.settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
 
         return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
 
@@ -368,7 +413,7 @@ class Proxy:
         metrics.UPSTREAM_429.labels(upstream.name).inc()
         metrics.REQUESTS.labels(upstream.name, "rate_limited").inc()
         log.warning("upstream %s answered 429; pausing it for %.3f s", upstream.name, pause_s)
-        await self.settle(group, upstream, grant.lease, 0, reply, used_request=False, pause_s=pause_s)
+        await self.settle(group, grant, 0, reply, used_request=False, pause_s=pause_s)
 
     async def fail(self, group: Group, grant: Grant, outcome: str, attempts: Attempts, detail: str = "") -> None:
         upstream = grant.upstream
@@ -377,17 +422,21 @@ class Proxy:
         attempts.failed[upstream.name] = f"{outcome} {detail}".strip()
         attempts.rate_limited_last = False
         self.cooldown_until[upstream.name] = time.monotonic() + self.settings.failure_cooldown_s
-        await self.settle(group, upstream, grant.lease, grant.lease.tokens, None)
+        await self.settle(group, grant, grant.lease.tokens, None)
 
-    async def settle(self, group: Group, upstream: Upstream, lease: Lease, used_tokens: int, reply: Reply | None,
+    async def settle(self, group: Group, grant: Grant, used_tokens: int, reply: Reply | None,
                      *, used_request: bool = True, pause_s: float = 0.0, prompt_tokens: int | None = None) -> None:
+        """Charge what the upstream charged (`used_tokens`), in its budget and in the job's
+        share (whatever either reserved beyond it goes back), and let the queue try again."""
         headers = reply.headers if reply is not None else CIMultiDict()
-        await upstream.budget.settle(lease, used_tokens, used_request=used_request, pause_s=pause_s,
-                                     prompt_tokens=prompt_tokens,
-                                     remaining_tokens=remaining(headers, "tokens"),
-                                     remaining_requests=remaining(headers, "requests"),
-                                     reset_tokens_s=reset_s(headers, "tokens"),
-                                     reset_requests_s=reset_s(headers, "requests"))
+        await asyncio.gather(
+            grant.upstream.budget.settle(grant.lease, used_tokens, used_request=used_request, pause_s=pause_s,
+                                         prompt_tokens=prompt_tokens,
+                                         remaining_tokens=remaining(headers, "tokens"),
+                                         remaining_requests=remaining(headers, "requests"),
+                                         reset_tokens_s=reset_s(headers, "tokens"),
+                                         reset_requests_s=reset_s(headers, "requests")),
+            group.share.refund(grant.job, grant.share_tokens - used_tokens))
         group.admitter.wake()
 
     async def limit_headers(self, group: Group) -> dict[str, str]:

@@ -2,12 +2,15 @@
 
 Order: the priority classes take turns by weight (with `judge_weight` 3 and both classes
 waiting, admissions go judge, judge, judge, simulator, ...); inside a class, jobs take
-turns; inside a job, first come first served. Only the head of the queue tries to reserve,
-so a large request is never starved by smaller ones behind it. When the head does not fit,
-the queue sleeps until the budget says it should, until this process settles a call (which
-may refund tokens) or until the head leaves. A waiter past its deadline leaves with
-`QueueTimeout` and a `Retry-After` estimate. Each replica has its own queue; Redis keeps the replicas'
-admissions inside the shared budget.
+turns; inside a job, first come first served. The head of the queue tries to reserve
+first. A head refused by its job's share of the budget (`share.py`: the job has had its
+part) does not hold up other jobs: the head of each other job tries next, in turn order,
+until one is admitted or one is refused by the budget itself. A head refused by the budget
+stays the head, so a large request is never starved by smaller ones behind it. When no
+head fits, the queue sleeps until the budget or the share says it should, until this
+process settles a call (which may refund tokens) or until the head leaves. A waiter past
+its deadline leaves with `QueueTimeout` and a `Retry-After` estimate. Each replica has its
+own queue; Redis keeps the replicas' admissions inside the shared budget and the shares.
 """
 
 from __future__ import annotations
@@ -17,14 +20,25 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from judge_proxy import metrics
 
 PRIORITIES = ("judge", "simulator")
 T = TypeVar("T")
-TryAdmit = Callable[[], Awaitable[tuple[T | None, float]]]
-"""One reservation attempt: (grant, 0) or (None, seconds until it could succeed)."""
+
+
+class Tried(NamedTuple, Generic[T]):
+    """What one reservation attempt came to."""
+
+    grant: T | None
+    wait_s: float
+    """0 when granted; else seconds until it could succeed."""
+    by_share: bool = False
+    """Refused by the job's share (not by the budget): other jobs may go first."""
+
+
+TryAdmit = Callable[[], Awaitable[Tried[T]]]
 
 
 class QueueTimeout(Exception):
@@ -58,7 +72,6 @@ class FairQueue:
     def __init__(self, judge_weight: int) -> None:
         self.turns = ["judge"] * judge_weight + ["simulator"]
         self.cursor = 0
-        self.head_turn = 0
         self.classes: dict[str, OrderedDict[str, deque[Waiter]]] = {p: OrderedDict() for p in PRIORITIES}
 
     def __len__(self) -> int:
@@ -67,25 +80,34 @@ class FairQueue:
     def __iter__(self):
         return (w for jobs in self.classes.values() for q in jobs.values() for w in q)
 
-    def push(self, waiter: Waiter) -> None:
-        self.classes[waiter.priority].setdefault(waiter.job, deque()).append(waiter)
+    def push(self, waiter: Waiter) -> bool:
+        """Queue `waiter` behind its job's; True when it is its job's first (a new head)."""
+        waiting = self.classes[waiter.priority].setdefault(waiter.job, deque())
+        waiting.append(waiter)
+        return len(waiting) == 1
 
-    def head(self) -> Waiter | None:
+    def heads(self) -> list[tuple[int, Waiter]]:
+        """Each job's first waiter with the turn it goes on, in the order they get their
+        turn: the queue's head, the other jobs of its class, then the classes that follow."""
+        found, classes = [], set()
         for step in range(len(self.turns)):
             turn = (self.cursor + step) % len(self.turns)
-            jobs = self.classes[self.turns[turn]]
-            if jobs:
-                self.head_turn = turn
-                return next(iter(jobs.values()))[0]
-        return None
+            if self.turns[turn] not in classes:
+                classes.add(self.turns[turn])
+                found += [(turn, waiting[0]) for waiting in self.classes[self.turns[turn]].values()]
+        return found
 
-    def served(self, waiter: Waiter) -> None:
-        """Remove the head just admitted: its job goes to the back, the next turn comes up."""
+    def head(self) -> Waiter | None:
+        heads = self.heads()
+        return heads[0][1] if heads else None
+
+    def served(self, waiter: Waiter, turn: int) -> None:
+        """Remove a head just admitted on `turn`: its job goes to the back, the next turn comes up."""
         self.discard(waiter)
         jobs = self.classes[waiter.priority]
         if waiter.job in jobs:
             jobs.move_to_end(waiter.job)
-        self.cursor = (self.head_turn + 1) % len(self.turns)
+        self.cursor = (turn + 1) % len(self.turns)
 
     def discard(self, waiter: Waiter) -> None:
         jobs = self.classes[waiter.priority]
@@ -113,12 +135,13 @@ class Admitter(Generic[T]):
         loop = asyncio.get_running_loop()
         started = loop.time()
         if not len(self.queue):
-            grant, _ = await try_admit()
-            if grant is not None:
+            tried = await try_admit()
+            if tried.grant is not None:
                 metrics.QUEUE_WAIT.labels(priority).observe(0.0)
-                return grant, 0.0
+                return tried.grant, 0.0
         waiter = Waiter(job, priority, cost_tokens, started + timeout_s, try_admit)
-        self.queue.push(waiter)
+        if self.queue.push(waiter):
+            self.wake()  # the worker may be sleeping on heads held back by their shares
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._work())
         try:
@@ -139,8 +162,8 @@ class Admitter(Generic[T]):
         return grant, waited_s
 
     def leave(self, waiter: Waiter) -> None:
-        """A waiter gives up; if it was the head, the worker must stop sleeping on its cost."""
-        was_head = waiter is self.queue.head()
+        """A waiter gives up; if it was its job's head, the worker must stop sleeping on its cost."""
+        was_head = any(waiter is head for _, head in self.queue.heads())
         self.queue.discard(waiter)
         if was_head:
             self.wake()
@@ -149,27 +172,47 @@ class Admitter(Generic[T]):
         return sum(w.cost_tokens for w in self.queue)
 
     def wake(self) -> None:
-        """Budget may have come back (a call settled here): let the head try again now."""
+        """Budget may have come back (a call settled here): let the heads try again now."""
         self._wake.set()
 
     async def _work(self) -> None:
-        while (waiter := self.queue.head()) is not None:
+        while self.queue.head() is not None:
             self._wake.clear()
+            wait_s = await self._admit_one()
+            if wait_s is not None:
+                await self._sleep(wait_s)
+
+    async def _admit_one(self) -> float | None:
+        """Let the heads try in turn order until one is admitted or fails (None: look again
+        at once) or one is refused by the budget; else how long to sleep. A head refused by
+        its job's share lets the next job's head try."""
+        wait_s = None
+        for turn, waiter in self.queue.heads():
+            if waiter.future.done():  # it is leaving (it left while an earlier head was trying)
+                self.queue.discard(waiter)
+                continue
             try:
-                grant, wait_s = await waiter.try_admit()
+                tried = await waiter.try_admit()
             except Exception as err:  # e.g. Redis unreachable: this waiter fails, the rest go on
                 self.queue.discard(waiter)
                 if not waiter.future.done():
                     waiter.future.set_exception(err)
-                continue
-            if grant is None:
-                await self._sleep(wait_s)
-            elif waiter.future.done():  # it left while its grant was being won
-                self.queue.discard(waiter)
-                await self.release(grant)
-            else:
-                self.queue.served(waiter)
-                waiter.future.set_result(grant)
+                return None
+            if tried.grant is not None:
+                await self._hand_over(waiter, turn, tried.grant)
+                return None
+            wait_s = tried.wait_s if wait_s is None else min(wait_s, tried.wait_s)
+            if not tried.by_share:
+                break
+        return wait_s
+
+    async def _hand_over(self, waiter: Waiter, turn: int, grant: T) -> None:
+        if waiter.future.done():  # it left while its grant was being won
+            self.queue.discard(waiter)
+            await self.release(grant)
+        else:
+            self.queue.served(waiter, turn)
+            waiter.future.set_result(grant)
 
     async def _sleep(self, seconds: float) -> None:
         try:

@@ -98,6 +98,13 @@ async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
     return JobSpec.model_validate_json(await client.hget(Keys.job(job_id), "spec"))
 
 
+async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
+    """The job's `judge_weight` (its share of a judge upstream against other jobs); 1 for an
+    id with no job record (tests, clients outside Tandem)."""
+    spec = await client.hget(Keys.job(job_id), "spec")
+    return 1.0 if spec is None else JobSpec.model_validate_json(spec).judge_weight
+
+
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never
 # changes again, so the learner's claim (PENDING -> RUNNING) and a cancel cannot both win.
 _ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"

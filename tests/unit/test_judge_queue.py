@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from judge_proxy.queue import Admitter, FairQueue, QueueTimeout, Waiter, retry_after_s
+from judge_proxy.queue import Admitter, FairQueue, QueueTimeout, Tried, Waiter, retry_after_s
 
 
-async def never() -> tuple[None, float]:
-    return None, 60.0
+async def never() -> Tried:
+    return Tried(None, 60.0)
 
 
 async def forget(grant) -> None:
@@ -35,9 +35,10 @@ async def test_priorities_take_turns_by_weight_and_jobs_take_turns_inside_a_prio
              enumerate(w for w in queue if w.job == job)}
 
     order = []
-    while (head := queue.head()) is not None:
+    while heads := queue.heads():
+        turn, head = heads[0]
         order.append(names[id(head)])
-        queue.served(head)
+        queue.served(head, turn)
 
     assert order == ["A1", "B1", "A2", "C1", "B2", "A3", "C2", "C3"]
     assert len(queue) == 0
@@ -47,12 +48,12 @@ async def test_waiters_are_admitted_in_turn_as_budget_comes_back():
     admitter = Admitter(judge_weight=2, tokens_per_s=100.0, release=forget)
     free = 0
 
-    async def one_slot() -> tuple[str | None, float]:
+    async def one_slot() -> Tried:
         nonlocal free
         if free:
             free -= 1
-            return "lease", 0.0
-        return None, 60.0  # the budget says: a minute; only a wake-up brings it sooner
+            return Tried("lease", 0.0)
+        return Tried(None, 60.0)  # the budget says: a minute; only a wake-up brings it sooner
 
     admitted, waits = [], []
 
@@ -77,9 +78,9 @@ async def test_waiters_are_admitted_in_turn_as_budget_comes_back():
 async def test_a_request_admitted_at_once_reports_no_queue_wait():
     admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
 
-    async def free() -> tuple[str, float]:
+    async def free() -> Tried:
         await asyncio.sleep(0.02)  # the reservation's own round trip is not waiting
-        return "lease", 0.0
+        return Tried("lease", 0.0)
 
     assert await admitter.admit("a", "judge", 10, 1.0, free) == ("lease", 0.0)
 
@@ -102,11 +103,11 @@ async def test_a_failing_budget_fails_its_waiter_instead_of_the_queue():
     admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
     calls = 0
 
-    async def broken() -> tuple[None, float]:
+    async def broken() -> Tried:
         nonlocal calls
         calls += 1
         if calls == 1:
-            return None, 0.01
+            return Tried(None, 0.01)
         raise ConnectionError("redis is gone")
 
     with pytest.raises(ConnectionError):
@@ -119,13 +120,13 @@ async def test_a_grant_won_for_a_waiter_that_timed_out_is_released():
     admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=released)
     calls = 0
 
-    async def slow_grant() -> tuple[str | None, float]:
+    async def slow_grant() -> Tried:
         nonlocal calls
         calls += 1
         if calls == 1:
-            return None, 0.0  # the arrival's own try: no budget yet
+            return Tried(None, 0.0)  # the arrival's own try: no budget yet
         await asyncio.sleep(0.1)
-        return "lease", 0.0
+        return Tried("lease", 0.0)
 
     with pytest.raises(QueueTimeout):
         await admitter.admit("a", "judge", 1, 0.05, slow_grant)
@@ -139,15 +140,15 @@ async def test_a_grant_set_as_its_client_goes_away_is_released():
     admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=released)
     calls = 0
 
-    async def grant_on_second_try() -> tuple[str | None, float]:
+    async def grant_on_second_try() -> Tried:
         nonlocal calls
         calls += 1
         if calls == 1:
-            return None, 0.0  # the arrival's own try
+            return Tried(None, 0.0)  # the arrival's own try
         # Runs after the worker sets the grant and before the client resumes: the client is
         # cancelled although its future holds a grant.
         asyncio.get_running_loop().call_soon(client.cancel)
-        return "lease", 0.0
+        return Tried("lease", 0.0)
 
     client = asyncio.create_task(admitter.admit("a", "judge", 1, 5.0, grant_on_second_try))
     with pytest.raises(asyncio.CancelledError):
@@ -159,8 +160,8 @@ async def test_a_grant_set_as_its_client_goes_away_is_released():
 async def test_when_the_head_leaves_the_next_waiter_tries_at_once():
     admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
 
-    async def free() -> tuple[str, float]:
-        return "lease", 0.0
+    async def free() -> Tried:
+        return Tried("lease", 0.0)
 
     head = asyncio.create_task(admitter.admit("a", "judge", 5000, 0.05, never))  # fits in a minute
     await asyncio.sleep(0.01)
@@ -171,6 +172,49 @@ async def test_when_the_head_leaves_the_next_waiter_tries_at_once():
     assert grant == "lease" and time.monotonic() - started < 0.5
     with pytest.raises(QueueTimeout):
         await head
+
+
+async def test_a_head_held_back_by_its_share_lets_the_other_jobs_heads_go_first():
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
+    tries = []
+
+    def attempt(name: str, tried: Tried):
+        async def try_admit() -> Tried:
+            tries.append(name)
+            return tried
+        return try_admit
+
+    share_says_a_minute = Tried(None, 60.0, by_share=True)
+    first = asyncio.create_task(admitter.admit("a", "judge", 10, 0.5, attempt("a1", share_says_a_minute)))
+    await asyncio.sleep(0.01)  # a1 tried on arrival and once more as the head; the worker sleeps
+    second = asyncio.create_task(admitter.admit("a", "judge", 10, 0.5, attempt("a2", share_says_a_minute)))
+    other_job = asyncio.create_task(admitter.admit("b", "judge", 10, 3.0, attempt("b1", Tried("b1", 0.0))))
+    simulator = asyncio.create_task(admitter.admit("c", "simulator", 10, 3.0, attempt("c1", Tried("c1", 0.0))))
+
+    assert (await other_job)[0] == "b1" and (await simulator)[0] == "c1"
+    # Each pass starts at the head; a2 waits behind a1 (inside a job, first come first served).
+    assert tries == ["a1", "a1", "a1", "b1", "a1", "c1", "a1"]
+    for waiting in (first, second):
+        with pytest.raises(QueueTimeout):
+            await waiting
+
+
+async def test_a_head_refused_by_the_budget_holds_the_other_jobs_back():
+    admitter = Admitter(judge_weight=3, tokens_per_s=100.0, release=forget)
+    tries = []
+
+    async def small() -> Tried:
+        tries.append("b1")
+        return Tried("b1", 0.0)
+
+    large = asyncio.create_task(admitter.admit("a", "judge", 5000, 0.3, never))  # the budget says: a minute
+    await asyncio.sleep(0.01)
+
+    with pytest.raises(QueueTimeout):
+        await admitter.admit("b", "judge", 10, 0.2, small)
+    assert tries == []
+    with pytest.raises(QueueTimeout):
+        await large
 
 
 def test_retry_after_is_the_time_to_drain_the_queued_tokens_at_least_one_second():
