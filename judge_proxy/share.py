@@ -48,7 +48,7 @@ import redis.asyncio as aioredis
 
 from judge_proxy.upstream import UpstreamConfig
 from services.jobs import judge_weight
-from services.queues import PREFIX
+from services.queues import Keys
 
 ACTIVE_S = 5.0
 """A job that has not asked for budget for this long no longer counts in `W`."""
@@ -180,7 +180,7 @@ class Share:
     """One model group's shares, as seen by one replica (all replicas share the Redis state)."""
 
     def __init__(self, client: aioredis.Redis, model: str, active_s: float = ACTIVE_S) -> None:
-        state = f"{PREFIX}judge:share:{model}"
+        state = Keys.judge_share(model)
         self.keys = [state, state + ":asked"]
         self.capacity_tokens = 0.0
         self.tokens_per_s = 0.0

@@ -78,6 +78,12 @@ class Keys:
         return f"{PREFIX}judge:memory:{kind}:{job_id}:{digest}"
 
     @staticmethod
+    def judge_share(model: str) -> str:
+        """Each job's share of a judge model group's budget (`judge_proxy.share`); `:asked`
+        beside it says when each job last asked."""
+        return f"{PREFIX}judge:share:{model}"
+
+    @staticmethod
     def journal(job_id: str, task_id: int) -> str:
         """The policy turns of a task in flight, for a server that takes the task over."""
         return f"{PREFIX}job:{job_id}:journal:{task_id}"
