@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import anyio
 import msgspec
 from multidict import CIMultiDict
 import redis.asyncio as aioredis
@@ -400,7 +401,10 @@ class Proxy:
                 metrics.STREAMS.labels(upstream.name, outcome).inc()
                 _record_usage(upstream.name, lease.tokens, used)
                 metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-                await self.settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+                # A client that leaves cancels the response's scope, and every later await
+                # in it: the settle must run shielded or the lease and reservation stay held.
+                with anyio.CancelScope(shield=True):
+                    await self.settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
 
         return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
 
