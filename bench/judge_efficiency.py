@@ -9,7 +9,8 @@ for each run):
 - `baseline`: one judge call per future, no cache, S = 3 futures per response;
 - `efficient`: the futures of a response judged in one call (`judge_mode: group`), the
   proxy's verdict cache on, and `futures: adaptive` (2 futures, then more while their R*
-  disagree, at most 6, never more per group than S = 3 per response on average).
+  disagree, at most 6, never more per group than S = 3 per response on average);
+- `group-cache` (ablation, `--settings group-cache`): group judging and the cache with S = 3.
 
 Per run: wall time to a target training reward (moving average) and to the end, held-out
 success of the trained policy, and what the provider charged: judge (verdict) tokens and
@@ -45,6 +46,8 @@ SETTINGS = {
     "baseline": {"judge_mode": "single", "judge_cache": False, "futures": "fixed", "num_futures": 3},
     "efficient": {"judge_mode": "group", "judge_cache": True, "futures": "adaptive", "num_futures": 3,
                   "min_futures": 2, "max_futures": 6, "futures_se_threshold": 0.05},
+    # The ablation: group judging and the cache alone, S = 3 futures as the baseline.
+    "group-cache": {"judge_mode": "group", "judge_cache": True, "futures": "fixed", "num_futures": 3},
 }
 MAX_STALENESS = 2
 """The setting bench/async_speedup.py recommends for this job."""
@@ -63,7 +66,8 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict]]:
             client = ApiClient(stack.api_url)
             policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
             for seed in range(args.seeds):
-                for label, reward in SETTINGS.items():
+                for label in args.settings:
+                    reward = SETTINGS[label]
                     spec = copy.deepcopy(base) | {"name": f"judge-{label}-s{seed}"}
                     spec["model"]["path"] = str(policy)
                     spec["warm_start"] = {"steps": 0}
@@ -125,19 +129,22 @@ def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict,
     rows = {key: summarize(run, args.target, args.window) | {"held_out_success": held_out[key]["success"]}
             for key, run in runs.items()}
     settings = {label: {figure: spread([r for r in rows.values() if r["setting"] == label], figure)
-                        for figure in FIGURES} for label in SETTINGS}
-    base, eff = settings["baseline"], settings["efficient"]
-    ratios = {figure: eff[figure]["mean"] / base[figure]["mean"] for figure in FIGURES
-              if base[figure] and eff[figure] and base[figure]["mean"] and figure != "held_out_success"}
-    checks = {
-        "held_out_within_0.05": abs(eff["held_out_success"]["mean"] - base["held_out_success"]["mean"]) <= 0.05,
-        "judge_tokens_per_step_at_most_half": ratios.get("judge_tokens_per_step", 1.0) <= 0.5,
-        "to_target_at_most_0.6x": ratios.get("to_target_s", 1.0) <= 0.6,
-    }
+                        for figure in FIGURES} for label in args.settings}
+    ratios, checks = {}, {}
+    if {"baseline", "efficient"} <= settings.keys():
+        base, eff = settings["baseline"], settings["efficient"]
+        ratios = {figure: eff[figure]["mean"] / base[figure]["mean"] for figure in FIGURES
+                  if base[figure] and eff[figure] and base[figure]["mean"] and figure != "held_out_success"}
+        checks = {
+            "held_out_within_0.05": abs(eff["held_out_success"]["mean"] - base["held_out_success"]["mean"]) <= 0.05,
+            "judge_tokens_per_step_at_most_half": ratios.get("judge_tokens_per_step", 1.0) <= 0.5,
+            "to_target_at_most_0.6x": ratios.get("to_target_s", 1.0) <= 0.6,
+        }
     return {"steps": args.steps, "seeds": args.seeds, "tpm": args.tpm, "rpm": args.rpm,
             "max_staleness": MAX_STALENESS, "target_reward": args.target, "window": args.window,
             "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
-            "held_out_warm_start": held_out["warm start"]["success"], "settings": SETTINGS,
+            "held_out_warm_start": held_out["warm start"]["success"],
+            "settings": {label: SETTINGS[label] for label in args.settings},
             "spread": settings, "ratios_efficient_to_baseline": ratios, "checks": checks, "runs": rows}
 
 
@@ -149,15 +156,16 @@ def print_report(report: dict) -> None:
              "judge_tokens_per_step": "judge tokens/step", "llm_tokens_per_step": "LLM tokens/step",
              "provider_tokens_per_step": "provider tokens/step", "provider_calls_per_step": "provider calls/step",
              "futures_per_turn": "futures per turn"}
-    print(f"{'':>22} {'baseline':>26} {'efficient':>26} {'ratio':>7}")
+    labels = list(report["spread"])
+    print(f"{'':>22} " + " ".join(f"{label:>26}" for label in labels) + f" {'ratio':>7}")
     for figure, name in names.items():
         cells = []
-        for label in SETTINGS:
+        for label in labels:
             s = report["spread"][label][figure]
             cells.append("never (some seed)" if s is None else
                          f"{s['min']:.3g} / {s['mean']:.3g} / {s['max']:.3g}")
         ratio = report["ratios_efficient_to_baseline"].get(figure)
-        print(f"{name:>22} {cells[0]:>26} {cells[1]:>26} {'' if ratio is None else f'{ratio:.2f}x':>7}")
+        print(f"{name:>22} " + " ".join(f"{c:>26}" for c in cells) + f" {'' if ratio is None else f'{ratio:.2f}x':>7}")
     print(f"warm start held-out success {report['held_out_warm_start']:.3f}")
     print("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["checks"].items()))
 
@@ -170,7 +178,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    colours = {"baseline": "tab:grey", "efficient": "tab:blue"}
+    colours = {"baseline": "tab:grey", "efficient": "tab:blue", "group-cache": "tab:green"}
     first = report["window"] - 1
     for key, row in report["runs"].items():
         curve, colour = row["curve"], colours[row["setting"]]
@@ -201,9 +209,12 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.2, help="training reward (moving average) to reach")
     parser.add_argument("--window", type=int, default=5, help="moving average window in steps")
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
+    parser.add_argument("--settings", default="baseline,efficient",
+                        help=f"comma-separated, of {list(SETTINGS)}; ratios need baseline and efficient")
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/judge_efficiency")
     args = parser.parse_args()
+    args.settings = args.settings.split(",")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
