@@ -19,7 +19,7 @@ and as the provider itself counted them. The table gives min / mean / max over s
 the efficient setting's ratios to the baseline's means; the plot, training reward against
 provider tokens spent.
 
-Run: python bench/judge_efficiency.py [--seeds 3] [--steps 30] [--tpm 750000]
+Run: python bench/judge_efficiency.py [--seeds 3] [--steps 25] [--tpm 400000] [--settings baseline,efficient]
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--tpm", type=int, default=750_000, help="the provider's tokens per minute")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--tpm", type=int, default=400_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
     parser.add_argument("--target", type=float, default=1.2, help="training reward (moving average) to reach")

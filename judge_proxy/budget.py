@@ -64,11 +64,15 @@ RESTAMP_AFTER_S = 0.1
 RATIO_MIN_WEIGHT = 0.05
 """The prompt ratio is the mean of the first 20 calls, then a moving average of this weight."""
 
-_COMMON = """
+NOW_S_LUA = """
 local function now_s()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
+"""
+"""Seconds on the Redis server's clock, which every replica's scripts share."""
+
+_COMMON = NOW_S_LUA + """
 local function num(key, field, default)
   return tonumber(redis.call('HGET', key, field)) or default
 end

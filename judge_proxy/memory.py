@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import msgspec
 import redis.asyncio as aioredis
@@ -42,6 +43,13 @@ def digest(*parts: object) -> str:
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()[:40]
 
 
+class Slot(NamedTuple):
+    """Where one reply is remembered, and which kind of entry it is (its TTL)."""
+
+    kind: str
+    key: str
+
+
 class Memory:
     def __init__(self, client: aioredis.Redis, cache_ttl_s: float, idempotency_ttl_s: float,
                  pending_ttl_s: float) -> None:
@@ -50,15 +58,15 @@ class Memory:
         self.pending_ms = int(pending_ttl_s * 1000)
         self.filling: set[asyncio.Task] = set()
 
-    def key(self, kind: str, job: str, *parts: object) -> str | None:
+    def key(self, kind: str, job: str, *parts: object) -> Slot | None:
         """The entry for a request, or None when `kind` is switched off."""
-        return Keys.judge_memory(kind, job, digest(*parts)) if self.ttl_s[kind] > 0 else None
+        return Slot(kind, Keys.judge_memory(kind, job, digest(*parts))) if self.ttl_s[kind] > 0 else None
 
-    async def once(self, key: str | None, job: str, compute: Callable[[], Awaitable[bytes]]) -> tuple[bytes, bool]:
-        """The reply under `key` (True: remembered), or `compute`'s, then stored."""
-        if key is None:
+    async def once(self, slot: Slot | None, job: str, compute: Callable[[], Awaitable[bytes]]) -> tuple[bytes, bool]:
+        """The reply in `slot` (True: remembered), or `compute`'s, then stored."""
+        if slot is None:
             return await compute(), False
-        kind = key.split(":")[3]
+        kind, key = slot
         while True:
             if await self.redis.set(key, PENDING, nx=True, px=self.pending_ms):
                 metrics.MEMORY.labels(job, kind, "miss").inc()
@@ -73,15 +81,15 @@ class Memory:
             if value == PENDING:
                 await asyncio.sleep(POLL_S)
 
-    async def lookup(self, keys: list[str]) -> list[bytes | None]:
+    async def lookup(self, slots: list[Slot]) -> list[bytes | None]:
         """Stored replies (None where absent or still pending), without waiting."""
-        values = await self.redis.mget(keys) if keys else []
+        values = await self.redis.mget([s.key for s in slots]) if slots else []
         return [None if v == PENDING else v for v in values]
 
-    async def store(self, items: dict[str, bytes], kind: str) -> None:
+    async def store(self, items: dict[Slot, bytes]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for key, value in items.items():
-                pipe.set(key, value, ex=max(1, int(self.ttl_s[kind])))
+            for slot, value in items.items():
+                pipe.set(slot.key, value, ex=max(1, int(self.ttl_s[slot.kind])))
             await pipe.execute()
 
     async def _fill(self, key: str, ttl_s: float, compute: Callable[[], Awaitable[bytes]]) -> bytes:

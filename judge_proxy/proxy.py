@@ -47,7 +47,7 @@ from redis.exceptions import RedisError
 
 from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
-from judge_proxy.memory import Memory, digest
+from judge_proxy.memory import Memory, Slot, digest
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.rubrics import GroupParseError, Rubric, parse_group_verdicts, parse_verdict, render, render_group
 from judge_proxy.share import Share, Weights
@@ -472,10 +472,10 @@ class Proxy:
         reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
         return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
 
-    def replay_key(self, job: str, idempotency_key: str | None, *parts: object) -> str | None:
+    def replay_key(self, job: str, idempotency_key: str | None, *parts: object) -> Slot | None:
         return self.memory.key("replay", job, idempotency_key, *parts) if idempotency_key else None
 
-    def chat_memory_key(self, body: dict, job: str, idempotency_key: str | None) -> str | None:
+    def chat_memory_key(self, body: dict, job: str, idempotency_key: str | None) -> Slot | None:
         """Where a chat reply is remembered: a temperature-0 request by its content, any
         other by its idempotency key; a stream is never remembered."""
         if body.get("stream"):
@@ -573,10 +573,10 @@ class GroupVerdicts:
     async def reply(self) -> bytes:
         """Cached candidates first; the distinct rest in one group call, or one by one when
         its reply is unusable (counted by reason)."""
-        keys = [self.cache_key(c) for c in self.candidates]
-        stored = await self.proxy.memory.lookup([k for k in keys if k]) if self.cache else []
+        slots = [self.cache_slot(c) for c in self.candidates]
+        stored = await self.proxy.memory.lookup([s for s in slots if s])
         results: list[JudgeResult | None] = [None] * len(self.candidates)
-        for index, raw in zip((i for i, k in enumerate(keys) if k), stored):
+        for index, raw in zip((i for i, s in enumerate(slots) if s), stored):
             if raw is not None:
                 results[index] = JudgeResult.model_validate_json(raw).model_copy(update={"remembered": True})
         todo: dict[str, list[int]] = {}
@@ -589,16 +589,19 @@ class GroupVerdicts:
         fallback = None
         if todo:
             firsts = [same[0] for same in todo.values()]
-            verdicts, fallback = await self.judge([self.candidates[i] for i in firsts], usage)
+            verdicts, fallback = await self.judge([self.candidates[i] for i in firsts], [slots[i] for i in firsts],
+                                                  usage)
             for same, verdict in zip(todo.values(), verdicts):
                 for index in same:
                     results[index] = verdict
         return GroupJudgeResult(results=results, usage=usage, fallback=fallback).model_dump_json().encode()
 
-    async def judge(self, distinct: list[list[dict]], usage: dict[str, int]) -> tuple[list[JudgeResult], str | None]:
+    async def judge(self, distinct: list[list[dict]], slots: list[Slot | None],
+                    usage: dict[str, int]) -> tuple[list[JudgeResult], str | None]:
+        """Verdicts on distinct candidates (`slots`: where each is cached, if it is)."""
         if len(distinct) > 1:
             try:
-                verdicts = await self.group_call(distinct, usage)
+                verdicts = await self.group_call(distinct, slots, usage)
                 self.count("group", len(distinct))
                 return verdicts, None
             except GroupParseError as err:
@@ -616,7 +619,8 @@ class GroupVerdicts:
         self.count("fallback" if reason else "alone", len(distinct))
         return list(singles), reason
 
-    async def group_call(self, distinct: list[list[dict]], usage: dict[str, int]) -> list[JudgeResult]:
+    async def group_call(self, distinct: list[list[dict]], slots: list[Slot | None],
+                         usage: dict[str, int]) -> list[JudgeResult]:
         prompt = render_group(self.rubric, distinct, self.reference)
         body = {"model": self.model, "messages": prompt, "temperature": 0.0}
         completion = await self.proxy.complete(body, self.rubric.group_max_tokens(len(distinct)), 1,
@@ -626,12 +630,10 @@ class GroupVerdicts:
         text = content_of(completion.data)
         verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={})
                     for v in parse_group_verdicts(self.rubric, text, len(distinct))]
-        if self.cache:
-            await self.proxy.memory.store({self.cache_key(c): v.model_dump_json().encode()
-                                           for c, v in zip(distinct, verdicts)}, "cache")
+        await self.proxy.memory.store({slot: v.model_dump_json().encode() for slot, v in zip(slots, verdicts) if slot})
         return verdicts
 
-    def cache_key(self, candidate: list[dict]) -> str | None:
+    def cache_slot(self, candidate: list[dict]) -> Slot | None:
         """The same entry a single verdict on this conversation is cached under."""
         if not self.cache:
             return None

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from judge_proxy.budget import NOW_S_LUA
 from judge_proxy.upstream import UpstreamConfig
 from services.jobs import judge_weight
 from services.queues import Keys
@@ -57,11 +58,7 @@ WEIGHT_TTL_S = 10.0
 LENDER_KEEPS = 0.5
 """A bucket lends only what it holds above this share of its capacity."""
 
-_SHARE = """
-local function now_s()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1e6
-end
+_SHARE = NOW_S_LUA + """
 -- The active jobs (asked within active_s), each bucket and the group's level refilled to now.
 local function load(state, asked, now, capacity, rate, active_s)
   local horizon = '(' .. string.format('%.6f', now - active_s)
