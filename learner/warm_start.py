@@ -25,7 +25,9 @@ def batches(spec: JobSpec) -> Iterator[list[protocol.Sample]]:
 
 
 def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
-    """JSONL of {"messages": [...]} -> SFT samples (mask on assistant tokens)."""
+    """JSONL of {"messages": [...]} -> SFT samples (mask on assistant tokens). A row may
+    carry `tools` (OpenAI function schemas, the usual form of tool-calling SFT data): its
+    conversation is then rendered with them, as the rollout servers render episodes."""
     from transformers import AutoTokenizer
 
     from services.tokenization import ChatTokenizer
@@ -36,7 +38,8 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            tokens, mask = chat.encode_demonstration(json.loads(line)["messages"])
+            row = json.loads(line)
+            tokens, mask = chat.with_tools(row.get("tools")).encode_demonstration(row["messages"])
             samples.append(protocol.Sample(
                 sample_id=f"sft:{line_number}", tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
                 versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0,

@@ -9,6 +9,12 @@ Every turn has a name, the episode's `trace` and the number of messages before i
 generated and recorded after; a user turn is asked for under its name as the idempotency
 key (`rollout.journal`), so a task taken over from a dead server replays the same
 conversation without paying for its calls again.
+
+With a tool box, an assistant turn may take several replies: a reply the tool box's parser
+finds calls in is followed by the results as `tool` messages (delta-tokenized like a user
+turn, mask 0), and the policy replies again, until a reply without calls, the episode's
+call limit, the turn's round limit, or the token limit. Assistant messages keep the text
+the policy generated, calls included, so a fresh rendering spells the same tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Literal
 from rollout.engine import Engine, Generation
 from rollout.interactions.base import UserSimulator
 from rollout.journal import Journal
+from rollout.tools.box import ToolBox, ToolUsage, tool_message
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
@@ -50,6 +57,8 @@ class Episode:
     """Where this conversation sits in its task (`task12/s3`, a future `task12/s3/f1`)."""
     journal: Journal | None = None
     """The task's journal of policy turns; None to generate every turn afresh."""
+    tool_use: ToolUsage = field(default_factory=ToolUsage)
+    """The tool calls made in this episode and their results."""
 
     @classmethod
     def from_context(cls, messages: list[dict], tokens: list[int], trace: str = "",
@@ -60,7 +69,8 @@ class Episode:
     def fork(self, name: str) -> "Episode":
         """An independent copy to extend with a sampled future, traced as `name` under this one."""
         return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
-                       logprobs=list(self.logprobs), versions=list(self.versions), trace=f"{self.trace}/{name}")
+                       logprobs=list(self.logprobs), versions=list(self.versions), trace=f"{self.trace}/{name}",
+                       tool_use=self.tool_use.copy())
 
     def turn_name(self) -> str:
         """The name of the turn that comes next."""
@@ -94,13 +104,32 @@ class EpisodeRunner:
     chat: ChatTokenizer
     user: UserSimulator
     spec: RolloutSpec
+    tools: ToolBox | None = None
+    """The job's tools; `chat` must render with their schemas (`ChatTokenizer.with_tools`)."""
 
     def start(self, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
         return Episode.from_context(context, self.chat.prompt(context), trace, journal)
 
     async def policy_turn(self, episode: Episode, trained: bool = True) -> bool:
-        """Generate one assistant turn into `episode`; False if it ended the episode (cut at a
-        length limit)."""
+        """Generate one assistant turn into `episode`, tool rounds included; False if it
+        ended the episode (cut at a length limit)."""
+        rounds = 1 + (self.tools.spec.max_rounds_per_turn if self.tools else 0)
+        for round_ in range(rounds):
+            if not await self.reply(episode, trained, first=round_ == 0):
+                return False
+            if self.tools is None or round_ == rounds - 1:
+                return True
+            calls = self.tools.parse(episode.messages[-1]["content"])
+            if not calls or episode.tool_use.total >= self.tools.spec.max_calls_per_episode:
+                return True
+            results = await self.tools.run(calls, episode.tool_use)
+            if not self.append_turn(episode, [tool_message(r) for r in results]):
+                return False
+        return True
+
+    async def reply(self, episode: Episode, trained: bool, first: bool = True) -> bool:
+        """One policy reply into `episode` (`first` of its turn, or after tool results);
+        False if it ended the episode."""
         budget = min(self.spec.max_new_tokens, self.spec.max_total_tokens - len(episode.tokens))
         if budget <= 0:
             episode.end = "max_tokens"
@@ -110,7 +139,7 @@ class EpisodeRunner:
         episode.policy_tokens += len(gen.tokens)
         text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         episode.messages.append({"role": "assistant", "content": text})
-        episode.num_turns += 1
+        episode.num_turns += first
         if gen.finish_reason != "stop":
             episode.end = "truncated"
         elif not gen.tokens or gen.tokens[-1] != self.chat.eot_id:
@@ -118,6 +147,17 @@ class EpisodeRunner:
         elif self.chat.special_ids.intersection(gen.tokens[:-1]):
             episode.end = "special_token"
         return episode.end not in MALFORMED_ENDS
+
+    def append_turn(self, episode: Episode, messages: list[dict]) -> bool:
+        """Messages of the user or the tools, delta-tokenized and never trained; False (the
+        episode ends at `max_tokens`) when they do not fit."""
+        delta = self.chat.delta(messages)
+        if len(episode.tokens) + len(delta) >= self.spec.max_total_tokens:
+            episode.end = "max_tokens"
+            return False
+        episode.messages += messages
+        episode.append(delta, 0)
+        return True
 
     async def generate(self, episode: Episode, budget: int) -> Generation:
         """The next policy turn: from the task's journal, or the engine's (then recorded)."""
@@ -136,14 +176,7 @@ class EpisodeRunner:
         if reply is None:
             episode.end = "user_ended"
             return False
-        message = {"role": "user", "content": reply}
-        delta = self.chat.delta([message])
-        if len(episode.tokens) + len(delta) >= self.spec.max_total_tokens:
-            episode.end = "max_tokens"
-            return False
-        episode.messages.append(message)
-        episode.append(delta, 0)
-        return True
+        return self.append_turn(episode, [{"role": "user", "content": reply}])
 
     async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True) -> Episode:
         """Alternate user and policy turns after an assistant turn, at most `max_turns` more

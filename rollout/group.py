@@ -28,6 +28,7 @@ from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import Judge, episode_reward
 from rollout.rewards.multiturn import FuturesAllowance
 from rollout.tasks.base import TaskSet
+from rollout.tools.box import usage_metrics
 from services import protocol
 from services.config import RewardSpec
 from services.judge_client import SPEND, Spend
@@ -93,6 +94,9 @@ class GroupRollout:
         EPISODE.labels(self.job_id).observe(time.perf_counter() - started)
         metrics = sample_metrics(self.task_set, task.example, episode, scored) | self.count_spend(spend, episode,
                                                                                                    scored)
+        if self.runner.tools is not None:
+            self.runner.tools.observe_episode(episode.tool_use)
+            metrics |= usage_metrics(episode.tool_use)
         return protocol.Sample(
             sample_id=f"{self.job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
             logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,

@@ -28,6 +28,7 @@ from rollout.interactions.llm_user import LLMUser
 from rollout.journal import Journal
 from rollout.judging import ProxyJudge
 from rollout.tasks import load_task
+from rollout.tools.box import ToolBox
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
@@ -165,7 +166,10 @@ class RolloutServer:
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)
         task_set = load_task(spec.task, spec.train.seed, judge=judge)
         user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
-        runner = EpisodeRunner(self.engine, chat, user, spec.rollout)
+        tools = None if spec.tools is None else await ToolBox.open(spec.tools, job_id)
+        if tools is not None:
+            chat = chat.with_tools(tools.schemas())
+        runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)
         return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
@@ -183,6 +187,8 @@ class RolloutServer:
                 task.cancel()
             self.inflight.clear()
             self.job = None
+            if rollout.runner.tools is not None:
+                await rollout.runner.tools.close()
 
     async def prepare_engine(self, spec: JobSpec) -> None:
         if self.engine and self.engine.model == spec.model:

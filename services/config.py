@@ -39,7 +39,7 @@ class ModelSpec(_Strict):
 
 
 class TaskSpec(_Strict):
-    name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat"] = "clarify"
+    name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat", "multiply"] = "clarify"
     data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
     num_examples: int = Field(
         512, ge=1, le=1_000_000,
@@ -65,7 +65,7 @@ class TaskSpec(_Strict):
 
 class RewardSpec(_Strict):
     """How a sample is scored. R* = extrinsic_weight * R_ext - min(lambda * tokens, 1)
-    + judge_weight * R_llm; `multiturn` mode averages R* over the futures of at most
+    + judge_weight * R_llm (+ the tool terms, ARTIST's composite, when the job has tools); `multiturn` mode averages R* over the futures of at most
     `window` more turns sampled after the response (window 0 is a next-turn reward):
     `num_futures` of them (`futures: fixed`), or, with `futures: adaptive`, `min_futures`
     first and more while their scores disagree (`rollout.rewards.multiturn.more_futures`),
@@ -92,6 +92,12 @@ class RewardSpec(_Strict):
     judge_model: str | None = Field(None, description="Model name at the judge proxy; its default if unset.")
     user_model: str = Field("user-simulator", min_length=1,
                             description="Model name at the judge proxy that plays the user (LLM-user tasks).")
+    tool_format_weight: float = Field(
+        0.0, ge=0.0, description="ARTIST's format term: this much when every tool call of the conversation could "
+                                 "be read.")
+    tool_success_weight: float = Field(
+        0.0, ge=0.0, description="ARTIST's tool-execution term: this much times the share of the conversation's "
+                                 "tool calls that ran without error (0 without calls).")
     scale_advantage_by_std: bool = True
 
     @model_validator(mode="after")
@@ -146,6 +152,88 @@ class WarmStartSpec(_Strict):
     data: str | None = Field(None, description="JSONL of {messages: [...]}; task's own if unset.")
 
 
+TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
+
+
+class McpServerSpec(_Strict):
+    """Where an MCP server is: a command started as a child speaking MCP over stdio, or the
+    URL of a streamable-HTTP endpoint. Tools naming the same server share one session."""
+
+    command: list[str] | None = Field(None, min_length=1, description="stdio: the program and its arguments.")
+    env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment for the program.")
+    url: str | None = Field(None, pattern=r"^https?://", description="Streamable HTTP: the endpoint's URL.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "McpServerSpec":
+        if (self.command is None) == (self.url is None):
+            raise ValueError("an MCP server sets exactly one of command (stdio) and url (streamable HTTP)")
+        return self
+
+
+class ToolSpec(_Strict):
+    """One tool the policy may call: a built-in kind or a tool an MCP server serves."""
+
+    name: str = Field(pattern=TOOL_NAME, description="What the model calls it (for mcp: the server's tool name).")
+    kind: Literal["calculator", "python", "search", "mcp"]
+    description: str | None = Field(None, description="Replaces the built-in description shown to the model.")
+    timeout_s: float = Field(10.0, gt=0, le=3600, description="A call running longer is cut and reported.")
+    max_concurrency: int = Field(
+        8, ge=1, le=4096, description="Calls of this tool running at once on one rollout server, all episodes "
+                                      "together; a call waits for a free slot.")
+    max_calls: int = Field(4, ge=1, le=1024, description="Calls of this tool one episode may make.")
+    data: str | None = Field(None, description="search: JSONL of {id, title, text} documents; the built-in "
+                                               "fixture when unset.")
+    top_k: int = Field(3, ge=1, le=50, description="search: documents returned per query.")
+    server: McpServerSpec | None = Field(None, description="mcp: the server that serves this tool.")
+
+    @model_validator(mode="after")
+    def _server_for_mcp(self) -> "ToolSpec":
+        if (self.kind == "mcp") != (self.server is not None):
+            raise ValueError("a tool of kind mcp names its server, and only it does")
+        return self
+
+
+class ToolsSpec(_Strict):
+    """The tools of a job's episodes and how calls are read from the policy's replies."""
+
+    parser: Literal["hermes", "llama3"] = Field(
+        "hermes", description="hermes: <tool_call>{json}</tool_call> blocks (Qwen, Hermes); llama3: a reply that "
+                              "is a JSON call object or list (Llama 3.x).")
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=64, description="Inline tools.")
+    file: str | None = Field(None, description="YAML or JSON file with a `tools:` list, added to the inline ones.")
+    max_calls_per_episode: int = Field(8, ge=1, le=4096, description="All tools together, per episode.")
+    max_rounds_per_turn: int = Field(
+        4, ge=1, le=256, description="Replies with calls in one assistant turn before it must answer.")
+
+    @model_validator(mode="after")
+    def _some_unique_tools(self) -> "ToolsSpec":
+        if not self.tools and self.file is None:
+            raise ValueError("tools needs inline tools or a file")
+        names = [t.name for t in self.tools]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tool names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        return self
+
+    def resolved(self) -> "ToolsSpec":
+        """This spec with the file's tools added and checked, as a rollout server uses it;
+        raises ValueError (naming `tools.file`) for a file that is missing or invalid."""
+        if self.file is None:
+            return self
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(open(self.file, encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"tools.file {self.file!r}: {exc}") from exc
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("tools"), list):
+            raise ValueError(f"tools.file {self.file!r}: expected a mapping with a `tools:` list")
+        try:
+            return ToolsSpec.model_validate(self.model_dump() | {"file": None, "tools": [
+                *self.model_dump()["tools"], *loaded["tools"]]})
+        except ValueError as exc:
+            raise ValueError(f"tools.file {self.file!r}: {exc}") from exc
+
+
 HEALTH_METRICS = (
     "reward_mean", "success", "zero_spread_share", "well_formed", "futures_malformed",
     "malformed_truncated", "malformed_wrong_stop", "malformed_special_token", "malformed_empty",
@@ -182,6 +270,7 @@ class JobSpec(_Strict):
     reward: RewardSpec = RewardSpec()
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
+    tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
     judge_weight: float = Field(
         1.0, gt=0.0, le=1000.0,
         description="This job's share of a judge upstream's budget against other jobs using it at the same time "
@@ -199,7 +288,7 @@ class JobSpec(_Strict):
         return self
 
 
-PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"))
+PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"), ("tools", "file"))
 """(section, field) of every job-spec field that names a file or folder the learner or a
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
 

@@ -13,6 +13,11 @@ model often picks another segmentation, which is exactly why nothing is re-token
 every template token around them must match. `strict` requires the decoded texts to be
 equal, `ignore_strippable` compares them with `<think>` blocks and whitespace removed (for
 templates that rewrite earlier reasoning), `off` skips the check.
+
+With tools, every rendering passes the same function schemas as the template's `tools`
+argument (templates show them in the system turn), and tool results are delta-tokenized
+like user turns: whatever the template makes of a `tool` message (its own turn, or a user
+turn wrapping `<tool_response>`), the delta holds exactly that.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ class TokenizationMismatch(ValueError):
 
 
 class ChatTokenizer:
-    def __init__(self, tokenizer, check_mode: CheckMode = "strict") -> None:
+    def __init__(self, tokenizer, check_mode: CheckMode = "strict", tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.check_mode = check_mode
+        self.tools = tools or None
+        """OpenAI function schemas shown to the model in every rendering; None without tools."""
         self.eot_id: int = tokenizer.eos_token_id
         self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
@@ -44,9 +51,13 @@ class ChatTokenizer:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            messages, tools=self.tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
         )
         return list(ids)
+
+    def with_tools(self, tools: list[dict] | None) -> "ChatTokenizer":
+        """The same tokenizer and check, rendering with `tools`."""
+        return self if (tools or None) == self.tools else ChatTokenizer(self.tokenizer, self.check_mode, tools)
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """Tokens of a context that the assistant answers next."""

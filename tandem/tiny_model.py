@@ -13,6 +13,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 CHATML_TEMPLATE = (
+    # With tools: one line per tool (name, arguments, description) in a system turn, and how
+    # to call one; a tool's result is a `tool` turn of its own.
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{% set f = tool['function'] %}"
+    "- {{ f['name'] }}({{ f['parameters']['properties'] | join(', ') }}): {{ f['description'] }}\n"
+    "{% endfor %}Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    "{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
@@ -38,7 +44,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: list
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    roles = ["user", "assistant", "system"]
+    roles = ["user", "assistant", "system", "tool"]
     lines = list(corpus) + [f"<|im_start|>{role}\n" for role in roles]
     tokenizer.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(

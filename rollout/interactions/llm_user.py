@@ -73,9 +73,11 @@ def parse_user_reply(text: str) -> UserReply | None:
 
 
 def transcript(messages: list[dict]) -> str:
-    """The conversation as the simulator reads it: it is the USER."""
+    """The conversation as the simulator reads it: it is the USER. Tool traffic is the
+    assistant's own business: tool results and the replies that asked for them are left out."""
     names = {"user": "USER", "assistant": "ASSISTANT", "system": "SYSTEM"}
-    lines = [f"{names[m['role']]}: {m['content']}" for m in messages]
+    lines = [f"{names[m['role']]}: {m['content']}" for i, m in enumerate(messages)
+             if m["role"] in names and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
     return "The conversation so far:\n\n" + "\n\n".join(lines) + "\n\nYour JSON reply as the USER:"
 
 

@@ -1,7 +1,10 @@
 """R*(conversation): the conversation-level reward CollabLLM averages over futures.
 
 R* = extrinsic_weight * R_ext - min(lambda * policy_tokens, 1) + judge_weight * R_llm, where
-policy_tokens counts every token the policy generated in the scored conversation.
+policy_tokens counts every token the policy generated in the scored conversation. With
+tools, ARTIST's composite adds tool_format_weight when every call could be read and
+tool_success_weight times the share of calls that ran without error (`tool_terms`); the
+answer's correctness is R_ext.
 
 The format filter belongs to the text a sample trains. When that text is malformed
 (truncated, stopped on the wrong token, empty) the sample gets the lowest reward R* can
@@ -22,6 +25,7 @@ from typing import Protocol
 from rollout.concurrent import gather_all
 from rollout.episode import Episode
 from rollout.tasks.base import TaskSet
+from rollout.tools.box import ToolUsage
 from services.config import RewardSpec
 
 
@@ -47,6 +51,8 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
     finished = [i for i, e in enumerate(episodes) if e.well_formed()]
     if not finished:
         return rewards
+    for i in finished:
+        rewards[i] += tool_terms(episodes[i].tool_use, spec)
     if spec.extrinsic_weight:
         scores = await gather_all(*(task.score(example, episodes[i].messages) for i in finished))
         for i, score in zip(finished, scores):
@@ -59,6 +65,13 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
         for i, score in zip(finished, scores):
             rewards[i] += spec.judge_weight * score
     return rewards
+
+
+def tool_terms(usage: ToolUsage, spec: RewardSpec) -> float:
+    """ARTIST's format and tool-execution terms of one conversation (0 with both weights 0)."""
+    readable = not any(r.failure == "malformed" for r in usage.results)
+    success = usage.succeeded / usage.total if usage.total else 0.0
+    return spec.tool_format_weight * readable + spec.tool_success_weight * success
 
 
 async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,

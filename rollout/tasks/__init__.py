@@ -30,6 +30,10 @@ def load_task(spec: TaskSpec, seed: int = 0, judge=None):
         from rollout.tasks.doc_edit_chat import DocEditChatTask
 
         return DocEditChatTask(spec)
+    if spec.name == "multiply":
+        from rollout.tasks.multiply import MultiplyTask
+
+        return MultiplyTask(spec, seed)
     if spec.name == "code_chat":
         from rollout.tasks.code_chat import CodeChatTask
 

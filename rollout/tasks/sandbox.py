@@ -87,6 +87,33 @@ def run_tests(solution: str, tests: list[str], limits: SandboxLimits = SandboxLi
                          error=_describe_failure(returncode, progress, stderr, limits.timeout_s))
 
 
+@dataclass(frozen=True)
+class CodeResult:
+    output: str
+    """What the program printed (the harness's own report lines removed)."""
+    error: str | None
+    """Why it stopped early: the exception it raised (`ZeroDivisionError: division by
+    zero`), the timeout or a signal; None when it ran to the end."""
+
+
+def run_code(code: str, limits: SandboxLimits = SandboxLimits()) -> CodeResult:
+    """Execute a program in the same limited child process as `run_tests` and return what it
+    printed; blocks for at most about `limits.timeout_s`."""
+    nonce = secrets.token_hex(16)
+    job = {"nonce": nonce, "solution": code, "tests": [], "cpu_s": limits.cpu_s,
+           "memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes}
+    with tempfile.TemporaryDirectory() as workdir, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        returncode = _run_child(json.dumps(job).encode(), workdir, out, err, limits.timeout_s)
+        stdout, stderr = _read_capped(out, limits.output_bytes), _read_capped(err, limits.output_bytes)
+    _, progress = _read_reports(stdout, nonce, 0)
+    # A report starts on a line of its own: drop those lines and the newline put before each.
+    printed = "\n".join(line for line in stdout.split("\n") if not line.startswith(nonce))
+    error = _describe_failure(returncode, progress, stderr, limits.timeout_s)
+    if error is not None and error.startswith("solution failed to load: "):
+        error = error.removeprefix("solution failed to load: ")
+    return CodeResult(output=printed.strip("\n"), error=error)
+
+
 def _run_child(job: bytes, workdir: str, out, err, timeout_s: float) -> int | None:
     """The child's return code (negative: killed by that signal), or None on timeout.
     Every process the child left behind is killed either way."""

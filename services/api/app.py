@@ -85,7 +85,7 @@ def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
     confined, errors = spec.model_copy(deep=True), []
     for section, name in PATH_FIELDS:
         part = getattr(confined, section)
-        if getattr(part, name) is None:
+        if part is None or getattr(part, name) is None:
             continue
         resolved = resolve(getattr(part, name))
         if resolved is not None and any(resolved.is_relative_to(root) for root in roots):
@@ -96,6 +96,19 @@ def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
     if errors:
         raise RequestValidationError(errors)
     return confined
+
+
+def check_tools_file(spec: JobSpec) -> None:
+    """A 422 naming `tools.file` when the file is here and does not hold valid tools. A file
+    this process cannot see is left to the rollout servers, which fail the job with the
+    same message (the API may run on another machine)."""
+    if spec.tools is None or spec.tools.file is None or not Path(spec.tools.file).is_file():
+        return
+    try:
+        spec.tools.resolved()
+    except ValueError as exc:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", "tools", "file"),
+                                       "input": spec.tools.file, "msg": str(exc)}]) from None
 
 
 def resolve(path: str) -> Path | None:
@@ -177,6 +190,7 @@ def jobs_router() -> APIRouter:
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         if request.app.state.tokens:  # without tokens the API is the operator's own (local use)
             spec = confine_paths(spec, request.app.state.path_roots)
+        check_tools_file(spec)
         job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 

@@ -1,0 +1,202 @@
+"""The tools of one job on one rollout server, and everything around a call that is not the
+tool itself: reading calls from a reply, checking arguments against the schema, the per-tool
+limit on calls running at once (shared by every episode on the server: a call waits for a
+free slot), per-episode call limits, timeouts, and turning every failure into a message the
+model reads plus a counted reason. Nothing a tool or the policy does ends an episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import jsonschema
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
+
+from rollout.tools.base import Tool, ToolCall, ToolError
+from rollout.tools.parsers import PARSERS, Parsed
+from services.config import ToolSpec, ToolsSpec
+
+FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout", "tool_error", "exception")
+"""Why a call failed: unreadable, a tool the job does not have, arguments the schema
+rejects, over the episode's limits, cut at its timeout, a failure the tool explained, or
+an exception it did not."""
+
+CALLS = PromCounter("tandem_rollout_tool_calls_total", "Tool calls the policy made, by tool and outcome",
+                    ["job", "tool", "outcome"])
+LATENCY = Histogram("tandem_rollout_tool_seconds", "Tool call time, waiting for a slot included", ["job", "tool"],
+                    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
+PER_EPISODE = Histogram("tandem_rollout_tool_calls_per_episode", "Tool calls per finished episode", ["job"],
+                        buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
+
+
+@dataclass
+class ToolResult:
+    call: ToolCall | None
+    """None for a call that could not be read."""
+    content: str
+    """What the model reads back."""
+    failure: str = ""
+    """One of FAILURES; "" for a call that succeeded."""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure
+
+
+@dataclass
+class ToolUsage:
+    """One episode's calls: what the limits count and what rewards and metrics read."""
+
+    calls: Counter = field(default_factory=Counter)
+    """Calls run (or refused for the limit), by tool name."""
+    results: list[ToolResult] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return len(self.results)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(r.ok for r in self.results)
+
+    def failures(self) -> Counter:
+        return Counter(r.failure for r in self.results if r.failure)
+
+    def copy(self) -> "ToolUsage":
+        return ToolUsage(Counter(self.calls), list(self.results))
+
+
+class ToolBox:
+    def __init__(self, spec: ToolsSpec, tools: list[Tool], limits: dict[str, ToolSpec], job: str = "") -> None:
+        self.spec = spec
+        self.tools = {tool.name: tool for tool in tools}
+        self.limits = limits
+        self.job = job
+        self.parse = PARSERS[spec.parser]
+        self.slots = {name: asyncio.Semaphore(limits[name].max_concurrency) for name in self.tools}
+        self.validators = {name: jsonschema.Draft202012Validator(tool.schema()["function"]["parameters"])
+                           for name, tool in self.tools.items()}
+        self.in_flight = Counter()
+        """Calls running now, by tool (tests check the concurrency limit with it)."""
+        self.most_in_flight = Counter()
+
+    @classmethod
+    async def open(cls, spec: ToolsSpec, job: str = "") -> "ToolBox":
+        """Build every tool the spec names (the file's included), starting MCP servers."""
+        spec = spec.resolved()
+        tools: list[Tool] = []
+        mcp_specs = [t for t in spec.tools if t.kind == "mcp"]
+        for tool in spec.tools:
+            if tool.kind == "calculator":
+                from rollout.tools.calculator import Calculator
+
+                tools.append(Calculator(tool.name, tool.description))
+            elif tool.kind == "python":
+                from rollout.tools.python_tool import PythonTool
+
+                tools.append(PythonTool(tool.name, tool.description, tool.timeout_s))
+            elif tool.kind == "search":
+                from rollout.tools.search import SearchTool
+
+                tools.append(await asyncio.to_thread(SearchTool, tool))
+        if mcp_specs:
+            from rollout.tools.mcp import open_mcp_tools
+
+            tools += await open_mcp_tools(mcp_specs)
+        return cls(spec, tools, {t.name: t for t in spec.tools}, job)
+
+    def schemas(self) -> list[dict]:
+        """The OpenAI function schemas, for the chat template's `tools` argument."""
+        return [tool.schema() for tool in self.tools.values()]
+
+    async def run(self, parsed: Parsed, usage: ToolUsage) -> list[ToolResult]:
+        """Every call of one reply, concurrently, in the reply's order; recorded in `usage`."""
+        results = [ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed")
+                   for m in parsed.malformed]
+        admitted: list[ToolCall] = []
+        for call in parsed.calls:
+            refused = self._refusal(call, usage)
+            if refused is None:
+                admitted.append(call)
+                usage.calls[call.name] += 1
+            else:
+                results.append(refused)
+        results += await asyncio.gather(*(self._call(call) for call in admitted))
+        for result in results:
+            name = result.call.name if result.call is not None and result.call.name in self.tools else "-"
+            CALLS.labels(self.job, name, result.failure or "ok").inc()
+        usage.results += results
+        return results
+
+    def _refusal(self, call: ToolCall, usage: ToolUsage) -> ToolResult | None:
+        """Why a readable call is not run, as its result; None to run it."""
+        if call.name not in self.tools:
+            known = ", ".join(sorted(self.tools))
+            return ToolResult(call, f"error: there is no tool named {call.name!r} (tools: {known})", "unknown_tool")
+        errors = sorted(self.validators[call.name].iter_errors(call.arguments), key=lambda e: list(e.path))
+        if errors:
+            where = "/".join(map(str, errors[0].path)) or "arguments"
+            return ToolResult(call, f"error: bad arguments for {call.name}: {where}: {errors[0].message}",
+                              "bad_arguments")
+        if usage.calls[call.name] >= self.limits[call.name].max_calls:
+            return ToolResult(call, f"error: {call.name} may be called at most "
+                                    f"{self.limits[call.name].max_calls} times per conversation", "call_limit")
+        if sum(usage.calls.values()) >= self.spec.max_calls_per_episode:
+            return ToolResult(call, f"error: at most {self.spec.max_calls_per_episode} tool calls per conversation",
+                              "call_limit")
+        return None
+
+    async def _call(self, call: ToolCall) -> ToolResult:
+        """Wait for a slot of the tool, run it under its timeout; the wait counts in the time."""
+        timeout = self.limits[call.name].timeout_s
+        started = time.monotonic()
+        async with self.slots[call.name]:
+            self.in_flight[call.name] += 1
+            self.most_in_flight[call.name] = max(self.most_in_flight[call.name], self.in_flight[call.name])
+            try:
+                content, failure = await asyncio.wait_for(self.tools[call.name].call(call.arguments), timeout), ""
+            except TimeoutError:
+                content, failure = f"error: {call.name} did not answer within {timeout:g} s", "timeout"
+            except ToolError as exc:
+                content, failure = f"error: {exc}", "tool_error"
+            except Exception as exc:  # noqa: BLE001 - a broken tool is reported, never ends the episode
+                content, failure = f"error: {call.name} failed ({type(exc).__name__}: {exc})", "exception"
+            finally:
+                self.in_flight[call.name] -= 1
+        seconds = time.monotonic() - started
+        LATENCY.labels(self.job, call.name).observe(seconds)
+        return ToolResult(call, content, failure, seconds)
+
+    def observe_episode(self, usage: ToolUsage) -> None:
+        PER_EPISODE.labels(self.job).observe(usage.total)
+
+    async def close(self) -> None:
+        for tool in self.tools.values():
+            try:
+                await tool.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more
+                pass
+
+
+def usage_metrics(usage: ToolUsage) -> dict[str, float]:
+    """An episode's tool use as sample metrics: calls made, whether it made at least one
+    call that ran, the share that succeeded (0 without calls), and failures by reason."""
+    total = usage.total
+    metrics = {"tool_calls": float(total), "tool_used": float(usage.succeeded > 0),
+               "tool_success_ratio": usage.succeeded / total if total else 0.0}
+    failures = usage.failures()
+    return metrics | {f"tool_failed_{reason}": float(failures[reason]) for reason in FAILURES}
+
+
+def tool_message(result: ToolResult) -> dict:
+    """The chat message that carries a result back to the model."""
+    message = {"role": "tool", "content": result.content}
+    if result.call is not None:
+        message["name"] = result.call.name
+    return message
+
