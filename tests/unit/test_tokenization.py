@@ -1,13 +1,17 @@
 """Delta tokenization equals full tokenization, for three kinds of chat template built
 here (ChatML with a default system prompt, Qwen3-style think dropping, Llama-3-style),
-and the sanity check catches a template that breaks it."""
+and with tool messages for the tiny model's template and Qwen2.5/Qwen3-style tool
+templates; the sanity check catches a template that breaks it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rollout.tasks import clarify
-from tandem.tiny_model import train_tokenizer
+from rollout.tools.calculator import Calculator
+from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 
 CHATML_WITH_SYSTEM = (
@@ -36,21 +40,60 @@ MARKS_LAST_TURN = (
     "{% if loop.last and m['role'] == 'user' %} (latest){% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Like Qwen2.5: the tools' JSON schemas in the system turn; a `tool` message is a user turn
+# wrapping `<tool_response>`, and consecutive ones share that turn. A newline right after a
+# block tag is a `{{ '\n' }}` expression: transformers renders with trim_blocks.
+_TOOLS_SYSTEM = (
+    "{% if tools %}<|im_start|>system\nYou are helpful.\n\n# Tools\n\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "Call one as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "<|im_end|>\n{% endif %}"
+)
+_TOOL_AS_USER = (
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+)
+QWEN25_TOOLS = (
+    _TOOLS_SYSTEM + "{% for m in messages %}{% if m['role'] == 'tool' %}" + _TOOL_AS_USER + "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Like Qwen3 with tools: as Qwen2.5, and reasoning of assistant turns before the last *user*
+# message (tool results do not count) is not rendered.
+QWEN3_TOOLS = (
+    _TOOLS_SYSTEM + "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{% if m['role'] == 'tool' %}" + _TOOL_AS_USER + "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|finetune_pad|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-CORPUS = clarify.corpus() + ["You are helpful.", "<think>the user was vague</think>", "latest"]
+TOOLS = [Calculator().schema()]
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "4821 * 397"}}</tool_call>'
+CORPUS = clarify.corpus() + ["You are helpful.", "<think>the user was vague</think>", "latest"] + [
+    CALL, "<tool_response>\n1913937\n</tool_response>", "The answer is 1913937.", "<think>too big to do by heart</think>",
+    "# Tools", "<tools>", json.dumps(TOOLS[0]), "Tools:", "- calculator(expression): " + Calculator().description,
+    '{"name": <function-name>, "arguments": <args-json-object>}']
 
 TEMPLATES = {
     "chatml": (CHATML_WITH_SYSTEM, CHATML_SPECIALS, "<|im_end|>"),
     "qwen3": (QWEN3_STYLE, CHATML_SPECIALS, "<|im_end|>"),
     "llama3": (LLAMA3_STYLE, LLAMA3_SPECIALS, "<|eot_id|>"),
     "broken": (MARKS_LAST_TURN, CHATML_SPECIALS, "<|im_end|>"),
+    "tiny": (CHATML_TEMPLATE, CHATML_SPECIALS, "<|im_end|>"),
+    "qwen2.5_tools": (QWEN25_TOOLS, CHATML_SPECIALS, "<|im_end|>"),
+    "qwen3_tools": (QWEN3_TOOLS, CHATML_SPECIALS, "<|im_end|>"),
 }
 
 
-def chat(name: str, mode: str = "strict") -> ChatTokenizer:
+def chat(name: str, mode: str = "strict", tools: list[dict] | None = None) -> ChatTokenizer:
     template, specials, eos = TEMPLATES[name]
-    return ChatTokenizer(train_tokenizer(CORPUS, 400, specials, eos, template), mode)
+    return ChatTokenizer(train_tokenizer(CORPUS, 400, specials, eos, template), mode, tools)
 
 
 def conversation(think: bool = False) -> list[dict]:
@@ -62,15 +105,32 @@ def conversation(think: bool = False) -> list[dict]:
             {"role": "assistant", "content": clarify.answer("fruit", "mango")}]
 
 
+def tool_conversation(think: bool = False) -> list[dict]:
+    """A question answered after one call, then after two calls in one reply, then a
+    follow-up answered at once; `think` opens every reply with reasoning."""
+    thought = "<think>too big to do by heart</think>\n" if think else ""
+    two_calls = CALL + "\n" + CALL.replace("4821 * 397", "1913937 + 1")
+    return [{"role": "user", "content": "What is 4821 * 397?"},
+            {"role": "assistant", "content": thought + CALL},
+            {"role": "tool", "name": "calculator", "content": "1913937"},
+            {"role": "assistant", "content": thought + two_calls},
+            {"role": "tool", "name": "calculator", "content": "1913937"},
+            {"role": "tool", "name": "calculator", "content": "1913938"},
+            {"role": "assistant", "content": thought + "The answer is 1913937."},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": thought + "You are welcome."}]
+
+
 def episode_tokens(tok: ChatTokenizer, messages: list[dict]) -> list[int]:
-    """What an episode accumulates: the first prompt, then per assistant turn the tokens
-    the model emits (its content, then the end-of-turn token), then the delta of the
-    following user turn."""
+    """What an episode accumulates: the first prompt, then per assistant reply the tokens
+    the model emits (its content, then the end-of-turn token), then the delta of the user
+    or tool messages that follow it."""
     tokens = tok.prompt(messages[:1])
-    for i in range(1, len(messages), 2):
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i, following in zip(replies, replies[1:] + [len(messages)]):
         tokens += tok.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [tok.eot_id]
-        if i + 1 < len(messages):
-            tokens += tok.delta([messages[i + 1]])
+        if i + 1 < following:
+            tokens += tok.delta(messages[i + 1:following])
     return tokens
 
 
@@ -127,3 +187,55 @@ def test_a_demonstration_masks_exactly_the_assistant_turns():
     tokens, mask = tok.encode_demonstration(conversation())
     trained = tok.tokenizer.decode([t for t, m in zip(tokens, mask) if m])
     assert trained == clarify.question("fruit") + "<|eot_id|>" + clarify.answer("fruit", "mango") + "<|eot_id|>"
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5_tools", "qwen3_tools"])
+def test_delta_tokenization_with_tool_messages_equals_full_tokenization(name):
+    tok = chat(name, tools=TOOLS)
+    messages = tool_conversation()
+    tokens = episode_tokens(tok, messages)
+
+    assert tokens == tok.render(messages)[: len(tokens)]
+    tok.check(tokens, messages)  # strict: no exception
+
+
+def test_the_tiny_template_shows_the_tools_and_gives_a_tool_result_its_own_turn():
+    tok = chat("tiny", tools=TOOLS)
+    decode = tok.tokenizer.decode
+
+    assert decode(tok.prompt(tool_conversation()[:1])) == (
+        "<|im_start|>system\nTools:\n- calculator(expression): " + Calculator().description + "\n"
+        'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
+        "<|im_start|>user\nWhat is 4821 * 397?<|im_end|>\n<|im_start|>assistant\n")
+    assert decode(tok.delta([{"role": "tool", "name": "calculator", "content": "1913937"}])) == (
+        "\n<|im_start|>tool\n1913937<|im_end|>\n<|im_start|>assistant\n")
+    assert not decode(chat("tiny").prompt(tool_conversation()[:1])).startswith("<|im_start|>system")
+
+
+def test_qwen25_style_consecutive_tool_messages_share_one_user_turn():
+    tok = chat("qwen2.5_tools", tools=TOOLS)
+    delta = tok.delta([{"role": "tool", "content": "1913937"}, {"role": "tool", "content": "1913938"}])
+
+    assert tok.tokenizer.decode(delta) == (
+        "\n<|im_start|>user\n<tool_response>\n1913937\n</tool_response>"
+        "\n<tool_response>\n1913938\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_qwen3_style_think_dropping_with_tool_messages_needs_ignore_strippable():
+    messages = tool_conversation(think=True)
+    strict, lenient = chat("qwen3_tools", "strict", TOOLS), chat("qwen3_tools", "ignore_strippable", TOOLS)
+    tokens = episode_tokens(strict, messages)  # the model's own <think> tokens stay in
+
+    with pytest.raises(TokenizationMismatch):
+        strict.check(tokens, messages)  # the re-rendering dropped the reasoning before "Thanks."
+    lenient.check(tokens, messages)
+
+
+def test_with_tools_renders_the_schemas_and_keeps_the_tokenizer_and_mode():
+    plain = chat("qwen2.5_tools", "ignore_strippable")
+    tooled = plain.with_tools(TOOLS)
+
+    assert plain.with_tools(None) is plain and tooled.with_tools(TOOLS) is tooled
+    assert (tooled.tokenizer, tooled.check_mode, tooled.tools) == (plain.tokenizer, "ignore_strippable", TOOLS)
+    shown = tooled.tokenizer.decode(tooled.prompt([{"role": "user", "content": "hi"}]))
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in shown
