@@ -10,12 +10,14 @@ import asyncio
 
 from rollout.episode import EpisodeRunner
 from rollout.tasks.base import TaskSet
+from rollout.tools.box import usage_metrics
 from services.stats import mean_by_key
 
 
 async def evaluate(runner: EpisodeRunner, task: TaskSet, examples: list[int], concurrency: int = 32) -> dict:
     """Mean over `examples` of: success (R_ext of the whole conversation, 0 if malformed),
-    policy tokens per conversation, and the task's own metrics (e.g. `asked`)."""
+    policy tokens per conversation, the task's own metrics (e.g. `asked`) and, with tools,
+    the episode's tool use (`rollout.tools.box.usage_metrics`)."""
     slots = asyncio.Semaphore(concurrency)
 
     async def one(example: int) -> dict[str, float]:
@@ -24,6 +26,8 @@ async def evaluate(runner: EpisodeRunner, task: TaskSet, examples: list[int], co
         ok = episode.well_formed()
         row = {"success": await task.score(example, episode.messages) if ok else 0.0,
                "tokens": float(episode.policy_tokens), "turns": float(episode.num_turns), "well_formed": float(ok)}
+        if runner.tools is not None:
+            row |= usage_metrics(episode.tool_use)
         return row | (task.metrics(example, episode.messages) if ok else {})
 
     rows = await asyncio.gather(*(one(e) for e in examples))

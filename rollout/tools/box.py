@@ -53,7 +53,7 @@ class ToolUsage:
     """One episode's calls: what the limits count and what rewards and metrics read."""
 
     calls: Counter = field(default_factory=Counter)
-    """Calls run (or refused for the limit), by tool name."""
+    """Calls run, by tool name (what the per-tool limit counts)."""
     results: list[ToolResult] = field(default_factory=list)
 
     @property
@@ -115,18 +115,22 @@ class ToolBox:
         return [tool.schema() for tool in self.tools.values()]
 
     async def run(self, parsed: Parsed, usage: ToolUsage) -> list[ToolResult]:
-        """Every call of one reply, concurrently, in the reply's order; recorded in `usage`."""
-        results = [ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed")
-                   for m in parsed.malformed]
-        admitted: list[ToolCall] = []
+        """Every call of one reply, concurrently; recorded in `usage`. The results of the
+        readable calls come in the reply's order (refused ones in their place), then one
+        per unreadable call."""
+        results: list[ToolResult | None] = []
+        admitted: list[tuple[int, ToolCall]] = []
         for call in parsed.calls:
             refused = self._refusal(call, usage)
             if refused is None:
-                admitted.append(call)
+                admitted.append((len(results), call))
                 usage.calls[call.name] += 1
-            else:
-                results.append(refused)
-        results += await asyncio.gather(*(self._call(call) for call in admitted))
+            results.append(refused)
+        ran = await asyncio.gather(*(self._call(call) for _, call in admitted))
+        for (index, _), result in zip(admitted, ran):
+            results[index] = result
+        results += [ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed")
+                    for m in parsed.malformed]
         for result in results:
             name = result.call.name if result.call is not None and result.call.name in self.tools else "-"
             CALLS.labels(self.job, name, result.failure or "ok").inc()

@@ -5,6 +5,7 @@ a hostile expression from eating the rollout server (huge powers, huge numbers).
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 from rollout.tools.base import ToolError, function_schema
@@ -13,6 +14,7 @@ MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 1000
 MAX_DIGITS = 4000
 """The largest integer result, in decimal digits; bigger is an error, not a slow reply."""
+MAX_BITS = int(MAX_DIGITS * 3.33)
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -39,6 +41,8 @@ def _value(node: ast.AST) -> int | float:
         left, right = _value(node.left), _value(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ToolError(f"exponent above {MAX_EXPONENT}")
+        if isinstance(node.op, ast.Pow) and isinstance(left, int) and left.bit_length() * right > MAX_BITS:
+            raise ToolError(f"result longer than {MAX_DIGITS} digits")  # refused before it is computed
         try:
             result = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
@@ -47,8 +51,10 @@ def _value(node: ast.AST) -> int | float:
             raise ToolError("result too large") from None
         if isinstance(result, complex):
             raise ToolError("the result is not a real number")
-        if isinstance(result, int) and result.bit_length() > MAX_DIGITS * 3.33:
+        if isinstance(result, int) and result.bit_length() > MAX_BITS:
             raise ToolError(f"result longer than {MAX_DIGITS} digits")
+        if isinstance(result, float) and not math.isfinite(result):
+            raise ToolError("result too large")
         return result
     raise ToolError(f"unsupported in an arithmetic expression: {ast.unparse(node)!r}")
 

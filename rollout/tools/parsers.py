@@ -65,10 +65,23 @@ def parse_llama3(text: str) -> Parsed:
     elif whole is not None:
         _add_object(parsed, body, whole, "parameters")
     else:
-        for part in (p.strip() for p in body.split(";")):
-            if part:
-                _add(parsed, part, "parameters")
+        _add_sequence(parsed, body)
     return parsed
+
+
+def _add_sequence(parsed: Parsed, body: str) -> None:
+    """Call objects one after another, separated by `;` (a `;` inside a string is text)."""
+    decoder, at = json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError as exc:
+            parsed.malformed.append(Malformed(body[at:], f"invalid JSON ({exc.msg})"))
+            return
+        _add_object(parsed, body[at:end], value, "parameters")
+        at = end
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
 
 
 def _add(parsed: Parsed, text: str, arguments_key: str) -> None:

@@ -464,3 +464,28 @@ def test_resolved_rejects_a_bad_file_naming_tools_file(tmp_path, text):
 def test_resolved_rejects_a_missing_file_naming_tools_file(tmp_path):
     with pytest.raises(ValueError, match="tools.file .*missing.yaml"):
         ToolsSpec(file=str(tmp_path / "missing.yaml")).resolved()
+
+
+async def test_results_come_in_the_replys_order_refused_calls_in_their_place():
+    box, usage = tool_box(Sleeper()), ToolUsage()
+
+    results = await box.run(calls(echo("first"), ToolCall("nope", {}), echo("third")), usage)
+
+    assert [r.failure for r in results] == ["", "unknown_tool", ""]
+    assert [r.content for r in (results[0], results[2])] == ["first", "third"]
+
+
+def test_llama3_a_semicolon_inside_a_string_argument_does_not_split_the_call():
+    parsed = parse_llama3('{"name": "python", "parameters": {"code": "a = 1; print(a)"}}; '
+                          '{"name": "calculator", "parameters": {"expression": "2*3"}}')
+
+    assert parsed.calls == [ToolCall("python", {"code": "a = 1; print(a)"}),
+                            ToolCall("calculator", {"expression": "2*3"})]
+    assert not parsed.malformed
+
+
+def test_a_power_too_large_is_refused_before_it_is_computed():
+    started = time.monotonic()
+    with pytest.raises(ToolError, match="digits"):
+        evaluate("(9**999*9**999*9**999*9**999)**999")
+    assert time.monotonic() - started < 0.5  # computing it first took seconds

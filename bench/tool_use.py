@@ -1,0 +1,202 @@
+"""Learning to use a tool: the multiply task with a calculator, trained asynchronously.
+
+The tiny model cannot multiply a 4-digit by a 3-digit number from its weights; the
+calculator can. One tiny model (tokenizer trained on the task's text), one warm start per
+seed (SFT on demonstrations of which `--tool-share` call the calculator; the rest answer
+at once), then GRPO through the whole system (REST API, rollout server with the job's tool
+box, learner) with ARTIST's composite reward (`deploy/configs/multiply-tools.yaml`).
+
+Held-out conversations (examples the runs never saw) are played by three policies per
+seed: the warm start with the calculator, the RL policy with it, and the RL policy with
+tools withheld (no tool box and no tool list in the prompt: the baseline that shows what
+the weights alone can do). Per policy: success, the share of episodes with a call that ran
+(a well-formed call of a tool that exists, with valid arguments), calls per episode and
+policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
+training reward and the share of episodes with a call that ran.
+
+Run: python bench/tool_use.py [--seeds 3] [--steps 40] [--eval 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
+from tandem.launcher import Ports, Stack  # noqa: E402
+
+SPEC = REPO / "deploy" / "configs" / "multiply-tools.yaml"
+POLICIES = ("warm start, calculator", "RL, calculator", "RL, tools withheld")
+
+
+def prepare(out: Path, spec: dict, tool_share: float) -> dict:
+    """The tiny model (tokenizer trained on the task's text) and the warm-start data."""
+    from rollout.tasks import multiply
+    from tandem.tiny_model import make_tiny_model
+
+    model_dir = out / "tiny-model"
+    if not (model_dir / "model.safetensors").exists():
+        make_tiny_model(model_dir, multiply.corpus())
+    data = out / "warm_start.jsonl"
+    rows = multiply.demonstrations(3000, tool_share, seed=1)
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec["model"]["path"] = str(model_dir.resolve())
+    spec["warm_start"]["data"] = str(data.resolve())
+    return spec
+
+
+def train(out: Path, args: argparse.Namespace) -> list[dict]:
+    base = prepare(out, load_spec_file(SPEC), args.tool_share)
+    base["train"]["num_steps"] = args.steps
+    runs = []
+    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
+        client = ApiClient(stack.api_url)
+        for seed in range(args.seeds):
+            spec = copy.deepcopy(base) | {"name": f"tool-use-s{seed}"}
+            spec["train"]["seed"] = seed
+            job_id = client.submit(spec)["id"]
+            started = time.monotonic()
+            record = follow(client, job_id)
+            if record["status"] != "SUCCEEDED":
+                raise RuntimeError(f"seed {seed}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
+            runs.append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
+                         "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
+            (out / "training.json").write_text(json.dumps(runs))
+    return runs
+
+
+async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, examples: int, seed: int) -> dict:
+    """Every (policy, seed) on the same held-out conversations, one engine; the label says
+    whether the calculator is offered."""
+    from transformers import AutoTokenizer
+
+    from rollout.engine import Engine
+    from rollout.episode import EpisodeRunner
+    from rollout.evaluate import evaluate
+    from rollout.tasks.multiply import MultiplyTask
+    from rollout.tools.box import ToolBox
+    from services.config import JobSpec, ModelSpec, TaskSpec
+
+    job = JobSpec.model_validate(spec)
+    first = next(iter(policies.values()))
+    engine = Engine.start(ModelSpec(path=str(first), max_model_len=job.model.max_model_len), kv_cache_gib=1.0)
+    task = MultiplyTask(TaskSpec(name="multiply", num_examples=examples), seed=seed)
+    box = await ToolBox.open(job.tools)
+    from services.tokenization import ChatTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(first), job.rollout.tokenization_check)
+    with_tools = EpisodeRunner(engine, chat.with_tools(box.schemas()), task.rule_user, job.rollout, box)
+    without = EpisodeRunner(engine, chat, task.rule_user, job.rollout)
+    results = {}
+    try:
+        for (label, run_seed), path in policies.items():
+            await engine.reload_from_disk(str(path))
+            runner = without if label.endswith("withheld") else with_tools
+            results[(label, run_seed)] = await evaluate(runner, task, list(range(examples)))
+    finally:
+        await box.close()
+        engine.shutdown()
+    return results
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+
+
+FIGURES = ("success", "tool_used", "tool_calls", "tokens")
+
+
+def make_report(args: argparse.Namespace, runs: list[dict], results: dict, total_s: float) -> dict:
+    rows = [{"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
+            for (label, seed), result in results.items()]
+    summary = {label: {k: spread([r[k] for r in rows if r["policy"] == label]) for k in FIGURES}
+               for label in POLICIES}
+    warm, rl = summary[POLICIES[0]]["success"]["mean"], summary[POLICIES[1]]["success"]["mean"]
+    curves = [{"seed": run["seed"], "reward_mean": [h["reward_mean"] for h in run["history"]],
+               "tool_used": [h.get("tool_used", 0.0) for h in run["history"]],
+               "success": [h.get("success", 0.0) for h in run["history"]]} for run in runs]
+    return {"steps": args.steps, "seeds": args.seeds, "tool_share": args.tool_share,
+            "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
+            "train_seconds": [run["seconds"] for run in runs], "summary": summary, "runs": rows, "curves": curves,
+            "checks": {"rl_success_at_least_0.8": summary[POLICIES[1]]["success"]["min"] >= 0.8,
+                       "rl_at_least_0.4_above_warm_start": rl - warm >= 0.4,
+                       "call_share_rises": summary[POLICIES[1]]["tool_used"]["mean"]
+                       > summary[POLICIES[0]]["tool_used"]["mean"]}}
+
+
+def print_report(report: dict) -> None:
+    print(f"\nmultiply with a calculator: {report['steps']} RL steps, {report['seeds']} seed(s), warm start with "
+          f"{report['tool_share']:.0%} tool demonstrations, {report['eval_conversations']} held-out conversations "
+          f"per policy, {report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds")
+    names = {"success": "success", "tool_used": "episodes with a call that ran", "tool_calls": "calls/episode",
+             "tokens": "policy tokens/episode"}
+    print(f"{'policy':>24} " + " ".join(f"{name:>30}" for name in names.values()))
+    for label, figures in report["summary"].items():
+        cells = [f"{s['min']:.3g} / {s['mean']:.3g} / {s['max']:.3g}" for s in (figures[k] for k in names)]
+        print(f"{label:>24} " + " ".join(f"{c:>30}" for c in cells))
+    print("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["checks"].items()))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward, used) = plt.subplots(1, 2, figsize=(11, 4))
+    for curve in report["curves"]:
+        steps = range(1, len(curve["reward_mean"]) + 1)
+        label = f"seed {curve['seed']}"
+        reward.plot(steps, curve["reward_mean"], lw=1.3, label=label)
+        used.plot(steps, curve["tool_used"], lw=1.3, label=label)
+    reward.set_title("mean training reward (success + 0.1 format + 0.1 tool success)")
+    used.set_title("share of training episodes with a call that ran")
+    for ax in (reward, used):
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    used.set_ylim(-0.05, 1.05)
+    reward.legend(loc="lower right", fontsize=8)
+    fig.suptitle("Multiply with a calculator: one line per seed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
+    parser.add_argument("--tool-share", type=float, default=0.3, help="warm-start demonstrations that call")
+    parser.add_argument("--out", default="bench/results/tool_use")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    runs = train(out, args)
+    policies = {}
+    for run in runs:
+        folder = out / "runs" / run["job_id"]
+        policies[(POLICIES[0], run["seed"])] = folder / "policy-warm-start"
+        policies[(POLICIES[1], run["seed"])] = folder / "policy"
+        policies[(POLICIES[2], run["seed"])] = folder / "policy"
+    spec = prepare(out, load_spec_file(SPEC), args.tool_share)
+    results = asyncio.run(evaluate_policies(policies, spec, args.eval, seed=10_000))
+    report = make_report(args, runs, results, time.monotonic() - started)
+    print_report(report)
+    (out / "tool_use.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "tool_use.png")
+    print(f"wrote {out / 'tool_use.json'} and {out / 'tool_use.png'}")
+
+
+if __name__ == "__main__":
+    main()
