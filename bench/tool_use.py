@@ -41,11 +41,11 @@ POLICIES = ("warm start, calculator", "RL, calculator", "RL, tools withheld")
 def prepare(out: Path, spec: dict, tool_share: float) -> dict:
     """The tiny model (tokenizer trained on the task's text) and the warm-start data."""
     from rollout.tasks import multiply
-    from tandem.tiny_model import make_tiny_model
+    from tandem.tiny_model import CHATML_TEMPLATE, make_tiny_model
 
     model_dir = out / "tiny-model"
     if not (model_dir / "model.safetensors").exists():
-        make_tiny_model(model_dir, multiply.corpus())
+        make_tiny_model(model_dir, multiply.corpus(CHATML_TEMPLATE), individual_digits=True)
     data = out / "warm_start.jsonl"
     rows = multiply.demonstrations(3000, tool_share, seed=1)
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -29,14 +29,19 @@ HEAD_DIM = 64
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS,
-                    eos_token: str = "<|im_end|>", chat_template: str = CHATML_TEMPLATE):
+                    eos_token: str = "<|im_end|>", chat_template: str = CHATML_TEMPLATE,
+                    individual_digits: bool = False):
     """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer (the first
-    special token pads, `eos_token` ends an assistant turn)."""
+    special token pads, `eos_token` ends an assistant turn). `individual_digits` makes every
+    digit a token of its own, as Llama 3 and Qwen do: a number is then spelled the same way
+    wherever it appears, so copying it (from a tool result into an answer) is copying tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level]) if individual_digits else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -63,6 +68,7 @@ def make_tiny_model(
     num_layers: int = 2,
     vocab_size: int = 512,
     seed: int = 0,
+    individual_digits: bool = False,
 ) -> Path:
     """Write a deterministic tiny LlamaForCausalLM + tokenizer to `out_dir`."""
     import torch
@@ -70,7 +76,7 @@ def make_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(corpus, vocab_size)
+    tokenizer = train_tokenizer(corpus, vocab_size, individual_digits=individual_digits)
     tokenizer.save_pretrained(out)
     num_heads = hidden_size // HEAD_DIM
     config = LlamaConfig(

@@ -80,16 +80,17 @@ def demonstrations(num: int, tool_share: float, seed: int) -> list[dict]:
     return [demonstration(example, rng.random() < tool_share) for example in make_examples(num, seed)]
 
 
-def corpus() -> list[str]:
-    """Text the tiny tokenizer is trained on: every template, digits, the call and the
-    tool list as the chat template renders it."""
-    lines = [q.format(a="1234", b="567") for q in QUESTIONS] + [answer(1234567)]
-    lines += [call(example) for example in make_examples(200, seed=99)]
-    lines += [str(n) for n in range(1000)]
-    lines += ["Tools:", "- calculator(expression): " + Calculator().description,
-              'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.',
-              "error: there is no tool named", "error: bad arguments for calculator"]
-    return lines
+def corpus(chat_template: str) -> list[str]:
+    """Text a tiny tokenizer is trained on: demonstrations as `chat_template` (a Jinja chat
+    template) renders them, the tool list included, and the tool box's usual error
+    messages. Train it with `individual_digits` so every number is spelled digit by digit."""
+    from jinja2 import Template
+
+    template = Template(chat_template)
+    lines = [template.render(messages=row["messages"], tools=row["tools"])
+             for row in demonstrations(300, 0.5, seed=99)]
+    return lines + ["error: there is no tool named", "error: bad arguments for calculator",
+                    "error: could not read the tool call (invalid JSON)"]
 
 
 class OneAnswerUser:

@@ -12,7 +12,7 @@ from rollout.tools.calculator import Calculator
 from rollout.tools.parsers import parse_hermes
 from services.config import TaskSpec
 from services.tokenization import ChatTokenizer
-from tandem.tiny_model import train_tokenizer
+from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 
 
 def calls_the_tool(row: dict) -> bool:
@@ -67,7 +67,7 @@ def test_last_number_reads_the_last_integer_commas_included(text, number):
 
 def test_a_tool_demonstration_trains_on_the_replies_and_not_on_the_tool_result():
     row = multiply.demonstration(multiply.Product(4821, 397, 0), with_tool=True)
-    chat = ChatTokenizer(train_tokenizer(multiply.corpus(), 512), tools=row["tools"])
+    chat = ChatTokenizer(train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True), tools=row["tools"])
 
     tokens, mask = chat.encode_demonstration(row["messages"])
 
