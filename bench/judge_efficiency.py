@@ -136,7 +136,8 @@ def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict,
         ratios = {figure: eff[figure]["mean"] / base[figure]["mean"] for figure in FIGURES
                   if base[figure] and eff[figure] and base[figure]["mean"] and figure != "held_out_success"}
         checks = {
-            "held_out_within_0.05": abs(eff["held_out_success"]["mean"] - base["held_out_success"]["mean"]) <= 0.05,
+            # the quality bar is one-sided: spending less may not cost more than 0.05 of held-out success
+            "held_out_at_most_0.05_below": eff["held_out_success"]["mean"] >= base["held_out_success"]["mean"] - 0.05,
             "judge_tokens_per_step_at_most_half": ratios.get("judge_tokens_per_step", 1.0) <= 0.5,
             "to_target_at_most_0.6x": ratios.get("to_target_s", 1.0) <= 0.6,
         }
