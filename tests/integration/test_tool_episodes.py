@@ -97,7 +97,7 @@ async def taught(engine, tiny_model, tokenizer, process_group, box, tmp_path_fac
 
 
 def runner_for(engine, tokenizer, box: ToolBox) -> EpisodeRunner:
-    spec = RolloutSpec(temperature=0.01, max_new_tokens=64, max_turns=1, max_total_tokens=500)
+    spec = RolloutSpec(temperature=0.01, max_new_tokens=96, max_turns=1, max_total_tokens=512)
     return EpisodeRunner(engine, ChatTokenizer(tokenizer, "strict").with_tools(box.schemas()), OneAnswerUser(),
                          spec, box)
 
