@@ -1,10 +1,11 @@
 """Learning to use a tool: the multiply task with a calculator, trained asynchronously.
 
 The tiny model cannot multiply a 4-digit by a 3-digit number from its weights; the
-calculator can. One tiny model (tokenizer trained on the task's text), one warm start per
-seed (SFT on demonstrations of which `--tool-share` call the calculator; the rest answer
-at once), then GRPO through the whole system (REST API, rollout server with the job's tool
-box, learner) with ARTIST's composite reward (`deploy/configs/multiply-tools.yaml`).
+calculator can. One tiny model (tokenizer trained on the task's text, digits one token
+each), one warm start (SFT on demonstrations of which `--tool-share` call the calculator;
+the rest answer at once), then per seed GRPO from it through the whole system (REST API,
+rollout server with the job's tool box, learner) with ARTIST's composite reward
+(`deploy/configs/multiply-tools.yaml`).
 
 Held-out conversations (examples the runs never saw) are played by three policies per
 seed: the warm start with the calculator, the RL policy with it, and the RL policy with
@@ -14,7 +15,7 @@ the weights alone can do). Per policy: success, the share of episodes with a cal
 policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
 training reward and the share of episodes with a call that ran.
 
-Run: python bench/tool_use.py [--seeds 3] [--steps 40] [--eval 256]
+Run: python bench/tool_use.py [--seeds 3] [--steps 40] [--eval 256] [--warm-policy DIR]
 """
 
 from __future__ import annotations
@@ -54,24 +55,39 @@ def prepare(out: Path, spec: dict, tool_share: float) -> dict:
     return spec
 
 
-def train(out: Path, args: argparse.Namespace) -> list[dict]:
+def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
+    job_id = client.submit(spec)["id"]
+    started = time.monotonic()
+    record = follow(client, job_id)
+    if record["status"] != "SUCCEEDED":
+        raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
+    return {"job_id": job_id, "seconds": time.monotonic() - started,
+            "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]}
+
+
+def train(out: Path, args: argparse.Namespace) -> tuple[Path, list[dict]]:
+    """The warm start (a job of one RL step, unless `--warm-policy` names one), then one RL
+    job per seed from it; returns the warm policy and the runs."""
     base = prepare(out, load_spec_file(SPEC), args.tool_share)
-    base["train"]["num_steps"] = args.steps
     runs = []
     with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
         client = ApiClient(stack.api_url)
+        if args.warm_policy:
+            warm = Path(args.warm_policy).resolve()
+        else:
+            spec = copy.deepcopy(base) | {"name": "tool-use-warm-start"}
+            spec["train"]["num_steps"] = 1
+            print(f"warm start ({spec['warm_start']['steps']} SFT steps)")
+            warm = out / "runs" / run_job(client, spec, out)["job_id"] / "policy-warm-start"
         for seed in range(args.seeds):
             spec = copy.deepcopy(base) | {"name": f"tool-use-s{seed}"}
-            spec["train"]["seed"] = seed
-            job_id = client.submit(spec)["id"]
-            started = time.monotonic()
-            record = follow(client, job_id)
-            if record["status"] != "SUCCEEDED":
-                raise RuntimeError(f"seed {seed}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
-            runs.append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
-                         "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
-            (out / "training.json").write_text(json.dumps(runs))
-    return runs
+            spec["model"]["path"] = str(warm)
+            spec["warm_start"]["steps"] = 0
+            spec["train"] |= {"seed": seed, "num_steps": args.steps}
+            print(f"\nRL, seed {seed}")
+            runs.append(run_job(client, spec, out) | {"seed": seed})
+            (out / "training.json").write_text(json.dumps({"warm_policy": str(warm), "runs": runs}))
+    return warm, runs
 
 
 async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, examples: int, seed: int) -> dict:
@@ -177,18 +193,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
     parser.add_argument("--tool-share", type=float, default=0.3, help="warm-start demonstrations that call")
+    parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/tool_use")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    runs = train(out, args)
-    policies = {}
+    warm, runs = train(out, args)
+    policies = {(POLICIES[0], run["seed"]): warm for run in runs}
     for run in runs:
-        folder = out / "runs" / run["job_id"]
-        policies[(POLICIES[0], run["seed"])] = folder / "policy-warm-start"
-        policies[(POLICIES[1], run["seed"])] = folder / "policy"
-        policies[(POLICIES[2], run["seed"])] = folder / "policy"
+        policies[(POLICIES[1], run["seed"])] = out / "runs" / run["job_id"] / "policy"
+        policies[(POLICIES[2], run["seed"])] = out / "runs" / run["job_id"] / "policy"
     spec = prepare(out, load_spec_file(SPEC), args.tool_share)
     results = asyncio.run(evaluate_policies(policies, spec, args.eval, seed=10_000))
     report = make_report(args, runs, results, time.monotonic() - started)

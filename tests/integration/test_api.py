@@ -42,6 +42,9 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
     ({**SPEC, "health": [{"metric": "vibes", "above": 1}]}, ["body", "health", 0, "metric"]),
     ({**SPEC, "health": [{"metric": "entropy", "below": 0.1, "steps": 0}]}, ["body", "health", 0, "steps"]),
     ({**SPEC, "health": [{"metric": "entropy"}]}, ["body", "health", 0]),   # neither above nor below
+    ({**SPEC, "tools": {"tools": [{"name": "abacus", "kind": "abacus"}]}}, ["body", "tools", "tools", 0, "kind"]),
+    ({**SPEC, "tools": {"parser": "qwen9", "tools": [{"name": "c", "kind": "calculator"}]}},
+     ["body", "tools", "parser"]),
 ])
 async def test_a_malformed_spec_gets_422_naming_the_field(api, redis_client, spec, field):
     response = await api.post("/v1/jobs", json=spec)
@@ -272,3 +275,15 @@ async def test_a_tenants_paths_inside_the_roots_are_accepted_as_resolved(confine
 
 async def test_without_tokens_the_local_operators_paths_are_not_confined(api):
     assert (await api.post("/v1/jobs", json={**SPEC, "task": {"data": "/etc/passwd"}})).status_code == 201
+
+
+async def test_a_tools_file_that_holds_no_valid_tools_gets_422_naming_tools_file(api, redis_client, tmp_path):
+    bad = tmp_path / "tools.yaml"
+    bad.write_text("tools:\n  - {name: abacus, kind: abacus}\n")
+
+    response = await api.post("/v1/jobs", json={**SPEC, "tools": {"file": str(bad)}})
+
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "tools", "file"] and "abacus" in error["msg"]
+    assert await redis_client.xlen(Keys.jobs_pending) == 0
