@@ -21,8 +21,10 @@ from services.config import JobSpec, JudgeProxySettings
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 UPSTREAMS_EXAMPLE = CONFIGS / "judge_upstreams.example.yaml"
 JOB_FILES = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("judge_upstreams"))
-COMPOSE_JOB_FILES = [p for p in JOB_FILES if p.name != "demo.yaml"]
-"""demo.yaml's model path is filled in by `tandem demo`; the others run under compose."""
+LOCAL_JOB_FILES = ("demo.yaml", "multiply-tools.yaml")
+COMPOSE_JOB_FILES = [p for p in JOB_FILES if p.name not in LOCAL_JOB_FILES]
+"""demo.yaml's and multiply-tools.yaml's model paths are filled in by `tandem demo` and
+bench/tool_use.py (a tiny model they build); the others run under compose."""
 
 
 def load(path: Path) -> JobSpec:
