@@ -388,6 +388,15 @@ async def test_open_builds_the_calculator_and_the_python_tool_and_runs_them():
         await box.close()
 
 
+async def test_open_builds_the_search_tool_over_its_fixture():
+    box = await ToolBox.open(ToolsSpec(tools=[ToolSpec(name="lookup", kind="search", top_k=1)]))
+    try:
+        [result] = await box.run(box.parse(hermes_call("lookup", {"query": "speed of light"})), ToolUsage())
+        assert result.ok and result.content.startswith("[d") and "light" in result.content.lower()
+    finally:
+        await box.close()
+
+
 async def test_open_adds_the_tools_of_the_spec_file(tmp_path):
     path = tmp_path / "tools.yaml"
     path.write_text("tools:\n  - name: calc\n    kind: calculator\n    max_calls: 2\n")
