@@ -10,7 +10,8 @@ rollout server with the job's tool box, learner) with ARTIST's composite reward
 Held-out conversations (examples the runs never saw) are played by three policies per
 seed: the warm start with the calculator, the RL policy with it, and the RL policy with
 tools withheld (no tool box and no tool list in the prompt: the baseline that shows what
-the weights alone can do). Per policy: success, the share of episodes with a call that ran
+the weights alone can do). The warm start is one policy played once per seed, so its
+spread is the evaluation's own (sampling at the job's temperature). Per policy: success, the share of episodes with a call that ran
 (a well-formed call of a tool that exists, with valid arguments), calls per episode and
 policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
 training reward and the share of episodes with a call that ran.
@@ -31,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from collab_clarify import spread  # noqa: E402
 
 from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
@@ -65,10 +68,9 @@ def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
             "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]}
 
 
-def train(out: Path, args: argparse.Namespace) -> tuple[Path, list[dict]]:
+def train(out: Path, base: dict, args: argparse.Namespace) -> tuple[Path, list[dict]]:
     """The warm start (a job of one RL step, unless `--warm-policy` names one), then one RL
     job per seed from it; returns the warm policy and the runs."""
-    base = prepare(out, load_spec_file(SPEC), args.tool_share)
     runs = []
     with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
         client = ApiClient(stack.api_url)
@@ -101,14 +103,13 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, e
     from rollout.tasks.multiply import MultiplyTask
     from rollout.tools.box import ToolBox
     from services.config import JobSpec, ModelSpec, TaskSpec
+    from services.tokenization import ChatTokenizer
 
     job = JobSpec.model_validate(spec)
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=job.model.max_model_len), kv_cache_gib=1.0)
     task = MultiplyTask(TaskSpec(name="multiply", num_examples=examples), seed=seed)
     box = await ToolBox.open(job.tools)
-    from services.tokenization import ChatTokenizer
-
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(first), job.rollout.tokenization_check)
     with_tools = EpisodeRunner(engine, chat.with_tools(box.schemas()), task.rule_user, job.rollout, box)
     without = EpisodeRunner(engine, chat, task.rule_user, job.rollout)
@@ -122,10 +123,6 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, e
         await box.close()
         engine.shutdown()
     return results
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
 
 
 FIGURES = ("success", "tool_used", "tool_calls", "tokens")
@@ -199,12 +196,12 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    warm, runs = train(out, args)
+    spec = prepare(out, load_spec_file(SPEC), args.tool_share)
+    warm, runs = train(out, spec, args)
     policies = {(POLICIES[0], run["seed"]): warm for run in runs}
     for run in runs:
         policies[(POLICIES[1], run["seed"])] = out / "runs" / run["job_id"] / "policy"
         policies[(POLICIES[2], run["seed"])] = out / "runs" / run["job_id"] / "policy"
-    spec = prepare(out, load_spec_file(SPEC), args.tool_share)
     results = asyncio.run(evaluate_policies(policies, spec, args.eval, seed=10_000))
     report = make_report(args, runs, results, time.monotonic() - started)
     print_report(report)

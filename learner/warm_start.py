@@ -33,13 +33,18 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
     from services.tokenization import ChatTokenizer
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model.path), "off")
+    by_tools: dict[str, ChatTokenizer] = {}
     samples = []
     with open(path) as f:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             row = json.loads(line)
-            tokens, mask = chat.with_tools(row.get("tools")).encode_demonstration(row["messages"])
+            tools = row.get("tools")
+            key = json.dumps(tools, sort_keys=True)
+            if key not in by_tools:  # rendering the base history once per tool list, not per row
+                by_tools[key] = chat.with_tools(tools)
+            tokens, mask = by_tools[key].encode_demonstration(row["messages"])
             samples.append(protocol.Sample(
                 sample_id=f"sft:{line_number}", tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
                 versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0,

@@ -3,6 +3,7 @@ returns), how a conversation is scored, and what SFT trains on in a row with a t
 
 from __future__ import annotations
 
+import json
 from itertools import groupby
 
 import pytest
@@ -80,3 +81,23 @@ def test_a_tool_demonstration_trains_on_the_replies_and_not_on_the_tool_result()
     assert runs[2][1] == "\n<|im_start|>tool\n1913937<|im_end|>\n<|im_start|>assistant\n"
     assert runs[3][1] == "The answer is 1913937.<|im_end|>"
     assert tokens == chat.render(row["messages"])[:len(tokens)]
+
+
+def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_not(tmp_path):
+    from learner.warm_start import load_demonstrations
+    from services.config import JobSpec, ModelSpec
+    from tandem.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", multiply.corpus(CHATML_TEMPLATE), individual_digits=True)
+    example = multiply.make_examples(1, seed=3)[0]
+    plain = {"messages": multiply.demonstration(example, False)["messages"]}
+    rows = [multiply.demonstration(example, True), plain, multiply.demonstration(example, False)]
+    data = tmp_path / "warm.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    samples = load_demonstrations(str(data), JobSpec(model=ModelSpec(path=str(model))))
+
+    tokenizer = ChatTokenizer(train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True))
+    texts = [tokenizer.tokenizer.decode(s.tokens) for s in samples]
+    assert [t.startswith("<|im_start|>system\nTools:") for t in texts] == [True, False, True]
+    assert texts[1] == texts[2][texts[2].index("<|im_start|>user"):]  # the same conversation, no tool list
