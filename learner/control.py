@@ -35,7 +35,7 @@ still ends the wait, since torchrun then tears down every rank."""
 
 
 class Command(msgspec.Struct, kw_only=True):
-    kind: Literal["job", "sft", "start_rl", "rl", "sync", "save", "load", "export", "end", "shutdown"]
+    kind: Literal["job", "sft", "start_rl", "rl", "dpo", "sync", "save", "load", "export", "end", "shutdown"]
     job_id: str = ""
     spec_json: str = ""
     samples: list[Sample] = []
@@ -124,6 +124,8 @@ class Worker:
                 return {}
             case "rl":
                 return self.trainer.rl_step(command.samples)
+            case "dpo":
+                return self.trainer.dpo_step(command.samples)
             case "sync":
                 return self.sender.send(command.plan)
             case "save":

@@ -12,6 +12,15 @@ current logprob `theta` (with grad).
 
 The normaliser is global (all ranks, all micro-batches), so the gradient is the same
 however the sequences were split across ranks.
+
+DPO (`dpo_loss`) works on preference pairs instead: per pair, the sequence logprobs of the
+chosen and the rejected response under the policy and under the frozen reference,
+
+    h = (theta_c - ref_c) - (theta_r - ref_r)
+    loss = -log sigmoid(beta h)        sigmoid (Rafailov et al.)
+         | (h - 1 / (2 beta))^2        ipo (Azar et al.)
+
+summed over a rank's pairs and divided by the global count of pairs.
 """
 
 from __future__ import annotations
@@ -172,6 +181,41 @@ def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOu
         loss = loss + spec.kl_coef * (kl * scale).sum()
         metrics["kl_ref"] = (kl.detach() * x.mask).sum()
     return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+DPO_COUNTS = frozenset({"pairs"})
+"""Metrics of `dpo_loss` that are counts; the others are sums over pairs, reported per pair."""
+
+
+def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                      num_seqs: int) -> torch.Tensor:
+    """[T] -> [S]: each sequence's logprob of its trained tokens (the response)."""
+    return segment_sum(token_logprobs * mask, seq_ids, num_seqs)
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+             beta: float, kind: str, normaliser: float) -> LossOutputs:
+    """The preference loss of a rank's pairs: [P] sequence logprobs of the chosen and the
+    rejected responses under the policy (with grad) and the reference (without);
+    `normaliser` is the global count of pairs. The implicit rewards are beta times the
+    log ratios to the reference; the metrics are sums over the pairs."""
+    chosen_ratio = chosen - ref_chosen.detach()
+    rejected_ratio = rejected - ref_rejected.detach()
+    h = chosen_ratio - rejected_ratio
+    if kind == "ipo":
+        per_pair = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        per_pair = -torch.nn.functional.logsigmoid(beta * h)
+    metrics = {
+        "pairs": torch.tensor(float(len(h))),
+        "preference_accuracy": (h > 0).float().sum(),
+        "reward_margin": (beta * h).sum(),
+        "reward_chosen": (beta * chosen_ratio).sum(),
+        "reward_rejected": (beta * rejected_ratio).sum(),
+        "logprob_chosen": chosen.sum(),
+        "logprob_rejected": rejected.sum(),
+    }
+    return LossOutputs(loss=per_pair.sum() / normaliser, metrics={k: v.detach() for k, v in metrics.items()})
 
 
 def sft_loss(theta: torch.Tensor, mask: torch.Tensor, normaliser: float) -> torch.Tensor:

@@ -47,6 +47,16 @@ class Collator:
         mine = batching.partition(lengths, self.world_size, self.max_tokens_per_rank, self.split)[self.rank]
         return [self.collate(samples, indices) for indices in mine]
 
+    def pair_micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """Like `micro_batches` for preference pairs: `samples` alternate chosen, rejected;
+        the partition deals whole pairs (balanced by the pair's tokens), so both sides of a
+        pair sit in one micro-batch, chosen right before its rejected."""
+        if len(samples) % 2:
+            raise ValueError(f"preference pairs need an even number of samples, got {len(samples)}")
+        lengths = [len(samples[i].tokens) + len(samples[i + 1].tokens) for i in range(0, len(samples), 2)]
+        mine = batching.partition(lengths, self.world_size, self.max_tokens_per_rank, self.split)[self.rank]
+        return [self.collate(samples, [i for pair in pairs for i in (2 * pair, 2 * pair + 1)]) for pairs in mine]
+
     def collate(self, samples: list[Sample], indices: list[int]) -> MicroBatch:
         sequences = [samples[i].tokens for i in indices] or [[0]]  # an empty share still runs
         if self.can_pack:

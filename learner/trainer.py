@@ -1,4 +1,4 @@
-"""The policy's training steps on one rank: logprobs, the RL step, the SFT step.
+"""The policy's training steps on one rank: logprobs, the RL step, the SFT step, the DPO step.
 
 Every rank holds the whole batch (it is small: token ids and scalars) and takes its own
 micro-batches from the same deterministic partition (`learner.micro_batch`). Losses are
@@ -34,6 +34,9 @@ class Trainer:
         torch.manual_seed(spec.train.seed)
         self.model = policy.sharded_model(spec.model.local_folder(), device, self.world_size, spec.model.dtype)
         self.reference: torch.nn.Module | None = None
+        self.reference_logprobs: dict[str, float] = {}
+        """DPO: sample id -> sequence logprob under the reference, so that a pair trained
+        again (offline epochs) is not scored by the reference again."""
         warm = spec.warm_start
         self.optimizer, self.scheduler = policy.optimizer(self.model, warm.lr if warm.steps else spec.train.lr,
                                                           spec.train.weight_decay, decay_steps=warm.steps)
@@ -44,7 +47,7 @@ class Trainer:
         """End of the warm start: a fresh optimizer at the RL learning rate, and the current
         policy frozen as the KL reference (same sharding: the shards copy over locally)."""
         self.optimizer, self.scheduler = policy.optimizer(self.model, self.spec.train.lr, self.spec.train.weight_decay)
-        if self.spec.train.kl_coef > 0:
+        if self.spec.train.kl_coef > 0 or self.spec.train.algorithm == "dpo":
             self.reference = policy.sharded_model(self.spec.model.path, self.device, self.world_size,
                                                   self.spec.model.dtype)
             self.reference.load_state_dict(self.model.state_dict())
@@ -124,6 +127,54 @@ class Trainer:
             total += step_loss.detach()
         grad_norm, _ = self._optimizer_step()
         return {"sft_loss": self._all_reduce({"loss": total})["loss"], "grad_norm": grad_norm}
+
+    def dpo_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One DPO optimizer step on preference pairs (`samples` alternate chosen, rejected;
+        each pair sits whole in one micro-batch). Returns metrics per pair over all ranks."""
+        micro = self.batches.pair_micro_batches(samples)
+        reference = self._reference_logprobs(samples, micro)
+        num_pairs = len(samples) // 2
+        spec = self.spec.train
+        totals: dict[str, torch.Tensor] = {}
+        for mb in micro:
+            theta, _ = self.token_logprobs(mb)
+            if not mb.samples:  # an empty share still runs forward and backward with the others
+                (theta.sum() * 0.0).backward()
+                continue
+            mask = self.batches.per_token(samples, mb, "mask")
+            policy = loss.sequence_logprobs(theta, mask, mb.seq_ids, len(mb.samples))
+            ref = reference[mb.samples]
+            out = loss.dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], spec.dpo_beta, spec.dpo_loss,
+                                max(num_pairs, 1))
+            (out.loss * self.world_size).backward()
+            accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
+        grad_norm, stepped = self._optimizer_step()
+        names = ("loss", "pairs", "preference_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
+                 "logprob_chosen", "logprob_rejected")
+        reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in names})
+        metrics = {name: value if name in loss.DPO_COUNTS | {"loss"} else value / max(num_pairs, 1)
+                   for name, value in reduced.items()}
+        return metrics | {"grad_norm": grad_norm, "skipped_updates": float(not stepped)}
+
+    def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
+        """[N] each sample's sequence logprob under the reference. Samples not seen before
+        are scored by the rank that trains them and shared with every rank (all ranks hold
+        the same memory, so they agree on whether to score)."""
+        if any(s.sample_id not in self.reference_logprobs for s in samples):
+            scored = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
+            with torch.no_grad():
+                for mb in micro:
+                    logprobs, _ = self.token_logprobs(mb, self.reference)
+                    if mb.samples:
+                        mask = self.batches.per_token(samples, mb, "mask")
+                        scored[mb.samples] = loss.sequence_logprobs(logprobs, mask, mb.seq_ids,
+                                                                    len(mb.samples)).double()
+            self.reference.reshard()
+            dist.all_reduce(scored)  # each sample was scored on one rank, zero elsewhere
+            if len(self.reference_logprobs) > 1_000_000:  # online pairs come once: forget the old
+                self.reference_logprobs.clear()
+            self.reference_logprobs |= {s.sample_id: value for s, value in zip(samples, scored.tolist())}
+        return torch.tensor([self.reference_logprobs[s.sample_id] for s in samples], device=self.device)
 
     def _optimizer_step(self) -> tuple[float, bool]:
         return policy.optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)

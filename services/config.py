@@ -121,7 +121,9 @@ class LossSpec(_Strict):
     """The policy loss's settings (learner/loss.py). A section of its own in code only: the
     job spec holds them flat in `train`, which inherits them."""
 
-    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    algorithm: Literal["grpo", "reinforce", "dpo"] = Field("grpo", description=(
+        "dpo: each group's best and worst response by reward form a preference pair (online DPO); "
+        "an `offline` job trains on a pairs file instead."))
     eps_low: float = Field(0.2, ge=0.0, le=1.0)
     eps_high: float = Field(0.28, ge=0.0, le=10.0)
     correction: Literal["tis", "mis", "none"] = "tis"
@@ -130,6 +132,11 @@ class LossSpec(_Strict):
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k3"] = "k3"
     normalise: Literal["token", "sequence"] = "token"
+    dpo_beta: float = Field(0.1, gt=0.0, le=100.0, description="DPO: the implicit reward's scale.")
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    pair_margin: float = Field(0.0, ge=0.0, description=(
+        "DPO: the least reward gap between the chosen and the rejected response for a pair; "
+        "groups without one train nothing."))
 
 
 class TrainSpec(LossSpec):

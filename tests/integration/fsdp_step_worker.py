@@ -1,8 +1,9 @@
 """One learner step under torchrun, for tests: python -m torch.distributed.run ... this file.
 
-Arguments: MODEL_DIR OUT.safetensors MAX_TOKENS_PER_RANK SHUFFLE_SEED(-1 = none) KIND(rl|sft).
+Arguments: MODEL_DIR OUT.safetensors MAX_TOKENS_PER_RANK SHUFFLE_SEED(-1 = none) KIND(rl|sft|dpo).
 Builds a fixed batch from the clarify task, optionally shuffles it (another partition),
-takes one optimizer step and writes the full parameters (rank 0).
+takes one optimizer step and writes the full parameters (rank 0). For dpo, consecutive
+samples form pairs (chosen, rejected) and a shuffle moves whole pairs.
 """
 
 from __future__ import annotations
@@ -38,12 +39,24 @@ def fixed_batch(model_dir: str) -> list[Sample]:
 def main() -> None:
     model_dir, out, cap, shuffle, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo")
-    spec = JobSpec(model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap))
+    algorithm = "dpo" if kind == "dpo" else "grpo"
+    spec = JobSpec(model=ModelSpec(path=model_dir),
+                   train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5))
     trainer = Trainer(spec, torch.device("cpu"))
     samples = fixed_batch(model_dir)
-    if shuffle >= 0:
-        random.Random(shuffle).shuffle(samples)
-    (trainer.rl_step if kind == "rl" else trainer.sft_step)(samples)
+    if kind == "dpo":
+        trainer.start_rl()  # the reference: a frozen copy of the starting policy
+        # An SFT step first moves the policy off the reference, so that the DPO step's
+        # log ratios are not all 0 and the reference's logprobs matter.
+        trainer.sft_step(samples)
+        pairs = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        if shuffle >= 0:
+            random.Random(shuffle).shuffle(pairs)
+        trainer.dpo_step([s for pair in pairs for s in pair])
+    else:
+        if shuffle >= 0:
+            random.Random(shuffle).shuffle(samples)
+        (trainer.rl_step if kind == "rl" else trainer.sft_step)(samples)
     params = {name: p.detach().full_tensor().contiguous() for name, p in trainer.model.named_parameters()}
     if dist.get_rank() == 0:
         save_file(params, out)

@@ -141,3 +141,65 @@ def test_tokens_at_the_importance_cap_are_counted(correction, capped):
     out = loss.policy_loss(inputs(mask=(1, 1, 1, 0)), cfg(correction=correction), normaliser=3)
     # BEHAVIOUR = [1.0, 0.5, 3.0, 1.2]: 0.5 sits exactly at 1/C, so MIS keeps it; token 3 untrained.
     assert out.metrics["is_capped_tokens"].item() == (0 if correction == "none" else 1)
+
+
+# ---- DPO ----------------------------------------------------------------------------
+# Two pairs. Policy sequence logprobs chosen [-2, -5], rejected [-3, -4]; reference
+# chosen [-2.5, -4], rejected [-2.5, -4.5]. Log ratios to the reference: chosen [0.5, -1],
+# rejected [-0.5, 0.5]; h = [1.0, -1.5]. beta = 0.5:
+#   sigmoid: -log sigmoid(0.5) = 0.474077, -log sigmoid(-0.75) = 1.136871; mean 0.805474
+#   ipo (1 / (2 beta) = 1): (1 - 1)^2 = 0, (-1.5 - 1)^2 = 6.25; mean 3.125
+CHOSEN, REJECTED = [-2.0, -5.0], [-3.0, -4.0]
+REF_CHOSEN, REF_REJECTED = [-2.5, -4.0], [-2.5, -4.5]
+
+
+def dpo(kind: str, normaliser: float = 2.0) -> tuple[loss.LossOutputs, torch.Tensor, torch.Tensor]:
+    chosen = torch.tensor(CHOSEN, requires_grad=True)
+    rejected = torch.tensor(REJECTED, requires_grad=True)
+    out = loss.dpo_loss(chosen, rejected, torch.tensor(REF_CHOSEN), torch.tensor(REF_REJECTED), 0.5, kind,
+                        normaliser)
+    return out, chosen, rejected
+
+
+@pytest.mark.parametrize("kind, expected", [("sigmoid", (0.474077 + 1.136871) / 2), ("ipo", 6.25 / 2)])
+def test_dpo_loss_equals_hand_computed_values(kind, expected):
+    out, _, _ = dpo(kind)
+    assert out.loss.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    # d/dh -log sigmoid(beta h) = -beta sigmoid(-beta h): pair 0 -0.5 * 0.377541, pair 1 -0.5 * 0.679179;
+    # h grows with the chosen logprob and shrinks with the rejected one; divided by 2 pairs.
+    out, chosen, rejected = dpo("sigmoid")
+    out.loss.backward()
+    expected = [-0.5 * 0.377541 / 2, -0.5 * 0.679179 / 2]
+    assert chosen.grad.tolist() == pytest.approx(expected, abs=1e-6)
+    assert rejected.grad.tolist() == pytest.approx([-g for g in expected], abs=1e-6)
+
+
+def test_dpo_metrics_are_sums_over_pairs():
+    out, _, _ = dpo("sigmoid")
+    m = {k: v.item() for k, v in out.metrics.items()}
+    assert m["pairs"] == 2
+    assert m["preference_accuracy"] == 1  # h > 0 on pair 0 only
+    assert m["reward_margin"] == pytest.approx(0.5 * (1.0 - 1.5))
+    assert m["reward_chosen"] == pytest.approx(0.5 * (0.5 - 1.0))
+    assert m["reward_rejected"] == pytest.approx(0.5 * (-0.5 + 0.5))
+    assert m["logprob_chosen"] == pytest.approx(-7.0)
+    assert m["logprob_rejected"] == pytest.approx(-7.0)
+
+
+def test_dpo_loss_divides_by_the_global_pair_count():
+    # Two ranks with one pair each and a normaliser of 2 add up to one rank with both pairs.
+    whole, _, _ = dpo("sigmoid", normaliser=2.0)
+    halves = [loss.dpo_loss(torch.tensor(CHOSEN[i:i + 1]), torch.tensor(REJECTED[i:i + 1]),
+                            torch.tensor(REF_CHOSEN[i:i + 1]), torch.tensor(REF_REJECTED[i:i + 1]), 0.5, "sigmoid",
+                            2.0).loss.item() for i in range(2)]
+    assert sum(halves) == pytest.approx(whole.loss.item(), abs=1e-6)
+
+
+def test_sequence_logprobs_sum_trained_tokens_per_sequence():
+    values = torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    out = loss.sequence_logprobs(values, mask, torch.tensor([0, 0, 0, 1, 1]), 2)
+    assert out.tolist() == [-5.0, -5.0]
