@@ -23,7 +23,7 @@ from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from learner.publisher import WeightPublisher
 from learner.step_log import JobUnhealthy, StepLog, rl_record
-from services import jobs, protocol
+from services import jobs, preference, protocol
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
@@ -85,7 +85,7 @@ class Driver:
         status, error = jobs.JobStatus.SUCCEEDED, ""
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
-            await JobRun(self, job_id, spec).run(resuming)
+            await job_run(self, job_id, spec).run(resuming)
         except LearnerStopping:
             self.worker.run(Command(kind="end"))
             raise
@@ -122,6 +122,13 @@ async def claim_job(client: aioredis.Redis, job_id: str, resume: bool) -> tuple[
         log.info("job %s was cancelled before it started", job_id)
         return None
     return spec, resuming
+
+
+def job_run(driver: Driver, job_id: str, spec: JobSpec) -> "JobRun":
+    """The loop a job's kind runs."""
+    from learner.offline import OfflineRun  # it builds on JobRun, defined below
+
+    return OfflineRun(driver, job_id, spec) if spec.kind == "offline" else JobRun(driver, job_id, spec)
 
 
 class JobRun:
@@ -182,7 +189,13 @@ class JobRun:
         it, and the step's record."""
         groups = [d.message for d in batch]
         started = time.perf_counter()
-        metrics = self.worker.run(Command(kind="rl", samples=[s for g in groups for s in g.samples]))
+        train = self.spec.train
+        if train.algorithm == "dpo":  # online DPO: each group's best and worst response
+            pairs, too_long = preference.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
+            metrics = self.worker.run(Command(kind="dpo", samples=pairs)) | {
+                "pairs_too_long": float(too_long), "trained_tokens": sum(sum(s.mask) for s in pairs)}
+        else:
+            metrics = self.worker.run(Command(kind="rl", samples=[s for g in groups for s in g.samples]))
         step_seconds = time.perf_counter() - started
         self.version += 1
         self.step += 1

@@ -150,6 +150,9 @@ class TrainSpec(LossSpec):
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
     seed: int = 0
+    data: str | None = Field(None, description=(
+        "offline jobs: the JSONL of preference pairs to train on (a generate job's pairs.jsonl); "
+        "batch_size pairs per step, reshuffled every pass."))
 
 
 class WarmStartSpec(_Strict):
@@ -157,6 +160,17 @@ class WarmStartSpec(_Strict):
     batch_size: int = Field(32, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0.0, le=1.0)
     data: str | None = Field(None, description="JSONL of {messages: [...]}; task's own if unset.")
+
+
+class GenerateSpec(_Strict):
+    """A `generate` job: simulated conversations played with the job's policy; at each
+    assistant turn `rollout.group_size` responses are sampled and scored by the job's reward
+    (MR), and the best one carries the conversation on. Written: the best-response
+    conversations (SFT data) and, per turn, the best and the worst response as a pair."""
+
+    conversations: int = Field(64, ge=1, le=1_000_000, description="Conversations to play (one task each).")
+    pair_margin: float = Field(0.0, ge=0.0, description=(
+        "The least reward gap for a turn's best and worst response to be written as a pair."))
 
 
 TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
@@ -271,6 +285,10 @@ class JobSpec(_Strict):
     """What a user submits: the model, the task, and how to roll out, score and train."""
 
     name: str = Field("job", min_length=1, max_length=128, pattern=rf"^{JOB_NAME}$")
+    kind: Literal["rl", "offline", "generate"] = Field("rl", description=(
+        "rl: rollout servers play episodes, the learner trains on them as they arrive (GRPO, REINFORCE or "
+        "online DPO); offline: the learner alone trains on train.data (DPO); generate: rollout servers play "
+        "simulated conversations and the learner writes MR-ranked SFT data and preference pairs."))
     model: ModelSpec
     task: TaskSpec = TaskSpec()
     rollout: RolloutSpec = RolloutSpec()
@@ -278,6 +296,7 @@ class JobSpec(_Strict):
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
     tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
+    generate: GenerateSpec = GenerateSpec()
     judge_weight: float = Field(
         1.0, gt=0.0, le=1000.0,
         description="This job's share of a judge upstream's budget against other jobs using it at the same time "
@@ -294,8 +313,19 @@ class JobSpec(_Strict):
             raise ValueError("rollout.max_total_tokens must not exceed model.max_model_len")
         return self
 
+    @model_validator(mode="after")
+    def _kind_has_what_it_needs(self) -> "JobSpec":
+        if self.kind == "offline" and (self.train.algorithm != "dpo" or not self.train.data):
+            raise ValueError("an offline job trains DPO on a pairs file: set train.algorithm: dpo and train.data")
+        if self.kind != "offline" and self.train.data:
+            raise ValueError("train.data is read by offline jobs only (kind: offline)")
+        if self.kind == "generate" and self.reward.mode != "multiturn":
+            raise ValueError("a generate job ranks each turn's responses: reward.mode must be multiturn")
+        return self
 
-PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"), ("tools", "file"))
+
+PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"), ("tools", "file"),
+               ("train", "data"))
 """(section, field) of every job-spec field that names a file or folder the learner or a
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
 

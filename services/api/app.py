@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from pydantic import BaseModel, Field
 
-from services import jobs
+from services import jobs, preference
 from services.auth import match_bearer
 from services.config import PATH_FIELDS, ApiSettings, JobSpec
 from services.metrics import metrics_router
@@ -111,6 +111,19 @@ def check_tools_file(spec: JobSpec) -> None:
                                        "input": spec.tools.file, "msg": str(exc)}]) from None
 
 
+def check_pairs_file(spec: JobSpec) -> None:
+    """A 422 naming `train.data` when an offline job's pairs file is here and a row of it is
+    not a pair (the message names the line). As for tools, a file this process cannot see
+    is checked by the learner, which fails the job with the same message."""
+    if spec.kind != "offline" or not Path(spec.train.data).is_file():
+        return
+    try:
+        preference.load_pairs(spec.train.data, max_pair_tokens=spec.train.max_tokens_per_rank)
+    except ValueError as exc:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", "train", "data"),
+                                       "input": spec.train.data, "msg": str(exc)}]) from None
+
+
 def resolve(path: str) -> Path | None:
     """The absolute path with symlinks followed; None for a name no file can have (a NUL
     byte, an unencodable character) or a symlink loop."""
@@ -191,6 +204,7 @@ def jobs_router() -> APIRouter:
         if request.app.state.tokens:  # without tokens the API is the operator's own (local use)
             spec = confine_paths(spec, request.app.state.path_roots)
         check_tools_file(spec)
+        check_pairs_file(spec)
         job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -286,4 +288,36 @@ async def test_a_tools_file_that_holds_no_valid_tools_gets_422_naming_tools_file
     assert response.status_code == 422
     [error] = response.json()["detail"]
     assert error["loc"] == ["body", "tools", "file"] and "abacus" in error["msg"]
+    assert await redis_client.xlen(Keys.jobs_pending) == 0
+
+
+async def test_an_offline_jobs_pairs_file_with_a_bad_row_gets_422_naming_train_data_and_the_line(api, redis_client,
+                                                                                                tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    good = {"context_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4], "chosen_score": 1.0, "rejected_score": 0.0}
+    pairs.write_text(json.dumps(good) + "\n" + json.dumps(good | {"chosen_ids": "three"}) + "\n")
+    offline = {**SPEC, "kind": "offline", "train": {"algorithm": "dpo", "data": str(pairs)}}
+
+    response = await api.post("/v1/jobs", json=offline)
+
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "train", "data"]
+    assert "line 2: chosen_ids is not a list of integers" in error["msg"]
+    pairs.write_text(json.dumps(good) + "\n")
+    assert (await api.post("/v1/jobs", json=offline)).status_code == 201
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({**SPEC, "kind": "offline", "train": {"algorithm": "dpo"}}, "train.data"),
+    ({**SPEC, "kind": "offline", "train": {"data": "/tmp/p.jsonl"}}, "train.algorithm: dpo"),
+    ({**SPEC, "train": {"algorithm": "dpo", "data": "/tmp/p.jsonl"}}, "kind: offline"),
+    ({**SPEC, "kind": "generate"}, "reward.mode must be multiturn"),
+    ({**SPEC, "kind": "replay"}, "'rl', 'offline' or 'generate'"),
+])
+async def test_a_job_kind_without_what_it_needs_gets_422_saying_what(api, redis_client, spec, says):
+    response = await api.post("/v1/jobs", json=spec)
+
+    assert response.status_code == 422
+    assert says in json.dumps(response.json()["detail"])
     assert await redis_client.xlen(Keys.jobs_pending) == 0

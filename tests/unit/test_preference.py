@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from learner import preference
+from services import preference
 from services.protocol import Sample
 
 
@@ -35,8 +35,10 @@ def test_pairs_from_groups_flattens_chosen_then_rejected():
     groups = [type("G", (), {"samples": [sample(1.0, 0), sample(0.0, 1)]})(),
               type("G", (), {"samples": [sample(0.3, 2), sample(0.3, 3)]})(),  # tie: no pair
               type("G", (), {"samples": [sample(0.0, 4), sample(2.0, 5)]})()]
-    flat = preference.pairs_from_groups(groups, margin=0.0)
-    assert [s.sample_id for s in flat] == ["j:0:0", "j:0:1", "j:0:5", "j:0:4"]
+    flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=8)
+    assert [s.sample_id for s in flat] == ["j:0:0", "j:0:1", "j:0:5", "j:0:4"] and too_long == 0
+    flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=7)
+    assert flat == [] and too_long == 2  # a rank takes both sides of a pair
 
 
 def write_rows(path, rows) -> None:

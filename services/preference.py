@@ -37,14 +37,18 @@ def pick_pair(samples: list[protocol.Sample], margin: float) -> tuple[protocol.S
     return (chosen, rejected) if gap > 0 and gap >= margin else None
 
 
-def pairs_from_groups(groups: list[protocol.TrajectoryGroup], margin: float) -> list[protocol.Sample]:
-    """Every group's pair, flattened chosen, rejected, chosen, rejected..."""
-    flat = []
+def pairs_from_groups(groups: list[protocol.TrajectoryGroup], margin: float,
+                      max_pair_tokens: int) -> tuple[list[protocol.Sample], int]:
+    """Every group's pair, flattened chosen, rejected, chosen, rejected..., and how many
+    pairs were left out for having more tokens together than a rank takes."""
+    flat, too_long = [], 0
     for group in groups:
         pair = pick_pair(group.samples, margin)
-        if pair:
+        if pair and sum(len(s.tokens) for s in pair) > max_pair_tokens:
+            too_long += 1
+        elif pair:
             flat += pair
-    return flat
+    return flat, too_long
 
 
 def pair_row(context_ids: list[int], chosen: protocol.Sample, rejected: protocol.Sample, **extra) -> dict:

@@ -1,0 +1,92 @@
+"""An offline job (`kind: offline`): DPO on a pairs file, with no rollout server.
+
+    warm start (if any) -> the reference frozen -> num_steps DPO steps on batch_size pairs
+
+The pairs are read once on rank 0 (a malformed row fails the job with its line). Step s
+takes the pairs at positions s * batch_size ... of an endless sequence of passes over the
+file, each pass in its own seeded order, so the batch of every step is a function of the
+step alone: a resumed job trains exactly the batches the lost one had not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+from learner import checkpoint
+from learner.control import Command
+from learner.driver import JobRun
+from services import preference, protocol
+from services.queues import Keys
+
+
+def step_pairs(num_pairs: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The indices of the pairs step `step` (from 0) trains."""
+    positions = range(step * batch_size, (step + 1) * batch_size)
+    orders: dict[int, list[int]] = {}
+    picked = []
+    for position in positions:
+        epoch, index = divmod(position, num_pairs)
+        if epoch not in orders:
+            orders[epoch] = list(range(num_pairs))
+            random.Random(seed * 1_000_003 + epoch).shuffle(orders[epoch])
+        picked.append(orders[epoch][index])
+    return picked
+
+
+class OfflineRun(JobRun):
+    """JobRun's checkpoints, cancels and stops without its rollout parts (dispatcher,
+    trajectory intake, weight publisher)."""
+
+    async def run(self, resuming: bool = False) -> None:
+        from transformers import AutoConfig
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        train = self.spec.train
+        vocab = AutoConfig.from_pretrained(self.spec.model.local_folder()).vocab_size
+        samples = preference.load_pairs(train.data, vocab, max_pair_tokens=train.max_tokens_per_rank)
+        pairs = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        if not (resuming and await self.resume()):
+            await self.warm_start()
+            self.worker.run(Command(kind="start_rl"))
+        while self.step < train.num_steps:
+            await self.check_cancel()
+            batch = [pairs[i] for i in step_pairs(len(pairs), train.batch_size, self.step, train.seed)]
+            await self.train_pairs([s for pair in batch for s in pair], len(pairs))
+            if train.checkpoint_every and self.step % train.checkpoint_every == 0:
+                await self.checkpoint()
+            if self.step < train.num_steps:
+                await self.check_stop()
+        if train.checkpoint_every and self.step % train.checkpoint_every:
+            await self.checkpoint()
+        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+
+    async def train_pairs(self, samples: list[protocol.Sample], num_pairs: int) -> None:
+        started = time.perf_counter()
+        metrics = self.worker.run(Command(kind="dpo", samples=samples))
+        self.step += 1
+        self.version += 1
+        record = {"phase": "offline", "step": self.step, "version": self.version,
+                  "epoch": self.step * self.spec.train.batch_size / num_pairs,
+                  "trained_tokens": sum(sum(s.mask) for s in samples),
+                  "step_seconds": time.perf_counter() - started, **metrics}
+        await self.steps.write(record, self.step, self.version)
+
+    async def checkpoint(self) -> None:
+        path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
+        meta = {"step": self.step, "version": self.version, "history_length": await self.steps.length()}
+        self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
+        await self.redis.rpush(Keys.checkpoints(self.job_id), json.dumps(
+            {"step": self.step, "version": self.version, "path": str(path), "time": time.time()}))
+
+    async def resume(self) -> bool:
+        path = checkpoint.latest(self.settings.runs_dir, self.job_id)
+        if path is None:
+            await self.steps.trim(0)
+            return False
+        self.worker.run(Command(kind="start_rl"))
+        meta = self.worker.run(Command(kind="load", path=str(path)))
+        self.step, self.version = meta["step"], meta["version"]
+        await self.steps.trim(meta["history_length"])
+        return True
