@@ -126,9 +126,11 @@ async def claim_job(client: aioredis.Redis, job_id: str, resume: bool) -> tuple[
 
 def job_run(driver: Driver, job_id: str, spec: JobSpec) -> "JobRun":
     """The loop a job's kind runs."""
-    from learner.offline import OfflineRun  # it builds on JobRun, defined below
+    from learner.generate import GenerateRun  # they build on JobRun, defined below
+    from learner.offline import OfflineRun
 
-    return OfflineRun(driver, job_id, spec) if spec.kind == "offline" else JobRun(driver, job_id, spec)
+    kinds = {"rl": JobRun, "offline": OfflineRun, "generate": GenerateRun}
+    return kinds[spec.kind](driver, job_id, spec)
 
 
 class JobRun:

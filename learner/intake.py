@@ -85,15 +85,17 @@ class BatchIntake:
         pending = sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == consumer.consumer)
         self.backlog = await consumer.read_own_pending(pending) if pending else []
 
-    async def collect(self, version: int, when_idle: Callable[[], Awaitable[None]]) -> list[Delivery]:
-        """`batch_size` fresh groups of distinct, untrained tasks for the step after
-        `version`, keeping the dispatcher topped up; `when_idle` runs whenever a read
-        finds nothing."""
+    async def collect(self, version: int, when_idle: Callable[[], Awaitable[None]],
+                      size: int | None = None) -> list[Delivery]:
+        """`size` (default `batch_size`) fresh groups of distinct, untrained tasks for the
+        step after `version`, keeping the dispatcher topped up; `when_idle` runs whenever a
+        read finds nothing."""
+        size = size or self.train.batch_size
         batch: list[Delivery] = []
         seen: set[int] = set()
-        while len(batch) < self.train.batch_size:
+        while len(batch) < size:
             await self.dispatcher.top_up(version)
-            need = self.train.batch_size - len(batch)
+            need = size - len(batch)
             deliveries, self.backlog = self.backlog[:need], self.backlog[need:]
             if not deliveries:
                 deliveries = await self.trajectories.read(need, block_ms=200)

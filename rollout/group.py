@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from dataclasses import replace
 
 from prometheus_client import Counter, Histogram, Summary
 
@@ -57,17 +59,22 @@ class GroupRollout:
     rewards being computed at once (judge calls, futures), across all of a server's tasks."""
 
     def __init__(self, runner: EpisodeRunner, task_set: TaskSet, spec: RewardSpec, judge: Judge,
-                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str) -> None:
+                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str, generate: bool = False) -> None:
         self.runner, self.task_set, self.spec, self.judge = runner, task_set, spec, judge
         self.reward_slots = reward_slots
         self.server_id, self.job_id = server_id, job_id
+        self.generate = generate
+        """A generate job's: each task is a ranked conversation (`ranked_conversation`)."""
         if spec.mode == "episode":
             self.play, self.score = self.play_conversation, self.score_conversation
         else:
             self.play, self.score = self.play_response, self.score_response
 
     async def group(self, task: protocol.Task, journal: Journal | None = None) -> protocol.TrajectoryGroup:
-        """`group_size` samples for the task's context, with group-relative advantages."""
+        """`group_size` samples for the task's context, with group-relative advantages (a
+        generate job's: a ranked conversation)."""
+        if self.generate:
+            return await self.ranked_conversation(task, journal)
         context = self.task_set.context(task.example)
         allowance = FuturesAllowance(self.spec, task.group_size)
         samples = await gather_all(*(self.sample(task, index, context, journal, allowance)
@@ -80,12 +87,20 @@ class GroupRollout:
 
     async def sample(self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None,
                      allowance: FuturesAllowance) -> protocol.Sample:
-        """One sample, its advantage still 0. Runs as a task of its own (`gather_all`), so
-        the `Spend` set here counts this sample's calls only."""
+        """One sample, its advantage still 0."""
+        sample, _ = await self.scored_sample(
+            task, f"{self.job_id}:{task.task_id}:{index}", allowance,
+            self.play(task.example, context, f"task{task.task_id}/s{index}", journal))
+        return sample
+
+    async def scored_sample(self, task: protocol.Task, sample_id: str, allowance: FuturesAllowance,
+                            play: Awaitable[Episode]) -> tuple[protocol.Sample, Episode]:
+        """The sample `play` makes, scored, and its episode. Runs as a task of its own
+        (`gather_all`), so the `Spend` set here counts this sample's calls only."""
         started = time.perf_counter()
         spend = Spend()
         SPEND.set(spend)
-        episode = await self.play(task.example, context, f"task{task.task_id}/s{index}", journal)
+        episode = await play
         async with self.reward_slots:
             reward, scored = await self.score(task.example, episode, allowance)
         TOKENS.labels(self.job_id).inc(episode.policy_tokens)
@@ -98,10 +113,45 @@ class GroupRollout:
             self.runner.tools.observe_episode(episode.tool_use)
             metrics |= usage_metrics(episode.tool_use)
         return protocol.Sample(
-            sample_id=f"{self.job_id}:{task.task_id}:{index}", tokens=episode.tokens, mask=episode.mask,
-            logprobs=episode.logprobs, versions=episode.versions, reward=reward, advantage=0.0,
-            num_turns=episode.num_turns, metrics=metrics,
-        )
+            sample_id=sample_id, tokens=episode.tokens, mask=episode.mask, logprobs=episode.logprobs,
+            versions=episode.versions, reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
+        ), episode
+
+    async def ranked_conversation(self, task: protocol.Task, journal: Journal | None) -> protocol.TrajectoryGroup:
+        """CollabLLM's data generation: at each assistant turn, `group_size` responses to
+        the conversation so far, each scored by MR; the best carries the conversation on
+        (the user simulator answers it), until the user ends it, `max_turns`, or a turn
+        whose best response is malformed. The group holds every response, trained on its
+        own tokens only and marked with its `turn`; the conversation is the SFT row."""
+        base = self.runner.start(self.task_set.context(task.example), f"task{task.task_id}/g", journal)
+        samples: list[protocol.Sample] = []
+        responses: list[str] = []
+        for turn in range(self.runner.spec.max_turns):
+            allowance = FuturesAllowance(self.spec, task.group_size)
+            candidates = await gather_all(*(
+                self.scored_sample(task, f"{self.job_id}:{task.task_id}:{turn}:{index}", allowance,
+                                   self.candidate(base, f"j{turn}c{index}"))
+                for index in range(task.group_size)))
+            for sample, episode in candidates:
+                sample.metrics |= {"turn": float(turn), "context_messages": float(len(base.messages))}
+                samples.append(sample)
+                responses.append(episode.messages[-1]["content"])
+            best_sample, best = max(candidates, key=lambda c: c[0].reward)
+            base = replace(best, trace=base.trace, mask=[0] * len(best.tokens))  # context from here on
+            if not best.well_formed() or turn == self.runner.spec.max_turns - 1:
+                break
+            if not await self.runner.user_turn(base, task.example):
+                break
+        metrics = self.task_set.metrics(task.example, base.messages) | {"well_formed": float(base.well_formed())}
+        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
+                                        server_id=self.server_id, elapsed_s=0.0, conversation=base.messages,
+                                        conversation_metrics=metrics, responses=responses)
+
+    async def candidate(self, base: Episode, name: str) -> Episode:
+        """One response to the conversation in `base`, on a fork of it."""
+        episode = base.fork(name)
+        await self.runner.policy_turn(episode)
+        return episode
 
     def count_spend(self, spend: Spend, episode: Episode, scored: list[Episode]) -> dict[str, float]:
         """The sample's LLM-call costs, as Prometheus counters and as sample metrics."""

@@ -170,7 +170,8 @@ class RolloutServer:
         if tools is not None:
             chat = chat.with_tools(tools.schemas())
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)
-        return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id)
+        return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id,
+                            generate=spec.kind == "generate")
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(

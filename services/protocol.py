@@ -58,6 +58,12 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server_id: str
     elapsed_s: float
     """Wall time from the task's arrival at the rollout server to this message."""
+    conversation: list[dict[str, str]] = []
+    """Generate jobs: the conversation the best responses made (the SFT row)."""
+    conversation_metrics: dict[str, float] = {}
+    """Generate jobs: the task's metrics of that conversation, and `well_formed`."""
+    responses: list[str] = []
+    """Generate jobs: each sample's response text, in sample order."""
 
     def max_version(self) -> int:
         """Newest weight version behind any generated token (-1: none)."""

@@ -68,6 +68,11 @@ class Keys:
         return f"{PREFIX}job:{job_id}:checkpoints"
 
     @staticmethod
+    def datasets(job_id: str) -> str:
+        """What a generate job wrote: dataset name -> JSON {path, rows, description}."""
+        return f"{PREFIX}job:{job_id}:datasets"
+
+    @staticmethod
     def judge_budget(upstream: str) -> str:
         return f"{PREFIX}judge:budget:{upstream}"
 

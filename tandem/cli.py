@@ -135,6 +135,13 @@ def cmd_follow(args: argparse.Namespace) -> None:
     print(f"{args.job_id}: {record['status']} {record.get('error') or ''}")
 
 
+def cmd_datasets(args: argparse.Namespace) -> None:
+    from tandem.client import ApiClient
+
+    for dataset in ApiClient(args.api, args.token).datasets(args.job_id):
+        print(f"{dataset['name']:8} {dataset['rows']:>7} rows  {dataset['path']}")
+
+
 def cmd_cancel(args: argparse.Namespace) -> None:
     from tandem.client import ApiClient
 
@@ -184,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_submit)
     for name, run, help_text in (("status", cmd_status, "show a job"),
                                  ("follow", cmd_follow, "follow a job with a progress bar"),
+                                 ("datasets", cmd_datasets, "list the files a generate job wrote"),
                                  ("cancel", cmd_cancel, "cancel a job")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("job_id")

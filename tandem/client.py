@@ -44,6 +44,9 @@ class ApiClient:
     def checkpoints(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def datasets(self, job_id: str) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/datasets")
+
 
 def load_spec_file(path: str | Path) -> dict:
     text = Path(path).read_text()
@@ -60,21 +63,23 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
     from tqdm import tqdm
 
     record = client.get(job_id)
-    steps = record["spec"]["train"]["num_steps"]
+    spec = record["spec"]
+    generate = spec.get("kind") == "generate"
+    total = spec["generate"]["conversations"] if generate else spec["train"]["num_steps"]
     history: list[dict] = []
-    bar = tqdm(total=steps, desc=f"{job_id} {record['status'].lower()}", unit="step", dynamic_ncols=True,
-               mininterval=1.0)
+    bar = tqdm(total=total, desc=f"{job_id} {record['status'].lower()}", unit="conv" if generate else "step",
+               dynamic_ncols=True, mininterval=1.0)
     while True:
         record = client.get(job_id)
         new = client.history(job_id, start=len(history))
         history += new
         for message in (m for h in new for m in h.get("health", [])):
             bar.write(f"{job_id}: {message}")
-        rl = [h for h in history if h.get("phase") == "rl"]
+        steps = [h for h in history if h.get("phase") in ("rl", "offline", "generate")]
         bar.set_description(f"{job_id} {_phase(record, history)}")
-        if rl:
-            bar.n = rl[-1]["step"]
-            bar.set_postfix(_postfix(rl), refresh=False)
+        if steps:
+            bar.n = steps[-1]["step"]
+            bar.set_postfix(_postfix(steps), refresh=False)
         bar.refresh()
         if record["status"] in TERMINAL:
             bar.close()
@@ -87,11 +92,17 @@ def _phase(record: dict, history: list[dict]) -> str:
         return record["status"].lower()
     if history and history[-1].get("phase") == "sft":
         return f"warm start {history[-1]['sft_step']}"
-    return "rl" if history else "starting"
+    return history[-1]["phase"] if history else "starting"
 
 
 def _postfix(rl: list[dict]) -> dict[str, str]:
     last = rl[-1]
+    if last["phase"] == "generate":
+        return {"sft rows": str(last["sft_rows"]), "pairs": str(last["pairs"]),
+                "success": f"{last.get('success', 0.0):.2f}"}
+    if last["phase"] == "offline":
+        return {"loss": f"{last['loss']:.3f}", "accuracy": f"{last['preference_accuracy']:.2f}",
+                "margin": f"{last['reward_margin']:.2f}", "epoch": f"{last['epoch']:.1f}"}
     span = rl[-1]["time"] - rl[0]["time"]
     tokens = sum(h["trained_tokens"] for h in rl[1:])
     return {

@@ -60,6 +60,15 @@ class Checkpoint(BaseModel):
     time: float
 
 
+class Dataset(BaseModel):
+    """A file a generate job wrote (it grows while the job runs)."""
+
+    name: str
+    path: str
+    rows: int
+    description: str
+
+
 class Error(BaseModel):
     detail: str
 
@@ -226,6 +235,13 @@ def jobs_router() -> APIRouter:
     async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
         raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
         return [Checkpoint(**json.loads(r)) for r in raw]
+
+    @router.get("/v1/jobs/{job_id}/datasets", response_model=list[Dataset], responses=ERRORS)
+    async def datasets(request: Request, record: dict = Depends(owned)) -> list[Dataset]:
+        """The files a generate job wrote: `sft` (a warm start's data) and `pairs` (an
+        offline job's train.data); none for other kinds."""
+        raw = await request.app.state.redis.hgetall(Keys.datasets(record["id"]))
+        return [Dataset(name=name.decode(), **json.loads(value)) for name, value in sorted(raw.items())]
 
     @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
     async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:

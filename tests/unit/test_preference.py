@@ -88,3 +88,13 @@ def test_an_empty_file_is_an_error(tmp_path):
     (tmp_path / "pairs.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no preference pairs"):
         preference.load_pairs(tmp_path / "pairs.jsonl")
+
+
+def test_offline_batches_cover_every_pair_once_per_pass_and_depend_on_the_step_alone():
+    from learner.offline import step_pairs
+
+    passes = [step_pairs(10, 5, step, seed=3) + step_pairs(10, 5, step + 1, seed=3) for step in (0, 2, 4)]
+    assert all(sorted(p) == list(range(10)) for p in passes)  # each pass: every pair once
+    assert passes[0] != passes[1]  # reshuffled every pass
+    assert step_pairs(10, 4, 2, seed=3) == step_pairs(10, 4, 2, seed=3)  # a resumed run trains the same batch
+    assert step_pairs(10, 4, 2, seed=3)[:2] == passes[0][8:]  # a batch across a pass boundary
