@@ -1,0 +1,231 @@
+"""CollabLLM's training recipes on the clarify task, from one warm start, same sample budget.
+
+One warm start (SFT on asking and guessing dialogues, a job of its own), then per seed
+four recipes from it, each through the whole system (REST API, rollout server, learner):
+
+    next-turn GRPO  the next-turn reward (w = 0): R* of the conversation as it stands
+    MR GRPO         the multiturn-aware reward (w = 2, S = 3), as bench/collab_clarify.py
+    offline DPO     a generate job plays conversations with the warm policy, ranking each
+                    turn's responses by MR; an offline job trains DPO on its pairs
+    online DPO      MR as for GRPO; each group's best and worst response are a pair,
+                    trained as they arrive (staleness bound as for RL)
+
+Same budget: the RL recipes sample steps x batch x group responses; the generate job plays
+half as many conversations, which rank about as many responses, since a conversation runs
+to a second turn whenever the best of its first responses asks, most of the time (the
+table gives each recipe's count). Futures are sampled on top in every MR recipe. Then every policy plays the same held-out conversations from the bare request:
+task success, policy tokens per conversation, share of first turns that ask.
+
+Run: python bench/collab_recipes.py [--seeds 3] [--steps 60] [--eval 512] [--recipes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from collab_clarify import (FOLLOWUP_SHARE, KL_COEF, LR, REWARDS, WARM_START_STEPS,  # noqa: E402
+                            evaluate_policies, spread)
+
+from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
+from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
+from tandem.launcher import Ports, Stack  # noqa: E402
+
+MR, NEXT_TURN = REWARDS["multiturn (w=2, S=3)"], REWARDS["next-turn (w=0)"]
+RECIPES = ("next-turn GRPO", "MR GRPO", "offline DPO", "online DPO")
+WARM = "warm start (SFT)"
+DPO = {"algorithm": "dpo", "dpo_beta": 0.1, "kl_coef": 0.0}
+PAIR_MARGIN = 0.2
+"""The least MR gap for a pair: two responses that both ask differ in MR by the luck of
+their futures alone, and such pairs teach nothing but noise."""
+
+
+def base_spec(out: Path, steps: int) -> dict:
+    base = prepare(out, load_spec_file(DEMO_SPEC))
+    base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
+    base["task"]["followup_share"] = FOLLOWUP_SHARE
+    base["warm_start"]["steps"] = WARM_START_STEPS
+    return base
+
+
+def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
+    job_id = client.submit(spec)["id"]
+    started = time.monotonic()
+    record = follow(client, job_id)
+    if record["status"] != "SUCCEEDED":
+        raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
+    return {"job_id": job_id, "seconds": time.monotonic() - started, "history": client.history(job_id)}
+
+
+def recipe_spec(base: dict, recipe: str, warm: Path, seed: int) -> dict:
+    """A recipe's (first) job: every one starts from the warm policy, with no warm start of its own."""
+    spec = copy.deepcopy(base) | {"name": f"{recipe.lower().replace(' ', '-')}-s{seed}"}
+    spec["model"]["path"] = str(warm)
+    spec["warm_start"]["steps"] = 0
+    spec["train"]["seed"] = seed
+    reward = NEXT_TURN if recipe == "next-turn GRPO" else MR
+    spec["reward"] = reward | {"scale_advantage_by_std": False}
+    if recipe == "online DPO":
+        spec["train"] |= DPO | {"pair_margin": PAIR_MARGIN}
+    if recipe == "offline DPO":  # the generate job; the offline job follows on its pairs
+        spec["kind"] = "generate"
+        spec["task"]["followup_share"] = 0.0  # a generated conversation reaches every turn itself
+        steps, batch = spec["train"]["num_steps"], spec["train"]["batch_size"]
+        spec["generate"] = {"conversations": steps * batch // 2, "pair_margin": PAIR_MARGIN}
+    return spec
+
+
+def run_recipe(client: ApiClient, base: dict, recipe: str, warm: Path, seed: int, out: Path) -> dict:
+    """One recipe for one seed: its jobs, the policy it ends with, the responses it ranked."""
+    first = run_job(client, recipe_spec(base, recipe, warm, seed), out)
+    if recipe != "offline DPO":
+        steps = [h for h in first["history"] if h.get("phase") == "rl"]
+        return {"job_id": first["job_id"], "seconds": first["seconds"], "curve": curve(steps),
+                "responses": sum(h["samples"] for h in steps)}
+    pairs = next(d for d in client.datasets(first["job_id"]) if d["name"] == "pairs")
+    spec = copy.deepcopy(base) | {"name": f"offline-dpo-s{seed}", "kind": "offline"}
+    spec["model"]["path"] = str(warm)
+    spec["warm_start"]["steps"] = 0
+    spec["train"] |= DPO | {"seed": seed, "data": pairs["path"]}
+    second = run_job(client, spec, out)
+    generated = [h for h in first["history"] if h.get("phase") == "generate"]
+    offline = [h for h in second["history"] if h.get("phase") == "offline"]
+    return {"job_id": second["job_id"], "generate_job_id": first["job_id"],
+            "seconds": first["seconds"] + second["seconds"], "pairs": pairs["rows"],
+            "responses": sum(h["responses"] for h in generated), "curve": curve(offline)}
+
+
+def curve(steps: list[dict]) -> dict[str, list]:
+    keys = ("reward_mean", "asked", "well_formed", "preference_accuracy", "reward_margin", "pairs")
+    return {key: [h.get(key) for h in steps] for key in keys if any(key in h for h in steps)}
+
+
+def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, list[dict]]]:
+    base = base_spec(out, args.steps)
+    runs: dict[str, list[dict]] = {recipe: [] for recipe in args.recipes}
+    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
+        client = ApiClient(stack.api_url)
+        spec = copy.deepcopy(base) | {"name": "recipes-warm-start"}
+        spec["train"]["num_steps"] = 1
+        print(f"warm start ({WARM_START_STEPS} SFT steps)")
+        warm = out / "runs" / run_job(client, spec, out)["job_id"] / "policy-warm-start"
+        for seed in range(args.seeds):
+            for recipe in args.recipes:
+                print(f"\n{recipe}, seed {seed}")
+                runs[recipe].append(run_recipe(client, base, recipe, warm, seed, out) | {"seed": seed})
+                (out / "training.json").write_text(json.dumps({"warm_policy": str(warm), "runs": runs}))
+    return warm, runs
+
+
+FIGURES = ("success", "tokens", "asked")
+
+
+def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total_s: float) -> dict:
+    rows = [{"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
+            for (label, seed), result in results.items()]
+    summary = {}
+    for label in (WARM, *args.recipes):
+        mine = [r for r in rows if r["policy"] == label]
+        summary[label] = {k: spread([r[k] for r in mine]) for k in FIGURES}
+        if label in runs:
+            summary[label]["responses"] = spread([run["responses"] for run in runs[label]])
+            summary[label]["minutes"] = spread([run["seconds"] / 60 for run in runs[label]])
+    success = {label: s["success"]["mean"] for label, s in summary.items()}
+    checks = {}
+    if "online DPO" in success:
+        checks["online_dpo_at_least_0.85"] = summary["online DPO"]["success"]["mean"] >= 0.85
+        if "next-turn GRPO" in success:
+            checks["online_dpo_beats_next_turn_by_0.3"] = success["online DPO"] - success["next-turn GRPO"] >= 0.3
+    if "offline DPO" in success:
+        checks["offline_dpo_beats_warm_start"] = success["offline DPO"] > success[WARM]
+    return {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
+            "total_seconds": total_s, "summary": summary, "checks": checks, "runs": rows,
+            "curves": {recipe: [{"seed": run["seed"], **run["curve"]} for run in recipe_runs]
+                       for recipe, recipe_runs in runs.items()},
+            "pairs": {"offline DPO": [run["pairs"] for run in runs.get("offline DPO", [])]}}
+
+
+def print_report(report: dict) -> None:
+    print(f"\nclarify task, {report['steps']} steps per recipe, {report['seeds']} seed(s), "
+          f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
+          f"{report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds")
+    print(f"{'policy':>18} {'success':>22} {'tokens/conv':>12} {'first turn asks':>16} {'responses':>10} "
+          f"{'minutes':>8}")
+    for label, s in report["summary"].items():
+        cell = f"{s['success']['min']:.3f} / {s['success']['mean']:.3f} / {s['success']['max']:.3f}"
+        responses = f"{s['responses']['mean']:.0f}" if "responses" in s else "-"
+        minutes = f"{s['minutes']['mean']:.1f}" if "minutes" in s else "-"
+        print(f"{label:>18} {cell:>22} {s['tokens']['mean']:>12.1f} {s['asked']['mean']:>16.3f} {responses:>10} "
+              f"{minutes:>8}")
+    print("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["checks"].items()))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, asks) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = list(report["summary"])
+    for i, label in enumerate(labels):
+        s = report["summary"][label]["success"]
+        bars.bar(i, s["mean"], color="tab:gray" if label == WARM else "tab:blue", alpha=0.7)
+        seeds = [r["success"] for r in report["runs"] if r["policy"] == label]
+        bars.scatter([i] * len(seeds), seeds, color="black", s=12, zorder=3)
+    bars.set_xticks(range(len(labels)), [label.replace(" ", "\n", 1) for label in labels], fontsize=8)
+    bars.set_ylim(0, 1.05)
+    bars.set_title("held-out task success (bar: mean; dots: seeds)")
+    colours = dict(zip(RECIPES, ("tab:orange", "tab:blue", "tab:purple", "tab:green")))
+    for recipe, runs in report["curves"].items():
+        for run in runs:
+            values = run.get("asked")
+            if values:
+                asks.plot(range(1, len(values) + 1), [float("nan") if v is None else v for v in values],
+                          color=colours[recipe], alpha=0.7, lw=1.2, label=recipe if run["seed"] == 0 else None)
+    asks.set_title("share of training responses that ask (online recipes)")
+    asks.set_xlabel("learner step")
+    asks.set_ylim(-0.05, 1.05)
+    asks.grid(alpha=0.3)
+    asks.legend(fontsize=8, loc="center right")
+    fig.suptitle(f"CollabLLM recipes on the clarify task: {report['seeds']} seed(s), one warm start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument("--out", default="bench/results/collab_recipes")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    warm, runs = train(out, args)
+    policies = {}
+    for seed in range(args.seeds):
+        policies[(WARM, seed)] = warm
+        policies |= {(recipe, seed): out / "runs" / runs[recipe][seed]["job_id"] / "policy" for recipe in args.recipes}
+    results = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
+    report = make_report(args, runs, results, time.monotonic() - started)
+    print_report(report)
+    (out / "collab_recipes.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "collab_recipes.png")
+    print(f"wrote {out / 'collab_recipes.json'} and {out / 'collab_recipes.png'}")
+
+
+if __name__ == "__main__":
+    main()
