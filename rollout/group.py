@@ -137,7 +137,8 @@ class GroupRollout:
                 samples.append(sample)
                 responses.append(episode.messages[-1]["content"])
             best_sample, best = max(candidates, key=lambda c: c[0].reward)
-            base = replace(best, trace=base.trace, mask=[0] * len(best.tokens))  # context from here on
+            # A copy (the best sample keeps its own tokens), all context from here on.
+            base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens))
             if not best.well_formed() or turn == self.runner.spec.max_turns - 1:
                 break
             if not await self.runner.user_turn(base, task.example):

@@ -143,3 +143,59 @@ async def test_reward_slots_bound_the_rewards_computed_at_once(tokenizer):
     assert peak == 2
     assert references == [RIGHT] * 6  # the task's reference answer
     assert [s.reward for s in group.samples] == [1.5] * 6  # R_ext + judge_weight * R_llm
+
+
+class RankedPolicy:
+    """For a generate job: before the clarification it replies WRONG, the question, WRONG...
+    in turn; once told, RIGHT for the question's future, then RIGHT, WRONG, RIGHT for the
+    second turn's candidates (the turn-0 futures all run before turn 1 starts)."""
+
+    def __init__(self, chat: ChatTokenizer) -> None:
+        self.chat = chat
+        self.untold = itertools.cycle([WRONG, clarify.question(TARGET.category)])
+        self.told = iter([RIGHT, RIGHT, WRONG, RIGHT])
+
+    async def generate(self, prompt, max_tokens, temperature, stop_ids) -> Generation:
+        await asyncio.sleep(0)
+        told = clarify.clarification(TARGET.target) in self.chat.tokenizer.decode(prompt)
+        tokens = self.chat.tokenizer.encode(next(self.told if told else self.untold), add_special_tokens=False)
+        tokens += [self.chat.eot_id]
+        return Generation(tokens, [-0.5] * len(tokens), [0] * len(tokens), "stop")
+
+
+async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokenizer):
+    from learner.generate import group_rows
+
+    chat = ChatTokenizer(tokenizer)
+    runner = EpisodeRunner(RankedPolicy(chat), chat, TASK.rule_user,
+                           RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400))
+    spec = RewardSpec(mode="multiturn", window=1, num_futures=1, token_penalty=0.0)
+    rollout = GroupRollout(runner, TASK, spec, None, asyncio.Semaphore(8), "server-a", "job-gen", generate=True)
+    question = clarify.question(TARGET.category)
+
+    group = await rollout.group(task("job-gen", 3))
+
+    # Turn 0: WRONG, the question, WRONG; the question wins (its future answers right).
+    # Turn 1, after the clarification: RIGHT, WRONG, RIGHT; the user then ends it.
+    assert [int(s.metrics["turn"]) for s in group.samples] == [0, 0, 0, 1, 1, 1]
+    assert [s.reward for s in group.samples] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert group.responses == [WRONG, question, WRONG, RIGHT, WRONG, RIGHT]
+    assert [m["content"] for m in group.conversation] == [
+        clarify.request(TARGET), question, clarify.clarification(TARGET.target), RIGHT]
+    assert group.conversation_metrics["success"] == 1.0 and group.conversation_metrics["well_formed"] == 1.0
+    assert len({s.sample_id for s in group.samples}) == 6
+    for sample in group.samples:  # each trains its own response only, after the conversation so far
+        context = group.conversation[:int(sample.metrics["context_messages"])]
+        start = sample.mask.index(1)
+        assert sample.tokens[:start] == chat.prompt(context)
+        assert all(sample.mask[start:])
+
+    sft, pairs, without = group_rows(group, example=EXAMPLE, margin=0.5)
+
+    assert sft["messages"] == group.conversation and sft["success"] == 1.0 and without == 0
+    assert [(p["turn"], p["chosen_text"], p["rejected_text"]) for p in pairs] == [
+        (0, question, WRONG), (1, RIGHT, WRONG)]
+    assert pairs[1]["context"] == group.conversation[:3]
+    assert pairs[1]["context_ids"] == chat.prompt(group.conversation[:3])
+    assert tokenizer.decode(pairs[0]["chosen_ids"], skip_special_tokens=True) == question
+    assert group_rows(group, example=EXAMPLE, margin=1.5)[1:] == ([], 2)  # no gap that wide
