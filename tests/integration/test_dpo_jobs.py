@@ -125,3 +125,4 @@ def test_online_dpo_trains_each_groups_best_and_worst_response(learner, redis_ur
         assert {"preference_accuracy", "reward_margin", "logprob_chosen", "logprob_rejected"} <= step.keys()
     assert sum(step["pairs"] for step in steps) > 0
     assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)  # the first step is at the reference
+
