@@ -16,7 +16,7 @@ spread is the evaluation's own (sampling at the job's temperature). Per policy: 
 policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
 training reward and the share of episodes with a call that ran.
 
-Run: python bench/tool_use.py [--seeds 3] [--steps 40] [--eval 256] [--warm-policy DIR]
+Run: python bench/tool_use.py [--seeds 3] [--steps 80] [--eval 256] [--warm-policy DIR]
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
     parser.add_argument("--tool-share", type=float, default=0.3, help="warm-start demonstrations that call")
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
