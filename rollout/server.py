@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
@@ -95,6 +97,7 @@ class RolloutServer:
 
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, log_task_stacks)
         log.info("rollout server %s up: %s", self.server_id, self.settings.loggable())
         backoff_s = 1.0
         try:
@@ -238,7 +241,10 @@ class ServedJob:
         await pubsub.subscribe(Keys.events(self.job_id))
         try:
             while True:
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                try:  # the event only wakes the loop early; the plan key is what counts
+                    await asyncio.wait_for(pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2), 2.0)
+                except TimeoutError:
+                    log.warning("reading job %s's events stalled; polling the weight plan instead", self.job_id)
                 plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
                 if plan_bytes:
                     await self.apply_plan(plan_bytes)
@@ -252,10 +258,10 @@ class ServedJob:
         if key == self.synced_plan or server_id not in plan.ranks:
             return
         started = time.perf_counter()
-        try:
-            result = await self.server.engine.update_weights(
+        try:  # bounded: a stalled update must not keep this server from the next plan
+            result = await asyncio.wait_for(self.server.engine.update_weights(
                 plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode
-            )
+            ), timeout=plan.timeout_s * (len(plan.buckets) + 2))
         except Exception:  # a missed collective: wait to be included in the next epoch
             log.exception("weight update to version %d failed", plan.version)
             self.synced_plan = key
@@ -326,6 +332,18 @@ class ServedJob:
 
 class _JobEnded(Exception):
     pass
+
+
+def log_task_stacks() -> None:
+    """SIGUSR1: every asyncio task's stack into the log, to see what a stalled server waits on
+    (`kill -USR1 <pid>`)."""
+    tasks = asyncio.all_tasks()
+    log.warning("SIGUSR1: %d asyncio tasks", len(tasks))
+    for task in tasks:
+        frames = task.get_stack(limit=12)
+        where = " <- ".join(f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
+                            for f in reversed(frames))
+        log.warning("task %s: %s", task.get_name(), where or "(not started)")
 
 
 def _load_tokenizer(path: str):
