@@ -235,21 +235,16 @@ class ServedJob:
             log.info("job %s ended", self.job_id)
 
     async def follow_weights(self) -> None:
-        """Apply every weight plan that names this server, as soon as it is announced."""
+        """Apply every weight plan that names this server, as soon as it is announced
+        (polled: a pub/sub read with a timeout once let a CancelledError escape on
+        Python 3.11, which ended this task silently and left the server deaf to every
+        later plan while it went on heartbeating)."""
         redis = self.server.redis
-        pubsub = redis.pubsub()
-        await pubsub.subscribe(Keys.events(self.job_id))
-        try:
-            while True:
-                try:  # the event only wakes the loop early; the plan key is what counts
-                    await asyncio.wait_for(pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2), 2.0)
-                except TimeoutError:
-                    log.warning("reading job %s's events stalled; polling the weight plan instead", self.job_id)
-                plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
-                if plan_bytes:
-                    await self.apply_plan(plan_bytes)
-        finally:
-            await pubsub.aclose()
+        while True:
+            plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
+            if plan_bytes:
+                await self.apply_plan(plan_bytes)
+            await asyncio.sleep(WEIGHT_POLL_S)
 
     async def apply_plan(self, plan_bytes: bytes) -> None:
         server_id = self.server.server_id
@@ -330,6 +325,10 @@ class ServedJob:
         EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
 
 
+WEIGHT_POLL_S = 0.05
+"""How often a server looks for a new weight plan (one HGET)."""
+
+
 class _JobEnded(Exception):
     pass
 
@@ -340,10 +339,13 @@ def log_task_stacks() -> None:
     tasks = asyncio.all_tasks()
     log.warning("SIGUSR1: %d asyncio tasks", len(tasks))
     for task in tasks:
-        frames = task.get_stack(limit=12)
-        where = " <- ".join(f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
-                            for f in reversed(frames))
-        log.warning("task %s: %s", task.get_name(), where or "(not started)")
+        chain, awaited = [], task.get_coro()
+        while awaited is not None and len(chain) < 20:  # the await chain, outermost first
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is not None:
+                chain.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+        log.warning("task %s: %s", task.get_name(), " -> ".join(chain) or repr(task))
 
 
 def _load_tokenizer(path: str):
