@@ -43,7 +43,8 @@ class Driver:
     def __init__(self, settings: LearnerSettings, worker: Worker) -> None:
         self.settings = settings
         self.worker = worker
-        self.redis = aioredis.from_url(settings.redis_url)
+        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=32, timeout=30.0))  # waits for a connection, never fails for one
         self.current_job = ""
         self.stop_requested = False
 

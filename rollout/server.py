@@ -58,6 +58,8 @@ ENGINE_BUSY_RATIO = Gauge("tandem_rollout_engine_busy_ratio",
 VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
 
 
+REDIS_CONNECTIONS = 64
+"""Redis connections per rollout server; more callers wait for one."""
 REDIS_REPLY_TIMEOUT_S = 30.0
 """The longest wait for any Redis reply. Every blocking read here blocks for well under a
 second, so a reply this late is lost: the wait ends in a TimeoutError, which `run` treats
@@ -73,7 +75,12 @@ class RolloutServer:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
         self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = aioredis.from_url(settings.redis_url, socket_timeout=REDIS_REPLY_TIMEOUT_S)
+        # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
+        # once (journal, streams); they wait for a free connection instead of failing with
+        # "Too many connections" (redis-py 8 caps a plain pool at 100).
+        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_REPLY_TIMEOUT_S,
+            socket_timeout=REDIS_REPLY_TIMEOUT_S))
         self.engine: Engine | None = None
         self.job: ServedJob | None = None
         self.inflight: dict[bytes, asyncio.Task] = {}
