@@ -62,12 +62,14 @@ class Trainer:
         logits = logits.float() / self.spec.rollout.temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         picked = logp.gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)
-        picked = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1).flatten()[micro.keep]
+        # new_zeros, not zeros_like(x[:, :1]): a rank's empty share is one 1-token row, whose
+        # x has no column to take a shape from.
+        picked = torch.cat([picked.new_zeros(len(picked), 1), picked], dim=1).flatten()[micro.keep]
         entropy = None
         if with_entropy:
             with torch.no_grad():
                 ent = loss.entropy_from_logits(logits[:, :-1])
-                entropy = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1).flatten()[micro.keep]
+                entropy = torch.cat([ent.new_zeros(len(ent), 1), ent], dim=1).flatten()[micro.keep]
         return picked, entropy
 
     # ---- steps ---------------------------------------------------------------------

@@ -74,3 +74,23 @@ def test_a_zero_gradient_leaves_parameters_moments_and_schedule_alone():
     assert torch.equal(model.weight.detach(), before)
     assert all(torch.equal(optimizer.state[model.weight][k], v) for k, v in moments.items())
     assert scheduler.last_epoch == 1 and model.weight.grad is None
+
+
+def test_an_empty_share_gives_one_placeholder_logprob_and_a_dpo_step_on_no_pairs_moves_nothing(tiny_model,
+                                                                                                process_group):
+    """A rank with no sequence (fewer pairs than ranks) still runs its forward: the
+    placeholder row is one token long, and its logprobs must not fail on that."""
+    from learner.trainer import Trainer
+    from services.config import JobSpec, ModelSpec, TrainSpec
+
+    trainer = Trainer(JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(algorithm="dpo")),
+                      torch.device("cpu"))
+    trainer.start_rl()
+    empty = trainer.batches.collate([], [])
+    logprobs, entropy = trainer.token_logprobs(empty, with_entropy=True)
+    assert logprobs.tolist() == [0.0] and entropy.tolist() == [0.0]
+    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
+    before = {n: full(p) for n, p in trainer.model.named_parameters()}
+    metrics = trainer.dpo_step([])
+    assert metrics["pairs"] == 0 and metrics["skipped_updates"] == 1.0
+    assert all(torch.equal(before[n], full(p)) for n, p in trainer.model.named_parameters())
