@@ -261,9 +261,11 @@ class ServedJob:
             return
         started = time.perf_counter()
         try:  # bounded: a stalled update must not keep this server from the next plan
-            result = await asyncio.wait_for(self.server.engine.update_weights(
-                plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode
-            ), timeout=plan.timeout_s * (len(plan.buckets) + 2))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # lands as its inner call finishes, and a job's end then never stops this loop.
+            async with asyncio.timeout(plan.timeout_s * (len(plan.buckets) + 2)):
+                result = await self.server.engine.update_weights(
+                    plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode)
         except Exception:  # a missed collective: wait to be included in the next epoch
             log.exception("weight update to version %d failed", plan.version)
             self.synced_plan = key

@@ -162,8 +162,9 @@ class ToolBox:
         async with self.slots[call.name]:
             self.in_flight[call.name] += 1
             self.most_in_flight[call.name] = max(self.most_in_flight[call.name], self.in_flight[call.name])
-            try:
-                content, failure = await asyncio.wait_for(self.tools[call.name].call(call.arguments), timeout), ""
+            try:  # asyncio.timeout: Python 3.11's wait_for can swallow the episode's cancel
+                async with asyncio.timeout(timeout):
+                    content, failure = await self.tools[call.name].call(call.arguments), ""
             except TimeoutError:
                 content, failure = f"error: {call.name} did not answer within {timeout:g} s", "timeout"
             except ToolError as exc:
