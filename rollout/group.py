@@ -136,7 +136,7 @@ class GroupRollout:
                 sample.metrics |= {"turn": float(turn), "context_messages": float(len(base.messages))}
                 samples.append(sample)
                 responses.append(episode.messages[-1]["content"])
-            best_sample, best = max(candidates, key=lambda c: c[0].reward)
+            _, best = max(candidates, key=lambda c: c[0].reward)
             # A copy (the best sample keeps its own tokens), all context from here on.
             base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens))
             if not best.well_formed() or turn == self.runner.spec.max_turns - 1:
