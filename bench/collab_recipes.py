@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO))
 
 from collab_clarify import (FOLLOWUP_SHARE, KL_COEF, LR, REWARDS, WARM_START_STEPS,  # noqa: E402
                             evaluate_policies, spread)
+from tool_use import run_job  # noqa: E402
 
-from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
+from tandem.client import ApiClient, load_spec_file  # noqa: E402
 from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
 
@@ -62,15 +63,6 @@ def base_spec(out: Path, steps: int) -> dict:
     base["task"]["followup_share"] = FOLLOWUP_SHARE
     base["warm_start"]["steps"] = WARM_START_STEPS
     return base
-
-
-def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
-    job_id = client.submit(spec)["id"]
-    started = time.monotonic()
-    record = follow(client, job_id)
-    if record["status"] != "SUCCEEDED":
-        raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
-    return {"job_id": job_id, "seconds": time.monotonic() - started, "history": client.history(job_id)}
 
 
 def recipe_spec(base: dict, recipe: str, warm: Path, seed: int) -> dict:

@@ -59,13 +59,14 @@ def prepare(out: Path, spec: dict, tool_share: float) -> dict:
 
 
 def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
+    """Submit `spec`, follow it to its end; its id, seconds and whole history (an error
+    naming the logs unless it SUCCEEDED)."""
     job_id = client.submit(spec)["id"]
     started = time.monotonic()
     record = follow(client, job_id)
     if record["status"] != "SUCCEEDED":
         raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
-    return {"job_id": job_id, "seconds": time.monotonic() - started,
-            "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]}
+    return {"job_id": job_id, "seconds": time.monotonic() - started, "history": client.history(job_id)}
 
 
 def train(out: Path, base: dict, args: argparse.Namespace) -> tuple[Path, list[dict]]:
@@ -134,9 +135,10 @@ def make_report(args: argparse.Namespace, runs: list[dict], results: dict, total
     summary = {label: {k: spread([r[k] for r in rows if r["policy"] == label]) for k in FIGURES}
                for label in POLICIES}
     warm, rl = summary[POLICIES[0]]["success"]["mean"], summary[POLICIES[1]]["success"]["mean"]
-    curves = [{"seed": run["seed"], "reward_mean": [h["reward_mean"] for h in run["history"]],
-               "tool_used": [h.get("tool_used", 0.0) for h in run["history"]],
-               "success": [h.get("success", 0.0) for h in run["history"]]} for run in runs]
+    steps = [(run["seed"], [h for h in run["history"] if h.get("phase") == "rl"]) for run in runs]
+    curves = [{"seed": seed, "reward_mean": [h["reward_mean"] for h in rl],
+               "tool_used": [h.get("tool_used", 0.0) for h in rl],
+               "success": [h.get("success", 0.0) for h in rl]} for seed, rl in steps]
     return {"steps": args.steps, "seeds": args.seeds, "tool_share": args.tool_share,
             "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
             "train_seconds": [run["seconds"] for run in runs], "summary": summary, "runs": rows, "curves": curves,

@@ -58,6 +58,7 @@ from judge_proxy.upstream import (
 from services.config import JudgeProxySettings
 from services.judge_api import GroupJudgeResult, JudgeResult
 from services.judge_client import backoff_s
+from services.queues import connect
 from services.stats import TrailingRate
 
 log = logging.getLogger(__name__)
@@ -194,9 +195,8 @@ class Proxy:
     def from_settings(cls, settings: JudgeProxySettings) -> "Proxy":
         # A blocking pool: a burst of requests waits for a free Redis connection instead of
         # failing with "Too many connections" (500s to clients) once all are in use.
-        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=REDIS_CONNECTIONS,
-                                                        timeout=REDIS_CONNECTION_WAIT_S)
-        return cls(settings, load_upstreams(settings.upstreams), aioredis.Redis(connection_pool=pool))
+        return cls(settings, load_upstreams(settings.upstreams),
+                   connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S))
 
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:

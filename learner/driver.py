@@ -26,7 +26,7 @@ from learner.step_log import JobUnhealthy, StepLog, rl_record
 from services import jobs, preference, protocol
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
-from services.queues import FIELD, Delivery, Keys, StreamConsumer
+from services.queues import FIELD, Delivery, Keys, StreamConsumer, connect
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ class Driver:
     def __init__(self, settings: LearnerSettings, worker: Worker) -> None:
         self.settings = settings
         self.worker = worker
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=32, timeout=30.0))  # waits for a connection, never fails for one
+        self.redis = connect(settings.redis_url, max_connections=32, wait_s=30.0)
         self.current_job = ""
         self.stop_requested = False
 

@@ -44,6 +44,7 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
     turns: dict[int, list[int]] = {}
     for index, sample in enumerate(group.samples):
         turns.setdefault(int(sample.metrics.get("turn", 0)), []).append(index)
+    text = {s.sample_id: t for s, t in zip(group.samples, group.responses)}
     pairs, without = [], 0
     for turn, indices in sorted(turns.items()):
         picked = preference.pick_pair([group.samples[i] for i in indices], margin)
@@ -52,7 +53,6 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
             continue
         chosen, rejected = picked
         start = chosen.mask.index(1)
-        text = {s.sample_id: t for s, t in zip(group.samples, group.responses)}
         context = group.conversation[:int(chosen.metrics.get("context_messages", 0))]
         pairs.append(preference.pair_row(
             chosen.tokens[:start], chosen, rejected, turn=turn, example=example, task_id=group.task_id,

@@ -183,8 +183,9 @@ def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOu
     return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
 
 
-DPO_COUNTS = frozenset({"pairs"})
-"""Metrics of `dpo_loss` that are counts; the others are sums over pairs, reported per pair."""
+DPO_METRICS = ("pairs", "preference_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
+               "logprob_chosen", "logprob_rejected")
+"""What `dpo_loss` reports: `pairs` is a count; the others are sums over pairs, reported per pair."""
 
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,

@@ -151,10 +151,9 @@ class Trainer:
             (out.loss * self.world_size).backward()
             accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
         grad_norm, stepped = self._optimizer_step()
-        names = ("loss", "pairs", "preference_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
-                 "logprob_chosen", "logprob_rejected")
-        reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in names})
-        metrics = {name: value if name in loss.DPO_COUNTS | {"loss"} else value / max(num_pairs, 1)
+        # Every rank reduces every name, whether or not its share had pairs.
+        reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in ("loss", *loss.DPO_METRICS)})
+        metrics = {name: value if name in ("loss", "pairs") else value / max(num_pairs, 1)
                    for name, value in reduced.items()}
         return metrics | {"grad_norm": grad_norm, "skipped_updates": float(not stepped)}
 

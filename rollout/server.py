@@ -18,7 +18,6 @@ import socket
 import time
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -35,7 +34,7 @@ from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
-from services.queues import Delivery, Keys, StreamConsumer, publish
+from services.queues import Delivery, Keys, StreamConsumer, connect, publish
 from services.stats import TrailingRate
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 
@@ -78,9 +77,8 @@ class RolloutServer:
         # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
         # once (journal, streams); they wait for a free connection instead of failing with
         # "Too many connections" (redis-py 8 caps a plain pool at 100).
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_REPLY_TIMEOUT_S,
-            socket_timeout=REDIS_REPLY_TIMEOUT_S))
+        self.redis = connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_REPLY_TIMEOUT_S,
+                             socket_timeout=REDIS_REPLY_TIMEOUT_S)
         self.engine: Engine | None = None
         self.job: ServedJob | None = None
         self.inflight: dict[bytes, asyncio.Task] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 from services import protocol
@@ -102,11 +103,11 @@ def row_problem(row: object, vocab_size: int | None = None, max_pair_tokens: int
     return ""
 
 
-def load_pairs(path: str | Path, vocab_size: int | None = None,
-               max_pair_tokens: int | None = None) -> list[protocol.Sample]:
-    """A pairs file -> samples, chosen then rejected per row. A row that is not a pair is a
-    `ValueError` naming the file, the line and what is wrong."""
-    samples = []
+def read_pairs(path: str | Path, vocab_size: int | None = None,
+               max_pair_tokens: int | None = None) -> Iterator[tuple[int, dict]]:
+    """A pairs file's rows with their line numbers. A row that is not a pair, or a file
+    without any, is a `ValueError` naming the file, the line and what is wrong."""
+    found = False
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -118,7 +119,14 @@ def load_pairs(path: str | Path, vocab_size: int | None = None,
             problem = row_problem(row, vocab_size, max_pair_tokens)
             if problem:
                 raise ValueError(f"{path}, line {number}: {problem}")
-            samples += pair_samples(row, f"pair:{number}")
-    if not samples:
+            found = True
+            yield number, row
+    if not found:
         raise ValueError(f"{path}: no preference pairs")
-    return samples
+
+
+def load_pairs(path: str | Path, vocab_size: int | None = None,
+               max_pair_tokens: int | None = None) -> list[protocol.Sample]:
+    """A pairs file -> samples, chosen then rejected per row (errors as `read_pairs`)."""
+    return [s for number, row in read_pairs(path, vocab_size, max_pair_tokens)
+            for s in pair_samples(row, f"pair:{number}")]

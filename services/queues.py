@@ -94,6 +94,15 @@ class Keys:
         return f"{PREFIX}job:{job_id}:journal:{task_id}"
 
 
+def connect(url: str, max_connections: int, wait_s: float, **options) -> aioredis.Redis:
+    """An asyncio Redis client whose pool blocks: a caller finding all `max_connections` in
+    use waits up to `wait_s` for one, instead of failing with "Too many connections" (what a
+    plain pool does, capped at 100 by redis-py 8). `options` go to each connection."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s,
+                                                    **options)
+    return aioredis.Redis(connection_pool=pool)
+
+
 @dataclass
 class Delivery(Generic[M]):
     entry_id: bytes

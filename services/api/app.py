@@ -127,7 +127,8 @@ def check_pairs_file(spec: JobSpec) -> None:
     if spec.kind != "offline" or not Path(spec.train.data).is_file():
         return
     try:
-        preference.load_pairs(spec.train.data, max_pair_tokens=spec.train.max_tokens_per_rank)
+        for _ in preference.read_pairs(spec.train.data, max_pair_tokens=spec.train.max_tokens_per_rank):
+            pass  # every row checked; none kept
     except ValueError as exc:
         raise RequestValidationError([{"type": "value_error", "loc": ("body", "train", "data"),
                                        "input": spec.train.data, "msg": str(exc)}]) from None
