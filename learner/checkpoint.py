@@ -75,7 +75,10 @@ def load(trainer: Trainer, path: Path) -> dict:
                    optim_state_dict=state["optim"])
     if trainer.reference is not None:
         set_state_dict(trainer.reference, [], model_state_dict=state["reference"], optim_state_dict={})
-    torch.set_rng_state(load_file(path / f"rng-{trainer.rank}.safetensors")["cpu"])
+    # Resumed on more ranks than wrote the checkpoint (a learner on more nodes): the new
+    # ranks take rank 0's generator; the training step itself draws no random numbers.
+    rng = path / f"rng-{trainer.rank}.safetensors"
+    torch.set_rng_state(load_file(rng if rng.exists() else path / "rng-0.safetensors")["cpu"])
     meta = json.loads((path / META).read_text())
     trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

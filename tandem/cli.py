@@ -58,7 +58,12 @@ def cmd_rollout(args: argparse.Namespace) -> None:
 def cmd_learner(args: argparse.Namespace) -> None:
     from tandem.launcher import learner_command
 
-    os.execv(sys.executable, learner_command(args.nproc, resume=args.resume))
+    try:
+        command = learner_command(args.nproc, resume=args.resume, nodes=args.nnodes,
+                                  rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    except ValueError as err:
+        sys.exit(f"tandem learner: {err}")
+    os.execv(sys.executable, command)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
@@ -158,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("judge-proxy", help="the judge proxy").set_defaults(run=cmd_judge_proxy)
     sub.add_parser("rollout", help="a rollout server").set_defaults(run=cmd_rollout)
     p = sub.add_parser("learner", help="the learner under torchrun")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="learner ranks on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (machines, pods) the learner spans")
+    p.add_argument("--rdzv-endpoint", default="",
+                   help="host:port where the nodes meet (torch c10d rendezvous); needed with --nnodes > 1")
+    p.add_argument("--rdzv-id", default="tandem-learner", help="the rendezvous's name, the same on every node")
     p.add_argument("--resume", action="store_true", help="continue RUNNING jobs from their checkpoints")
     p.set_defaults(run=cmd_learner)
 
