@@ -1,0 +1,634 @@
+"""deploy/k8s, rendered by the real `kubectl kustomize` and checked offline: no cluster.
+
+Each kustomization (the base and every overlay) is built the way deploy/k8s/README.md
+says, every object is validated against the Kubernetes API schemas (kubernetes-validate,
+strict: unknown fields are errors), and then the properties the processes depend on are
+checked against the code: each `tandem` command against the CLI, each TANDEM_* variable
+against the process's settings class, probes and scrape annotations against the port the
+process serves, the learner's rendezvous against its StatefulSet and headless Service.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.config import ApiSettings, JudgeProxySettings, LearnerSettings, RolloutSettings, _ProcessSettings
+from tandem.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+SECRETS_EXAMPLE = K8S / "secrets.env.example"
+
+KUBERNETES_VERSION = "1.30"
+"""The oldest Kubernetes release whose API schemas the manifests must satisfy."""
+
+TARGETS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-multinode")
+OVERLAYS = TARGETS[1:]
+GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu-multinode")
+NAMESPACE = "tandem"
+SECRET = "tandem-secrets"
+
+SETTINGS = {"api": ApiSettings, "judge-proxy": JudgeProxySettings, "rollout": RolloutSettings,
+            "learner": LearnerSettings}
+"""`tandem <process>` -> the settings class that process reads its environment into."""
+
+SERVED_PORT_VARIABLE = {"api": "TANDEM_PORT", "judge-proxy": "TANDEM_PORT", "rollout": "TANDEM_METRICS_PORT",
+                        "learner": "TANDEM_METRICS_PORT"}
+"""The variable holding the port a process serves /healthz and /metrics on."""
+
+SECRET_NAME = re.compile(r"(PASSWORD|TOKENS?|SECRET|_KEY|_AUTH|REDIS_URL)$")
+"""Environment variable names whose values are secrets."""
+
+REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        if os.environ.get("TANDEM_REQUIRE_KUBECTL"):
+            pytest.fail("TANDEM_REQUIRE_KUBECTL is set but no kubectl is on PATH")
+        pytest.skip("kubectl is not installed: it renders deploy/k8s (Debian package kubectl)")
+    return found
+
+
+def build(path: Path) -> list[dict]:
+    """`kubectl kustomize` of a kustomization folder, as deploy/k8s/README.md builds it: the
+    base reads the dashboards and upstreams files from deploy/grafana and deploy/configs."""
+    result = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@functools.cache
+def render(target: str) -> list[dict]:
+    """The objects a target (a folder under deploy/k8s) builds to; shared, not to be modified."""
+    return build(K8S / target)
+
+
+def of_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def workloads(objects: list[dict]) -> dict[str, dict]:
+    return {**of_kind(objects, "Deployment"), **of_kind(objects, "StatefulSet")}
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def process_of(container: dict) -> str | None:
+    command = container.get("command") or [None, None]
+    return command[1] if command[0] == "tandem" and command[1] in SETTINGS else None
+
+
+def tandem_workloads(objects: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """process -> (workload, container) for each workload running a Tandem process."""
+    found = {}
+    for workload in workloads(objects).values():
+        for container in pod_spec(workload)["containers"]:
+            if process := process_of(container):
+                assert process not in found, f"two workloads run `tandem {process}`"
+                found[process] = (workload, container)
+    return found
+
+
+def processes(target: str) -> dict[str, tuple[dict, dict]]:
+    return tandem_workloads(render(target))
+
+
+def env_entries(container: dict) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def literal_env(container: dict) -> dict[str, str]:
+    return {name: entry["value"] for name, entry in env_entries(container).items() if "value" in entry}
+
+
+def expand(text: str, container: dict) -> str:
+    """`$(VAR)` replaced by the container's literal value of VAR, as the kubelet does."""
+    values = literal_env(container)
+    return REFERENCE.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def served_port(process: str, container: dict) -> int:
+    return int(literal_env(container)[SERVED_PORT_VARIABLE[process]])
+
+
+def container_port(container: dict, port: int | str) -> int:
+    """A port as a number: a named port resolved against the container's ports."""
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == port]
+    return number
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In, or a plain map) matches."""
+    match_labels = selector.get("matchLabels", {}) if {"matchLabels", "matchExpressions"} & set(selector) else selector
+    if any(labels.get(key) != value for key, value in match_labels.items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def gpus(container: dict) -> dict[str, int | None]:
+    resources = container.get("resources", {})
+    return {part: resources.get(part, {}).get("nvidia.com/gpu") for part in ("requests", "limits")}
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {name.strip(): value.strip() for name, value in pairs}
+
+
+def volume_of(workload: dict, container: dict, mount_path: str) -> dict:
+    """The pod volume a container mounts at `mount_path`, with the mount's readOnly."""
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["mountPath"] == mount_path]
+    (volume,) = [v for v in pod_spec(workload).get("volumes", []) if v["name"] == mount["name"]]
+    return {**volume, "mountReadOnly": mount.get("readOnly", False)}
+
+
+def schema_errors(objects: list[dict]) -> list[str]:
+    """Each object that fails strict validation against the Kubernetes API schemas, and why."""
+    errors = []
+    for obj in objects:
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            errors.append(f"{name}: {'.'.join(map(str, error.path))}: {error.message}")
+        except kubernetes_validate.SchemaNotFoundError as error:
+            errors.append(f"{name}: {error.message}")
+    return errors
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_object_validates_strictly_against_the_kubernetes_api_schemas(target):
+    objects = render(target)
+    assert len(objects) > 20
+    assert not schema_errors(objects)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_object_fits_the_annotation_that_kubectl_apply_copies_it_into(target):
+    """Client-side apply keeps each object as JSON in an annotation of at most 256 KiB (the
+    dashboards ConfigMap is the big one)."""
+    for obj in render(target):
+        size = len(json.dumps(obj, separators=(",", ":")))
+        assert size < 256 * 1024, f"{obj['metadata']['name']}: {size} bytes; document `kubectl apply --server-side`"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_everything_lands_in_one_namespace_that_the_manifests_create(target):
+    objects = render(target)
+    assert list(of_kind(objects, "Namespace")) == [NAMESPACE]
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_tandem_process_runs_once_with_a_command_the_cli_accepts(target):
+    running = processes(target)
+    assert sorted(running) == sorted(SETTINGS)
+    for process, (_, container) in running.items():
+        args = build_parser().parse_args([expand(arg, container) for arg in container["command"][1:]])
+        assert args.command == process
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_overlays_run_the_cuda_image_only_for_the_rollout_servers_and_learner_on_gpus(target):
+    engine = "tandem-cuda" if target in GPU_OVERLAYS else "tandem-cpu"
+    expected = {"api": "tandem-cpu", "judge-proxy": "tandem-cpu", "rollout": engine, "learner": engine}
+    for process, (_, container) in processes(target).items():
+        name, _, tag = container["image"].rpartition(":")
+        assert (name, bool(tag)) == (expected[process], True), f"{process}: {container['image']}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tandem_variables_are_fields_of_the_process_settings_and_validate(target):
+    for process, (_, container) in processes(target).items():
+        settings_class = SETTINGS[process]
+        fields = {name: name.removeprefix("TANDEM_").lower() for name in env_entries(container)
+                  if name.startswith("TANDEM_")}
+        unknown = sorted(name for name, field in fields.items() if field not in settings_class.model_fields)
+        assert not unknown, f"{process}: {settings_class.__name__} has no field for {unknown}"
+        settings_class(**{fields[name]: expand(value, container) for name, value in literal_env(container).items()
+                          if name in fields})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_http_processes_listen_on_all_interfaces_and_their_services_reach_them(target):
+    services = of_kind(render(target), "Service")
+    for process in ("api", "judge-proxy"):
+        workload, container = processes(target)[process]
+        assert literal_env(container)["TANDEM_HOST"] == "0.0.0.0", "127.0.0.1 is unreachable from other pods"
+        service = services[workload["metadata"]["name"]]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selects(service["spec"]["selector"], labels)
+        (port,) = service["spec"]["ports"]
+        assert port["port"] == container_port(container, port["targetPort"]) == served_port(process, container)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_api_judge_proxy_and_rollout_probe_healthz_on_the_port_they_serve(target):
+    for process in ("api", "judge-proxy", "rollout"):
+        _, container = processes(target)[process]
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = container[probe]["httpGet"]
+            assert get["path"] == "/healthz", (process, probe)
+            assert container_port(container, get["port"]) == served_port(process, container), (process, probe)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rollout_servers_scale_freely_and_are_given_longer_than_their_drain(target):
+    workload, container = processes(target)["rollout"]
+    assert workload["kind"] == "Deployment"
+    assert "replicas" not in workload["spec"], "re-applying the manifests would undo `kubectl scale`"
+    assert "TANDEM_SERVER_ID" not in env_entries(container), "replicas would share one server id"
+    assert workload["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "a surge pod waits for a free GPU"
+    drain_s = RolloutSettings(drain_timeout_s=literal_env(container)["TANDEM_DRAIN_TIMEOUT_S"]).drain_timeout_s
+    assert pod_spec(workload)["terminationGracePeriodSeconds"] >= drain_s + 30, "the drain, then vLLM's shutdown"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_learner_nodes_meet_at_the_first_pod_of_the_headless_service(target):
+    workload, container = processes(target)["learner"]
+    spec = workload["spec"]
+    assert workload["kind"] == "StatefulSet" and spec["podManagementPolicy"] == "Parallel"
+    args = build_parser().parse_args([expand(arg, container) for arg in container["command"][1:]])
+    assert args.resume, "a restarted learner must continue its job"
+    assert args.nnodes == spec["replicas"], "LEARNER_NODES must equal the StatefulSet's replicas"
+    assert args.rdzv_id
+    host, port = args.rdzv_endpoint.rsplit(":", 1)
+    assert host == f"{workload['metadata']['name']}-0.{spec['serviceName']}"
+
+    service = of_kind(render(target), "Service")[spec["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert selects(service["spec"]["selector"], spec["template"]["metadata"]["labels"])
+    store_port = int(literal_env(container)["TANDEM_WEIGHT_STORE_PORT"])
+    assert store_port != 0, "a random store port is unreachable through the Service"
+    ports = {container_port(container, p["targetPort"]) for p in service["spec"]["ports"]}
+    assert {int(port), store_port, served_port("learner", container)} <= ports
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_learner_pod_advertises_its_own_stable_name(target):
+    workload, container = processes(target)["learner"]
+    names = list(env_entries(container))
+    pod_name = env_entries(container)["POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert names.index("POD_NAME") < names.index("TANDEM_ADVERTISE_HOST"), "$(POD_NAME) must be defined first"
+    assert literal_env(container)["TANDEM_ADVERTISE_HOST"] == f"$(POD_NAME).{workload['spec']['serviceName']}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_learner_node_writes_to_one_runs_claim_read_write_many_when_there_are_several(target):
+    objects = render(target)
+    workload, container = processes(target)["learner"]
+    assert "volumeClaimTemplates" not in workload["spec"], "each node would get a volume of its own"
+    claim_name = volume_of(workload, container, literal_env(container)["TANDEM_RUNS_DIR"])["persistentVolumeClaim"]
+    modes = of_kind(objects, "PersistentVolumeClaim")[claim_name["claimName"]]["spec"]["accessModes"]
+    if workload["spec"]["replicas"] > 1:
+        assert "ReadWriteMany" in modes
+    assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300, "rank 0 checkpoints"
+
+
+def test_the_multinode_overlay_spans_several_learner_nodes():
+    workload, _ = processes("overlays/gpu-multinode")["learner"]
+    assert workload["spec"]["replicas"] > 1
+
+
+@pytest.mark.parametrize("target", GPU_OVERLAYS)
+def test_gpu_overlays_give_each_rollout_server_a_gpu_and_each_learner_rank_one(target):
+    _, rollout = processes(target)["rollout"]
+    _, learner = processes(target)["learner"]
+    assert gpus(rollout) == {"requests": 1, "limits": 1}
+    ranks = int(literal_env(learner)["LEARNER_NPROC_PER_NODE"])
+    assert gpus(learner) == {"requests": ranks, "limits": ranks}
+
+
+@pytest.mark.parametrize("target", ["base", "overlays/cpu"])
+def test_cpu_builds_request_no_gpu(target):
+    for workload in workloads(render(target)).values():
+        for container in pod_spec(workload)["containers"]:
+            assert gpus(container) == {"requests": None, "limits": None}, workload["metadata"]["name"]
+    if target == "overlays/cpu":
+        _, rollout = processes(target)["rollout"]
+        assert float(literal_env(rollout)["TANDEM_KV_CACHE_GIB"]) > 0
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_rollout_servers_and_learner_get_a_memory_backed_dev_shm(target):
+    for process in ("rollout", "learner"):
+        workload, container = processes(target)[process]
+        volume = volume_of(workload, container, "/dev/shm")
+        assert volume["emptyDir"]["medium"] == "Memory", process
+        assert volume["emptyDir"]["sizeLimit"], process
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_api_rollout_servers_and_learner_read_models_from_one_read_only_claim(target):
+    claims = of_kind(render(target), "PersistentVolumeClaim")
+    running = processes(target)
+    assert literal_env(running["api"][1])["TANDEM_PATH_ROOTS"] == "/models"
+    for process in ("api", "rollout", "learner"):
+        volume = volume_of(*running[process], "/models")
+        claim = volume["persistentVolumeClaim"]
+        assert claim == {"claimName": "tandem-models", "readOnly": True} and volume["mountReadOnly"], process
+    assert claims["tandem-models"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_redis_keeps_an_append_only_file_on_its_own_volume_and_requires_the_password(target):
+    redis = of_kind(render(target), "StatefulSet")["tandem-redis"]
+    (container,) = pod_spec(redis)["containers"]
+    args = " ".join(container["command"] + container["args"])
+    assert "--appendonly yes" in args and "--appendfsync everysec" in args
+    assert "--requirepass $(REDIS_PASSWORD)" in args
+    assert env_entries(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": SECRET, "key": "REDIS_PASSWORD"}
+    assert env_entries(container)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]["key"] == "REDIS_PASSWORD"
+    (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
+    assert data["name"] in [t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"] == ["sh", "-c", "redis-cli ping | grep -q PONG"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_tandem_process_reads_the_whole_redis_url_from_the_secret(target):
+    for process, (_, container) in processes(target).items():
+        assert env_entries(container)["TANDEM_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+            "name": SECRET, "key": "TANDEM_REDIS_URL"}, process
+
+
+def test_the_example_redis_url_names_the_redis_service_and_carries_the_password():
+    example = read_env_file(SECRETS_EXAMPLE)
+    url = urlsplit(example["TANDEM_REDIS_URL"])
+    service = of_kind(render("base"), "Service")["tandem-redis"]
+    assert (url.scheme, url.hostname, url.port) == ("redis", "tandem-redis", service["spec"]["ports"][0]["port"])
+    assert url.password == example["REDIS_PASSWORD"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_secret_value_is_written_into_a_manifest(target):
+    objects = render(target)
+    assert not of_kind(objects, "Secret"), "Secrets are created by the user, never rendered"
+    secret_variables = {f"TANDEM_{name.upper()}" for name in _ProcessSettings.SECRETS}
+    upstream_keys = {u["api_key_env"] for path in (ROOT / "deploy" / "configs").glob("judge_upstreams*.yaml")
+                     for u in yaml.safe_load(path.read_text())["upstreams"] if "api_key_env" in u}
+    assert upstream_keys
+    for workload in workloads(objects).values():
+        for container in pod_spec(workload)["containers"]:
+            for name, entry in env_entries(container).items():
+                if name in secret_variables | upstream_keys or SECRET_NAME.search(name):
+                    assert "secretKeyRef" in entry.get("valueFrom", {}), f"{container['name']}: {name}"
+            for source in container.get("envFrom", []):
+                assert set(source) == {"secretRef"}, f"{container['name']}: envFrom {source}"
+
+
+def test_the_secret_keys_the_manifests_read_are_the_ones_the_example_lists():
+    referenced = set()
+    for target in TARGETS:
+        for workload in workloads(render(target)).values():
+            for container in pod_spec(workload)["containers"]:
+                for entry in env_entries(container).values():
+                    ref = entry.get("valueFrom", {}).get("secretKeyRef")
+                    if ref:
+                        assert ref["name"] == SECRET, ref
+                        referenced.add(ref["key"])
+    example = read_env_file(SECRETS_EXAMPLE)
+    assert referenced == set(example)
+    assert all("replace-me" in value for value in example.values()), "the example holds placeholders only"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_judge_proxy_mounts_the_upstreams_example_of_deploy_configs_and_reads_its_keys_from_a_secret(target):
+    objects = render(target)
+    workload, container = processes(target)["judge-proxy"]
+    volume = volume_of(workload, container, "/etc/tandem")
+    config_map = of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]
+    example = ROOT / "deploy" / "configs" / "judge_upstreams.example.yaml"
+    assert config_map["data"] == {example.name: example.read_text()}
+    assert literal_env(container)["TANDEM_UPSTREAMS"] == "", "no upstreams unless an overlay adds a file"
+    assert container["envFrom"] == [{"secretRef": {"name": "tandem-judge-keys", "optional": True}}]
+    _, rollout = processes(target)["rollout"]
+    judge = urlsplit(literal_env(rollout)["TANDEM_JUDGE_URL"])
+    assert judge.hostname == workload["metadata"]["name"] and judge.port == served_port("judge-proxy", container)
+    assert (env_entries(rollout)["TANDEM_JUDGE_TOKEN"]["valueFrom"]["secretKeyRef"]
+            == env_entries(container)["TANDEM_CLIENT_TOKENS"]["valueFrom"]["secretKeyRef"])
+
+
+def test_an_overlay_adds_its_own_upstreams_file_as_deploy_k8s_readme_shows(tmp_path):
+    example = ROOT / "deploy" / "configs" / "judge_upstreams.example.yaml"
+    (tmp_path / "judge_upstreams.yaml").write_text(example.read_text())
+    patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "tandem-judge-proxy"},
+             "spec": {"template": {"spec": {"containers": [{"name": "judge-proxy", "env": [
+                 {"name": "TANDEM_UPSTREAMS", "value": "/etc/tandem/judge_upstreams.yaml"}]}]}}}}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+        "configMapGenerator": [{"name": "tandem-judge-upstreams", "behavior": "merge",
+                                "files": ["judge_upstreams.yaml"]}],
+        "patches": [{"patch": yaml.safe_dump(patch)}]}))
+    objects = build(tmp_path)
+    workload, container = tandem_workloads(objects)["judge-proxy"]
+    upstreams = Path(literal_env(container)["TANDEM_UPSTREAMS"])
+    volume = volume_of(workload, container, str(upstreams.parent))
+    assert set(of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]) == {example.name, upstreams.name}
+    assert not schema_errors(objects)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_tandem_pod_is_annotated_for_prometheus_with_the_port_its_process_serves(target):
+    for process, (workload, container) in processes(target).items():
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        port = served_port(process, container)
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                               "prometheus.io/path": "/metrics"}, process
+        assert port in [p["containerPort"] for p in container["ports"]], process
+
+
+def prometheus_config(objects: list[dict]) -> dict:
+    deployment = of_kind(objects, "Deployment")["tandem-prometheus"]
+    (container,) = pod_spec(deployment)["containers"]
+    path = Path(next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--config.file=")))
+    volume = volume_of(deployment, container, str(path.parent))
+    return yaml.safe_load(of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"][path.name])
+
+
+def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str] | None:
+    """Prometheus's keep and replace relabeling (anchored regex, `$n` groups); None: dropped."""
+    labels = dict(labels)
+    for rule in rules:
+        value = ";".join(labels.get(name, "") for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        action = rule.get("action", "replace")
+        assert action in ("keep", "replace"), action
+        if action == "keep" and not match:
+            return None
+        if action == "replace" and match:
+            labels[rule["target_label"]] = match.expand(re.sub(r"\$(\d+)", r"\\\1", rule.get("replacement", "$1")))
+    return labels
+
+
+def discovered_pod(name: str, ip: str, annotations: dict[str, str], component: str) -> dict[str, str]:
+    """The labels Prometheus's pod discovery gives a pod declaring port 29400."""
+    labels = {"__address__": f"{ip}:29400" if ":" not in ip else f"[{ip}]:29400", "__metrics_path__": "/metrics",
+              "__meta_kubernetes_pod_name": name, "__meta_kubernetes_pod_ip": ip,
+              "__meta_kubernetes_namespace": NAMESPACE,
+              "__meta_kubernetes_pod_label_app_kubernetes_io_component": component}
+    for key, value in annotations.items():
+        labels["__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)] = value
+    return labels
+
+
+def test_prometheus_scrapes_each_annotated_pod_of_its_namespace_on_the_annotated_port():
+    objects = render("base")
+    config = prometheus_config(objects)
+    assert config["global"]["scrape_interval"] == "5s"
+    (job,) = config["scrape_configs"]
+    assert job["honor_labels"] is True, "without honor_labels the dashboards' job label becomes exported_job"
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"own_namespace": True}}]
+    workload, _ = processes("base")["learner"]
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    for ip, address in (("10.1.2.3", "10.1.2.3:8003"), ("fd00::7", "[fd00::7]:8003")):
+        target = relabel(discovered_pod("tandem-learner-1", ip, annotations, "learner"), job["relabel_configs"])
+        assert {k: target[k] for k in ("__address__", "__metrics_path__", "process", "instance", "namespace")} == {
+            "__address__": address, "__metrics_path__": "/metrics", "process": "learner",
+            "instance": "tandem-learner-1", "namespace": NAMESPACE}
+    assert relabel(discovered_pod("tandem-redis-0", "10.1.2.4", {}, "redis"), job["relabel_configs"]) is None
+
+
+def test_prometheus_config_passes_promtool_with_static_targets_in_place_of_discovery(tmp_path):
+    """Debian's promtool is built without Kubernetes discovery: the rest of the config is checked."""
+    if shutil.which("promtool") is None:
+        if os.environ.get("TANDEM_REQUIRE_PROMETHEUS"):
+            pytest.fail("TANDEM_REQUIRE_PROMETHEUS is set but no promtool is on PATH")
+        pytest.skip("promtool (Prometheus's checker) is not installed")
+    config = prometheus_config(render("base"))
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": ["pod:8000"]}]
+        del job["kubernetes_sd_configs"]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    result = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_may_only_read_pods_in_its_namespace():
+    objects = render("base")
+    (role,) = of_kind(objects, "Role").values()
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert not of_kind(objects, "ClusterRole") and not of_kind(objects, "ClusterRoleBinding")
+    (binding,) = of_kind(objects, "RoleBinding").values()
+    account = pod_spec(of_kind(objects, "Deployment")["tandem-prometheus"])["serviceAccountName"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    assert account in of_kind(objects, "ServiceAccount")
+
+
+def test_grafana_mounts_every_dashboard_file_unchanged_from_one_configmap():
+    objects = render("base")
+    config_maps = of_kind(objects, "ConfigMap")
+    grafana = of_kind(objects, "Deployment")["tandem-grafana"]
+    (container,) = pod_spec(grafana)["containers"]
+    provider_volume = volume_of(grafana, container, "/etc/grafana/provisioning/dashboards")
+    provider_file = ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "tandem.yaml"
+    assert config_maps[provider_volume["configMap"]["name"]]["data"] == {"tandem.yaml": provider_file.read_text()}
+    (provider,) = yaml.safe_load(provider_file.read_text())["providers"]
+    dashboards = volume_of(grafana, container, provider["options"]["path"])
+    assert DASHBOARDS
+    assert config_maps[dashboards["configMap"]["name"]]["data"] == {p.name: p.read_text() for p in DASHBOARDS}
+    home = Path(literal_env(container)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home.parent == Path(provider["options"]["path"]) and home.name in {p.name for p in DASHBOARDS}
+    password = env_entries(container)["GF_SECURITY_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert password == {"name": SECRET, "key": "GRAFANA_ADMIN_PASSWORD"}
+
+
+def test_grafanas_datasource_is_the_prometheus_service_with_the_uid_the_dashboards_name():
+    objects = render("base")
+    grafana = of_kind(objects, "Deployment")["tandem-grafana"]
+    (container,) = pod_spec(grafana)["containers"]
+    volume = volume_of(grafana, container, "/etc/grafana/provisioning/datasources")
+    (text,) = of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"].values()
+    (source,) = yaml.safe_load(text)["datasources"]
+    compose_file = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
+    (compose_source,) = yaml.safe_load(compose_file.read_text())["datasources"]
+    assert {k: v for k, v in source.items() if k != "url"} == {k: v for k, v in compose_source.items() if k != "url"}
+    url = urlsplit(source["url"])
+    service = of_kind(objects, "Service")[url.hostname]
+    assert service["spec"]["ports"][0]["port"] == url.port
+    assert selects(service["spec"]["selector"],
+                   of_kind(objects, "Deployment")["tandem-prometheus"]["spec"]["template"]["metadata"]["labels"])
+    assert source["jsonData"]["timeInterval"] == prometheus_config(objects)["global"]["scrape_interval"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_service_selects_a_workload_and_targets_a_port_it_declares(target):
+    objects = render(target)
+    for name, service in of_kind(objects, "Service").items():
+        matched = [w for w in workloads(objects).values()
+                   if selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        assert len(matched) == 1, f"Service {name} selects {len(matched)} workloads"
+        (container,) = pod_spec(matched[0])["containers"]
+        for port in service["spec"]["ports"]:
+            container_port(container, port["targetPort"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_configmap_and_claim_a_pod_mounts_is_rendered(target):
+    objects = render(target)
+    for workload in workloads(objects).values():
+        for volume in pod_spec(workload).get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in of_kind(objects, "ConfigMap"), volume
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in of_kind(objects, "PersistentVolumeClaim")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_network_policies_admit_only_tandem_processes_to_redis_and_the_learner(target):
+    objects = render(target)
+    policies = of_kind(objects, "NetworkPolicy")
+    labels = {process: w["spec"]["template"]["metadata"]["labels"] for process, (w, _) in processes(target).items()}
+    labels["prometheus"] = of_kind(objects, "Deployment")["tandem-prometheus"]["spec"]["template"]["metadata"]["labels"]
+
+    def admitted(policy: str) -> set[str]:
+        rules = policies[policy]["spec"]["ingress"]
+        return {who for who, pod in labels.items() if any(selects(peer["podSelector"], pod)
+                                                          for rule in rules for peer in rule["from"])}
+
+    assert selects(policies["tandem-learner"]["spec"]["podSelector"], labels["learner"])
+    assert admitted("tandem-learner") == {"learner", "rollout", "prometheus"}
+    assert admitted("tandem-redis") == {"api", "judge-proxy", "rollout", "learner"}
+
+
+def test_the_external_redis_component_removes_redis_and_keeps_the_url_in_the_secret(tmp_path):
+    """An overlay as deploy/k8s/README.md shows it: the cpu overlay plus the component."""
+    overlay = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
+    component = os.path.relpath(K8S / "components" / "external-redis", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [overlay], "components": [component]}))
+    objects = build(tmp_path)
+    assert not [o for o in objects if o["metadata"]["name"] == "tandem-redis"]
+    assert len(objects) == len(render("overlays/cpu")) - 3
+    assert not schema_errors(objects)
+    for process, (_, container) in tandem_workloads(objects).items():
+        assert "secretKeyRef" in env_entries(container)["TANDEM_REDIS_URL"]["valueFrom"], process
+
