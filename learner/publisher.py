@@ -4,19 +4,25 @@ each policy version to them.
 A publish writes the plan (version, members, ranks) to the job's `weights` hash, announces
 it on the job's events channel and then broadcasts the weights from every learner rank
 (`learner.weight_sender`). Members are the servers on the job whose heartbeat is younger
-than `server_timeout_s`; a server that joins or vanishes while the learner waits for data
-gets the current version in a new group at once.
+than `server_timeout_s` and that are not draining; a server that joins while the learner
+waits for data gets the current version in a new group at once. A server that leaves
+(drained, exited, or silent) is left out of the next plan, a new group without it.
+
+Each change of membership is logged, counted in the `rollout_servers` gauge and appended
+to the job's `servers` list (the API's events stream shows it): who joined, who left and
+why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 from learner.control import Command, Worker
 from services import protocol
@@ -27,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SYNC_SECONDS = Histogram("tandem_learner_weight_sync_seconds", "Gather + broadcast of one update",
                          ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+SERVERS = Gauge("tandem_learner_rollout_servers", "Rollout servers on the job (live, not draining)", ["job"])
 
 
 class WeightPublisher:
@@ -39,6 +46,8 @@ class WeightPublisher:
         self.worker = worker
         self.counts = dict.fromkeys(self.COUNTS, 0)
         self.membership_checked = 0.0
+        self.members: set[str] = set()
+        """The servers the last membership record saw on the job."""
 
     async def job_servers(self) -> list[protocol.ServerInfo]:
         infos = [protocol.decode(raw, protocol.ServerInfo)
@@ -46,10 +55,33 @@ class WeightPublisher:
         return [info for info in infos if info.job_id == self.job_id]
 
     async def live_servers(self) -> list[str]:
-        """Servers on this job whose last heartbeat is younger than `server_timeout_s`."""
+        """Servers on this job, not draining, whose last heartbeat is younger than
+        `server_timeout_s`. Any change since the last call is recorded."""
         now = time.time()
-        return [info.server_id for info in await self.job_servers()
-                if now - info.heartbeat < self.settings.server_timeout_s]
+        infos = {info.server_id: info for info in await self.job_servers()}
+        live = [server for server, info in infos.items()
+                if now - info.heartbeat < self.settings.server_timeout_s and not info.draining]
+        if set(live) != self.members:
+            await self.record_membership(live, infos, now)
+        return live
+
+    async def record_membership(self, live: list[str], infos: dict[str, protocol.ServerInfo], now: float) -> None:
+        """Who joined and who left (and why) into the log, the gauge and the job's `servers` list."""
+        joined = sorted(set(live) - self.members)
+        left = {}
+        for server in sorted(self.members - set(live)):
+            info = infos.get(server)
+            if info is None:
+                left[server] = "exited"  # it removed its own record
+            elif info.draining:
+                left[server] = "draining"
+            else:
+                left[server] = f"no heartbeat for {now - info.heartbeat:.0f}s"
+        self.members = set(live)
+        SERVERS.labels(self.job_id).set(len(live))
+        log.info("rollout servers: %d (joined %s, left %s)", len(live), joined or "-", left or "-")
+        record = {"time": now, "servers": sorted(live), "joined": joined, "left": left}
+        await self.redis.rpush(Keys.servers(self.job_id), json.dumps(record))
 
     async def wait_for_servers(self, check_cancel: Callable[[], Awaitable[None]]) -> None:
         """Until `min_rollout_servers` are on the job; fails when one reports it cannot serve
@@ -78,6 +110,7 @@ class WeightPublisher:
         """Announce the plan for `version`, then broadcast it (all ranks). `regroup` re-sends
         the current version to a new membership (a server joined or vanished). A failed
         broadcast (a member died) is retried on the settled membership."""
+        started = time.perf_counter()
         for attempt in range(3):
             plan = self.worker.sender.plan(version, await self.live_servers() if servers is None else servers)
             await self.redis.hset(Keys.weights(self.job_id),
@@ -88,19 +121,20 @@ class WeightPublisher:
             SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
             self.counts["regroups" if regroup or attempt else "weight_updates"] += 1
             if not result["failed"]:
-                return result
+                break
             self.counts["sync_failures"] += 1
             await self.settle_membership(since=time.time())
             servers = None
-        return result
+        return result | {"seconds": time.perf_counter() - started}  # failed attempts included
 
     async def follow_membership(self, version: int) -> None:
-        """While waiting for data: a server that joined (or left) since the last update gets
-        the current weights now, in a new group, instead of idling until the next step."""
+        """While waiting for data: a server that joined since the last update gets the
+        current weights now, in a new group, instead of idling until the next step. One that
+        left needs nothing: the next update's group is formed without it."""
         if time.monotonic() - self.membership_checked < 1.0:
             return
         self.membership_checked = time.monotonic()
         servers = await self.live_servers()
-        if set(servers) != set(self.worker.sender.ranks):
+        if set(servers) - set(self.worker.sender.ranks):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
             await self.publish(version, servers, regroup=True)

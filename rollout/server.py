@@ -6,6 +6,13 @@ the warm-started policy), then consumes the job's `tasks` stream in group `rollo
 writes one `TrajectoryGroup` per task and acknowledges the task after the group is in
 Redis (`rollout.group` turns a task into its group). Weight updates pause the engine,
 reload in place and resume.
+
+Draining (SIGTERM, or `tandem drain` through the API) takes a server out of its job without
+losing work or stalling the weight broadcast: it says so in its heartbeat at once (the
+learner leaves it out of every later plan), takes no new task, finishes its tasks for up
+to `drain_timeout_s` and hands the rest back to the other servers, still applying any plan
+that already names it; then it leaves the job. After SIGTERM it exits; after `tandem drain`
+it idles until the drain is lifted.
 """
 
 from __future__ import annotations
@@ -86,6 +93,9 @@ class RolloutServer:
         self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token,
                                         max_connections=settings.judge_max_connections)
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
+        self.drain_requested = asyncio.Event()
+        """Set by SIGTERM or a drain request: leave the job, take no new one."""
+        self.exit_after_drain = False
         self.busy_exported_s = 0.0
         """The engine's busy seconds already counted under the current job."""
         self.busy_rate = TrailingRate(window_s=60.0)
@@ -102,16 +112,21 @@ class RolloutServer:
 
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, log_task_stacks)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, log_task_stacks)
+        loop.add_signal_handler(signal.SIGTERM, self.request_drain, True)
         log.info("rollout server %s up: %s", self.server_id, self.settings.loggable())
-        backoff_s = 1.0
+        backoff_s, drained = 1.0, False
         try:
-            while True:
+            while not drained:
                 started = time.monotonic()
                 try:
                     async with asyncio.TaskGroup() as group:
                         group.create_task(self.heartbeat())
                         group.create_task(self.serve_jobs())
+                except* _Drained:
+                    log.info("drained; exiting")
+                    drained = True
                 except* (RedisConnectionError, RedisTimeoutError) as errors:
                     # Redis restarting or a network blip: keep the loaded engine, start over
                     # (the job's pending tasks wait in Redis; the learner regroups weights).
@@ -124,15 +139,31 @@ class RolloutServer:
             if self.engine:
                 self.engine.shutdown()
 
+    def request_drain(self, then_exit: bool) -> None:
+        if not self.drain_requested.is_set():
+            log.info("draining (%s)", "SIGTERM: exit after" if then_exit else "drain requested")
+        self.exit_after_drain |= then_exit
+        self.drain_requested.set()
+
+    async def beat(self) -> None:
+        """Write this server's record in `rollout:servers` now."""
+        info = protocol.ServerInfo(
+            server_id=self.server_id, heartbeat=time.time(), job_id=self.job_id,
+            version=self.job.synced_plan[2] if self.job and self.job.synced_plan else -1,
+            capacity=self.settings.max_concurrent_tasks, inflight=len(self.inflight),
+            engine=self.engine.model.path if self.engine else "", draining=self.drain_requested.is_set(),
+        )
+        await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
+
     async def heartbeat(self) -> None:
         while True:
-            info = protocol.ServerInfo(
-                server_id=self.server_id, heartbeat=time.time(), job_id=self.job_id,
-                version=self.job.synced_plan[2] if self.job and self.job.synced_plan else -1,
-                capacity=self.settings.max_concurrent_tasks, inflight=len(self.inflight),
-                engine=self.engine.model.path if self.engine else "",
-            )
-            await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
+            if await self.redis.sismember(Keys.rollout_drain, self.server_id):
+                if not self.drain_requested.is_set():
+                    self.request_drain(then_exit=False)
+            elif self.drain_requested.is_set() and not self.exit_after_drain:
+                log.info("drain lifted; serving again")
+                self.drain_requested.clear()
+            await self.beat()
             if self.job and self.inflight:
                 await self.job.consumer.touch(*self.inflight)
             self.export_engine_busy()
@@ -150,6 +181,11 @@ class RolloutServer:
 
     async def serve_jobs(self) -> None:
         while True:
+            if self.drain_requested.is_set():
+                if self.exit_after_drain:
+                    raise _Drained
+                await asyncio.sleep(0.5)  # until the drain is lifted
+                continue
             running = await jobs.running_jobs(self.redis)
             if not running:
                 await asyncio.sleep(0.5)
@@ -226,18 +262,57 @@ class ServedJob:
         """Set once the engine is in a weight update of this job: tasks wait for it."""
         self.synced_plan: tuple[str, int, int] | None = None
         """(learner session, epoch, version) of the last plan applied."""
+        self.updating = asyncio.Lock()
+        """Held while a weight update runs: a drain leaves only after it."""
+        self.leaving = False
+        """Set when the job ends or the drain is done: the loops below stop by themselves.
+        Cancelling them is not enough on Python 3.11: a cancel that lands inside a Redis
+        call can be swallowed there (a drained server once polled weight plans forever)."""
 
     async def serve(self) -> None:
-        """Weights and tasks until the job leaves `jobs:running`; leaving the group by an
-        exception cancels both (and a failure in either one propagates)."""
+        """Weights and tasks until the job leaves `jobs:running` or this server drains;
+        leaving the group by an exception cancels both (and a failure in either one
+        propagates)."""
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self.follow_weights())
-                group.create_task(self.consume_tasks())
-                await self.server.wait_until_job_ends(self.job_id)
+                consuming = group.create_task(self.consume_tasks())
+                ended = asyncio.create_task(self.server.wait_until_job_ends(self.job_id))
+                drain = asyncio.create_task(self.server.drain_requested.wait())
+                try:
+                    done, _ = await asyncio.wait([ended, drain], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiter in (ended, drain):
+                        waiter.cancel()
+                if ended not in done:
+                    consuming.cancel()
+                    await self.drain()
+                self.leaving = True
                 raise _JobEnded
         except* _JobEnded:
-            log.info("job %s ended", self.job_id)
+            log.info("left job %s", self.job_id)
+
+    async def drain(self) -> None:
+        """Leave the job without losing a task or stalling a broadcast (the module's
+        docstring tells the steps)."""
+        await self.server.beat()  # the learner leaves this server out of plans from now on
+        inflight = self.server.inflight
+        if inflight:
+            log.info("draining: %d tasks in flight, waiting up to %.0fs", len(inflight),
+                     self.server.settings.drain_timeout_s)
+            await asyncio.wait(list(inflight.values()), timeout=self.server.settings.drain_timeout_s)
+        unfinished = list(inflight)
+        for task in list(inflight.values()):
+            task.cancel()
+        await asyncio.gather(*inflight.values(), return_exceptions=True)
+        await self.consumer.release(*unfinished)
+        TASKS.labels(self.job_id, "handed_back").inc(len(unfinished))
+        # A plan the learner wrote just before it read the drain may still name this server:
+        # apply it (follow_weights runs until the group ends) before leaving the group.
+        await asyncio.sleep(4 * WEIGHT_POLL_S)
+        async with self.updating:
+            pass
+        log.info("drained job %s: %d tasks handed back", self.job_id, len(unfinished))
 
     async def follow_weights(self) -> None:
         """Apply every weight plan that names this server, as soon as it is announced
@@ -245,7 +320,7 @@ class ServedJob:
         Python 3.11, which ended this task silently and left the server deaf to every
         later plan while it went on heartbeating)."""
         redis = self.server.redis
-        while True:
+        while not self.leaving:
             plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
             if plan_bytes:
                 await self.apply_plan(plan_bytes)
@@ -257,6 +332,11 @@ class ServedJob:
         key = (plan.session, plan.epoch, plan.version)
         if key == self.synced_plan or server_id not in plan.ranks:
             return
+        async with self.updating:
+            await self.update(plan, plan_bytes, key)
+
+    async def update(self, plan: protocol.WeightPlan, plan_bytes: bytes, key: tuple[str, int, int]) -> None:
+        server_id = self.server.server_id
         started = time.perf_counter()
         try:  # bounded: a stalled update must not keep this server from the next plan
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
@@ -285,7 +365,7 @@ class ServedJob:
         capacity = settings.max_concurrent_tasks
         backlog = await self.consumer.read_own_pending(capacity)
         last_reclaim = 0.0
-        while True:
+        while not (self.leaving or self.server.drain_requested.is_set()):
             free = capacity - len(inflight)
             if free == 0:
                 await asyncio.wait(list(inflight.values()), return_when=asyncio.FIRST_COMPLETED)
@@ -338,6 +418,10 @@ WEIGHT_POLL_S = 0.05
 
 class _JobEnded(Exception):
     pass
+
+
+class _Drained(Exception):
+    """A drain that ends in exit (SIGTERM) is complete."""
 
 
 def log_task_stacks() -> None:

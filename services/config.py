@@ -352,6 +352,10 @@ class ApiSettings(_ProcessSettings):
     port: int = 8000
     max_body_bytes: int = 1 << 20
     tokens: str = Field("", description="'token:tenant,...'; empty disables auth (local use).")
+    operators: str = Field(
+        "", description="Comma-separated tenants allowed the rollout-server routes (list, drain); "
+                        "without tokens everyone is.",
+    )
     path_roots: str = Field(
         "/models", description="Comma-separated folders a tenant's job spec may name files under (PATH_FIELDS), "
                                "symlinks and '..' resolved; enforced when `tokens` is set. Keep the runs folder "
@@ -410,6 +414,11 @@ class RolloutSettings(_ProcessSettings):
     heartbeat_s: float = Field(2.0, gt=0)
     task_reclaim_idle_s: float = Field(
         15.0, gt=0, description="Take over tasks another server left idle this long."
+    )
+    drain_timeout_s: float = Field(
+        120.0, ge=0,
+        description="A draining server (SIGTERM, `tandem drain`) finishes its tasks for at most this long, "
+                    "then hands the rest back to the other servers (their journals keep the turns played).",
     )
 
 

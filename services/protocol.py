@@ -154,6 +154,9 @@ class ServerInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capacity: int = 0
     inflight: int = 0
     engine: str = ""
+    draining: bool = False
+    """Leaving: it takes no new task and no new weight group; the learner leaves it out of
+    plans from the moment it reads this."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -27,6 +27,10 @@ FIELD = b"m"
 M = TypeVar("M", bound=msgspec.Struct)
 
 
+RELEASED_IDLE_MS = 10 ** 10
+"""The idle time (ms, about four months) a released entry claims: above any reclaim threshold."""
+
+
 class Keys:
     """The Redis key layout of DESIGN.md, in one place."""
 
@@ -34,6 +38,9 @@ class Keys:
     jobs_index = PREFIX + "jobs"
     jobs_running = PREFIX + "jobs:running"
     rollout_servers = PREFIX + "rollout:servers"
+    rollout_drain = PREFIX + "rollout:drain"
+    """Ids of servers asked to drain (`tandem drain`): they leave their job and take none
+    until removed from this set."""
 
     @staticmethod
     def job(job_id: str) -> str:
@@ -66,6 +73,11 @@ class Keys:
     @staticmethod
     def checkpoints(job_id: str) -> str:
         return f"{PREFIX}job:{job_id}:checkpoints"
+
+    @staticmethod
+    def servers(job_id: str) -> str:
+        """The job's rollout-server membership changes, JSON records {time, servers, joined, left}."""
+        return f"{PREFIX}job:{job_id}:servers"
 
     @staticmethod
     def datasets(job_id: str) -> str:
@@ -185,6 +197,14 @@ class StreamConsumer(Generic[M]):
         if entry_ids:
             await self.client.xclaim(
                 self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True
+            )
+
+    async def release(self, *entry_ids: bytes) -> None:
+        """Hand entries this consumer holds back to the group: they stay pending, with an
+        idle time so long that the next `reclaim` anywhere takes them over at once."""
+        if entry_ids:
+            await self.client.xclaim(
+                self.stream, self.group, self.consumer, 0, list(entry_ids), idle=RELEASED_IDLE_MS, justid=True
             )
 
     async def ack(self, *entry_ids: bytes) -> None:

@@ -153,6 +153,22 @@ def cmd_cancel(args: argparse.Namespace) -> None:
     print(ApiClient(args.api, args.token).cancel(args.job_id)["status"])
 
 
+def cmd_servers(args: argparse.Namespace) -> None:
+    from tandem.client import ApiClient
+
+    for server in ApiClient(args.api, args.token).servers():
+        state = "draining" if server["draining"] else "drain requested" if server["drain_requested"] else "serving"
+        print(f"{server['server_id']:32} {state:16} job {server['job_id'] or '-':32} v{server['version']:<5} "
+              f"{server['inflight']}/{server['capacity']} tasks  heartbeat {server['heartbeat_age_s']}s ago")
+
+
+def cmd_drain(args: argparse.Namespace) -> None:
+    from tandem.client import ApiClient
+
+    server = ApiClient(args.api, args.token).drain(args.server_id, lift=args.lift)
+    print(f"{server['server_id']}: drain {'lifted' if args.lift else 'requested'}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api", default=api_url)
         p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
         p.set_defaults(run=run)
+    p = sub.add_parser("servers", help="list the rollout servers (operators)")
+    p.add_argument("--api", default=api_url)
+    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
+    p.set_defaults(run=cmd_servers)
+    p = sub.add_parser("drain", help="take a rollout server out of service: it finishes or hands back its "
+                                     "tasks and leaves its job (operators)")
+    p.add_argument("server_id")
+    p.add_argument("--lift", action="store_true", help="let it take jobs again")
+    p.add_argument("--api", default=api_url)
+    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
+    p.set_defaults(run=cmd_drain)
     return parser
 
 

@@ -47,6 +47,12 @@ class ApiClient:
     def datasets(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/datasets")
 
+    def servers(self) -> list[dict]:
+        return self._call("GET", "/v1/rollout-servers")
+
+    def drain(self, server_id: str, lift: bool = False) -> dict:
+        return self._call("DELETE" if lift else "POST", f"/v1/rollout-servers/{server_id}/drain")
+
 
 def load_spec_file(path: str | Path) -> dict:
     text = Path(path).read_text()

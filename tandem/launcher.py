@@ -73,11 +73,23 @@ class Stack:
         self.spawn("api", [python, "-m", "tandem.cli", "api"], TANDEM_PORT=str(p.api))
         self.spawn("judge-proxy", [python, "-m", "tandem.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
         for i, port in enumerate(p.rollout):
-            self.spawn(f"rollout-{i}", [python, "-m", "tandem.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
-                       TANDEM_JUDGE_URL=self.judge_url, TANDEM_SERVER_ID=f"rollout-{i}")
+            self.spawn_rollout(i, port)
         self.spawn("learner", learner_command(self.learner_ranks), TANDEM_METRICS_PORT=str(p.learner))
         self.wait_healthy(timeout_s)
         return self
+
+    def spawn_rollout(self, index: int, port: int) -> str:
+        name = f"rollout-{index}"
+        self.spawn(name, [sys.executable, "-m", "tandem.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
+                   TANDEM_JUDGE_URL=self.judge_url, TANDEM_SERVER_ID=name)
+        return name
+
+    def add_rollout_server(self) -> str:
+        """Start one more rollout server while the stack runs (it joins the running job by
+        itself); its name, which is also its server id."""
+        port = free_port()
+        self.ports.rollout.append(port)
+        return self.spawn_rollout(len(self.ports.rollout) - 1, port)
 
     def spawn(self, name: str, args: list[str], **env: str) -> None:
         environment = os.environ | {"TANDEM_REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}

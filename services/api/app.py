@@ -10,12 +10,16 @@ jobs (403 for another tenant's). Tokens are compared in constant time and never 
 A tenant's spec may name files only under `settings.path_roots` (422 naming the field
 otherwise), so it cannot train from another job's checkpoint or read the learner's files.
 Bodies over `max_body_bytes` get 413.
+
+The rollout-server routes act on the shared fleet, not on a tenant's job: with tokens set,
+only the tenants in `settings.operators` may use them (403 for others).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -26,7 +30,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from pydantic import BaseModel, Field
 
-from services import jobs, preference
+from services import jobs, preference, protocol
 from services.auth import match_bearer
 from services.config import PATH_FIELDS, ApiSettings, JobSpec
 from services.metrics import metrics_router
@@ -71,6 +75,27 @@ class Dataset(BaseModel):
 
 class Error(BaseModel):
     detail: str
+
+
+class RolloutServerView(BaseModel):
+    server_id: str
+    job_id: str = Field(description='The job it serves ("" when idle).')
+    version: int = Field(description="Weight version it serves; -1 before its first update.")
+    capacity: int
+    inflight: int
+    engine: str = Field(description="The model its engine has loaded.")
+    heartbeat_age_s: float
+    draining: bool = Field(description="Leaving its job (SIGTERM or a drain request).")
+    drain_requested: bool = Field(description="Asked to drain through this API; idles until the request is lifted.")
+
+
+class Membership(BaseModel):
+    """A change in the rollout servers on a job, as the learner saw it."""
+
+    time: float
+    servers: list[str]
+    joined: list[str]
+    left: dict[str, str] = Field(description="Server -> why: draining, exited (after a drain or a stop), or no heartbeat for N s.")
 
 
 ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
@@ -179,7 +204,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
+    app.state.operators = {name.strip() for name in settings.operators.split(",") if name.strip()}
     app.include_router(jobs_router())
+    app.include_router(servers_router())
     return app
 
 
@@ -244,6 +271,12 @@ def jobs_router() -> APIRouter:
         raw = await request.app.state.redis.hgetall(Keys.datasets(record["id"]))
         return [Dataset(name=name.decode(), **json.loads(value)) for name, value in sorted(raw.items())]
 
+    @router.get("/v1/jobs/{job_id}/servers", response_model=list[Membership], responses=ERRORS)
+    async def servers(request: Request, record: dict = Depends(owned)) -> list[Membership]:
+        """Every change in the rollout servers on the job: who joined, who left and why."""
+        raw = await request.app.state.redis.lrange(Keys.servers(record["id"]), 0, -1)
+        return [Membership(**json.loads(r)) for r in raw]
+
     @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
     async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
         """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
@@ -255,8 +288,59 @@ def jobs_router() -> APIRouter:
     @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
     async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
         """Server-sent events: `status` on every status change, `step` for every SFT/RL step
-        record, `health` for every health rule that fired, until the job ends."""
+        record, `health` for every health rule that fired, `servers` for every change in the
+        rollout servers on the job, until the job ends."""
         return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
+
+    return router
+
+
+async def operator(request: Request, who: str = Depends(tenant)) -> str:
+    """The caller, if it may act on the fleet: anyone without tokens, else `operators` (403)."""
+    if request.app.state.tokens and who not in request.app.state.operators:
+        raise HTTPException(403, f"tenant {who!r} is not an operator (TANDEM_OPERATORS)")
+    return who
+
+
+def servers_router() -> APIRouter:
+    """The fleet routes: list rollout servers, drain one, lift a drain."""
+    router = APIRouter(dependencies=[Depends(operator)])
+
+    async def server_views(client: aioredis.Redis) -> dict[str, RolloutServerView]:
+        drained = {member.decode() for member in await client.smembers(Keys.rollout_drain)}
+        now, views = time.time(), {}
+        for raw in (await client.hgetall(Keys.rollout_servers)).values():
+            info = protocol.decode(raw, protocol.ServerInfo)
+            views[info.server_id] = RolloutServerView(
+                server_id=info.server_id, job_id=info.job_id, version=info.version, capacity=info.capacity,
+                inflight=info.inflight, engine=info.engine, heartbeat_age_s=round(now - info.heartbeat, 1),
+                draining=info.draining, drain_requested=info.server_id in drained,
+            )
+        return views
+
+    @router.get("/v1/rollout-servers", response_model=list[RolloutServerView], responses=ERRORS)
+    async def list_servers(request: Request) -> list[RolloutServerView]:
+        """Every rollout server that has reported (a stopped one leaves; a killed one stays,
+        its heartbeat ageing)."""
+        views = await server_views(request.app.state.redis)
+        return [views[server] for server in sorted(views)]
+
+    @router.post("/v1/rollout-servers/{server_id}/drain", response_model=RolloutServerView, responses=ERRORS)
+    async def drain(request: Request, server_id: str) -> RolloutServerView:
+        """The server finishes its tasks (handing back what is left after its drain timeout),
+        leaves its job and takes no job until the drain is lifted."""
+        return await set_drain(request.app.state.redis, server_id, True)
+
+    @router.delete("/v1/rollout-servers/{server_id}/drain", response_model=RolloutServerView, responses=ERRORS)
+    async def lift_drain(request: Request, server_id: str) -> RolloutServerView:
+        """The server takes jobs again."""
+        return await set_drain(request.app.state.redis, server_id, False)
+
+    async def set_drain(client: aioredis.Redis, server_id: str, drained: bool) -> RolloutServerView:
+        if server_id not in await server_views(client):
+            raise HTTPException(404, f"no rollout server {server_id!r}")
+        await (client.sadd if drained else client.srem)(Keys.rollout_drain, server_id)
+        return (await server_views(client))[server_id]
 
     return router
 
@@ -285,9 +369,13 @@ async def new_history(client: aioredis.Redis, job_id: str, sent: list[bytes]) ->
 
 async def job_events(client: aioredis.Redis, job_id: str):
     """The event stream of one job (polls Redis; ends after the terminal status)."""
-    status, sent, idle = None, [], 0.0
+    status, sent, idle, memberships = None, [], 0.0, 0
     while True:
         record = await jobs.get_job(client, job_id)
+        for raw in await client.lrange(Keys.servers(job_id), memberships, -1):
+            yield f"event: servers\ndata: {raw.decode()}\n\n"
+            memberships += 1
+            idle = 0.0
         for raw in await new_history(client, job_id, sent):
             yield f"event: step\ndata: {raw.decode()}\n\n"
             for message in json.loads(raw).get("health", []):

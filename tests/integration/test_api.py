@@ -321,3 +321,57 @@ async def test_a_job_kind_without_what_it_needs_gets_422_saying_what(api, redis_
     assert response.status_code == 422
     assert says in json.dumps(response.json()["detail"])
     assert await redis_client.xlen(Keys.jobs_pending) == 0
+
+
+async def register_server(redis_client, server_id: str, job_id: str = "", age_s: float = 0.0) -> None:
+    import time
+
+    from services import protocol
+
+    info = protocol.ServerInfo(server_id=server_id, heartbeat=time.time() - age_s, job_id=job_id, version=3,
+                               capacity=4, inflight=2, engine="/models/tiny")
+    await redis_client.hset(Keys.rollout_servers, server_id, protocol.encode(info))
+
+
+async def test_an_operator_lists_drains_and_lifts_a_drain_on_rollout_servers(api, redis_client):
+    await register_server(redis_client, "gpu-b", job_id="j-1")
+    await register_server(redis_client, "gpu-a", age_s=30)
+
+    listed = (await api.get("/v1/rollout-servers")).json()
+    drained = await api.post("/v1/rollout-servers/gpu-b/drain")
+    lifted = await api.delete("/v1/rollout-servers/gpu-b/drain")
+
+    assert [s["server_id"] for s in listed] == ["gpu-a", "gpu-b"]
+    assert listed[0]["heartbeat_age_s"] >= 30 and listed[1]["job_id"] == "j-1"
+    assert drained.status_code == 200 and drained.json()["drain_requested"] is True
+    assert lifted.json()["drain_requested"] is False
+    assert await redis_client.smembers(Keys.rollout_drain) == set()
+    missing = await api.post("/v1/rollout-servers/gpu-z/drain")
+    assert missing.status_code == 404 and "gpu-z" in missing.json()["detail"]
+
+
+async def test_with_tokens_only_operators_reach_the_fleet(redis_url, redis_client):
+    await register_server(redis_client, "gpu-a")
+    app = create_app(ApiSettings(redis_url=redis_url, tokens=TOKENS, operators="alpha"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        refused = await client.post("/v1/rollout-servers/gpu-a/drain", headers=bearer("beta-token-9876543210"))
+        allowed = await client.get("/v1/rollout-servers", headers=bearer("alpha-token-0123456789"))
+        anonymous = await client.get("/v1/rollout-servers")
+
+    assert refused.status_code == 403 and "not an operator" in refused.json()["detail"]
+    assert await redis_client.smembers(Keys.rollout_drain) == set()
+    assert allowed.status_code == 200 and [s["server_id"] for s in allowed.json()] == ["gpu-a"]
+    assert anonymous.status_code == 401
+
+
+async def test_membership_changes_are_listed_and_streamed(api, redis_client):
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    change = {"time": 1.0, "servers": ["a", "b"], "joined": ["b"], "left": {"c": "no heartbeat for 7s"}}
+    await redis_client.rpush(Keys.servers(job_id), json.dumps(change))
+    await redis_client.hset(Keys.job(job_id), "status", "SUCCEEDED")
+
+    listed = (await api.get(f"/v1/jobs/{job_id}/servers")).json()
+    body = (await api.get(f"/v1/jobs/{job_id}/events")).text
+
+    assert listed == [change]
+    assert body.startswith(f"event: servers\ndata: {json.dumps(change)}\n\n")

@@ -58,6 +58,21 @@ async def test_touch_keeps_a_live_consumers_task_from_being_reclaimed(redis_clie
     assert await other.reclaim(min_idle_ms=50, count=10) == []
 
 
+async def test_a_released_task_is_taken_over_at_once_not_after_the_idle_threshold(redis_client):
+    leaving, staying = await consumer(redis_client, "leaving"), await consumer(redis_client, "staying")
+    await publish(redis_client, Keys.tasks("j"), task(5))
+    await publish(redis_client, Keys.tasks("j"), task(6))
+    held = await leaving.read(2)
+    await leaving.release(held[0].entry_id)  # a drain hands back the task it could not finish
+
+    taken = await staying.reclaim(min_idle_ms=60_000, count=10)  # a threshold far from reached
+
+    assert [d.message.task_id for d in taken] == [5]  # the other one is still being worked on
+    pending = await redis_client.xpending_range(Keys.tasks("j"), "rollout", "-", "+", 10)
+    assert {p["consumer"].decode(): p["message_id"] for p in pending} == {
+        "staying": held[0].entry_id, "leaving": held[1].entry_id}
+
+
 async def test_an_entry_delivered_too_often_is_dead_lettered_instead_of_retried(redis_client):
     first, second = await consumer(redis_client, "first", max_deliveries=2), await consumer(redis_client, "second", max_deliveries=2)
     await publish(redis_client, Keys.tasks("j"), task(5))
