@@ -108,7 +108,7 @@ class WeightPublisher:
 
     async def publish(self, version: int, servers: list[str] | None = None, regroup: bool = False) -> dict:
         """Announce the plan for `version`, then broadcast it (all ranks). `regroup` re-sends
-        the current version to a new membership (a server joined or vanished). A failed
+        the current version to a new membership (a server joined). A failed
         broadcast (a member died) is retried on the settled membership."""
         started = time.perf_counter()
         for attempt in range(3):

@@ -197,7 +197,9 @@ class RolloutServer:
             except Exception as err:  # a model that does not load, an unknown task...
                 log.exception("cannot serve job %s", job_id)
                 await self.redis.hset(Keys.job(job_id), "rollout_error", f"{self.server_id}: {type(err).__name__}: {err}")
-                await self.wait_until_job_ends(job_id)  # the learner fails it; do not retry in a loop
+                # The learner fails the job; do not retry in a loop (a drain ends the wait).
+                while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
+                    await asyncio.sleep(0.5)
                 continue
             await self.serve_job(job_id, spec, rollout)
 

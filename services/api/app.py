@@ -99,6 +99,9 @@ class Membership(BaseModel):
 
 
 ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
+FORGET_SERVER_S = 3600.0
+"""A server record this old is a dead server's (a live one rewrites it every few seconds):
+the fleet listing deletes it."""
 SSE_POLL_S = 0.5
 SSE_KEEPALIVE_S = 15.0
 
@@ -311,6 +314,9 @@ def servers_router() -> APIRouter:
         now, views = time.time(), {}
         for raw in (await client.hgetall(Keys.rollout_servers)).values():
             info = protocol.decode(raw, protocol.ServerInfo)
+            if now - info.heartbeat > FORGET_SERVER_S:  # a live server rewrites it every few seconds
+                await client.hdel(Keys.rollout_servers, info.server_id)
+                continue
             views[info.server_id] = RolloutServerView(
                 server_id=info.server_id, job_id=info.job_id, version=info.version, capacity=info.capacity,
                 inflight=info.inflight, engine=info.engine, heartbeat_age_s=round(now - info.heartbeat, 1),
@@ -321,7 +327,7 @@ def servers_router() -> APIRouter:
     @router.get("/v1/rollout-servers", response_model=list[RolloutServerView], responses=ERRORS)
     async def list_servers(request: Request) -> list[RolloutServerView]:
         """Every rollout server that has reported (a stopped one leaves; a killed one stays,
-        its heartbeat ageing)."""
+        its heartbeat ageing, for FORGET_SERVER_S)."""
         views = await server_views(request.app.state.redis)
         return [views[server] for server in sorted(views)]
 

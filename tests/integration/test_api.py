@@ -336,12 +336,14 @@ async def register_server(redis_client, server_id: str, job_id: str = "", age_s:
 async def test_an_operator_lists_drains_and_lifts_a_drain_on_rollout_servers(api, redis_client):
     await register_server(redis_client, "gpu-b", job_id="j-1")
     await register_server(redis_client, "gpu-a", age_s=30)
+    await register_server(redis_client, "gpu-dead", age_s=2 * 3600)  # killed long ago: forgotten
 
     listed = (await api.get("/v1/rollout-servers")).json()
     drained = await api.post("/v1/rollout-servers/gpu-b/drain")
     lifted = await api.delete("/v1/rollout-servers/gpu-b/drain")
 
     assert [s["server_id"] for s in listed] == ["gpu-a", "gpu-b"]
+    assert not await redis_client.hexists(Keys.rollout_servers, "gpu-dead")
     assert listed[0]["heartbeat_age_s"] >= 30 and listed[1]["job_id"] == "j-1"
     assert drained.status_code == 200 and drained.json()["drain_requested"] is True
     assert lifted.json()["drain_requested"] is False
