@@ -96,6 +96,11 @@ class RolloutServer:
         self.drain_requested = asyncio.Event()
         """Set by SIGTERM or a drain request: leave the job, take no new one."""
         self.exit_after_drain = False
+        self.stopping = False
+        """Set when either of `run`'s loops ends: the other stops by itself at its next turn.
+        Cancelling is not enough on Python 3.11: a cancel that lands inside a redis-py call
+        can be swallowed there (a SIGTERMed server once heartbeated on after a Redis restart,
+        and its task group never closed)."""
         self.busy_exported_s = 0.0
         """The engine's busy seconds already counted under the current job."""
         self.busy_rate = TrailingRate(window_s=60.0)
@@ -119,11 +124,11 @@ class RolloutServer:
         backoff_s, drained = 1.0, False
         try:
             while not drained:
-                started = time.monotonic()
+                started, self.stopping = time.monotonic(), False
                 try:
                     async with asyncio.TaskGroup() as group:
-                        group.create_task(self.heartbeat())
-                        group.create_task(self.serve_jobs())
+                        for loop_ in (self.heartbeat(), self.serve_jobs()):
+                            group.create_task(loop_).add_done_callback(self.stop_loops)
                 except* _Drained:
                     log.info("drained; exiting")
                     drained = True
@@ -138,6 +143,9 @@ class RolloutServer:
             await self.judge_client.aclose()
             if self.engine:
                 self.engine.shutdown()
+
+    def stop_loops(self, _: asyncio.Task) -> None:
+        self.stopping = True
 
     def request_drain(self, then_exit: bool) -> None:
         if not self.drain_requested.is_set():
@@ -156,7 +164,7 @@ class RolloutServer:
         await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
 
     async def heartbeat(self) -> None:
-        while True:
+        while not self.stopping:
             if await self.redis.sismember(Keys.rollout_drain, self.server_id):
                 if not self.drain_requested.is_set():
                     self.request_drain(then_exit=False)
@@ -180,7 +188,7 @@ class RolloutServer:
         self.busy_exported_s = busy_s
 
     async def serve_jobs(self) -> None:
-        while True:
+        while not self.stopping:
             if self.drain_requested.is_set():
                 if self.exit_after_drain:
                     raise _Drained
@@ -267,9 +275,8 @@ class ServedJob:
         self.updating = asyncio.Lock()
         """Held while a weight update runs: a drain leaves only after it."""
         self.leaving = False
-        """Set when the job ends or the drain is done: the loops below stop by themselves.
-        Cancelling them is not enough on Python 3.11: a cancel that lands inside a Redis
-        call can be swallowed there (a drained server once polled weight plans forever)."""
+        """Set when the job ends or the drain is done: the loops below stop by themselves,
+        as `run`'s do on `stopping` (a drained server once polled weight plans forever)."""
 
     async def serve(self) -> None:
         """Weights and tasks until the job leaves `jobs:running` or this server drains;
@@ -322,7 +329,7 @@ class ServedJob:
         Python 3.11, which ended this task silently and left the server deaf to every
         later plan while it went on heartbeating)."""
         redis = self.server.redis
-        while not self.leaving:
+        while not (self.leaving or self.server.stopping):
             plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
             if plan_bytes:
                 await self.apply_plan(plan_bytes)
@@ -367,7 +374,7 @@ class ServedJob:
         capacity = settings.max_concurrent_tasks
         backlog = await self.consumer.read_own_pending(capacity)
         last_reclaim = 0.0
-        while not (self.leaving or self.server.drain_requested.is_set()):
+        while not (self.leaving or self.server.stopping or self.server.drain_requested.is_set()):
             free = capacity - len(inflight)
             if free == 0:
                 await asyncio.wait(list(inflight.values()), return_when=asyncio.FIRST_COMPLETED)
