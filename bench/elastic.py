@@ -37,7 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_speedup import StandIn, base_spec  # noqa: E402  (bench/ is on sys.path as the script's folder)
+from async_speedup import StandIn, base_spec, scrape  # noqa: E402  (bench/ is on sys.path as the script's folder)
 
 from services import protocol  # noqa: E402
 from services.queues import Keys  # noqa: E402
@@ -48,14 +48,10 @@ TOKENS = "tandem_rollout_generated_tokens_total"
 
 def generated_tokens(port: int, job_id: str) -> float | None:
     """A server's generated-token count for the job; None when it does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        return scrape(f"http://127.0.0.1:{port}/metrics", TOKENS, job_id)
     except httpx.HTTPError:
         return None
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == TOKENS and sample.labels.get("job") == job_id)
 
 
 class Watch:

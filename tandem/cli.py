@@ -204,36 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None)
     p.set_defaults(run=cmd_demo)
 
-    for name, run, help_text in (("list", cmd_list, "list jobs"),):
+    def api_client_parser(name: str, run, help_text: str, *positional: str) -> argparse.ArgumentParser:
+        """A subcommand that talks to the job API: its positionals, --api and --token."""
         p = sub.add_parser(name, help=help_text)
+        for arg in positional:
+            p.add_argument(arg)
         p.add_argument("--api", default=api_url)
         p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
         p.set_defaults(run=run)
-    p = sub.add_parser("submit", help="submit a job spec (YAML or JSON)")
-    p.add_argument("file")
-    p.add_argument("--api", default=api_url)
-    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
-    p.set_defaults(run=cmd_submit)
+        return p
+
+    api_client_parser("list", cmd_list, "list jobs")
+    api_client_parser("submit", cmd_submit, "submit a job spec (YAML or JSON)", "file")
     for name, run, help_text in (("status", cmd_status, "show a job"),
                                  ("follow", cmd_follow, "follow a job with a progress bar"),
                                  ("datasets", cmd_datasets, "list the files a generate job wrote"),
                                  ("cancel", cmd_cancel, "cancel a job")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("job_id")
-        p.add_argument("--api", default=api_url)
-        p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
-        p.set_defaults(run=run)
-    p = sub.add_parser("servers", help="list the rollout servers (operators)")
-    p.add_argument("--api", default=api_url)
-    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
-    p.set_defaults(run=cmd_servers)
-    p = sub.add_parser("drain", help="take a rollout server out of service: it finishes or hands back its "
-                                     "tasks and leaves its job (operators)")
-    p.add_argument("server_id")
+        api_client_parser(name, run, help_text, "job_id")
+    api_client_parser("servers", cmd_servers, "list the rollout servers (operators)")
+    p = api_client_parser("drain", cmd_drain, "take a rollout server out of service: it finishes or hands back "
+                                              "its tasks and leaves its job (operators)", "server_id")
     p.add_argument("--lift", action="store_true", help="let it take jobs again")
-    p.add_argument("--api", default=api_url)
-    p.add_argument("--token", default=api_token, help="bearer token (default $TANDEM_API_TOKEN)")
-    p.set_defaults(run=cmd_drain)
     return parser
 
 

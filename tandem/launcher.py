@@ -170,17 +170,18 @@ def kill_all(processes: list) -> None:
 
 def learner_command(ranks: int, resume: bool = True, nodes: int = 1, rdzv_endpoint: str = "",
                     rdzv_id: str = "tandem-learner") -> list[str]:
-    """torchrun with `ranks` processes per node; locally a restarted learner resumes its job.
+    """torchrun with `ranks` processes per node (`rendezvous_args` says how nodes meet);
+    locally a restarted learner resumes its job."""
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(nodes, rdzv_endpoint, rdzv_id),
+            f"--nproc-per-node={ranks}", "-m", "learner", *(["--resume"] if resume else [])]
 
-    One node runs standalone (a rendezvous of its own on a free port). Several nodes meet at
-    `rdzv_endpoint` (host:port of torch's c10d rendezvous, served by the first node to come
-    up there) under `rdzv_id`, and wait for all `nodes` before training starts."""
+
+def rendezvous_args(nodes: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
+    """One node runs standalone (a rendezvous of its own on a free port). Several nodes meet
+    at `rdzv_endpoint` (host:port of torch's c10d rendezvous, served by the first node to
+    come up there) under `rdzv_id`, and wait for all `nodes` before training starts."""
     if nodes == 1 and not rdzv_endpoint:
-        rendezvous = ["--standalone"]
-    elif not rdzv_endpoint:
+        return ["--standalone"]
+    if not rdzv_endpoint:
         raise ValueError(f"a learner on {nodes} nodes needs a rendezvous endpoint (host:port)")
-    else:
-        rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                      f"--rdzv-id={rdzv_id}"]
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={ranks}",
-            "-m", "learner", *(["--resume"] if resume else [])]
+    return [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]

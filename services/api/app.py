@@ -209,6 +209,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_exception_handler(405, method_not_allowed)
     app.state.operators = {name.strip() for name in settings.operators.split(",") if name.strip()}
     app.include_router(jobs_router())
+    app.include_router(job_records_router())
     app.include_router(servers_router())
     return app
 
@@ -235,7 +236,7 @@ async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> di
 
 
 def jobs_router() -> APIRouter:
-    """The job routes: submit, list, read, history, checkpoints, cancel, events."""
+    """The job routes: submit, list, read, cancel, events."""
     router = APIRouter()
 
     @router.post("/v1/jobs", status_code=201, response_model=JobCreated,
@@ -256,6 +257,28 @@ def jobs_router() -> APIRouter:
     @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
     async def get(record: dict = Depends(owned)) -> JobView:
         return JobView(**record)
+
+    @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
+    async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
+        """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
+        CANCELLED at its next step); an ended one is left as it is."""
+        client = request.app.state.redis
+        await jobs.cancel(client, record["id"])
+        return JobView(**await jobs.get_job(client, record["id"]))
+
+    @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
+    async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
+        """Server-sent events: `status` on every status change, `step` for every SFT/RL step
+        record, `health` for every health rule that fired, `servers` for every change in the
+        rollout servers on the job, until the job ends."""
+        return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
+
+    return router
+
+
+def job_records_router() -> APIRouter:
+    """What a job recorded: history, checkpoints, datasets, rollout-server membership."""
+    router = APIRouter()
 
     @router.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
     async def history(request: Request, start: int = Query(0, ge=0), record: dict = Depends(owned)) -> list[dict]:
@@ -279,21 +302,6 @@ def jobs_router() -> APIRouter:
         """Every change in the rollout servers on the job: who joined, who left and why."""
         raw = await request.app.state.redis.lrange(Keys.servers(record["id"]), 0, -1)
         return [Membership(**json.loads(r)) for r in raw]
-
-    @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
-    async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
-        """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
-        CANCELLED at its next step); an ended one is left as it is."""
-        client = request.app.state.redis
-        await jobs.cancel(client, record["id"])
-        return JobView(**await jobs.get_job(client, record["id"]))
-
-    @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
-    async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
-        """Server-sent events: `status` on every status change, `step` for every SFT/RL step
-        record, `health` for every health rule that fired, `servers` for every change in the
-        rollout servers on the job, until the job ends."""
-        return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
 
     return router
 

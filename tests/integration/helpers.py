@@ -7,7 +7,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from rollout.tasks import clarify
 from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
+from tandem.launcher import learner_command
 from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
@@ -100,6 +100,5 @@ class Producer(threading.Thread):
 def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subprocess.Popen:
     env = os.environ | {"TANDEM_REDIS_URL": redis_url, "TANDEM_RUNS_DIR": str(runs), "TANDEM_MIN_ROLLOUT_SERVERS": "0",
                         "TANDEM_METRICS_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "learner"]
-    return subprocess.Popen(command + (["--resume"] if resume else []), env=env, stdout=open(log, "ab"),
+    return subprocess.Popen(learner_command(2, resume=resume), env=env, stdout=open(log, "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)

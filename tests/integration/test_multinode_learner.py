@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 from torch.distributed import TCPStore
 
-from tandem.launcher import learner_command
+from tandem.launcher import learner_command, rendezvous_args
 from tandem.redis_embed import free_port
 
 pytestmark = pytest.mark.slow
@@ -21,8 +21,7 @@ WORKER = Path(__file__).with_name("multinode_worker.py")
 
 def torchrun_args(nodes: int, endpoint: str) -> list[str]:
     """The rendezvous arguments `tandem learner` gives torchrun, one rank per node."""
-    command = learner_command(1, nodes=nodes, rdzv_endpoint=endpoint, rdzv_id="multinode-test")
-    return command[3:command.index("-m", 3)]  # between `python -m torch.distributed.run` and `-m learner`
+    return [*rendezvous_args(nodes, endpoint, "multinode-test"), "--nproc-per-node=1"]
 
 
 def run(model: Path, out: Path, ckpt: Path, load: bool, nodes: int) -> dict[str, dict]:
@@ -56,11 +55,11 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def test_the_rendezvous_arguments():
-    assert torchrun_args(1, "") == ["--standalone", "--nproc-per-node=1"]
-    assert torchrun_args(2, "learner-0.learner:29400") == [
+def test_the_learner_command_meets_other_nodes_only_at_an_endpoint():
+    assert learner_command(2, resume=False)[3:] == ["--standalone", "--nproc-per-node=2", "-m", "learner"]
+    assert learner_command(1, nodes=2, rdzv_endpoint="learner-0.learner:29400", rdzv_id="multinode-test")[3:] == [
         "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=learner-0.learner:29400",
-        "--rdzv-id=multinode-test", "--nproc-per-node=1"]
+        "--rdzv-id=multinode-test", "--nproc-per-node=1", "-m", "learner", "--resume"]
     with pytest.raises(ValueError, match="rendezvous endpoint"):
         learner_command(1, nodes=2)
 
