@@ -4,6 +4,7 @@ going out (full tensors for a weight update, a Hugging Face folder for export)."
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -40,15 +41,21 @@ def optimizer(model: torch.nn.Module, lr: float, weight_decay: float, decay_step
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float) -> tuple[float, bool]:
-    """Clip the gradient and step, unless it is exactly zero; returns (norm before
-    clipping, stepped). A zero gradient (every advantage of the batch 0, no KL term) is no
-    reason to move, yet AdamW would: its momentum carries the last real update on, about ten
-    updates' worth with beta1 = 0.9, so a policy whose groups have no spread would keep
-    drifting the way it last went. The norm is global (all ranks), so all ranks agree."""
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float,
+                   finite_loss: bool = True) -> tuple[float, bool]:
+    """Clip the gradient and step, unless it is exactly zero or not finite, or the loss is
+    not (`finite_loss`); returns (norm before clipping, stepped). Skipping leaves the
+    parameters, the AdamW moments and the schedule as they were.
+
+    A zero gradient (every advantage of the batch 0, no KL term) is no reason to move, yet
+    AdamW would: its momentum carries the last real update on, about ten updates' worth
+    with beta1 = 0.9, so a policy whose groups have no spread would keep drifting the way it
+    last went. A NaN or inf gradient would be clipped into NaN and poison every parameter
+    and both moments for good. The norm is global (all ranks) and `finite_loss` must be the
+    same on every rank, so all ranks agree."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    stepped = grad_norm != 0.0
+    stepped = finite_loss and math.isfinite(grad_norm) and grad_norm != 0.0
     if stepped:
         optimizer.step()
         scheduler.step()

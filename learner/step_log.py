@@ -65,6 +65,9 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
                                "Share of the judge budget left as the last batch's calls saw it", ["job"]),
     "skipped_updates": Gauge("tandem_learner_skipped_updates",
                              "Optimizer updates of the last step skipped for an exactly zero gradient", ["job"]),
+    "nonfinite_updates": Gauge("tandem_learner_nonfinite_updates",
+                               "Optimizer updates of the last step skipped for a NaN or infinite loss or gradient",
+                               ["job"]),
 }
 MALFORMED = Gauge("tandem_learner_malformed_share",
                   "Share of the last batch's trained responses the format filter rejected, by reason",

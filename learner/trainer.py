@@ -18,7 +18,7 @@ from learner.micro_batch import Collator, MicroBatch
 from services.config import JobSpec
 from services.protocol import Sample
 
-COUNTS = loss.COUNTS | {"skipped_updates"}
+COUNTS = loss.COUNTS | {"skipped_updates", "nonfinite_updates"}
 """Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
 
 
@@ -111,12 +111,11 @@ class Trainer:
             (out.loss * self.world_size).backward()
             accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
             totals["entropy"] += (entropy * mask).sum()
-        grad_norm, stepped = self._optimizer_step()
         reduced = self._reduce_over_ranks(totals)
+        update = self._optimizer_step(reduced["loss"])
         metrics = {name: value if name in COUNTS | loss.MAXIMA else value / max(num_tokens, 1)
                    for name, value in reduced.items() if name != "loss"}
-        metrics |= {"loss": reduced["loss"], "grad_norm": grad_norm, "skipped_updates": float(not stepped)}
-        return metrics
+        return metrics | {"loss": reduced["loss"]} | update
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Masked cross-entropy on assistant tokens (the warm start)."""
@@ -127,8 +126,8 @@ class Trainer:
             step_loss = loss.sft_loss(theta, self.batches.per_token(samples, mb, "mask"), max(num_tokens, 1))
             (step_loss * self.world_size).backward()
             total += step_loss.detach()
-        grad_norm, _ = self._optimizer_step()
-        return {"sft_loss": self._all_reduce({"loss": total})["loss"], "grad_norm": grad_norm}
+        sft_loss = self._all_reduce({"loss": total})["loss"]
+        return {"sft_loss": sft_loss} | self._optimizer_step(sft_loss)
 
     def dpo_step(self, samples: list[Sample]) -> dict[str, float]:
         """One DPO optimizer step on preference pairs (`samples` alternate chosen, rejected;
@@ -150,12 +149,12 @@ class Trainer:
                                 max(num_pairs, 1))
             (out.loss * self.world_size).backward()
             accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
-        grad_norm, stepped = self._optimizer_step()
         # Every rank reduces every name, whether or not its share had pairs.
         reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in ("loss", *loss.DPO_METRICS)})
+        update = self._optimizer_step(reduced["loss"])
         metrics = {name: value if name in ("loss", "pairs") else value / max(num_pairs, 1)
                    for name, value in reduced.items()}
-        return metrics | {"grad_norm": grad_norm, "skipped_updates": float(not stepped)}
+        return metrics | update
 
     def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
         """[N] each sample's sequence logprob under the reference. Samples not seen before
@@ -177,8 +176,17 @@ class Trainer:
             self.reference_logprobs |= {s.sample_id: value for s, value in zip(samples, scored.tolist())}
         return torch.tensor([self.reference_logprobs[s.sample_id] for s in samples], device=self.device)
 
-    def _optimizer_step(self) -> tuple[float, bool]:
-        return policy.optimizer_step(self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm)
+    def _optimizer_step(self, loss_sum: float) -> dict[str, float]:
+        """Clip and step (`policy.optimizer_step`) unless the gradient is zero
+        (`skipped_updates`) or the loss or gradient is not finite (`nonfinite_updates`).
+        `loss_sum` is the loss summed over ranks (not finite if any rank's is not) and the
+        norm is global, so every rank skips together."""
+        finite_loss = math.isfinite(loss_sum)
+        grad_norm, stepped = policy.optimizer_step(self.model, self.optimizer, self.scheduler,
+                                                   self.spec.train.max_grad_norm, finite_loss)
+        nonfinite = not (finite_loss and math.isfinite(grad_norm))
+        return {"grad_norm": grad_norm, "skipped_updates": float(not stepped and not nonfinite),
+                "nonfinite_updates": float(nonfinite)}
 
     def _reduce_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """All ranks' totals combined: maxima by max, the rest by sum."""
