@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from learner import checkpoint, warm_start
+from learner import checkpoint, policy, warm_start
 from learner.control import Command, Worker
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
@@ -160,7 +160,8 @@ class JobRun:
         ).setup()
         every = self.spec.train.checkpoint_every
         self.intake = BatchIntake(self.job_id, self.spec.train, trajectories, self.dispatcher,
-                                  Acks(trajectories, deferred=every > 0))
+                                  Acks(trajectories, deferred=every > 0),
+                                  policy.vocab_size(self.spec.model.local_folder()))
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_cancel)

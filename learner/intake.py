@@ -1,7 +1,8 @@
 """Batch intake: the job's trajectory stream -> the groups the next step trains on.
 
 Every group read is decided once: admitted into the batch, or refused as a duplicate (its
-task was trained already), as malformed (dead-lettered with the reason) or as over-stale
+task was trained already), as malformed or carrying values the trainer must not see (token
+ids outside the vocabulary, non-finite logprobs: dead-lettered with the reason) or as over-stale
 (its task is replaced). Entries are acknowledged when the checkpoint that covers their
 decision is complete, so a resumed run sees exactly the entries the lost one had not
 covered (or at once, with checkpoints off).
@@ -9,6 +10,7 @@ covered (or at once, with checkpoints off).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import Counter
@@ -22,20 +24,50 @@ STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
 
 
-def invalid_reason(group: protocol.TrajectoryGroup, max_tokens_per_rank: int) -> str:
-    """Why the trainer could not train `group` ("" if it can): no samples, a sample without
-    tokens, per-token fields of different lengths, or a sequence longer than a rank takes."""
+LOGPROB_SLACK = 1e-4
+"""How far above 0 a behaviour logprob may round (an engine's float32 log-softmax)."""
+
+
+def invalid_reason(group: protocol.TrajectoryGroup, max_tokens_per_rank: int, vocab_size: int | None = None) -> str:
+    """Why the trainer could not train `group` ("" if it can): no samples, or a sample that
+    `shape_problem` or `content_problem` refuses."""
     if not group.samples:
         return "the group has no samples"
     for sample in group.samples:
-        lengths = {field: len(getattr(sample, field)) for field in ("tokens", "mask", "logprobs", "versions")}
-        if len(set(lengths.values())) > 1:
-            return f"sample {sample.sample_id}: per-token fields differ in length {lengths}"
-        if not sample.tokens:
-            return f"sample {sample.sample_id} has no tokens"
-        if len(sample.tokens) > max_tokens_per_rank:
-            return (f"sample {sample.sample_id}: {len(sample.tokens)} tokens exceed "
-                    f"train.max_tokens_per_rank={max_tokens_per_rank}")
+        problem = shape_problem(sample, max_tokens_per_rank) or content_problem(sample, vocab_size)
+        if problem:
+            return f"sample {sample.sample_id}: {problem}"
+    return ""
+
+
+def shape_problem(sample: protocol.Sample, max_tokens_per_rank: int) -> str:
+    """No tokens, per-token fields of different lengths, or more tokens than a rank takes."""
+    lengths = {field: len(getattr(sample, field)) for field in ("tokens", "mask", "logprobs", "versions")}
+    if len(set(lengths.values())) > 1:
+        return f"per-token fields differ in length {lengths}"
+    if not sample.tokens:
+        return "no tokens"
+    if len(sample.tokens) > max_tokens_per_rank:
+        return f"{len(sample.tokens)} tokens exceed train.max_tokens_per_rank={max_tokens_per_rank}"
+    return ""
+
+
+def content_problem(sample: protocol.Sample, vocab_size: int | None) -> str:
+    """Values the trainer must not see: a token id outside the model's vocabulary (the
+    embedding lookup fails or reads another row), a behaviour logprob that is not a finite
+    number <= 0, a mask value other than 0 and 1, or a reward or advantage that is not
+    finite (any of them turns the step's loss into NaN)."""
+    if vocab_size is not None and not 0 <= min(sample.tokens) <= max(sample.tokens) < vocab_size:
+        outside = next(t for t in sample.tokens if not 0 <= t < vocab_size)
+        return f"token id {outside} is outside the model's vocabulary [0, {vocab_size})"
+    bad = next((x for x in sample.logprobs if not -math.inf < x <= LOGPROB_SLACK), None)
+    if bad is not None:
+        return f"behaviour logprob {bad} is not a finite number <= 0"
+    if not set(sample.mask) <= {0, 1}:
+        return f"mask values {sorted(set(sample.mask) - {0, 1})} are not 0 or 1"
+    for field in ("reward", "advantage"):
+        if not math.isfinite(getattr(sample, field)):
+            return f"{field} {getattr(sample, field)} is not finite"
     return ""
 
 
@@ -65,9 +97,11 @@ class BatchIntake:
     COUNTS = ("stale_dropped", "duplicates")
 
     def __init__(self, job_id: str, train: TrainSpec, trajectories: StreamConsumer, dispatcher: Dispatcher,
-                 acks: Acks) -> None:
+                 acks: Acks, vocab_size: int | None = None) -> None:
         self.job_id = job_id
         self.train = train
+        self.vocab_size = vocab_size
+        """The policy's embedding rows: token ids at or above it are refused (None: unchecked)."""
         self.trajectories = trajectories
         self.dispatcher = dispatcher
         self.acks = acks
@@ -109,16 +143,17 @@ class BatchIntake:
 
     async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """Whether a group may join the batch trained on `version`. Refused: a task already
-        trained (a rollout server died after writing it) or already in the batch, malformed
-        groups (dead-lettered), over-stale groups and groups from versions newer than
-        `version` (sampled by weights a crashed learner published and this one never had)."""
+        trained (a rollout server died after writing it) or already in the batch, groups the
+        trainer must not see (dead-lettered: `invalid_reason`), over-stale groups and groups
+        from versions newer than `version` (sampled by weights a crashed learner published
+        and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
             DUPLICATES.labels(self.job_id).inc()
             await self.acks.settle(delivery.entry_id)
             return False
-        problem = invalid_reason(group, self.train.max_tokens_per_rank)
+        problem = invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
         if problem:
             # Refused here, on rank 0, for all ranks: in a step it would fail on some ranks
             # only and leave the others blocked in a collective.

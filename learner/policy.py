@@ -31,6 +31,13 @@ def sharded_model(path: str, device: torch.device, world_size: int, dtype: str) 
     return model
 
 
+def vocab_size(path: str) -> int:
+    """Rows of the embedding of the model at `path`: the token ids it can take."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).vocab_size
+
+
 def optimizer(model: torch.nn.Module, lr: float, weight_decay: float, decay_steps: int = 0):
     """AdamW over the sharded (DTensor) parameters (build it only while sharded), with a
     learning rate that decays linearly to 10% over `decay_steps` (the warm start, so the
