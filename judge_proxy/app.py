@@ -12,9 +12,10 @@
 - `GET /v1/budget`: limits and shared usage per upstream (never keys).
 - `/metrics`, `/healthz`.
 
-Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set),
-`X-Tandem-Job` (jobs share a model's budget by their `judge_weight` and take turns in the
-queue), `X-Tandem-Priority: judge|simulator` (default simulator for chat; /v1/judge is
+Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set: one of
+them, or a job's credential made with one, which is how the proxy knows the job a call is
+charged to), `X-Tandem-Job` (jobs share a model's budget by their `judge_weight` and take
+turns in the queue; with tokens it may only repeat the credential's job), `X-Tandem-Priority: judge|simulator` (default simulator for chat; /v1/judge is
 always judge), `X-Request-Id` (optional) and `Idempotency-Key` (optional: a retry with the
 same key and body gets the stored reply, and no second upstream call; `judge_proxy.memory`).
 Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
@@ -50,7 +51,7 @@ from redis.exceptions import RedisError
 from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS, Rubric
-from services.auth import match_bearer
+from services.auth import credential_job, match_bearer
 from services.config import JudgeProxySettings
 from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
 from services.logs import REQUEST_ID
@@ -160,11 +161,11 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
+        job = authorize(request)
         body = await json_object(request)
         chat = validated(ChatRequest, body)
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
-        job, priority = job_of(request), priority_of(request)
+        priority = priority_of(request)
         tag = request.headers.get("idempotency-key", "")
         key = proxy.chat_memory_key(body, job, tag)
         if key is None:
@@ -179,21 +180,21 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 
     @app.post("/v1/judge", response_model=JudgeResult)
     async def judge(request: Request) -> JudgeResult:
-        authorize(request)
+        job = authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
         return await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
-                                 ask.model or settings.judge_model, job_of(request), cache=ask.cache,
+                                 ask.model or settings.judge_model, job, cache=ask.cache,
                                  idempotency_key=request.headers.get("idempotency-key"))
 
     @app.post("/v1/judge/group", response_model=GroupJudgeResult)
     async def judge_group(request: Request) -> GroupJudgeResult:
-        authorize(request)
+        job = authorize(request)
         ask = validated(GroupJudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
         candidates = [[t.model_dump() for t in c] for c in ask.candidates]
         return await proxy.judge_group(rubric, candidates, ask.reference, ask.model or settings.judge_model,
-                                       job_of(request), cache=ask.cache,
+                                       job, cache=ask.cache,
                                        idempotency_key=request.headers.get("idempotency-key"))
 
     app.include_router(info_router(proxy, authorize))
@@ -253,13 +254,27 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
     return router
 
 
-def client_auth(tokens: str) -> Callable[[Request], None]:
-    """A check accepting `Authorization: Bearer <one of tokens>`; open when there are none."""
+def client_auth(tokens: str) -> Callable[[Request], str]:
+    """A check of the caller's credential that returns the job the call is charged to ("" for
+    none). With tokens, the job comes from the credential: a job's credential
+    (`services.auth.job_credential`) charges that job, a plain token no job; an
+    `X-Tandem-Job` naming another job is a 403, so no caller spends another job's share.
+    Without tokens (loopback only, the operator's own machine) the header is believed."""
     allowed = [t.strip() for t in tokens.split(",") if t.strip()]
 
-    def check(request: Request) -> None:
-        if allowed and match_bearer(request.headers.get("authorization", ""), allowed) is None:
+    def check(request: Request) -> str:
+        claimed = request.headers.get("x-tandem-job", "")
+        if not allowed:
+            return claimed
+        authorization = request.headers.get("authorization", "")
+        job = credential_job(authorization, allowed)
+        if job is None and match_bearer(authorization, allowed) is None:
             raise ProxyError(401, "missing or unknown bearer token", "unauthorized")
+        job = job or ""
+        if claimed and claimed != job:
+            raise ProxyError(403, f"X-Tandem-Job {claimed!r} is not the job this credential was issued for "
+                                  f"({job or 'none'})", "permission_denied")
+        return job
 
     return check
 
@@ -285,10 +300,6 @@ def validated(model: type[BaseModel], body: dict) -> Any:
 def describe(err: ValidationError) -> str:
     """Each error as `field.path: message`."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-
-
-def job_of(request: Request) -> str:
-    return request.headers.get("x-tandem-job", "")
 
 
 def priority_of(request: Request) -> str:

@@ -48,6 +48,10 @@ class Engine:
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
               memory_utilization: float | None = None) -> "Engine":
+        # vLLM reports usage to its maintainers' server unless told not to; a rollout server
+        # sends nothing anywhere but Redis and the judge proxy (an operator may set it to 0).
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("DO_NOT_TRACK", "1")
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

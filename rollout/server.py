@@ -44,6 +44,7 @@ from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, connect, publish
 from services.stats import TrailingRate
 from services.tokenization import ChatTokenizer, TokenizationMismatch
+from services.tool_catalog import load_catalog
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class RolloutServer:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
         self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.tool_catalog = load_catalog(settings.tool_catalog)
         # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
         # once (journal, streams); they wait for a free connection instead of failing with
         # "Too many connections" (redis-py 8 caps a plain pool at 100).
@@ -220,7 +222,8 @@ class RolloutServer:
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)
         task_set = load_task(spec.task, spec.train.seed, judge=judge)
         user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
-        tools = None if spec.tools is None else await ToolBox.open(spec.tools, job_id)
+        tools = None if spec.tools is None else await ToolBox.open(
+            spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
         if tools is not None:
             chat = chat.with_tools(tools.schemas())
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -174,6 +174,7 @@ class GenerateSpec(_Strict):
 
 
 TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
+CATALOG_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 
 
 class McpServerSpec(_Strict):
@@ -191,6 +192,12 @@ class McpServerSpec(_Strict):
         return self
 
 
+class ToolCatalog(_Strict):
+    """The operator's tool catalogue (`TANDEM_TOOL_CATALOG`, `services.tool_catalog`)."""
+
+    mcp_servers: dict[str, McpServerSpec] = Field(default_factory=dict, description="Name -> server.")
+
+
 class ToolSpec(_Strict):
     """One tool the policy may call: a built-in kind or a tool an MCP server serves."""
 
@@ -205,7 +212,10 @@ class ToolSpec(_Strict):
     data: str | None = Field(None, description="search: JSONL of {id, title, text} documents; the built-in "
                                                "fixture when unset.")
     top_k: int = Field(3, ge=1, le=50, description="search: documents returned per query.")
-    server: McpServerSpec | None = Field(None, description="mcp: the server that serves this tool.")
+    server: Annotated[str, Field(pattern=CATALOG_NAME)] | McpServerSpec | None = Field(
+        None, description="mcp: the server that serves this tool, by its name in the operator's tool catalogue "
+                          "(TANDEM_TOOL_CATALOG); a command or URL written here only where the operator allows "
+                          "inline servers (TANDEM_ALLOW_INLINE_MCP).")
 
     @model_validator(mode="after")
     def _server_for_mcp(self) -> "ToolSpec":
@@ -347,11 +357,35 @@ class _ProcessSettings(BaseSettings):
         return shown
 
 
-class ApiSettings(_ProcessSettings):
+def _require_tokens_off_loopback(host: str, tokens: str, variable: str) -> None:
+    """Auth fails closed: a server without tokens may listen on loopback only."""
+    from services.auth import is_loopback
+
+    if not tokens.strip() and not is_loopback(host):
+        raise ValueError(f"{variable} is empty, so this server has no auth and may listen only on loopback "
+                         f"(127.0.0.1, ::1), not {host!r}: set {variable} or a loopback host")
+
+
+class _ToolSettings(BaseSettings):
+    """Who may name which tool servers: read by the job API (to refuse a spec) and by rollout
+    servers (which start the servers)."""
+
+    tool_catalog: str = Field(
+        "", description="YAML file of the operator's tool catalogue: `mcp_servers: {name: {command | url, env}}`; "
+                        "a job's mcp tools name its entries.")
+    allow_inline_mcp: bool = Field(
+        False, description="Let job specs give an MCP server's command or URL themselves (the tenant then runs "
+                           "programs on rollout servers); URLs must still reach a public address.")
+
+
+class ApiSettings(_ProcessSettings, _ToolSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
-    tokens: str = Field("", description="'token:tenant,...'; empty disables auth (local use).")
+    tokens: str = Field("", description="'token:tenant,...'; empty: no auth, and then the API listens on "
+                                        "loopback only (local use).")
+    max_judge_weight: float = Field(
+        10.0, gt=0, le=1000.0, description="The largest judge_weight a job may ask for (422 above it).")
     operators: str = Field(
         "", description="Comma-separated tenants allowed the rollout-server routes (list, drain); "
                         "without tokens everyone is.",
@@ -362,12 +396,20 @@ class ApiSettings(_ProcessSettings):
                                "(every job's checkpoints) out of it.",
     )
 
+    @model_validator(mode="after")
+    def _auth_or_loopback(self) -> "ApiSettings":
+        _require_tokens_off_loopback(self.host, self.tokens, "TANDEM_TOKENS")
+        return self
+
 
 class JudgeProxySettings(_ProcessSettings):
     host: str = "127.0.0.1"
     port: int = 8001
     upstreams: str = Field("", description="YAML/JSON file listing upstreams; empty = none.")
-    client_tokens: str = Field("", description="Comma-separated tokens; empty disables auth.")
+    client_tokens: str = Field(
+        "", description="Comma-separated tokens; a caller presents one, or a job's credential made with one "
+                        "(services.auth.job_credential). Empty: no auth, loopback only, and X-Tandem-Job is "
+                        "believed as sent.")
     queue_deadline_s: float = Field(30.0, gt=0, description="Longest wait for budget before a 429.")
     judge_model: str = Field("judge", min_length=1, description="Model /v1/judge asks when a request names none.")
     default_max_tokens: int = Field(
@@ -389,8 +431,13 @@ class JudgeProxySettings(_ProcessSettings):
         3600.0, ge=0, description="How long a reply is kept for a retry with the same Idempotency-Key; 0 = off."
     )
 
+    @model_validator(mode="after")
+    def _auth_or_loopback(self) -> "JudgeProxySettings":
+        _require_tokens_off_loopback(self.host, self.client_tokens, "TANDEM_CLIENT_TOKENS")
+        return self
 
-class RolloutSettings(_ProcessSettings):
+
+class RolloutSettings(_ProcessSettings, _ToolSettings):
     server_id: str = ""
     metrics_port: int = 8002
     judge_url: str = "http://127.0.0.1:8001"

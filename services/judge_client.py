@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from services.auth import job_credential
 from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
 
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
@@ -83,6 +84,7 @@ class JudgeClient:
     def __init__(self, base_url: str, token: str = "", timeout_s: float = 120.0, max_connections: int = 64,
                  max_retries: int = 2, max_retry_wait_s: float = 60.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.token = token
         self.headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {token}"} if token else {})
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_connections = max_connections
@@ -149,6 +151,8 @@ class JudgeClient:
                     idempotency_key: str = "") -> tuple[dict, dict[str, str]]:
         """The reply's JSON and headers, after retries."""
         headers = {"x-tandem-job": job, "x-tandem-priority": priority}
+        if self.token and job:  # the proxy charges a job only for calls made with its credential
+            headers["authorization"] = f"Bearer {job_credential(self.token, job)}"
         if idempotency_key:
             headers["idempotency-key"] = idempotency_key
         attempt = 0

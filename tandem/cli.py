@@ -28,6 +28,9 @@ def cmd_api(args: argparse.Namespace) -> None:
     settings = ApiSettings()
     setup_logging(settings.log_level, "api")
     log.info("settings: %s", settings.loggable())
+    if not settings.tokens:
+        log.warning("AUTH IS OFF: TANDEM_TOKENS is empty, so the API listens on %s only and trusts every "
+                    "caller; set tokens before opening it to anyone", settings.host)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 
@@ -41,6 +44,9 @@ def cmd_judge_proxy(args: argparse.Namespace) -> None:
     settings = JudgeProxySettings()
     setup_logging(settings.log_level, "judge-proxy")
     log.info("settings: %s", settings.loggable())
+    if not settings.client_tokens:
+        log.warning("AUTH IS OFF: TANDEM_CLIENT_TOKENS is empty, so the judge proxy listens on %s only and "
+                    "believes every caller's X-Tandem-Job", settings.host)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 

@@ -18,7 +18,8 @@ from prometheus_client import Histogram
 
 from rollout.tools.base import Tool, ToolCall, ToolError
 from rollout.tools.parsers import PARSERS, Parsed
-from services.config import ToolSpec, ToolsSpec
+from services.config import ToolCatalog, ToolSpec, ToolsSpec
+from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls
 
 FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout", "tool_error", "exception")
 """Why a call failed: unreadable, a tool the job does not have, arguments the schema
@@ -86,9 +87,19 @@ class ToolBox:
         self.most_in_flight = Counter()
 
     @classmethod
-    async def open(cls, spec: ToolsSpec, job: str = "") -> "ToolBox":
-        """Build every tool the spec names (the file's included), starting MCP servers."""
+    async def open(cls, spec: ToolsSpec, job: str = "", catalog: ToolCatalog = ToolCatalog(),
+                   allow_inline_mcp: bool = False) -> "ToolBox":
+        """Build every tool the spec names (the file's included), starting MCP servers: those
+        the operator's `catalog` names, or inline ones where allowed and (URLs) public.
+        ValueError naming the tool for a server the catalogue does not allow."""
         spec = spec.resolved()
+        try:
+            bound = bind_servers(spec, catalog, allow_inline_mcp)
+        except CatalogError as exc:
+            raise ValueError(f"tools.tools[{exc.index}].server: {exc}") from None
+        for url in inline_urls(spec):
+            await asyncio.to_thread(check_public_url, url)
+        spec = bound
         tools: list[Tool] = []
         mcp_specs = [t for t in spec.tools if t.kind == "mcp"]
         for tool in spec.tools:

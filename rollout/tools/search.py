@@ -26,6 +26,8 @@ DESCRIPTION = "Search the document collection; returns the best matching passage
 MAX_TEXT_CHARS = 300
 """A hit's text is cut near this length so a few hits stay short in a small model's context."""
 _FIELDS = ("id", "title", "text")
+MAX_DATA_BYTES = 256 << 20
+"""The largest collection a search tool loads: the whole file is held and indexed in memory."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ def load_documents(path: Path) -> list[Document]:
     keys other than id, title and text ignored. Raises ValueError naming the file and line
     for a line that is not such an object or repeats an earlier id, and for a file with no
     documents."""
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    if path.stat().st_size > MAX_DATA_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, over the {MAX_DATA_BYTES} a search tool loads")
     documents: list[Document] = []
     seen_ids: set[str] = set()
     with path.open(encoding="utf-8") as lines:

@@ -32,9 +32,10 @@ from pydantic import BaseModel, Field
 
 from services import jobs, preference, protocol
 from services.auth import match_bearer
-from services.config import PATH_FIELDS, ApiSettings, JobSpec
+from services.config import PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
 from services.queues import Keys
+from services.tool_catalog import CatalogError, bind_servers, load_catalog
 
 
 class JobView(BaseModel):
@@ -124,28 +125,79 @@ def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
         part = getattr(confined, section)
         if part is None or getattr(part, name) is None:
             continue
-        resolved = resolve(getattr(part, name))
-        if resolved is not None and any(resolved.is_relative_to(root) for root in roots):
-            setattr(part, name, str(resolved))
+        inside = confine(getattr(part, name), roots)
+        if inside is not None:
+            setattr(part, name, inside)
         else:
-            errors.append({"type": "value_error", "loc": ("body", section, name), "input": getattr(part, name),
-                           "msg": f"must lie under {', '.join(map(str, roots))} (symlinks and '..' resolved)"})
+            errors.append(outside_error(getattr(part, name), roots, ("body", section, name)))
     if errors:
         raise RequestValidationError(errors)
     return confined
 
 
-def check_tools_file(spec: JobSpec) -> None:
-    """A 422 naming `tools.file` when the file is here and does not hold valid tools. A file
-    this process cannot see is left to the rollout servers, which fail the job with the
-    same message (the API may run on another machine)."""
-    if spec.tools is None or spec.tools.file is None or not Path(spec.tools.file).is_file():
-        return
+def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, roots: list[Path] | None) -> JobSpec:
+    """`spec` with its inline tools' data files resolved under `roots` (None: not confined),
+    or a 422 naming the field: a tools file that is here and does not hold valid tools, an
+    MCP server the operator's catalogue does not allow, a data file outside `roots` (the
+    tools file's own included). A tools file this process cannot see is left to the rollout
+    servers, which fail the job with the same messages (the API may run on another machine)."""
+    if spec.tools is None:
+        return spec
+    spec = spec.model_copy(deep=True)
+    num_inline = len(spec.tools.tools)
+    for index, tool in enumerate(spec.tools.tools):
+        if tool.data is not None and roots is not None:
+            tool.data = confined_path(tool.data, roots, ("body", "tools", "tools", index, "data"))
+    tools = spec.tools
+    if tools.file is not None and Path(tools.file).is_file():
+        tools = _resolved_tools(spec)
+        for index, tool in enumerate(tools.tools[num_inline:]):
+            if tool.data is not None and roots is not None:
+                confined_path(tool.data, roots, ("body", "tools", "file"), f"tool {index} of the file: data ")
     try:
-        spec.tools.resolved()
+        bind_servers(tools, catalog, settings.allow_inline_mcp)
+    except CatalogError as exc:
+        loc = ("body", "tools", "tools", exc.index, "server") if exc.index < num_inline else ("body", "tools", "file")
+        raise RequestValidationError([{"type": "value_error", "loc": loc, "msg": str(exc)}]) from None
+    return spec
+
+
+def _resolved_tools(spec: JobSpec) -> ToolsSpec:
+    try:
+        return spec.tools.resolved()
     except ValueError as exc:
         raise RequestValidationError([{"type": "value_error", "loc": ("body", "tools", "file"),
                                        "input": spec.tools.file, "msg": str(exc)}]) from None
+
+
+def confined_path(path: str, roots: list[Path], loc: tuple, what: str = "") -> str:
+    """`path` resolved under `roots`, or a 422 at `loc`."""
+    inside = confine(path, roots)
+    if inside is None:
+        raise RequestValidationError([outside_error(path, roots, loc, what)])
+    return inside
+
+
+def confine(path: str, roots: list[Path]) -> str | None:
+    """`path` with symlinks and '..' resolved, if that lies under one of `roots`; else None."""
+    resolved = resolve(path)
+    if resolved is None or not any(resolved.is_relative_to(root) for root in roots):
+        return None
+    return str(resolved)
+
+
+def outside_error(path: str, roots: list[Path], loc: tuple, what: str = "") -> dict:
+    return {"type": "value_error", "loc": loc, "input": path,
+            "msg": f"{what}must lie under {', '.join(map(str, roots))} (symlinks and '..' resolved)"}
+
+
+def check_judge_weight(spec: JobSpec, settings: ApiSettings) -> None:
+    """A 422 naming `judge_weight` above the operator's cap: a tenant does not choose a larger
+    share of the shared judge budget than the operator allows."""
+    if spec.judge_weight > settings.max_judge_weight:
+        raise RequestValidationError([{"type": "less_than_equal", "loc": ("body", "judge_weight"),
+                                       "input": spec.judge_weight,
+                                       "msg": f"must be at most {settings.max_judge_weight:g} on this server"}])
 
 
 def check_pairs_file(spec: JobSpec) -> None:
@@ -204,6 +256,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.redis = aioredis.from_url(settings.redis_url)
     app.state.tokens = parse_tokens(settings.tokens)
     app.state.path_roots = [Path(root.strip()).resolve() for root in settings.path_roots.split(",") if root.strip()]
+    app.state.tool_catalog = load_catalog(settings.tool_catalog)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
@@ -242,9 +295,12 @@ def jobs_router() -> APIRouter:
     @router.post("/v1/jobs", status_code=201, response_model=JobCreated,
                  responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
-        if request.app.state.tokens:  # without tokens the API is the operator's own (local use)
-            spec = confine_paths(spec, request.app.state.path_roots)
-        check_tools_file(spec)
+        # Without tokens the API listens on loopback only: it is the operator's own (local use).
+        roots = request.app.state.path_roots if request.app.state.tokens else None
+        if roots is not None:
+            spec = confine_paths(spec, roots)
+        check_judge_weight(spec, request.app.state.settings)
+        spec = check_tools(spec, request.app.state.settings, request.app.state.tool_catalog, roots)
         check_pairs_file(spec)
         job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)

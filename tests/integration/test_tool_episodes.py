@@ -24,12 +24,14 @@ from rollout.episode import EpisodeRunner
 from rollout.tasks.multiply import OneAnswerUser
 from rollout.tools.box import ToolBox, tool_message
 from services import protocol
-from services.config import JobSpec, McpServerSpec, ModelSpec, RolloutSpec, ToolSpec, ToolsSpec
+from services.config import JobSpec, McpServerSpec, ModelSpec, RolloutSpec, ToolCatalog, ToolSpec, ToolsSpec
 from services.tokenization import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
-SERVER = McpServerSpec(command=[sys.executable, str(Path(__file__).parent / "mcp_test_server.py")])
+CATALOG = ToolCatalog(mcp_servers={
+    "test": McpServerSpec(command=[sys.executable, str(Path(__file__).parent / "mcp_test_server.py")])})
+"""The operator's catalogue: the job's tools name its test server."""
 QUESTIONS = {"twice": "Compute 12 times 34.", "add": "Add 2 and 3.", "wait": "Wait a moment.",
              "hang": "Wait forever."}
 
@@ -37,8 +39,8 @@ QUESTIONS = {"twice": "Compute 12 times 34.", "add": "Add 2 and 3.", "wait": "Wa
 def tools_spec(slow_timeout_s: float = 5.0, slow_concurrency: int = 2) -> ToolsSpec:
     return ToolsSpec(max_rounds_per_turn=2, tools=[
         ToolSpec(name="calculator", kind="calculator"),
-        ToolSpec(name="add", kind="mcp", server=SERVER),
-        ToolSpec(name="slow", kind="mcp", server=SERVER, timeout_s=slow_timeout_s, max_concurrency=slow_concurrency),
+        ToolSpec(name="add", kind="mcp", server="test"),
+        ToolSpec(name="slow", kind="mcp", server="test", timeout_s=slow_timeout_s, max_concurrency=slow_concurrency),
     ])
 
 
@@ -69,7 +71,7 @@ def lessons() -> list[list[dict]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def box():
-    opened = await ToolBox.open(tools_spec())
+    opened = await ToolBox.open(tools_spec(), catalog=CATALOG)
     yield opened
     await opened.close()
 
@@ -150,7 +152,7 @@ async def test_an_mcp_servers_tool_is_listed_called_and_answers_in_the_episode(t
 
 
 async def test_a_tool_that_hangs_is_cut_at_its_timeout_and_the_episode_goes_on(taught, tokenizer):
-    hasty = await ToolBox.open(tools_spec(slow_timeout_s=0.5))
+    hasty = await ToolBox.open(tools_spec(slow_timeout_s=0.5), catalog=CATALOG)
     try:
         episode = await runner_for(taught, tokenizer, hasty).run(3, question("hang"))
     finally:
