@@ -48,10 +48,14 @@ class WeightPublisher:
         self.membership_checked = 0.0
         self.members: set[str] = set()
         """The servers the last membership record saw on the job."""
+        self.unreadable: set[str] = set()
+        """Ids of fleet records that did not decode, as last logged."""
 
     async def job_servers(self) -> list[protocol.ServerInfo]:
-        infos = [protocol.decode(raw, protocol.ServerInfo)
-                 for raw in (await self.redis.hgetall(Keys.rollout_servers)).values()]
+        infos, unreadable = protocol.decode_fleet(await self.redis.hgetall(Keys.rollout_servers))
+        if set(unreadable) != self.unreadable:  # logged once per change, not on every poll
+            self.unreadable = set(unreadable)
+            log.warning("job %s: rollout server records that do not decode, left out: %s", self.job_id, unreadable)
         return [info for info in infos if info.job_id == self.job_id]
 
     async def live_servers(self) -> list[str]:

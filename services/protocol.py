@@ -166,6 +166,19 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+def decode_fleet(records: dict[bytes, bytes]) -> tuple[list[ServerInfo], list[str]]:
+    """The rollout servers' records (`rollout:servers`) that decode, and the ids of those that
+    do not: one record a server of another version (or anything else) wrote must not stop
+    every reader of the fleet."""
+    infos, unreadable = [], []
+    for server_id, raw in records.items():
+        try:
+            infos.append(decode(raw, ServerInfo))
+        except (msgspec.DecodeError, ValueError):
+            unreadable.append(server_id.decode(errors="replace"))
+    return infos, unreadable
+
+
 def decode(data: bytes, kind: type[msgspec.Struct]):
     """Decode and check the schema; raises `msgspec.DecodeError` / `ValueError` with the reason."""
     if len(data) > MAX_MESSAGE_BYTES:

@@ -376,8 +376,8 @@ def servers_router() -> APIRouter:
     async def server_views(client: aioredis.Redis) -> dict[str, RolloutServerView]:
         drained = {member.decode() for member in await client.smembers(Keys.rollout_drain)}
         now, views = time.time(), {}
-        for raw in (await client.hgetall(Keys.rollout_servers)).values():
-            info = protocol.decode(raw, protocol.ServerInfo)
+        infos, _ = protocol.decode_fleet(await client.hgetall(Keys.rollout_servers))
+        for info in infos:
             if now - info.heartbeat > FORGET_SERVER_S:  # a live server rewrites it every few seconds
                 await client.hdel(Keys.rollout_servers, info.server_id)
                 continue

@@ -377,3 +377,23 @@ async def test_membership_changes_are_listed_and_streamed(api, redis_client):
 
     assert listed == [change]
     assert body.startswith(f"event: servers\ndata: {json.dumps(change)}\n\n")
+
+
+async def test_a_fleet_record_that_does_not_decode_is_left_out_not_fatal(api, redis_client):
+    await register_server(redis_client, "gpu-a")
+    await redis_client.hset(Keys.rollout_servers, "garbage", b"\x93not msgpack of a server")
+
+    listed = await api.get("/v1/rollout-servers")
+
+    assert listed.status_code == 200 and [s["server_id"] for s in listed.json()] == ["gpu-a"]
+
+
+async def test_a_fleet_record_that_does_not_decode_does_not_stop_a_jobs_learner(redis_client):
+    from learner.publisher import WeightPublisher
+    from services.config import LearnerSettings
+
+    await register_server(redis_client, "gpu-a", job_id="t-0123abcd")
+    await redis_client.hset(Keys.rollout_servers, "garbage", b"\xc1")
+    publisher = WeightPublisher(redis_client, "t-0123abcd", LearnerSettings(), worker=None)
+
+    assert await publisher.live_servers() == ["gpu-a"]
