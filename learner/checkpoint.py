@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,6 +37,22 @@ def latest(runs_dir: str | Path, job_id: str) -> Path | None:
     root = Path(runs_dir) / job_id / "checkpoints"
     complete = sorted(p for p in root.glob("step-*") if (p / META).exists()) if root.exists() else []
     return complete[-1] if complete else None
+
+
+def prune(runs_dir: str | Path, job_id: str, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints of a job, and any incomplete one
+    older than the newest complete (a save a kill cut short); the deleted folders, oldest
+    first. A job resumes from the newest, so older ones only fill the disk."""
+    newest = latest(runs_dir, job_id)
+    if newest is None:
+        return []
+    folders = sorted(newest.parent.glob("step-*"))
+    complete = [p for p in folders if (p / META).exists()]
+    doomed = [p for p in folders if p < newest and (p not in complete or p in complete[:-keep])]
+    for path in doomed:
+        (path / META).unlink(missing_ok=True)  # first, so a kill mid-way leaves it incomplete, never torn
+        shutil.rmtree(path)
+    return doomed
 
 
 def _state(trainer: Trainer) -> dict:

@@ -10,6 +10,7 @@ Only this rank talks to Redis; the training work is done by every rank through
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -239,6 +240,10 @@ class JobRun:
         await self.intake.acks.flush()
         await self.redis.rpush(Keys.checkpoints(self.job_id), json.dumps(
             {"step": self.step, "version": self.version, "path": str(path), "time": time.time()}))
+        keep = self.settings.keep_checkpoints
+        for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
+            log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
+        await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)
 
     async def resume(self) -> bool:
         """Continue from the newest complete checkpoint: restore every rank's state and the

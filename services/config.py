@@ -472,6 +472,9 @@ class RolloutSettings(_ProcessSettings, _ToolSettings):
 class LearnerSettings(_ProcessSettings):
     metrics_port: int = 8003
     runs_dir: str = "runs"
+    keep_checkpoints: int = Field(
+        3, ge=1, description="Complete checkpoints kept per job, newest first; older ones are deleted once a "
+                             "newer one is complete (a job resumes from the newest).")
     weight_bucket_mib: int = Field(512, ge=1)
     weight_timeout_s: float = Field(120.0, gt=0)
     min_rollout_servers: int = Field(1, ge=0, description="0: train on whatever arrives (tests, replays).")
