@@ -10,6 +10,7 @@ never blocks or crashes a consumer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Generic, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
 
 from services import protocol
@@ -106,10 +109,57 @@ class Keys:
         return f"{PREFIX}job:{job_id}:journal:{task_id}"
 
 
-def connect(url: str, max_connections: int, wait_s: float, **options) -> aioredis.Redis:
+REDIS_OUTAGE_S = 30.0
+"""How long a Redis call waits out an outage by default (`TANDEM_REDIS_OUTAGE_S`)."""
+SOCKET_TIMEOUT_S = 5.0
+"""The longest wait for one Redis reply. Every blocking read (XREADGROUP BLOCK) blocks for
+at most a second, so a reply this late means Redis hangs: the attempt fails with a timeout
+(and is retried) instead of hanging the process. Set here rather than left to redis-py,
+whose default has been no timeout at all in past releases."""
+CONNECT_TIMEOUT_S = 5.0
+HEALTH_CHECK_INTERVAL_S = 10
+"""A connection idle this long is PINGed before use, so one Redis closed meanwhile is
+replaced before a command is sent on it."""
+
+
+class OutageRetry(Retry):
+    """Retries a call that failed on a lost connection or a timeout, with exponential
+    backoff (0.1 s doubling to 2 s), until `outage_s` have passed since the call began; the
+    last error then goes to the caller. Bounded by time rather than by a count, because an
+    attempt costs anything from nothing (connection refused) to the socket timeout (a hung
+    Redis). redis-py nests a connect's retries inside a command's, so a call gives up after
+    between one and about two `outage_s`."""
+
+    def __init__(self, outage_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
+        self.outage_s = outage_s
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count: bool = False):
+        deadline = time.monotonic() + self.outage_s
+        failures = 0
+        while True:
+            try:
+                return await do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                await (fail(error, failures) if with_failure_count else fail(error))
+                pause = self._backoff.compute(failures)
+                if time.monotonic() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+
+
+def connect(url: str, max_connections: int, wait_s: float, outage_s: float = REDIS_OUTAGE_S,
+            **options) -> aioredis.Redis:
     """An asyncio Redis client whose pool blocks: a caller finding all `max_connections` in
     use waits up to `wait_s` for one, instead of failing with "Too many connections" (what a
-    plain pool does, capped at 100 by redis-py 8). `options` go to each connection."""
+    plain pool does, capped at 100 by redis-py 8). Its calls time out (`SOCKET_TIMEOUT_S`)
+    rather than hang, and wait out an outage of up to `outage_s` (Redis restarting, a network
+    blip) rather than fail. `options` go to each connection and override those defaults."""
+    options = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+               "health_check_interval": HEALTH_CHECK_INTERVAL_S, "retry": OutageRetry(outage_s)} | options
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s,
                                                     **options)
     return aioredis.Redis(connection_pool=pool)
@@ -161,7 +211,8 @@ class StreamConsumer(Generic[M]):
         return self
 
     async def read(self, count: int, block_ms: int | None = None) -> list[Delivery[M]]:
-        """New entries for this consumer; blocks up to `block_ms` when there are none."""
+        """New entries for this consumer; blocks up to `block_ms` when there are none
+        (keep it well under the client's socket timeout, `SOCKET_TIMEOUT_S`)."""
         reply = await self.client.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
         )
