@@ -24,7 +24,7 @@ from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from learner.publisher import WeightPublisher
 from learner.step_log import JobUnhealthy, StepLog, rl_record
-from services import jobs, preference, protocol
+from services import jobs, preference, protocol, retention
 from services.config import JobSpec, LearnerSettings
 from services.metrics import serve_metrics
 from services.queues import FIELD, Delivery, Keys, StreamConsumer, connect
@@ -77,7 +77,7 @@ class Driver:
                 return
 
     async def run_job(self, job_id: str) -> None:
-        claimed = await claim_job(self.redis, job_id, self.settings.resume)
+        claimed = await claim_job(self.redis, job_id, self.settings)
         if claimed is None:
             return
         spec, resuming = claimed
@@ -98,26 +98,26 @@ class Driver:
             log.exception("job %s failed", job_id)
             status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
         self.worker.run(Command(kind="end"))
-        await jobs.set_status(self.redis, job_id, status, error)
+        await jobs.set_status(self.redis, job_id, status, error, self.settings.job_retention_s)
         await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
         self.current_job = ""
         log.info("job %s %s %s", job_id, status.value, error)
 
 
-async def claim_job(client: aioredis.Redis, job_id: str, resume: bool) -> tuple[JobSpec, bool] | None:
+async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettings) -> tuple[JobSpec, bool] | None:
     """Mark a queued job RUNNING: its spec, and whether it resumes (it was RUNNING already).
     None when it is not to run: gone, ended, cancelled first, or left RUNNING by a learner
-    that died while this one was started without `resume` (the job is failed)."""
+    that died while this one was started without `settings.resume` (the job is failed)."""
     record = await jobs.get_job(client, job_id)
     if record is None or record["status"] in jobs.TERMINAL:
         log.info("skipping job %s (%s)", job_id, record and record["status"])
         return None
     spec = JobSpec.model_validate(record["spec"])
     resuming = record["status"] == jobs.JobStatus.RUNNING.value
-    if resuming and not resume:
+    if resuming and not settings.resume:
         await jobs.set_status(client, job_id, jobs.JobStatus.FAILED,
                               "the learner restarted during this job; start it with --resume to continue "
-                              "from the last checkpoint")
+                              "from the last checkpoint", settings.job_retention_s)
         return None
     if not await jobs.set_status(client, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
         log.info("job %s was cancelled before it started", job_id)
@@ -210,6 +210,8 @@ class JobRun:
         self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)
         await self.steps.write(record, self.step, self.version)
+        for stream in (Keys.tasks(self.job_id), Keys.trajectories(self.job_id)):
+            await retention.trim_acked(self.redis, stream)
         await self.steps.act_on(fired)
 
     async def warm_start(self) -> None:

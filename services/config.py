@@ -345,6 +345,8 @@ class _ProcessSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     log_level: str = "INFO"
+    job_retention_s: float = Field(
+        7 * 86400.0, gt=0, description="How long an ended job's records, streams and history stay in Redis.")
 
     SECRETS: ClassVar[frozenset[str]] = frozenset({"tokens", "client_tokens", "judge_token"})
 

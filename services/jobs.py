@@ -8,7 +8,6 @@ the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into t
 from __future__ import annotations
 
 import enum
-import itertools
 import json
 import re
 import time
@@ -21,6 +20,8 @@ from services import protocol
 from services.queues import FIELD, Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+RETENTION_S = 7 * 86400.0
+"""How long an ended job's keys stay in Redis by default (`TANDEM_JOB_RETENTION_S`)."""
 JOB_ID = re.compile(rf"{JOB_NAME}-[0-9a-f]{{8}}")
 """The ids `create_job` makes: the spec's name, a dash, 8 hex digits.
 No ':' can occur, so an id never names a job's sub-key (`job:{id}:tasks`, ...)."""
@@ -83,15 +84,20 @@ async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dic
     jobs do not hide older ones; an id read twice (a job created meanwhile shifts the pages)
     keeps its first place."""
     found: dict[str, dict] = {}
-    for start in itertools.count(0, LIST_PAGE):
+    start = 0
+    while True:
         ids = [i.decode() for i in await client.zrevrange(Keys.jobs_index, start, start + LIST_PAGE - 1)]
         async with client.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hgetall(Keys.job(job_id))
             records = [parse_record(raw) for raw in await pipe.execute()]
         found.update((r["id"], r) for r in records if r and r.get("tenant", "") == tenant)
+        expired = [job_id for job_id, record in zip(ids, records) if record is None]
+        if expired:  # an ended job's record expired after its retention: forget it here too
+            await client.zrem(Keys.jobs_index, *expired)
         if len(found) >= limit or len(ids) < LIST_PAGE:
             return list(found.values())[:limit]
+        start += LIST_PAGE - len(expired)
 
 
 async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
@@ -118,6 +124,7 @@ if ARGV[1] == 'RUNNING' then
 elseif ended[ARGV[1]] then
   redis.call('HSET', KEYS[1], 'finished', ARGV[2])
   redis.call('SREM', KEYS[2], ARGV[4])
+  for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
 return 1
@@ -126,6 +133,7 @@ CANCEL_LUA = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if current == 'PENDING' then
   redis.call('HSET', KEYS[1], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
+  for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
   return 'CANCELLED'
 elseif current == 'RUNNING' then
   redis.call('HSET', KEYS[1], 'cancel_requested', 1)
@@ -134,20 +142,31 @@ return current
 """
 
 
-async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "") -> bool:
+def job_keys(job_id: str) -> list[str]:
+    """Every key that holds a job's state (journals and judge memories expire on their own)."""
+    return [Keys.job(job_id), Keys.tasks(job_id), Keys.trajectories(job_id), Keys.dead(job_id),
+            Keys.history(job_id), Keys.weights(job_id), Keys.checkpoints(job_id), Keys.servers(job_id),
+            Keys.datasets(job_id)]
+
+
+async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "",
+                     retention_s: float = RETENTION_S) -> bool:
     """Move the job to `status` (RUNNING joins `jobs:running`, an end leaves it) unless it
-    has already ended; True when it moved. A learner whose claim lost to a cancel finds the
-    job CANCELLED with `cancel_requested` set, so it stops at its first cancel check."""
+    has already ended; True when it moved. An end sets every key of the job to expire after
+    `retention_s`. A learner whose claim lost to a cancel finds the job CANCELLED with
+    `cancel_requested` set, so it stops at its first cancel check."""
     moved = await client.register_script(SET_STATUS_LUA)(
-        keys=[Keys.job(job_id), Keys.jobs_running], args=[status.value, time.time(), error[:4000], job_id])
+        keys=[Keys.job(job_id), Keys.jobs_running, *job_keys(job_id)],
+        args=[status.value, time.time(), error[:4000], job_id, int(retention_s)])
     return moved == 1
 
 
-async def cancel(client: aioredis.Redis, job_id: str) -> str | None:
-    """Cancel atomically against the learner's claim: a PENDING job ends CANCELLED, a RUNNING
-    one gets `cancel_requested` (the learner ends it CANCELLED at its next check), an ended
-    one is left alone. Returns the status it leaves (None without a record)."""
-    status = await client.register_script(CANCEL_LUA)(keys=[Keys.job(job_id)], args=[time.time()])
+async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETENTION_S) -> str | None:
+    """Cancel atomically against the learner's claim: a PENDING job ends CANCELLED (its keys
+    then expire after `retention_s`), a RUNNING one gets `cancel_requested` (the learner ends
+    it CANCELLED at its next check), an ended one is left alone. Returns the status it leaves
+    (None without a record)."""
+    status = await client.register_script(CANCEL_LUA)(keys=job_keys(job_id), args=[time.time(), int(retention_s)])
     return status.decode() if status else None
 
 

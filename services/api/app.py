@@ -319,7 +319,7 @@ def jobs_router() -> APIRouter:
         """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
         CANCELLED at its next step); an ended one is left as it is."""
         client = request.app.state.redis
-        await jobs.cancel(client, record["id"])
+        await jobs.cancel(client, record["id"], request.app.state.settings.job_retention_s)
         return JobView(**await jobs.get_job(client, record["id"]))
 
     @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})

@@ -8,7 +8,7 @@ import pytest
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from services import protocol
-from services.config import JobSpec, ModelSpec, TrainSpec
+from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
 
 
@@ -151,6 +151,6 @@ async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(red
 
     monkeypatch.setattr(jobs, "get_job", read_then_cancel)
 
-    assert await claim_job(redis_client, job_id, resume=False) is None  # no model loaded, no warm start
+    assert await claim_job(redis_client, job_id, LearnerSettings()) is None  # no model loaded, no warm start
     assert (await read(redis_client, job_id))["status"] == "CANCELLED"
     assert not await redis_client.sismember(Keys.jobs_running, job_id)

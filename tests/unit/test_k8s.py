@@ -118,6 +118,14 @@ def literal_env(container: dict) -> dict[str, str]:
     return {name: entry["value"] for name, entry in env_entries(container).items() if "value" in entry}
 
 
+def secret_env(container: dict) -> dict[str, str]:
+    """The variables the container reads from tandem-secrets, with secrets.env.example's values."""
+    example = dict(line.split("=", 1) for line in SECRETS_EXAMPLE.read_text().splitlines()
+                   if line.strip() and not line.startswith("#"))
+    return {name: example[ref["key"]] for name, entry in env_entries(container).items()
+            if (ref := entry.get("valueFrom", {}).get("secretKeyRef")) and ref["key"] in example}
+
+
 def expand(text: str, container: dict) -> str:
     """`$(VAR)` replaced by the container's literal value of VAR, as the kubelet does."""
     values = literal_env(container)
@@ -230,8 +238,8 @@ def test_tandem_variables_are_fields_of_the_process_settings_and_validate(target
                   if name.startswith("TANDEM_")}
         unknown = sorted(name for name, field in fields.items() if field not in settings_class.model_fields)
         assert not unknown, f"{process}: {settings_class.__name__} has no field for {unknown}"
-        settings_class(**{fields[name]: expand(value, container) for name, value in literal_env(container).items()
-                          if name in fields})
+        values = literal_env(container) | secret_env(container)
+        settings_class(**{fields[name]: expand(value, container) for name, value in values.items() if name in fields})
 
 
 @pytest.mark.parametrize("target", TARGETS)
