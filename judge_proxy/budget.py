@@ -19,12 +19,17 @@ them its own way. Each upstream learns the ratio of counted to estimated prompt 
 the `usage` of its replies (an average over all replicas' calls, the first call counting in
 full), and a reservation takes `estimate * ratio * (1 + prompt_margin)` plus every
 completion at its maximum. An upstream whose tokenizer is denser than the estimate is then
-overrun only by its first few calls.
+overrun only by its first few calls. The ratio stays inside a band (`Limits.prompt_ratio_band`):
+a call whose own counted/estimated lies outside it teaches nothing and is counted as an
+outlier (`prompt_outliers`), and a stored ratio outside it is read at the nearer bound. So no
+run of calls, whatever they hide from the estimate, moves later reservations by more than
+the band allows.
 
 Every replica runs the same scripts on one Redis, with the Redis server's clock (`TIME`),
 so replicas agree on refills and expiries and no interleaving can over-admit:
 - `reserve` takes the cost, one request and one concurrency lease at once, or takes nothing
-  and says how long to wait;
+  and says how long to wait, or that the cost (at the ratio learned by now) is more than the
+  limit and never fits;
 - `settle` replaces what was reserved with what the upstream charged (`usage`): more than
   reserved is charged, and later admissions wait for it. It then clamps the state to the
   upstream's `x-ratelimit-remaining-*` when those say less is left (in a window, the
@@ -63,6 +68,13 @@ RESTAMP_AFTER_S = 0.1
 (sooner, the margin covers the trip)."""
 RATIO_MIN_WEIGHT = 0.05
 """The prompt ratio is the mean of the first 20 calls, then a moving average of this weight."""
+PROMPT_RATIO_BAND = (0.5, 4.0)
+"""Where the learned prompt ratio may lie (provider's count over the local estimate). The
+estimate without a tokenizer is chars/4; a provider counts at most about one token per
+character (CJK text, punctuation runs), 4x the estimate, and no real text averages more than
+8 characters a token, half of it. Outside the band a call is an outlier, not a tokenizer
+difference: unbounded, a few calls with parts the estimate missed raised the ratio a
+hundredfold, and every ordinary request was then refused as larger than the budget."""
 
 NOW_S_LUA = """
 local function now_s()
@@ -76,9 +88,18 @@ _COMMON = NOW_S_LUA + """
 local function num(key, field, default)
   return tonumber(redis.call('HGET', key, field)) or default
 end
+-- Every script's last two ARGV: the band the learned prompt ratio lies in.
+local function ratio_band()
+  return tonumber(ARGV[#ARGV - 1]), tonumber(ARGV[#ARGV])
+end
+-- The learned ratio, read at the nearer bound when stored outside the band.
+local function ratio_of(state)
+  local low, high = ratio_band()
+  return math.min(high, math.max(low, num(state, 'prompt_ratio', 1)))
+end
 -- Reservation for a prompt estimate and fixed (completion) tokens, with the learned ratio.
 local function cost_of(state, prompt, fixed, margin)
-  return math.ceil(prompt * num(state, 'prompt_ratio', 1) * (1 + margin)) + fixed
+  return math.ceil(prompt * ratio_of(state) * (1 + margin)) + fixed
 end
 local function free_lease(leases, now, max_concurrency, lease_id, ttl)
   redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
@@ -97,11 +118,17 @@ local function finish_settle(state, leases, now, lease_id, used_tokens, used_req
   redis.call('HINCRBY', state, 'used_tokens_total', used_tokens)
   redis.call('HINCRBY', state, 'used_requests_total', used_requests)
   if prompt_estimate > 0 and prompt_counted > 0 then
-    local calls = redis.call('HINCRBY', state, 'prompt_calls', 1)
-    local ratio = num(state, 'prompt_ratio', 1)
-    local weight = math.max(1 / calls, tonumber(ARGV[#ARGV]))
-    ratio = ratio + weight * (prompt_counted / prompt_estimate - ratio)
-    redis.call('HSET', state, 'prompt_ratio', string.format('%.6f', ratio))
+    local low, high = ratio_band()
+    local seen = prompt_counted / prompt_estimate
+    if seen < low or seen > high then
+      redis.call('HINCRBY', state, 'prompt_outliers', 1)
+    else
+      local calls = redis.call('HINCRBY', state, 'prompt_calls', 1)
+      local ratio = ratio_of(state)
+      local weight = math.max(1 / calls, tonumber(ARGV[#ARGV - 2]))
+      ratio = ratio + weight * (seen - ratio)
+      redis.call('HSET', state, 'prompt_ratio', string.format('%.6f', ratio))
+    end
   end
 end
 """
@@ -121,9 +148,11 @@ end
 """
 
 _BUCKET_RESERVE = _BUCKET + """
--- KEYS: state, leases. ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s
+-- KEYS: state, leases. ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s,
+--   ratio_low, ratio_high
 local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost = cost_of(KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+if cost > tpm then return {0, '-2', cost} end
 local now = now_s()
 local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
 local wait = math.max(paused_until - now, (cost - tokens) * 60 / tpm, (1 - requests) * 60 / rpm, 0)
@@ -137,7 +166,7 @@ return {1, '0', cost, tostring(tokens - cost), tostring(requests - 1),
 _BUCKET_SETTLE = _BUCKET + """
 -- KEYS: state, leases. ARGV: tpm, rpm, reserved, used_tokens, used_requests, lease_id,
 --   remaining_tokens, remaining_requests ('' = unknown), reset_tokens_s, reset_requests_s (unused here),
---   pause_s, prompt_estimate, prompt_counted, ratio_min_weight
+--   pause_s, prompt_estimate, prompt_counted, ratio_min_weight, ratio_low, ratio_high
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local used_tokens, used_requests = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_s()
@@ -153,14 +182,15 @@ return tostring(tokens)
 """
 
 _BUCKET_PEEK = _BUCKET + """
--- KEYS: state, leases. ARGV: tpm, rpm. Reads only.
+-- KEYS: state, leases. ARGV: tpm, rpm, ratio_low, ratio_high. Reads only.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
 local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
-local totals = redis.call('HMGET', KEYS[1], 'used_tokens_total', 'used_requests_total', 'prompt_ratio')
+local totals = redis.call('HMGET', KEYS[1], 'used_tokens_total', 'used_requests_total')
 return {tostring(tokens), tostring(requests), tostring(math.max(paused_until - now, 0)),
         redis.call('ZCOUNT', KEYS[2], now, '+inf'), tonumber(totals[1]) or 0, tonumber(totals[2]) or 0,
-        tostring((tpm - tokens) * 60 / tpm), tostring((rpm - requests) * 60 / rpm), totals[3] or '1'}
+        tostring((tpm - tokens) * 60 / tpm), tostring((rpm - requests) * 60 / rpm), tostring(ratio_of(KEYS[1])),
+        num(KEYS[1], 'prompt_outliers', 0)}
 """
 
 _WINDOW = _COMMON + """
@@ -222,16 +252,15 @@ end
 _WINDOW_RESERVE = _WINDOW + """
 -- KEYS: state, leases, window, entries.
 -- ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s, window_s,
---   pace_s (0 = no pacing)
+--   pace_s (0 = no pacing), ratio_low, ratio_high
 local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost = cost_of(KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+if cost > tpm then return {0, '-2', cost} end
 local pace_s = tonumber(ARGV[10])
 local now = now_s()
 local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
 local wait = math.max(num(KEYS[1], 'paused_until', 0) - now, 0)
-local fits = wait_to_fit(KEYS[3], KEYS[4], now, used_tokens, used_requests, cost, 1, tpm, rpm)
-if fits == -2 then fits = tonumber(ARGV[9]) end  -- larger than the limit: the caller checks first
-wait = math.max(wait, fits)
+wait = math.max(wait, wait_to_fit(KEYS[3], KEYS[4], now, used_tokens, used_requests, cost, 1, tpm, rpm))
 local pace_tokens, pace_requests, cap_tokens = 0, 0, 0
 if pace_s > 0 then  -- a request larger than the pacing bucket waits for a full one, then owes the rest
   pace_tokens, pace_requests, cap_tokens = paced(KEYS[1], tpm, rpm, pace_s, now)
@@ -247,7 +276,7 @@ return {1, '0', cost, tostring(tpm - used_tokens - cost), tostring(rpm - used_re
 _WINDOW_SETTLE = _WINDOW + """
 -- KEYS: state, leases, window, entries. ARGV: tpm, rpm, reserved, used_tokens, used_requests,
 --   lease_id, remaining_tokens, remaining_requests, reset_tokens_s, reset_requests_s ('' = unknown),
---   pause_s, prompt_estimate, prompt_counted, window_s, pace_s, ratio_min_weight
+--   pause_s, prompt_estimate, prompt_counted, window_s, pace_s, ratio_min_weight, ratio_low, ratio_high
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local used_tokens, used_requests, entry = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local window_s, pace_s = tonumber(ARGV[14]), tonumber(ARGV[15])
@@ -297,17 +326,19 @@ return redis.call('ZADD', KEYS[1], 'XX', 'GT', now + tonumber(ARGV[2]), ARGV[1])
 """
 
 _WINDOW_PEEK = _WINDOW + """
--- KEYS: state, leases, window, entries. ARGV: tpm, rpm. Drops expired entries, changes nothing else.
+-- KEYS: state, leases, window, entries. ARGV: tpm, rpm, ratio_low, ratio_high. Drops expired
+-- entries, changes nothing else.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
 local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
-local s = redis.call('HMGET', KEYS[1], 'paused_until', 'used_tokens_total', 'used_requests_total', 'prompt_ratio')
+local s = redis.call('HMGET', KEYS[1], 'paused_until', 'used_tokens_total', 'used_requests_total')
 local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
 local reset = 0
 if #last > 0 then reset = math.max(tonumber(last[2]) - now, 0) end
 return {tostring(tpm - used_tokens), tostring(rpm - used_requests),
         tostring(math.max((tonumber(s[1]) or 0) - now, 0)), redis.call('ZCOUNT', KEYS[2], now, '+inf'),
-        tonumber(s[2]) or 0, tonumber(s[3]) or 0, tostring(reset), tostring(reset), s[4] or '1'}
+        tonumber(s[2]) or 0, tonumber(s[3]) or 0, tostring(reset), tostring(reset), tostring(ratio_of(KEYS[1])),
+        num(KEYS[1], 'prompt_outliers', 0)}
 """
 
 
@@ -332,6 +363,8 @@ class Limits:
     minute: clients wait for a whole minute at a time and the provider sees the bursts."""
     prompt_margin: float = 0.05
     """Reserve this much more than the learned prompt count, for calls that count above average."""
+    prompt_ratio_band: tuple[float, float] = PROMPT_RATIO_BAND
+    """The learned prompt ratio stays in it; a call whose own ratio lies outside is an outlier."""
 
 
 @dataclass(frozen=True)
@@ -362,7 +395,8 @@ class Seen:
 class Admission:
     lease: Lease | None
     wait_s: float
-    """0 when admitted; else seconds until the reservation could succeed."""
+    """0 when admitted; else seconds until the reservation could succeed (infinite: never,
+    the cost is more than the limit)."""
     cost: int = 0
     """Tokens this request costs at the current ratio (reserved when admitted)."""
 
@@ -380,6 +414,8 @@ class BudgetView:
     requests_reset_s: float
     prompt_ratio: float
     """Learned: prompt tokens the upstream counts per estimated one."""
+    prompt_outliers: int = 0
+    """Calls whose own counted/estimated lay outside the band, so taught the ratio nothing."""
 
 
 class Budget:
@@ -416,13 +452,13 @@ class Budget:
                 limits.prompt_margin, lease_id, limits.lease_ttl_s]
         if limits.model == "window":
             args += [self._window_s, limits.pace_s]
-        ok, wait, cost, *left = await self._reserve(self.keys, args)
+        ok, wait, cost, *left = await self._reserve(self.keys, [*args, *limits.prompt_ratio_band])
         if ok:
             now = time.monotonic()
             self.seen = Seen(*map(float, left), at=now)
             return Admission(Lease(lease_id, int(cost), prompt_estimate, now), 0.0, int(cost))
-        wait_s = float(wait)
-        return Admission(None, CONCURRENCY_POLL_S if wait_s < 0 else wait_s, int(cost))
+        wait_s = float(wait)  # -1: only the concurrency cap blocks; -2: the cost is over the limit
+        return Admission(None, {-1.0: CONCURRENCY_POLL_S, -2.0: math.inf}.get(wait_s, wait_s), int(cost))
 
     async def sent(self, lease: Lease) -> None:
         """The request of `lease` is about to go out: in a window, its entry leaves a window
@@ -441,16 +477,17 @@ class Budget:
                 _optional(reset_requests_s), pause_s, lease.prompt_estimate, prompt_tokens or 0]
         if self.limits.model == "window":
             args += [self._window_s, self.limits.pace_s]
-        args.append(RATIO_MIN_WEIGHT)
+        args += [RATIO_MIN_WEIGHT, *self.limits.prompt_ratio_band]
         return float(await self._settle(self.keys, args))
 
     async def view(self) -> BudgetView:
         (tokens, requests, paused, inflight, used_tokens, used_requests, tokens_reset, requests_reset,
-         ratio) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm])
+         ratio, outliers) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm,
+                                                         *self.limits.prompt_ratio_band])
         self.prompt_ratio = float(ratio)
         self.seen = Seen(float(tokens), float(requests), float(tokens_reset), float(requests_reset), time.monotonic())
         return BudgetView(float(tokens), float(requests), float(paused), int(inflight), int(used_tokens),
-                          int(used_requests), float(tokens_reset), float(requests_reset), float(ratio))
+                          int(used_requests), float(tokens_reset), float(requests_reset), float(ratio), int(outliers))
 
 
 def _optional(value: float | None) -> str:

@@ -10,7 +10,10 @@ It behaves like a provider:
   completion tokens go back, so in the end it charges `usage.total_tokens`.
 - Its tokenizer counts words and punctuation marks (`\\w+|[^\\w\\s]`) plus the chat format's
   per-message overhead: on purpose not the proxy's characters/4 rule, so the proxy's
-  estimates are off and must be reconciled. With `prompt_chars_per_token` set, prompts are
+  estimates are off and must be reconciled. Like a provider it bills every part of a request
+  it would render into the prompt, not only the content: a message's other fields (`name`,
+  `tool_calls`, `tool_call_id`) and the request's tools, functions and response format, each
+  counted as its JSON text. With `prompt_chars_per_token` set, prompts are
   counted at that many characters a token instead (3: a third denser than the proxy's guess).
 - `stream: true` is answered with server-sent events: a role chunk, the reply a word at a
   time (paced by the latency model), a finish chunk, a `usage` chunk when
@@ -58,7 +61,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +70,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
 from judge_proxy.stand_in import reply_for
-from judge_proxy.upstream import MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, format_duration, message_text
+from judge_proxy.upstream import (
+    BILLED_REQUEST_FIELDS, MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, format_duration, message_text,
+)
 
 WORD = re.compile(r"\w+|[^\w\s]")
 FILLER = ("the", "judge", "reads", "each", "turn", "and", "scores", "it", "with", "care")
@@ -202,11 +207,20 @@ def count_tokens(text: str) -> int:
     return len(WORD.findall(text))
 
 
-def count_prompt_tokens(messages: list[dict], chars_per_token: float | None = None) -> int:
+def count_prompt_tokens(messages: list[dict], chars_per_token: float | None = None, request: dict | None = None) -> int:
+    """The prompt as a provider bills it: each message's content, and, as their JSON text,
+    its other fields (`name`, `tool_calls`, `tool_call_id`, ...) and the request's billed
+    fields beside the messages (`request`: the whole body; its tools, functions, response
+    format), plus the chat format's overheads."""
     def count(text: str) -> int:
         return count_tokens(text) if chars_per_token is None else math.ceil(len(text) / chars_per_token)
 
-    return sum(count(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS for m in messages) + REPLY_PRIMING_TOKENS
+    def hidden(fields: dict, names: Iterable[str]) -> int:
+        return sum(count(json.dumps(fields[name])) for name in names if fields.get(name) is not None)
+
+    per_message = (count(message_text(m.get("content"))) + hidden(m, m.keys() - {"role", "content"})
+                   + MESSAGE_OVERHEAD_TOKENS for m in messages)
+    return sum(per_message) + hidden(request or {}, BILLED_REQUEST_FIELDS) + REPLY_PRIMING_TOKENS
 
 
 class LocalUpstream:
@@ -328,7 +342,7 @@ class LocalUpstream:
         return await self.answer(body, script, request.headers.get("x-client-request-id", ""))
 
     async def answer(self, body: dict, script: dict, tag: str = "") -> Response:
-        prompt_tokens = count_prompt_tokens(body.get("messages", []), self.config.prompt_chars_per_token)
+        prompt_tokens = count_prompt_tokens(body.get("messages", []), self.config.prompt_chars_per_token, body)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         reserved = prompt_tokens + body.get("n", 1) * max_tokens
         if reserved > self.config.tpm:

@@ -202,7 +202,7 @@ class Proxy:
         for config in configs:
             limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S,
                             model=config.limit_model, window_s=config.window_s, pace_s=config.pace_s,
-                            prompt_margin=config.prompt_margin)
+                            prompt_margin=config.prompt_margin, prompt_ratio_band=config.prompt_ratio_band)
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
@@ -229,7 +229,7 @@ class Proxy:
                        tag: str = "") -> Completion:
         """Send one chat request (`body`, already validated) through the budget."""
         group = self.group(body["model"])
-        need = Need(n * max_tokens, {u.name: u.prompt_estimate(body["messages"]) for u in group.upstreams})
+        need = Need(n * max_tokens, {u.name: u.prompt_estimate(body["messages"], body) for u in group.upstreams})
         self.check_fits(group, need)
         payload = upstream_body(body, max_tokens)
         deadline = time.monotonic() + self.settings.queue_deadline_s
@@ -246,10 +246,10 @@ class Proxy:
         raise self.exhausted(group, attempts, priority)
 
     def check_fits(self, group: Group, need: "Need") -> None:
+        """Refuse, before it touches any shared state, a request larger than every upstream's
+        limit at the ratio this replica last saw."""
         if all(need.cost(u) > u.config.tpm for u in group.upstreams):
-            raise ProxyError(400, f"the request needs {min(need.cost(u) for u in group.upstreams)} tokens "
-                                  f"(estimated prompt + n * max_tokens), more than any upstream of {group.model!r} "
-                                  "allows per minute", "request_too_large", param="max_tokens")
+            raise too_large(group.model, min(need.cost(u) for u in group.upstreams))
 
     async def admit(self, group: Group, need: "Need", attempts: Attempts, deadline: float,
                     job: str, priority: str) -> Grant:
@@ -299,13 +299,18 @@ class Proxy:
     async def reserve_upstream(self, candidates: list[Upstream],
                                need: "Need") -> tuple[Upstream | None, Lease | None, float]:
         """A lease from the first upstream, in order of preference, with room for `need`;
-        else no lease and the seconds until the soonest could have room."""
-        wait_s = math.inf
+        else no lease and the seconds until the soonest could have room. A request that no
+        upstream could ever admit at the ratio learned by now (`check_fits` read an older
+        one) is refused alone, so it does not hold the queue's head until its deadline."""
+        wait_s, costs = math.inf, []
         for upstream in self.preference(candidates):
             admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
             if admission.lease is not None:
                 return upstream, admission.lease, 0.0
             wait_s = min(wait_s, admission.wait_s)
+            costs.append(admission.cost)
+        if math.isinf(wait_s):
+            raise too_large(candidates[0].config.model, min(costs))
         return None, None, wait_s
 
     async def release(self, grant: Grant) -> None:
@@ -642,6 +647,12 @@ class GroupVerdicts:
     def count(self, outcome: str, number: int) -> None:
         if number:
             metrics.GROUP_CANDIDATES.labels(self.rubric.name, outcome).inc(number)
+
+
+def too_large(model: str, cost_tokens: int) -> ProxyError:
+    return ProxyError(400, f"the request needs {cost_tokens} tokens (estimated prompt + n * max_tokens), more "
+                           f"than any upstream of {model!r} allows per minute", "request_too_large",
+                      param="max_tokens")
 
 
 def add_usage(total: dict[str, int], usage: object) -> None:

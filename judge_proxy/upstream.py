@@ -10,11 +10,12 @@ a `SecretStr`: they are sent upstream and nowhere else.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import random
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import aiohttp
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from judge_proxy.budget import Budget, LimitModel
+from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, LimitModel
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -53,6 +54,17 @@ class UpstreamConfig(BaseModel):
                                                  "this many seconds' worth at once (0: no pacing).")
     prompt_margin: float = Field(0.05, ge=0, le=1, description="Reserve this share above the learned prompt "
                                                               "token count.")
+    prompt_ratio_band: tuple[float, float] = Field(
+        PROMPT_RATIO_BAND, description="[low, high] around 1: the learned ratio of the upstream's prompt count "
+                                       "to the local estimate stays inside; a call whose own ratio lies outside "
+                                       "teaches nothing and is counted as an outlier.")
+
+    @field_validator("prompt_ratio_band")
+    @classmethod
+    def _band_holds_one(cls, band: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < band[0] <= 1 <= band[1]:
+            raise ValueError(f"prompt_ratio_band must be [low, high] with 0 < low <= 1 <= high; got {list(band)}")
+        return band
 
 
 class UpstreamsFile(BaseModel):
@@ -105,9 +117,52 @@ def message_text(content: str | list | None) -> str:
     return content or ""
 
 
-def estimate_prompt_tokens(messages: list[dict], count_tokens: Callable[[str], int] = chars_over_4) -> int:
-    per_message = (count_tokens(message_text(m.get("content"))) + MESSAGE_OVERHEAD_TOKENS for m in messages)
-    return sum(per_message) + REPLY_PRIMING_TOKENS
+def json_texts(value: object) -> Iterator[str]:
+    """The strings of a JSON value, object keys included, numbers and booleans as written:
+    what a provider renders into the prompt of a tool call or a schema (its punctuation aside)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from json_texts(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_texts(item)
+    elif value is not None:
+        yield json.dumps(value)
+
+
+def message_texts(message: Mapping) -> Iterator[str]:
+    """The billed text of one message: its content's text, and every other field but `role`
+    (`name`, `tool_calls` with their function names and arguments, `function_call`,
+    `tool_call_id`, ...). Providers bill all of it; a count of the content alone let a request
+    hide any amount of prompt from the estimate."""
+    yield message_text(message.get("content"))
+    for field, value in message.items():
+        if field not in ("role", "content"):
+            yield from json_texts(value)
+
+
+BILLED_REQUEST_FIELDS = ("tools", "functions", "tool_choice", "function_call", "response_format")
+"""Fields beside `messages` that providers render into the prompt and bill as prompt tokens."""
+
+
+def request_texts(request: Mapping) -> Iterator[str]:
+    """The billed text of a request outside its messages: tool and function schemas, a
+    forced tool choice, a response format's JSON schema."""
+    for field in BILLED_REQUEST_FIELDS:
+        yield from json_texts(request.get(field))
+
+
+def estimate_prompt_tokens(messages: list[dict], count_tokens: Callable[[str], int] = chars_over_4,
+                           request: Mapping | None = None) -> int:
+    """The prompt tokens of `messages` (and of `request`'s billed fields, `request` being
+    the whole body) by `count_tokens`: each text counted on its own, plus the chat format's
+    overheads."""
+    texts = (t for m in messages for t in message_texts(m))
+    counted = sum(map(count_tokens, texts)) + sum(map(count_tokens, request_texts(request or {})))
+    return counted + MESSAGE_OVERHEAD_TOKENS * len(messages) + REPLY_PRIMING_TOKENS
 
 
 @dataclass
@@ -137,9 +192,10 @@ class Upstream:
     def __repr__(self) -> str:
         return f"Upstream({self.name!r}, {self.url!r})"
 
-    def prompt_estimate(self, messages: list[dict]) -> int:
-        """The prompt's tokens by the local count (the budget scales it by the learned ratio)."""
-        return estimate_prompt_tokens(messages, self.count_tokens)
+    def prompt_estimate(self, messages: list[dict], request: Mapping | None = None) -> int:
+        """The prompt's tokens by the local count, with `request`'s billed fields beside the
+        messages (the budget scales it by the learned ratio)."""
+        return estimate_prompt_tokens(messages, self.count_tokens, request)
 
     async def post(self, payload: bytes, *, stream: bool = False, tag: str = "") -> Reply:
         """POST a chat request. A stream that the upstream accepts comes back open, in
