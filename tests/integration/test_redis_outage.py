@@ -131,12 +131,12 @@ def test_a_running_job_waits_out_a_redis_restart_and_succeeds(tmp_path, tiny_mod
         assert client.hget(Keys.job(job_id), "status") == b"RUNNING"
 
         def ended() -> bytes | None:
+            stack.check_alive()  # a learner that lost Redis fails the job, then dies failing to say so
             status = client.hget(Keys.job(job_id), "status")
             return status if status in (b"SUCCEEDED", b"FAILED", b"CANCELLED") else None
 
         status = wait_for(ended, 180, "the job to end", interval_s=0.5)
         error = client.hget(Keys.job(job_id), "error")
-        stack.check_alive()
         steps = rl_steps()
 
     assert status == b"SUCCEEDED", error
