@@ -4,7 +4,8 @@ run in the sandbox against the code of the final reply.
 
 Fixture rows: {"opening": the user's first request, "goal": the full spec, "reference": a
 solution that passes every test, "tests": Python snippets, each one test (usually one
-`assert`), run after the solution in its namespace}.
+`assert`), run by the sandbox's evaluator against the solution's top-level functions, which
+take and return plain data (None, bool, int, float, str, bytes, list, tuple, set, dict)}.
 """
 
 from __future__ import annotations

@@ -326,16 +326,16 @@ class _Stop(Exception):
     pass
 
 
+def _stop(signum, frame) -> None:
+    raise _Stop
+
+
 def _reaper_main(mode: str, num_processes: int, output_fd: int) -> int:
     """Run the evaluator in the sandbox (stdin, stdout, stderr and `output_fd` passed on) and
     return its status. SIGTERM (the caller's timeout) cuts the wait short."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller's thread gone, so is the sandbox
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    def stop(signum, frame) -> None:
-        raise _Stop
-
-    signal.signal(signal.SIGTERM, stop)
     if mode == "rlimits":
         return _run_unconfined(output_fd)
     try:
@@ -343,6 +343,8 @@ def _reaper_main(mode: str, num_processes: int, output_fd: int) -> int:
     except OSError as exc:
         _report(f"unavailable {_why(exc)}")
         return 1
+    # Only now: a SIGTERM before this ends the reaper by default, and init with it.
+    signal.signal(signal.SIGTERM, _stop)
     try:
         return _wait_status(init)
     except _Stop:
@@ -398,7 +400,9 @@ def _wait_status(pid: int) -> int:
 def _run_unconfined(output_fd: int) -> int:
     """The `rlimits` mode: the evaluator in the host's namespaces, and every descendant
     killed at the end (this process becomes their subreaper, so a daemon still lands here)."""
+    _prctl(PR_SET_DUMPABLE, 0)  # its stdout is the verdict channel
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGTERM, _stop)
     evaluator = subprocess.Popen(_command(os.path.abspath(__file__), "--evaluate", str(output_fd)),
                                  pass_fds=(output_fd,))
     try:

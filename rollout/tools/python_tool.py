@@ -1,6 +1,8 @@
 """A Python interpreter tool on the code sandbox (`rollout.tasks.sandbox`): the policy's
-code runs in a limited child process, and what it printed (or the error that stopped it)
-is the result. Each call is a fresh process: no state carries between calls."""
+code runs in namespaces of its own (no network, no host files, an empty environment, limits
+on processes, memory, output and CPU), and what it printed (or the error that stopped it) is
+the result. Each call is a fresh sandbox: no state, file or process carries between calls.
+Where the sandbox is unavailable the call fails with "sandbox unavailable: <why>"."""
 
 from __future__ import annotations
 
