@@ -78,6 +78,19 @@ class BadTask(ValueError):
     """A task message whose content no retry can fix; it goes to the dead-letter stream."""
 
 
+async def check_sandbox(spec: JobSpec) -> None:
+    """RuntimeError when the job runs model-written code (the code task, a python tool) and
+    this server's sandbox refuses to: every score would otherwise be a silent 0."""
+    tools = spec.tools.resolved().tools if spec.tools is not None else []
+    if spec.task.name != "code_chat" and not any(tool.kind == "python" for tool in tools):
+        return
+    from rollout.tasks.sandbox import refusal
+
+    refused = await asyncio.to_thread(refusal)
+    if refused is not None:
+        raise RuntimeError(f"this rollout server cannot run model-written code: {refused}")
+
+
 class RolloutServer:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
@@ -217,6 +230,7 @@ class RolloutServer:
         """The engine with the job's model; the job's tokenizer, task set, user and rewards,
         which turn its tasks into groups."""
         log.info("serving job %s (model %s)", job_id, spec.model.path)
+        await check_sandbox(spec)
         await self.prepare_engine(spec)
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)

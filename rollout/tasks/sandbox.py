@@ -148,12 +148,17 @@ class _Run:
     output: str = ""
 
 
+def refusal() -> str | None:
+    """Why this process may not run model-written code (namespaces refused and no opt-in to
+    the weaker mode), or None. Blocks for a trial run the first time."""
+    return _refusal(os.environ.get(SANDBOX_ENV, "namespaces"))
+
+
 def _run(code: str, tests: list[str], limits: SandboxLimits) -> _Run:
-    mode = os.environ.get(SANDBOX_ENV, "namespaces")
-    refusal = _refusal(mode)
-    if refusal is not None:
-        return _Run(error=f"sandbox unavailable: {refusal}")
-    return _run_in(mode, code, tests, limits)
+    refused = refusal()
+    if refused is not None:
+        return _Run(error=f"sandbox unavailable: {refused}")
+    return _run_in(os.environ.get(SANDBOX_ENV, "namespaces"), code, tests, limits)
 
 
 def _refusal(mode: str) -> str | None:

@@ -280,3 +280,23 @@ def test_a_non_root_caller_gets_the_same_sandbox():
                               capture_output=True, text=True, timeout=60, cwd="/")
 
     assert done.stdout.strip() == "1000 ['1000', '65534', '1'] None", done.stderr
+
+
+@pytest.mark.parametrize("job, refused", [
+    ({"task": {"name": "code_chat"}}, True),
+    ({"tools": {"tools": [{"name": "py", "kind": "python"}]}}, True),
+    ({"task": {"name": "clarify"}}, False),
+])
+async def test_a_server_whose_sandbox_refuses_fails_a_job_that_runs_code_instead_of_scoring_zeros(
+        monkeypatch, job, refused):
+    from rollout.server import check_sandbox
+    from services.config import JobSpec
+
+    monkeypatch.setenv(SANDBOX_ENV, "off")  # not a mode: the sandbox refuses every call
+    spec = JobSpec.model_validate({"model": {"path": "/models/tiny"}, **job})
+
+    if refused:
+        with pytest.raises(RuntimeError, match="cannot run model-written code: .*TANDEM_SANDBOX='off'"):
+            await check_sandbox(spec)
+    else:
+        await check_sandbox(spec)
