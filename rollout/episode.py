@@ -26,6 +26,7 @@ from rollout.engine import Engine, Generation
 from rollout.interactions.base import UserSimulator
 from rollout.journal import Journal
 from rollout.tools.box import ToolBox, ToolUsage, tool_message
+from rollout.tools.parsers import parse_reply
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
@@ -119,7 +120,7 @@ class EpisodeRunner:
                 return False
             if self.tools is None or round_ == rounds - 1:
                 return True
-            calls = self.tools.parse(episode.messages[-1]["content"])
+            calls = await parse_reply(self.tools.parse, episode.messages[-1]["content"])
             if not calls or episode.tool_use.total >= self.tools.spec.max_calls_per_episode:
                 return True
             results = await self.tools.run(calls, episode.tool_use)
