@@ -6,11 +6,14 @@ strict: unknown fields are errors), and then the properties the processes depend
 checked against the code: each `tandem` command against the CLI, each TANDEM_* variable
 against the process's settings class, probes and scrape annotations against the port the
 process serves, the learner's rendezvous against its StatefulSet and headless Service.
+How little each pod is trusted is checked too: the network policies are evaluated into who
+may connect to whom on which port, and every container's token, privileges and limits.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import os
 import re
@@ -611,32 +614,267 @@ def test_every_configmap_and_claim_a_pod_mounts_is_rendered(target):
                 assert volume["persistentVolumeClaim"]["claimName"] in of_kind(objects, "PersistentVolumeClaim")
 
 
+EPHEMERAL_PORT = 40000
+"""A port no manifest names: where gloo and NCCL put the broadcast's and collectives' connections."""
+
+OUTSIDE = {
+    "dns": {"namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}, "ip": "10.244.9.2",
+            "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")]},
+    "dns-impostor": {"namespace": "tenant", "labels": {"k8s-app": "kube-dns"}, "ip": "10.244.9.3",
+                     "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")]},
+    "another-namespace": {"namespace": "tenant", "labels": {"app": "shop"}, "ip": "10.244.9.4",
+                          "ports": [("https", 443, "TCP"), ("redis", 6379, "TCP"), ("http", 8080, "TCP")]},
+    "kubernetes-api": {"namespace": None, "labels": {}, "ip": "172.18.0.2", "ports": [("https", 6443, "TCP")]},
+    "cloud-metadata": {"namespace": None, "labels": {}, "ip": "169.254.169.254", "ports": [("http", 80, "TCP")]},
+    "internet": {"namespace": None, "labels": {}, "ip": "203.0.113.7",
+                 "ports": [("https", 443, "TCP"), ("http", 80, "TCP")]},
+    "internet-v6": {"namespace": None, "labels": {}, "ip": "2001:db8::7", "ports": [("https", 443, "TCP")]},
+    "private-v6": {"namespace": None, "labels": {}, "ip": "fd00:ec2::254", "ports": [("http", 80, "TCP")]},
+}
+"""Endpoints around the namespace (namespace None: an address, not a pod), each port as
+(name, number, protocol); pod addresses are in the cluster's private range."""
+
+EVERYWHERE = {53, "53/udp", 80, 443, 3000, 6379, 6443, 8000, 8001, 8002, 8003, 8080, 9090, 29400, 29600, EPHEMERAL_PORT}
+"""Every port the endpoints above and Tandem's pods listen on."""
+
+EXPECTED_REACH = {
+    "api": {"dns": {53, "53/udp"}, "redis": {6379}},
+    "judge-proxy": {"dns": {53, "53/udp"}, "redis": {6379}, "internet": {80, 443}, "internet-v6": {443}},
+    "rollout": {"dns": {53, "53/udp"}, "redis": {6379}, "judge-proxy": {8001},
+                "learner": {8003, 29400, 29600, EPHEMERAL_PORT}},
+    "learner": {"dns": {53, "53/udp"}, "redis": {6379}, "learner": {8003, 29400, 29600, EPHEMERAL_PORT},
+                "rollout": {8002, EPHEMERAL_PORT}},
+    "redis": {},
+    # The API server's address differs by cluster: its ports are open to any address.
+    "prometheus": {"dns": {53, "53/udp"}, "api": {8000}, "judge-proxy": {8001}, "rollout": {8002},
+                   "learner": {8003}, "kubernetes-api": {6443}, "internet": {443}, "internet-v6": {443},
+                   "another-namespace": {443}},
+    "grafana": {"dns": {53, "53/udp"}, "prometheus": {9090}},
+    "another-namespace": {"api": {8000}},
+}
+"""Source -> destination -> the ports it may open there, egress and ingress policies together."""
+
+
+def pod_endpoints(objects: list[dict]) -> dict[str, dict]:
+    """component -> one of its pods as an endpoint, listening on its declared ports and on
+    a port the collectives pick."""
+    pods = {}
+    for number, workload in enumerate(workloads(objects).values()):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        ports = [(port.get("name", ""), port["containerPort"], port.get("protocol", "TCP"))
+                 for container in pod_spec(workload)["containers"] for port in container.get("ports", [])]
+        pods[labels["app.kubernetes.io/component"]] = {
+            "namespace": NAMESPACE, "labels": labels, "ip": f"10.244.0.{10 + number}",
+            "ports": ports + [("", EPHEMERAL_PORT, "TCP")]}
+    return pods
+
+
+def port_admits(entry: dict, port: tuple[str, int, str], destination: dict) -> bool:
+    """Whether a NetworkPolicyPort covers `port`; a named port is the destination pod's."""
+    _, number, protocol = port
+    if entry.get("protocol", "TCP") != protocol:
+        return False
+    if "port" not in entry:
+        return True
+    if isinstance(entry["port"], str):
+        return (entry["port"], number, protocol) in destination["ports"]
+    return entry["port"] <= number <= entry.get("endPort", entry["port"])
+
+
+def peer_admits(peer: dict, policy_namespace: str, endpoint: dict) -> bool:
+    """Whether a NetworkPolicyPeer (of a policy in `policy_namespace`) covers `endpoint`."""
+    if "ipBlock" in peer:
+        address = ipaddress.ip_address(endpoint["ip"])
+
+        def inside(cidr: str) -> bool:
+            network = ipaddress.ip_network(cidr)
+            return address.version == network.version and address in network
+
+        return inside(peer["ipBlock"]["cidr"]) and not any(map(inside, peer["ipBlock"].get("except", [])))
+    if endpoint["namespace"] is None:
+        return False
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": endpoint["namespace"]}):
+            return False
+    elif endpoint["namespace"] != policy_namespace:
+        return False
+    return selects(peer.get("podSelector", {}), endpoint["labels"])
+
+
+def policies_of(objects: list[dict], pod: dict, direction: str) -> list[dict]:
+    """The NetworkPolicies isolating `pod` in `direction` (Ingress or Egress)."""
+    return [p for p in of_kind(objects, "NetworkPolicy").values()
+            if p["metadata"]["namespace"] == pod["namespace"] and direction in p["spec"]["policyTypes"]
+            and selects(p["spec"]["podSelector"], pod["labels"])]
+
+
+def admitted(objects: list[dict], direction: str, pod: dict, peer: dict, port: tuple, destination: dict) -> bool:
+    """Whether `pod`'s policies let it send to (Egress) or receive from (Ingress) `peer`."""
+    if pod["namespace"] is None:
+        return True
+    policies = policies_of(objects, pod, direction)
+    key = "to" if direction == "Egress" else "from"
+    return not policies or any(
+        (not rule.get(key) or any(peer_admits(p, policy["metadata"]["namespace"], peer) for p in rule[key]))
+        and (not rule.get("ports") or any(port_admits(entry, port, destination) for entry in rule["ports"]))
+        for policy in policies for rule in policy["spec"].get(direction.lower(), []))
+
+
+def port_label(port: tuple[str, int, str]) -> int | str:
+    """A TCP port as its number, any other as `<number>/<protocol>` (53/udp)."""
+    _, number, protocol = port
+    return number if protocol == "TCP" else f"{number}/{protocol.lower()}"
+
+
+def reach(objects: list[dict], sources: dict[str, dict], destinations: dict[str, dict]) -> dict[str, dict]:
+    """Source -> destination -> the ports (`port_label`) a connection may open, where the
+    source's egress policies and the destination's ingress policies both admit it."""
+    found = {}
+    for source_name, source in sources.items():
+        found[source_name] = {}
+        for name, destination in destinations.items():
+            ports = {port_label(port) for port in destination["ports"]
+                     if admitted(objects, "Egress", source, destination, port, destination)
+                     and admitted(objects, "Ingress", destination, source, port, destination)}
+            if ports:
+                found[source_name][name] = ports
+    return found
+
+
+def test_the_probed_ports_are_every_port_the_endpoints_listen_on():
+    """EXPECTED_REACH leaves out what may not be reached: that holds only for probed ports."""
+    listening = {port_label(port) for endpoint in [*OUTSIDE.values(), *pod_endpoints(render("base")).values()]
+                 for port in endpoint["ports"]}
+    assert listening == EVERYWHERE
+
+
 @pytest.mark.parametrize("target", TARGETS)
-def test_network_policies_admit_only_tandem_processes_to_redis_and_the_learner(target):
+def test_every_pod_is_isolated_for_egress_and_ingress_by_network_policies(target):
     objects = render(target)
-    policies = of_kind(objects, "NetworkPolicy")
-    labels = {process: w["spec"]["template"]["metadata"]["labels"] for process, (w, _) in processes(target).items()}
-    labels["prometheus"] = of_kind(objects, "Deployment")["tandem-prometheus"]["spec"]["template"]["metadata"]["labels"]
-
-    def admitted(policy: str) -> set[str]:
-        rules = policies[policy]["spec"]["ingress"]
-        return {who for who, pod in labels.items() if any(selects(peer["podSelector"], pod)
-                                                          for rule in rules for peer in rule["from"])}
-
-    assert selects(policies["tandem-learner"]["spec"]["podSelector"], labels["learner"])
-    assert admitted("tandem-learner") == {"learner", "rollout", "prometheus"}
-    assert admitted("tandem-redis") == {"api", "judge-proxy", "rollout", "learner"}
+    for component, pod in pod_endpoints(objects).items():
+        for direction in ("Ingress", "Egress"):
+            assert policies_of(objects, pod, direction), f"{component}: nothing limits its {direction}"
+    stranger = {"namespace": NAMESPACE, "labels": {"run": "debug"}}
+    assert policies_of(objects, stranger, "Egress") and policies_of(objects, stranger, "Ingress")
 
 
-def test_the_external_redis_component_removes_redis_and_keeps_the_url_in_the_secret(tmp_path):
-    """An overlay as deploy/k8s/README.md shows it: the cpu overlay plus the component."""
-    overlay = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
-    component = os.path.relpath(K8S / "components" / "external-redis", tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [overlay], "components": [component]}))
-    objects = build(tmp_path)
-    assert not [o for o in objects if o["metadata"]["name"] == "tandem-redis"]
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_pod_reaches_only_the_peers_and_ports_its_process_needs(target):
+    objects = render(target)
+    pods = pod_endpoints(objects)
+    found = reach(objects, pods, {**pods, **OUTSIDE})
+    found |= reach(objects, {"another-namespace": OUTSIDE["another-namespace"]}, pods)  # in from outside
+    assert found == EXPECTED_REACH
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rollout_pods_may_send_only_to_redis_the_judge_proxy_the_learner_and_dns(target):
+    """By the rules themselves, not by probing: model-written code and MCP servers run there."""
+    objects = render(target)
+    pods = pod_endpoints(objects)
+    allowed = {"redis", "judge-proxy", "learner"}
+    strangers = [{"run": "debug"}, {"app.kubernetes.io/name": "tandem"}]
+    dns_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+    rules = [rule for policy in policies_of(objects, pods["rollout"], "Egress")
+             for rule in policy["spec"].get("egress", [])]
+    assert rules
+    for rule in rules:
+        assert rule.get("to"), f"a rule to anywhere: {rule}"
+        for peer in rule["to"]:
+            if peer == dns_peer:
+                assert {entry["port"] for entry in rule["ports"]} == {53}, rule
+                continue
+            assert set(peer) == {"podSelector"}, f"rollout pods reach beyond Tandem's pods: {peer}"
+            selected = {c for c, pod in pods.items() if selects(peer["podSelector"], pod["labels"])}
+            assert selected and selected <= allowed, peer
+            assert not any(selects(peer["podSelector"], labels) for labels in strangers), peer
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_only_prometheus_pods_hold_a_service_account_token(target):
+    """Prometheus discovers pods through the Kubernetes API; nothing else calls it."""
+    for name, workload in workloads(render(target)).items():
+        assert pod_spec(workload).get("automountServiceAccountToken") is (name == "tandem-prometheus"), name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_runs_as_non_root_without_privileges_on_a_read_only_root(target):
+    for name, workload in workloads(render(target)).items():
+        pod = pod_spec(workload).get("securityContext", {})
+        for container in pod_spec(workload)["containers"]:
+            own = container.get("securityContext", {})
+            effective = {key: own.get(key, pod.get(key)) for key in ("runAsNonRoot", "runAsUser", "seccompProfile")}
+            assert effective["runAsNonRoot"] is True and effective["runAsUser"] not in (None, 0), name
+            assert effective["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert own.get("allowPrivilegeEscalation") is False and not own.get("privileged"), name
+            assert own.get("capabilities") == {"drop": ["ALL"]}, name
+            assert own.get("readOnlyRootFilesystem") is True, name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tandem_processes_write_their_temporary_files_and_caches_to_empty_dirs(target):
+    for process, (workload, container) in processes(target).items():
+        tmp = volume_of(workload, container, "/tmp")
+        assert "emptyDir" in tmp and not tmp["mountReadOnly"], process
+    for process in ("rollout", "learner"):
+        workload, container = processes(target)[process]
+        home = volume_of(workload, container, literal_env(container)["HOME"])
+        assert "emptyDir" in home and not home["mountReadOnly"], process
+
+
+BINARY_UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def bytes_of(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i)?", quantity).groups()
+    return int(number) * BINARY_UNITS[unit]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_requests_cpu_and_memory_and_is_limited_in_memory_but_not_cpu(target):
+    for name, workload in workloads(render(target)).items():
+        memory_volumes_bytes = sum(bytes_of(v["emptyDir"]["sizeLimit"]) for v in pod_spec(workload).get("volumes", [])
+                                   if v.get("emptyDir", {}).get("medium") == "Memory")
+        for container in pod_spec(workload)["containers"]:
+            requests, limits = container["resources"]["requests"], container["resources"].get("limits", {})
+            assert {"cpu", "memory"} <= set(requests), name
+            assert "memory" in limits, f"{name}: no memory limit"
+            assert "cpu" not in limits, f"{name}: a CPU limit throttles it while the node has cores to spare"
+            assert bytes_of(limits["memory"]) >= bytes_of(requests["memory"]), name
+            assert bytes_of(limits["memory"]) > memory_volumes_bytes, f"{name}: /dev/shm alone fills the limit"
+
+
+def external_redis_overlay(tmp_path: Path, literals: list[str] | None) -> Path:
+    """The cpu overlay with components/external-redis, as deploy/k8s/README.md shows it, and
+    the ConfigMap naming the server's address when `literals` are given."""
+    kustomization = {"resources": [os.path.relpath(K8S / "overlays" / "cpu", tmp_path)],
+                     "components": [os.path.relpath(K8S / "components" / "external-redis", tmp_path)]}
+    if literals is not None:
+        kustomization["configMapGenerator"] = [{
+            "name": "tandem-external-redis", "literals": literals,
+            "options": {"disableNameSuffixHash": True,
+                        "annotations": {"config.kubernetes.io/local-config": "true"}}}]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return tmp_path
+
+
+def test_the_external_redis_component_replaces_redis_by_the_address_the_overlay_names(tmp_path):
+    objects = build(external_redis_overlay(tmp_path, ["cidr=10.20.0.5/32", "port=6380"]))
+    assert not [o for o in objects if o["metadata"]["name"] in ("tandem-redis", "tandem-external-redis")]
     assert len(objects) == len(render("overlays/cpu")) - 3
     assert not schema_errors(objects)
+    pods = pod_endpoints(objects)
+    server = {"namespace": None, "labels": {}, "ip": "10.20.0.5", "ports": [("", 6380, "TCP"), ("", 6379, "TCP")]}
+    neighbour = {**server, "ip": "10.20.0.6"}
+    assert {name: ports for name, ports in reach(objects, pods, {"server": server, "neighbour": neighbour}).items()
+            if ports} == {process: {"server": {6380}} for process in ("api", "judge-proxy", "rollout", "learner")}
     for process, (_, container) in tandem_workloads(objects).items():
         assert "secretKeyRef" in env_entries(container)["TANDEM_REDIS_URL"]["valueFrom"], process
 
+
+def test_the_external_redis_component_refuses_to_build_without_the_servers_address(tmp_path):
+    """Without it the processes' egress would reach no Redis: the build fails, naming what is missing."""
+    result = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                             str(external_redis_overlay(tmp_path, None))], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "tandem-external-redis" in result.stderr
