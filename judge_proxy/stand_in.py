@@ -8,7 +8,7 @@ only what the prompt contains (no hidden channel to the task):
   message. A clarifying question gets the user's answer ("I mean mango."), an answer ends
   the chat, as the rule-based user does;
 - **the judge** (`judge_proxy.rubrics`): the rubric's criteria and the conversation are in
-  the prompt. Interactivity is scored from what the assistant did with the request
+  the prompt, the turns quoted (read back with the rubrics' own `read_case`). Interactivity is scored from what the assistant did with the request
   (`interactivity_scores`); accuracy by whether the final answer states the reference's
   key word. The reply is a one-line rationale and the JSON object the rubric asks for; to a
   group prompt (several `<candidate>` conversations after `<shared>` turns), the JSON list
@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import re
 
+from judge_proxy.rubrics.base import read_case
+
 GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
 EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
 CLARIFICATION = re.compile(r"^I mean (\w+)\.$")
 TRANSCRIPT_TURN = re.compile(r"^(USER|ASSISTANT|SYSTEM): (.*)$", re.MULTILINE)
-CANDIDATE = re.compile(r'<candidate id="(\d+)">\n(.*?)\n</candidate>', re.DOTALL)
-CONVERSATION_TURN = re.compile(r"\[(user|assistant|system)\]\n(.*?)(?=\n\n\[(?:user|assistant|system)\]\n|\Z)",
-                               re.DOTALL)
 END_MARKER = "[[TERMINATE CHAT]]"  # the user simulator's, see rollout.interactions.llm_user
 _WORD = re.compile(r"[a-z]+")
 
@@ -68,20 +67,8 @@ def user_reply(system: str, transcript: str) -> str | None:
 # ---- the judge -----------------------------------------------------------------------
 
 
-def conversation_turns(case: str) -> list[tuple[str, str]]:
-    """(role, text) of each turn inside the judge prompt's <conversation> block."""
-    body = case.split("<conversation>\n", 1)[-1].split("\n</conversation>", 1)[0]
-    return turns_of(body)
-
-
-def turns_of(body: str) -> list[tuple[str, str]]:
-    return [(role, text.strip()) for role, text in CONVERSATION_TURN.findall(body)]
-
-
-def candidate_turns(case: str) -> dict[int, list[tuple[str, str]]]:
-    """Each candidate's whole conversation in a group prompt: the shared turns, then its own."""
-    shared = case.split("<shared>\n", 1)[1].split("\n</shared>", 1)[0] if "<shared>" in case else ""
-    return {int(number): turns_of(shared) + turns_of(body) for number, body in CANDIDATE.findall(case)}
+def stripped(turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(role, text.strip()) for role, text in turns]
 
 
 def interactivity_scores(turns: list[tuple[str, str]]) -> dict[str, int]:
@@ -129,15 +116,15 @@ def accuracy_scores(turns: list[tuple[str, str]], reference: str) -> dict[str, i
 
 
 def verdict_reply(system: str, case: str) -> str | None:
-    reference = case.split("<reference>\n", 1)[1].split("\n</reference>", 1)[0] if "<reference>" in case else ""
-    if "<candidate id=" in case:
-        candidates = candidate_turns(case)
-        objects = [{"candidate": number} | scored for number, turns in candidates.items()
-                   if (scored := verdict_of(system, turns, reference)) is not None]
-        if not objects or len(objects) < len(candidates):
+    read = read_case(case)
+    reference = read.reference or ""
+    if read.candidates:
+        objects = [{"candidate": number} | scored for number, turns in read.candidates.items()
+                   if (scored := verdict_of(system, stripped(turns), reference)) is not None]
+        if len(objects) < len(read.candidates):
             return None
         return f"Scoring each candidate against the anchors.\n{json.dumps(objects)}"
-    scored = verdict_of(system, conversation_turns(case), reference)
+    scored = verdict_of(system, stripped(read.turns), reference)
     return None if scored is None else f"Scoring each criterion against its anchors.\n{json.dumps(scored)}"
 
 
