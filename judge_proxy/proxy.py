@@ -196,7 +196,8 @@ class Proxy:
         # A blocking pool: a burst of requests waits for a free Redis connection instead of
         # failing with "Too many connections" (500s to clients) once all are in use.
         return cls(settings, load_upstreams(settings.upstreams),
-                   connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S))
+                   connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S,
+                           outage_s=settings.redis_outage_s))
 
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:

@@ -44,7 +44,7 @@ class Driver:
     def __init__(self, settings: LearnerSettings, worker: Worker) -> None:
         self.settings = settings
         self.worker = worker
-        self.redis = connect(settings.redis_url, max_connections=32, wait_s=30.0)
+        self.redis = connect(settings.redis_url, max_connections=32, wait_s=30.0, outage_s=settings.redis_outage_s)
         self.current_job = ""
         self.stop_requested = False
 

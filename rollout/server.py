@@ -100,7 +100,7 @@ class RolloutServer:
         # once (journal, streams); they wait for a free connection instead of failing with
         # "Too many connections" (redis-py 8 caps a plain pool at 100).
         self.redis = connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_REPLY_TIMEOUT_S,
-                             socket_timeout=REDIS_REPLY_TIMEOUT_S)
+                             outage_s=settings.redis_outage_s, socket_timeout=REDIS_REPLY_TIMEOUT_S)
         self.engine: Engine | None = None
         self.job: ServedJob | None = None
         self.inflight: dict[bytes, asyncio.Task] = {}

@@ -269,7 +269,7 @@ HEALTH_METRICS = (
     "reward_mean", "success", "zero_spread_share", "well_formed", "futures_malformed",
     "malformed_truncated", "malformed_wrong_stop", "malformed_special_token", "malformed_empty",
     "entropy", "is_capped_tokens", "is_weight_max", "mismatch_kl", "clip_fraction", "grad_norm",
-    "skipped_updates", "kl_ref", "staleness_mean",
+    "skipped_updates", "nonfinite_updates", "kl_ref", "staleness_mean",
 )
 """Per-step history metrics a health rule can watch."""
 
@@ -345,6 +345,9 @@ class _ProcessSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     log_level: str = "INFO"
+    redis_outage_s: float = Field(
+        30.0, gt=0, description="How long a Redis call waits out an outage (a restart, a network blip) before it "
+                                "fails.")
     job_retention_s: float = Field(
         7 * 86400.0, gt=0, description="How long an ended job's records, streams and history stay in Redis.")
 
@@ -368,7 +371,7 @@ def _require_tokens_off_loopback(host: str, tokens: str, variable: str) -> None:
                          f"(127.0.0.1, ::1), not {host!r}: set {variable} or a loopback host")
 
 
-class _ToolSettings(BaseSettings):
+class _ToolSettings(_ProcessSettings):
     """Who may name which tool servers: read by the job API (to refuse a spec) and by rollout
     servers (which start the servers)."""
 
@@ -380,7 +383,7 @@ class _ToolSettings(BaseSettings):
                            "programs on rollout servers); URLs must still reach a public address.")
 
 
-class ApiSettings(_ProcessSettings, _ToolSettings):
+class ApiSettings(_ToolSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
@@ -439,7 +442,7 @@ class JudgeProxySettings(_ProcessSettings):
         return self
 
 
-class RolloutSettings(_ProcessSettings, _ToolSettings):
+class RolloutSettings(_ToolSettings):
     server_id: str = ""
     metrics_port: int = 8002
     judge_url: str = "http://127.0.0.1:8001"

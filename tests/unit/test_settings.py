@@ -25,3 +25,14 @@ def test_every_field_that_looks_like_a_secret_is_declared_one(settings_class):
     looks_secret = {name for name, field in settings_class.model_fields.items() if field.annotation is str
                     and any(word in name for word in ("token", "key", "password", "secret"))}
     assert looks_secret <= settings_class.SECRETS
+
+
+@pytest.mark.parametrize("settings_class", PROCESSES)
+def test_every_process_reads_its_settings_from_tandem_variables(settings_class, monkeypatch):
+    monkeypatch.setenv("TANDEM_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("TANDEM_REDIS_OUTAGE_S", "7")
+    monkeypatch.setenv("LOG_LEVEL", "ERROR")  # unprefixed: not ours
+
+    settings = settings_class()
+
+    assert (settings.log_level, settings.redis_outage_s) == ("DEBUG", 7.0)
