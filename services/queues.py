@@ -30,6 +30,10 @@ FIELD = b"m"
 M = TypeVar("M", bound=msgspec.Struct)
 
 
+DEAD_MAXLEN = 10_000
+"""A dead stream keeps about this many newest entries: a producer that only sends garbage
+cannot grow Redis without bound (the dispatcher reads new dead entries at every wait, far
+faster than this many arrive)."""
 RELEASED_IDLE_MS = 10 ** 10
 """The idle time (ms, about four months) a released entry claims: above any reclaim threshold."""
 
@@ -270,6 +274,7 @@ class StreamConsumer(Generic[M]):
                 b"stream": self.stream, b"entry_id": entry_id, b"reason": reason[:2000],
                 b"consumer": self.consumer, b"time": str(time.time()), FIELD: data,
             },
+            maxlen=DEAD_MAXLEN, approximate=True,
         )
         await self.ack(entry_id)
 

@@ -74,3 +74,15 @@ async def test_a_cancelled_pending_job_expires_and_the_index_forgets_it(redis_cl
     await redis_client.delete(Keys.job(job_id))  # what the expiry does after 600 s
     assert job_id not in [r["id"] for r in await jobs.list_jobs(redis_client, "t", 100)]
     assert await redis_client.zscore(Keys.jobs_index, job_id) is None
+
+
+async def test_a_dead_stream_keeps_only_about_its_newest_entries(redis_client, monkeypatch):
+    from services import queues, protocol
+
+    monkeypatch.setattr(queues, "DEAD_MAXLEN", 10)
+    await redis_client.delete(STREAM, "tandem:test:dead")
+    consumer = await queues.StreamConsumer(redis_client, STREAM, "g", "c", protocol.Task, "tandem:test:dead").setup()
+    for i in range(300):
+        await consumer.dead_letter(f"{i + 1}-0".encode(), b"garbage", "does not decode")
+
+    assert 10 <= await redis_client.xlen("tandem:test:dead") < 300
