@@ -119,6 +119,7 @@ class UpstreamBudget(BaseModel):
     requests_reset_s: float
     limit_model: str
     prompt_ratio: float = Field(description="Learned prompt tokens the upstream counts per estimated one.")
+    prompt_outliers: int = Field(0, description="Calls outside the prompt-ratio band, not learned from.")
 
 
 class BudgetResponse(BaseModel):

@@ -57,6 +57,12 @@ PROMPT_RATIO = Gauge(
     "Learned prompt tokens the upstream counts per locally estimated one (reservations scale by it)",
     ["upstream"],
 )
+PROMPT_OUTLIERS = Gauge(
+    "tandem_judge_prompt_outliers",
+    "Calls whose counted/estimated prompt ratio lay outside the upstream's band, so taught the learned ratio "
+    "nothing (all replicas)",
+    ["upstream"],
+)
 MEMORY = Counter(
     "tandem_judge_memory_total",
     "Requests the proxy could answer from memory, by kind (cache: identical temperature-0 request; replay: same "

@@ -551,6 +551,7 @@ class Proxy:
                     tokens_per_s = rates[upstream.name].add(time.monotonic(), view.used_tokens_total)
                     metrics.BUDGET_UTILIZATION.labels(upstream.name).set(tokens_per_s * 60 / upstream.config.tpm)
                     metrics.PROMPT_RATIO.labels(upstream.name).set(view.prompt_ratio)
+                    metrics.PROMPT_OUTLIERS.labels(upstream.name).set(view.prompt_outliers)
             await asyncio.sleep(every_s)
 
     def health(self) -> tuple[bool, dict]:
