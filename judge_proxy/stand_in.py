@@ -22,11 +22,11 @@ import json
 import re
 
 from judge_proxy.rubrics.base import read_case
+from services.quoting import TAG, quoted_turns
 
 GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
 EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
 CLARIFICATION = re.compile(r"^I mean (\w+)\.$")
-TRANSCRIPT_TURN = re.compile(r"^(USER|ASSISTANT|SYSTEM): (.*)$", re.MULTILINE)
 END_MARKER = "[[TERMINATE CHAT]]"  # the user simulator's, see rollout.interactions.llm_user
 _WORD = re.compile(r"[a-z]+")
 
@@ -51,7 +51,8 @@ def reply_for(messages: list[dict]) -> str | None:
 def user_reply(system: str, transcript: str) -> str | None:
     """The simulated user's JSON reply: the target when asked, the end marker after an answer."""
     goal = GOAL.search(system)
-    turns = TRANSCRIPT_TURN.findall(transcript)
+    tag = TAG.search(transcript)
+    turns = quoted_turns(transcript, tag.group(0)) if tag else []
     if goal is None or not turns:
         return None
     category, target = goal.groups()

@@ -28,10 +28,11 @@ judge does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+
+from services.quoting import quote_tag, quote_turns
 
 SCALE_MAX = 10
 
@@ -210,22 +211,12 @@ QUOTING_RULE = (
 QUOTING_LINE = re.compile(r'\AThe turns are quoted as <(q[0-9a-f]{16}) role="\.\.\.">')
 
 
-def quote_tag(conversations: list[list[dict]]) -> str:
-    """A tag no turn contains: a digest of the conversations, so a request renders the same
-    every time (the cache and the provider see the same prompt) and no turn can name it."""
-    texts = json.dumps(conversations, sort_keys=True, default=str)
-    digest = hashlib.sha256(texts.encode()).hexdigest()
-    while f"q{digest[:16]}" in texts:  # only by chance, one time in 2**64
-        digest = hashlib.sha256(digest.encode()).hexdigest()
-    return f"q{digest[:16]}"
-
-
 def _quoting(tag: str) -> str:
     return f'The turns are quoted as <{tag} role="..."> ... </{tag}>.'
 
 
 def _turns(messages: list[dict], tag: str) -> str:
-    return "\n\n".join(f'<{tag} role="{m["role"]}">\n{m["content"]}\n</{tag}>' for m in messages)
+    return quote_turns([(m["role"], m["content"]) for m in messages], tag)
 
 
 @dataclass

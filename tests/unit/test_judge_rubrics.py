@@ -9,7 +9,8 @@ import pytest
 from judge_proxy.rubrics import (
     RUBRICS, GroupParseError, parse_group_verdicts, parse_verdict, render, render_group,
 )
-from judge_proxy.rubrics.base import quote_tag, read_case, shared_prefix
+from judge_proxy.rubrics.base import read_case, shared_prefix
+from services.quoting import quote_tag
 from judge_proxy.stand_in import reply_for
 
 INTERACTIVITY = RUBRICS["interactivity"]

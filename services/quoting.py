@@ -1,0 +1,37 @@
+"""Quoting text a model wrote inside a prompt for another model (the judge, the user
+simulator), so that it reads as data and never as the prompt's own instructions.
+
+Each turn goes between `<TAG role="...">` and `</TAG>`, TAG a digest of the conversations
+being quoted. A turn cannot hold the closing tag, since it would have to contain a digest
+of itself, so no turn can end its quote, or the transcript, early. The digest is a
+function of the text, so the same request renders the same prompt every time (the
+judge's cache and a provider's prefix cache still match). `quoted_turns` reads the turns
+back, as the stand-in provider does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+TAG = re.compile(r"q[0-9a-f]{16}")
+
+
+def quote_tag(conversations: list[list[dict]]) -> str:
+    """A tag no turn of `conversations` contains."""
+    texts = json.dumps(conversations, sort_keys=True, default=str)
+    digest = hashlib.sha256(texts.encode()).hexdigest()
+    while f"q{digest[:16]}" in texts:  # only by chance, one time in 2**64
+        digest = hashlib.sha256(digest.encode()).hexdigest()
+    return f"q{digest[:16]}"
+
+
+def quote_turns(turns: list[tuple[str, str]], tag: str) -> str:
+    """(role, text) pairs, each quoted, separated by blank lines."""
+    return "\n\n".join(f'<{tag} role="{role}">\n{text}\n</{tag}>' for role, text in turns)
+
+
+def quoted_turns(text: str, tag: str) -> list[tuple[str, str]]:
+    """The (role, text) pairs quoted with `tag` in `text`, in order."""
+    return re.findall(rf'<{tag} role="([^"]*)">\n(.*?)\n</{tag}>', text, flags=re.DOTALL)
