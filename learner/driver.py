@@ -151,7 +151,7 @@ class JobRun:
         self.run_dir = Path(self.settings.runs_dir) / job_id
         self.dispatcher = Dispatcher(self.redis, job_id, spec)
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
-        self.steps = StepLog(self.redis, job_id, self.run_dir, spec.health)
+        self.steps = StepLog(self.redis, job_id, self.run_dir, spec.health, self.settings.history_keep)
 
     async def run(self, resuming: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

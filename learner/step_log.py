@@ -1,7 +1,8 @@
 """What each learner step leaves behind: its record and the job's Prometheus metrics.
 
-A step's record is one JSON object, appended to the run's `metrics.jsonl` and to the job's
-`history` list in Redis (the API's history endpoint and the health rules read it); its
+A step's record is one JSON object, appended to the run's `metrics.jsonl` (all of them) and
+to the job's `history` list in Redis (the newest `history_keep`; the API's history endpoint
+and the health rules read it); its
 numbers also set the learner's gauges. The health rules are judged on the records here,
 since they need the last few of them.
 """
@@ -137,11 +138,14 @@ class StepLog:
     """One job's step records (file, Redis history, gauges), its idle-time accounting and
     its health rules."""
 
-    def __init__(self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule]) -> None:
+    def __init__(self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule],
+                 keep: int = 10_000) -> None:
         self.redis = client
         self.job_id = job_id
         self.path = run_dir / "metrics.jsonl"
         self.rules = rules
+        self.keep = max(keep, health.history_needed(rules))
+        """Records Redis keeps (the health rules read the last few); the file keeps all."""
         self.rl_started = time.monotonic()
         """When this run of the job began RL steps (after the first weight publish)."""
         self.waited_s = 0.0
@@ -151,20 +155,18 @@ class StepLog:
     # ---- the history ---------------------------------------------------------------
 
     async def length(self) -> int:
-        return await self.redis.llen(Keys.history(self.job_id))
+        """Records in the job's whole history (Redis keeps only the newest)."""
+        return await jobs.history_length(self.redis, self.job_id)
 
     async def trim(self, length: int) -> None:
         """Keep the first `length` history records: those a checkpoint covers."""
-        if length:
-            await self.redis.ltrim(Keys.history(self.job_id), 0, length - 1)
-        else:  # LTRIM 0 -1 would keep every record
-            await self.redis.delete(Keys.history(self.job_id))
+        await jobs.trim_history(self.redis, self.job_id, length)
 
     async def write(self, record: dict, step: int, version: int) -> None:
         record["time"] = time.time()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        await self.redis.rpush(Keys.history(self.job_id), json.dumps(record))
+        await jobs.append_history(self.redis, self.job_id, json.dumps(record), self.keep)
         await jobs.record_progress(self.redis, self.job_id, step, version, record)
         self.export_gauges(record, step, version)
         await self.export_queue_gauges()

@@ -477,6 +477,9 @@ class RolloutSettings(_ToolSettings):
 class LearnerSettings(_ProcessSettings):
     metrics_port: int = 8003
     runs_dir: str = "runs"
+    history_keep: int = Field(
+        10_000, ge=100, description="Step records a job keeps in Redis (its history endpoint), newest first; the "
+                                    "run folder's metrics.jsonl keeps them all.")
     keep_checkpoints: int = Field(
         3, ge=1, description="Complete checkpoints kept per job, newest first; older ones are deleted once a "
                              "newer one is complete (a job resumes from the newest).")

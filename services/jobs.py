@@ -190,3 +190,58 @@ async def cancel_requested(client: aioredis.Redis, job_id: str) -> bool:
 
 async def running_jobs(client: aioredis.Redis) -> list[str]:
     return sorted(i.decode() for i in await client.smembers(Keys.jobs_running))
+
+
+# The history list keeps a job's newest records; `history_dropped` in the job's record counts
+# those dropped from its head, so a record's global index (its place in the whole history,
+# as `metrics.jsonl` in the run folder keeps it) is `history_dropped` + its index in the list.
+APPEND_HISTORY_LUA = """
+local length = redis.call('RPUSH', KEYS[1], ARGV[1])
+local keep = tonumber(ARGV[2])
+if length > keep then
+  redis.call('LTRIM', KEYS[1], length - keep, -1)
+  redis.call('HINCRBY', KEYS[2], 'history_dropped', length - keep)
+end
+"""
+
+
+READ_HISTORY_LUA = """
+local dropped = tonumber(redis.call('HGET', KEYS[2], 'history_dropped') or '0')
+local first = math.max(tonumber(ARGV[1]), dropped)
+return {first, redis.call('LRANGE', KEYS[1], first - dropped, -1)}
+"""
+
+
+async def append_history(client: aioredis.Redis, job_id: str, record: str, keep: int) -> None:
+    """Append a step record, keeping the newest `keep` in Redis."""
+    await client.register_script(APPEND_HISTORY_LUA)(keys=[Keys.history(job_id), Keys.job(job_id)],
+                                                     args=[record, keep])
+
+
+async def history_dropped(client: aioredis.Redis, job_id: str) -> int:
+    return int(await client.hget(Keys.job(job_id), "history_dropped") or 0)
+
+
+async def history_length(client: aioredis.Redis, job_id: str) -> int:
+    """Records in the whole history, dropped ones included."""
+    return await history_dropped(client, job_id) + await client.llen(Keys.history(job_id))
+
+
+async def trim_history(client: aioredis.Redis, job_id: str, length: int) -> None:
+    """Keep the first `length` records of the whole history (what a checkpoint covers)."""
+    kept = length - await history_dropped(client, job_id)
+    if kept > 0:
+        await client.ltrim(Keys.history(job_id), 0, kept - 1)
+    else:  # every record the checkpoint covers was dropped already (LTRIM 0 -1 would keep all)
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.delete(Keys.history(job_id))
+            pipe.hset(Keys.job(job_id), "history_dropped", length)
+            await pipe.execute()
+
+
+async def read_history(client: aioredis.Redis, job_id: str, start: int) -> tuple[int, list[bytes]]:
+    """The records from global index `start` on, or from the oldest kept when that was
+    dropped; and the global index of the first one returned."""
+    first, records = await client.register_script(READ_HISTORY_LUA)(
+        keys=[Keys.history(job_id), Keys.job(job_id)], args=[start])
+    return int(first), records

@@ -10,6 +10,9 @@ import httpx
 
 from services.jobs import TERMINAL
 
+HISTORY_SHOWN = 200
+"""Records `follow` holds: the progress bar's rates are over the last this many."""
+
 
 class ApiError(RuntimeError):
     pass
@@ -21,10 +24,13 @@ class ApiClient:
         self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
 
     def _call(self, method: str, path: str, **kwargs):
+        return self._request(method, path, **kwargs).json()
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         response = self.http.request(method, path, **kwargs)
         if response.status_code >= 400:
             raise ApiError(f"{method} {path}: {response.status_code} {response.text}")
-        return response.json()
+        return response
 
     def submit(self, spec: dict) -> dict:
         return self._call("POST", "/v1/jobs", json=spec)
@@ -36,7 +42,13 @@ class ApiClient:
         return self._call("GET", "/v1/jobs")
 
     def history(self, job_id: str, start: int = 0) -> list[dict]:
-        return self._call("GET", f"/v1/jobs/{job_id}/history", params={"start": start})
+        return self.history_page(job_id, start)[1]
+
+    def history_page(self, job_id: str, start: int = 0) -> tuple[int, list[dict]]:
+        """The records from index `start` of the job's history on, and the index of the first
+        one returned (later than `start` when the API no longer keeps those)."""
+        response = self._request("GET", f"/v1/jobs/{job_id}/history", params={"start": start})
+        return int(response.headers.get("x-tandem-history-start", start)), response.json()
 
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
@@ -73,12 +85,14 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
     generate = spec.get("kind") == "generate"
     total = spec["generate"]["conversations"] if generate else spec["train"]["num_steps"]
     history: list[dict] = []
+    cursor = 0
     bar = tqdm(total=total, desc=f"{job_id} {record['status'].lower()}", unit="conv" if generate else "step",
                dynamic_ncols=True, mininterval=1.0)
     while True:
         record = client.get(job_id)
-        new = client.history(job_id, start=len(history))
-        history += new
+        first, new = client.history_page(job_id, start=cursor)
+        cursor = first + len(new)
+        history = (history + new)[-HISTORY_SHOWN:]
         for message in (m for h in new for m in h.get("health", [])):
             bar.write(f"{job_id}: {message}")
         steps = [h for h in history if h.get("phase") in ("rl", "offline", "generate")]

@@ -18,12 +18,13 @@ only the tenants in `settings.operators` may use them (403 for others).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -337,8 +338,13 @@ def job_records_router() -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
-    async def history(request: Request, start: int = Query(0, ge=0), record: dict = Depends(owned)) -> list[dict]:
-        raw = await request.app.state.redis.lrange(Keys.history(record["id"]), start, -1)
+    async def history(request: Request, response: Response, start: int = Query(0, ge=0),
+                      record: dict = Depends(owned)) -> list[dict]:
+        """The step records from index `start` of the whole history on. Redis keeps a job's
+        newest `TANDEM_HISTORY_KEEP` records (the learner's run folder keeps all), so the
+        first one returned may come later: `X-Tandem-History-Start` gives its index."""
+        first, raw = await jobs.read_history(request.app.state.redis, record["id"], start)
+        response.headers["x-tandem-history-start"] = str(first)
         return [json.loads(r) for r in raw]
 
     @router.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
@@ -423,30 +429,49 @@ async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(allowed))})
 
 
-async def new_history(client: aioredis.Redis, job_id: str, sent: list[bytes]) -> list[bytes]:
-    """History records not in `sent` yet (appended to it). A resumed learner trims the records
-    after its checkpoint and writes those steps again: they are sent again, from where the
-    list parts from what was sent."""
-    key = Keys.history(job_id)
-    if sent and await client.lindex(key, len(sent) - 1) != sent[-1]:
-        current = await client.lrange(key, 0, -1)
-        same = next((i for i, (a, b) in enumerate(zip(sent, current)) if a != b), min(len(sent), len(current)))
-        del sent[same:]
-    new = await client.lrange(key, len(sent), -1)
-    sent += new
-    return new
+class SentHistory:
+    """Where an event stream is in a job's history: the global index of the next record to
+    send, and the newest records sent (`RECENT` of them), to notice a resumed learner that
+    trimmed the records after its checkpoint and wrote those steps again."""
+
+    RECENT = 256
+
+    def __init__(self) -> None:
+        self.next_index = 0
+        self.recent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.RECENT)
+
+    async def new(self, client: aioredis.Redis, job_id: str) -> list[bytes]:
+        """The records not sent yet. Rewritten ones are sent again, from where the history
+        parts from what was sent (or from the oldest record still remembered)."""
+        first, current = await jobs.read_history(client, job_id, self.recent[-1][0] if self.recent else 0)
+        if self.recent and not still_there(*self.recent[-1], first, current):
+            first, current = await jobs.read_history(client, job_id, self.recent[0][0])
+            while self.recent and not still_there(*self.recent[-1], first, current):
+                self.next_index = self.recent.pop()[0]  # rewritten: send it again
+        new = [(index, raw) for index, raw in enumerate(current, first) if index >= self.next_index]
+        self.recent.extend(new)
+        if new:
+            self.next_index = new[-1][0] + 1
+        return [raw for _, raw in new]
+
+
+def still_there(index: int, raw: bytes, first: int, current: list[bytes]) -> bool:
+    """Whether the record sent as `index` is unchanged in `current` (the history from global
+    index `first`): dropped from the head counts as unchanged, trimmed or rewritten not."""
+    position = index - first
+    return position < 0 or (position < len(current) and current[position] == raw)
 
 
 async def job_events(client: aioredis.Redis, job_id: str):
     """The event stream of one job (polls Redis; ends after the terminal status)."""
-    status, sent, idle, memberships = None, [], 0.0, 0
+    status, sent, idle, memberships = None, SentHistory(), 0.0, 0
     while True:
         record = await jobs.get_job(client, job_id)
         for raw in await client.lrange(Keys.servers(job_id), memberships, -1):
             yield f"event: servers\ndata: {raw.decode()}\n\n"
             memberships += 1
             idle = 0.0
-        for raw in await new_history(client, job_id, sent):
+        for raw in await sent.new(client, job_id):
             yield f"event: step\ndata: {raw.decode()}\n\n"
             for message in json.loads(raw).get("health", []):
                 yield f"event: health\ndata: {json.dumps({'message': message})}\n\n"

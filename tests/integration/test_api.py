@@ -221,6 +221,35 @@ async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_clien
     assert again == [{"step": 2, "run": 2}, {"step": 3, "run": 2}]
 
 
+async def test_a_history_redis_keeps_only_in_part_is_paged_by_its_global_index(api, redis_client, monkeypatch):
+    import asyncio
+
+    from services.api import app as api_app
+
+    monkeypatch.setattr(api_app, "SSE_POLL_S", 0.01)
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
+    for step in range(1, 9):
+        await jobs.append_history(redis_client, job_id, json.dumps({"step": step}), keep=5)  # 1-3 dropped
+
+    from_zero = await api.get(f"/v1/jobs/{job_id}/history", params={"start": 0})
+    from_six = await api.get(f"/v1/jobs/{job_id}/history", params={"start": 6})
+    events = api_app.job_events(redis_client, job_id)
+    streamed = [json.loads((await anext(events)).split("data: ", 1)[1])["step"] for _ in range(5)]
+    await anext(events)  # the status
+    # A resume back to record 5 (step 6): steps 6-8 run again; then one more step.
+    await jobs.trim_history(redis_client, job_id, 5)
+    for step in (6, 7, 8, 9):
+        await jobs.append_history(redis_client, job_id, json.dumps({"step": step, "run": 2}), keep=5)
+    again = [json.loads((await asyncio.wait_for(anext(events), 5)).split("data: ", 1)[1]) for _ in range(4)]
+    await events.aclose()
+
+    assert from_zero.headers["x-tandem-history-start"] == "3" and [r["step"] for r in from_zero.json()] == [4, 5, 6, 7, 8]
+    assert from_six.headers["x-tandem-history-start"] == "6" and [r["step"] for r in from_six.json()] == [7, 8]
+    assert streamed == [4, 5, 6, 7, 8]
+    assert again == [{"step": s, "run": 2} for s in (6, 7, 8, 9)]
+
+
 @pytest.fixture
 def files(tmp_path):
     """An operator's roots (models, data) and, outside them, another job's checkpoint."""

@@ -86,3 +86,21 @@ async def test_a_dead_stream_keeps_only_about_its_newest_entries(redis_client, m
         await consumer.dead_letter(f"{i + 1}-0".encode(), b"garbage", "does not decode")
 
     assert 10 <= await redis_client.xlen("tandem:test:dead") < 300
+
+
+async def test_redis_keeps_the_newest_history_records_and_counts_the_dropped_ones(redis_client):
+    job_id = await jobs.create_job(redis_client, JobSpec(model=ModelSpec(path="/models/tiny")))
+    for step in range(15):
+        await jobs.append_history(redis_client, job_id, f'{{"step": {step}}}', keep=10)
+
+    assert await redis_client.llen(Keys.history(job_id)) == 10
+    assert await jobs.history_length(redis_client, job_id) == 15
+    assert await jobs.read_history(redis_client, job_id, 0) == (5, [f'{{"step": {s}}}'.encode() for s in range(5, 15)])
+    assert await jobs.read_history(redis_client, job_id, 13) == (13, [b'{"step": 13}', b'{"step": 14}'])
+
+    await jobs.trim_history(redis_client, job_id, 12)   # a resume to a checkpoint at record 12
+    assert await jobs.history_length(redis_client, job_id) == 12
+    await jobs.trim_history(redis_client, job_id, 3)    # one older than every record kept
+    assert await jobs.history_length(redis_client, job_id) == 3
+    await jobs.append_history(redis_client, job_id, '{"step": 3}', keep=10)
+    assert await jobs.read_history(redis_client, job_id, 0) == (3, [b'{"step": 3}'])
