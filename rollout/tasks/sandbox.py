@@ -521,14 +521,16 @@ def _build_root(scratch_owner: int) -> None:
     root = os.getcwd()
     _mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
     _link_host_roots(root)
+    # The scratch first: a virtual env or checkout under the host's /tmp (a CI clone) is
+    # then bound inside it, read-only, instead of being hidden by it.
+    os.mkdir(f"{root}/tmp")
+    _mount("scratch", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=0700,size={SCRATCH_BYTES},uid={scratch_owner},gid={scratch_owner}")
     for path in _host_paths():
         _bind(path, root + path, read_only=True)
     for name in ("null", "zero", "urandom"):
         _bind(f"/dev/{name}", f"{root}/dev/{name}", read_only=False)
     _bind(os.path.abspath(__file__), root + _SCRIPT_IN_SANDBOX, read_only=True)
-    os.mkdir(f"{root}/tmp")
-    _mount("scratch", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=0700,size={SCRATCH_BYTES},uid={scratch_owner},gid={scratch_owner}")
     _mount_proc(f"{root}/proc")
     _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)

@@ -300,3 +300,19 @@ async def test_a_server_whose_sandbox_refuses_fails_a_job_that_runs_code_instead
             await check_sandbox(spec)
     else:
         await check_sandbox(spec)
+
+
+def test_code_runs_when_the_callers_virtual_env_lives_under_the_hosts_tmp(tmp_path):
+    """A CI clone under /tmp: its env is bound inside the sandbox's own /tmp, not hidden by it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    script = ("import importlib.util, sys\n"
+              f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r})\n"
+              "module = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
+              "spec.loader.exec_module(module)\n"
+              "print(module.run_code('print(6 * 7)'))\n")
+
+    run = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=60)
+
+    assert str(tmp_path).startswith("/tmp/")
+    assert run.stdout.strip() == "CodeResult(output='42', error=None)", run.stderr
