@@ -221,3 +221,17 @@ async def test_a_rollout_servers_calls_are_charged_to_the_job_they_name(proxy_ur
         await client.aclose()
 
     assert charged("mine-00000001") > before
+
+
+@pytest.mark.parametrize("text", ["mcp_servers: [not, a, mapping]", "mcp_servers: {x: {command: [a], url: 'http://b'}}",
+                                  "mcp_servers: {x: {shell: rm}}", "{unclosed"])
+def test_a_bad_tool_catalogue_stops_the_process_naming_the_file(tmp_path, text):
+    from services.tool_catalog import load_catalog
+
+    path = tmp_path / "catalog.yaml"
+    path.write_text(text)
+
+    with pytest.raises(ValueError, match=f"tool catalogue '{path}'"):
+        load_catalog(str(path))
+    with pytest.raises(ValueError, match="tool catalogue"):
+        api_app(ApiSettings(tool_catalog=str(path)))  # the API does not start on it
