@@ -8,11 +8,12 @@ only what the prompt contains (no hidden channel to the task):
   message. A clarifying question gets the user's answer ("I mean mango."), an answer ends
   the chat, as the rule-based user does;
 - **the judge** (`judge_proxy.rubrics`): the rubric's criteria and the conversation are in
-  the prompt, the turns quoted (read back with the rubrics' own `read_case`). Interactivity is scored from what the assistant did with the request
-  (`interactivity_scores`); accuracy by whether the final answer states the reference's
-  key word. The reply is a one-line rationale and the JSON object the rubric asks for; to a
-  group prompt (several `<candidate>` conversations after `<shared>` turns), the JSON list
-  with one object per candidate, each scored as it would be alone.
+  the prompt, the turns quoted (read back with the rubrics' own `read_case`). Interactivity
+  is scored from what the assistant did with the request (`interactivity_scores`); accuracy
+  by whether the final answer states the reference's key word. The reply is a one-line
+  rationale and the JSON object the rubric asks for; to a group prompt (several
+  `<candidate>` conversations after `<shared>` turns), the JSON list with one object per
+  candidate, each scored as it would be alone.
 Any other prompt gets None: the upstream then answers filler text, as it always has.
 """
 

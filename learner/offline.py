@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from learner import checkpoint
+from learner import checkpoint, policy
 from learner.control import Command
 from learner.driver import JobRun
 from services import preference, protocol
@@ -40,11 +40,9 @@ class OfflineRun(JobRun):
     trajectory intake, weight publisher)."""
 
     async def run(self, resuming: bool = False) -> None:
-        from transformers import AutoConfig
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         train = self.spec.train
-        vocab = AutoConfig.from_pretrained(self.spec.model.local_folder()).vocab_size
+        vocab = policy.vocab_size(self.spec.model.local_folder())
         samples = preference.load_pairs(train.data, vocab, max_pair_tokens=train.max_tokens_per_rank)
         pairs = [samples[i:i + 2] for i in range(0, len(samples), 2)]
         if not (resuming and await self.resume()):

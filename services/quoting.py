@@ -32,6 +32,11 @@ def quote_turns(turns: list[tuple[str, str]], tag: str) -> str:
     return "\n\n".join(f'<{tag} role="{role}">\n{text}\n</{tag}>' for role, text in turns)
 
 
+def turn_pattern(tag: str) -> re.Pattern:
+    """One turn quoted with `tag`; groups: role, text."""
+    return re.compile(rf'<{tag} role="([^"]*)">\n(.*?)\n</{tag}>', re.DOTALL)
+
+
 def quoted_turns(text: str, tag: str) -> list[tuple[str, str]]:
     """The (role, text) pairs quoted with `tag` in `text`, in order."""
-    return re.findall(rf'<{tag} role="([^"]*)">\n(.*?)\n</{tag}>', text, flags=re.DOTALL)
+    return turn_pattern(tag).findall(text)

@@ -32,7 +32,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from services.quoting import quote_tag, quote_turns
+from services.quoting import quote_tag, quote_turns, turn_pattern
 
 SCALE_MAX = 10
 
@@ -239,10 +239,10 @@ def read_case(case: str) -> Case:
     quoted: list[tuple[str, str]] = []
 
     def set_aside(match: re.Match) -> str:
-        quoted.append((match.group(2), match.group(3)))
+        quoted.append((match.group(1), match.group(2)))
         return f"\0{len(quoted) - 1}\0"
 
-    skeleton = re.sub(rf'<({found.group(1)}) role="([^"]*)">\n(.*?)\n</\1>', set_aside, case, flags=re.DOTALL)
+    skeleton = turn_pattern(found.group(1)).sub(set_aside, case)
 
     def turns_in(section: str) -> list[tuple[str, str]]:
         return [quoted[int(index)] for index in re.findall(r"\0(\d+)\0", section)]

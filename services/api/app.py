@@ -35,7 +35,7 @@ from services import jobs, preference, protocol
 from services.auth import match_bearer
 from services.config import PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
-from services.queues import Keys
+from services.queues import Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog
 
 
@@ -101,6 +101,8 @@ class Membership(BaseModel):
 
 
 ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
+REDIS_CONNECTIONS = 64
+REDIS_CONNECTION_WAIT_S = 10.0
 FORGET_SERVER_S = 3600.0
 """A server record this old is a dead server's (a live one rewrites it every few seconds):
 the fleet listing deletes it."""
@@ -254,7 +256,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app = FastAPI(title="Tandem job API", version="0.1.0",
                   description="Submit asynchronous RL jobs, follow their progress, cancel them.")
     app.state.settings = settings
-    app.state.redis = aioredis.from_url(settings.redis_url)
+    # The same client as every other process: calls time out, wait out a short Redis outage
+    # (TANDEM_REDIS_OUTAGE_S) and queue for a free connection instead of failing.
+    app.state.redis = connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S,
+                              outage_s=settings.redis_outage_s)
     app.state.tokens = parse_tokens(settings.tokens)
     app.state.path_roots = [Path(root.strip()).resolve() for root in settings.path_roots.split(",") if root.strip()]
     app.state.tool_catalog = load_catalog(settings.tool_catalog)
