@@ -202,19 +202,60 @@ def test_dockerfiles_copy_only_paths_that_exist_in_the_build_context(dockerfile)
             assert list(ROOT.glob(source)), f"{dockerfile}: COPY {source} matches nothing in the repository"
 
 
+def base_image_arg(dockerfile: str) -> tuple[str, str]:
+    """(ARG name, its default) of the base image a Dockerfile's only FROM names by variable."""
+    text = (DEPLOY / dockerfile).read_text()
+    assert len(re.findall(r"^FROM ", text, re.MULTILINE)) == 1, f"{dockerfile}: one stage"
+    name = re.search(r"^FROM \$\{(\w+)\}$", text, re.MULTILINE).group(1)
+    return name, re.search(rf"^ARG {name}=(\S+)$", text, re.MULTILINE).group(1)
+
+
 def test_cuda_image_is_the_vllm_release_install_sh_installs_and_drops_its_entrypoint():
     pinned = re.search(r"\bvllm==([\d.]+)", (ROOT / "scripts" / "install.sh").read_text()).group(1)
     dockerfile = (DEPLOY / "Dockerfile.cuda").read_text()
-    assert re.search(rf"^FROM vllm/vllm-openai:v{re.escape(pinned)}$", dockerfile, re.MULTILINE)
+    assert base_image_arg("Dockerfile.cuda") == ("VLLM_IMAGE", f"vllm/vllm-openai:v{pinned}")
     assert re.search(r"^ENTRYPOINT \[\]$", dockerfile, re.MULTILINE)
     assert "--no-deps -e ." in dockerfile
 
 
 def test_cpu_image_installs_with_install_sh_from_the_cpu_torch_index():
     dockerfile = (DEPLOY / "Dockerfile.cpu").read_text()
-    assert dockerfile.startswith("# syntax=") and "\nFROM python:3.11-slim\n" in dockerfile
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert base_image_arg("Dockerfile.cpu") == ("PYTHON_IMAGE", "python:3.11-slim")
+    assert "\nARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in dockerfile
     assert re.search(r"^RUN scripts/install\.sh ", dockerfile, re.MULTILINE)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_no_dockerfile_needs_a_frontend_image_from_a_registry(dockerfile):
+    # `# syntax=` makes BuildKit pull that frontend before building: no build without a registry.
+    assert not (DEPLOY / dockerfile).read_text().startswith("# syntax=")
+
+
+def test_every_image_is_a_variable_defaulting_to_the_upstream_image():
+    raw = raw_compose()["services"]
+    pulled = {name: s["image"] for name, s in raw.items() if "build" not in s}
+    assert set(pulled) == {"redis", "prometheus", "grafana"}
+    upstream = {"redis": "redis:7.4", "prometheus": "prom/prometheus:v3.5.0", "grafana": "grafana/grafana:12.1.0"}
+    for name, image in pulled.items():
+        match = re.fullmatch(r"\$\{(\w+):-([^}]+)\}", image)
+        assert match and match.group(2) == upstream[name], f"{name}: image {image!r}"
+    # Each build passes its Dockerfile's base image ARG from a variable with the same default.
+    for name, service in raw.items():
+        if "build" in service:
+            arg, default = base_image_arg(Path(service["build"]["dockerfile"]).name)
+            match = re.fullmatch(r"\$\{(\w+):-([^}]+)\}", service["build"]["args"][arg])
+            assert match and match.group(2) == default, f"{name}: build arg {arg}"
+
+
+def test_the_offline_images_replace_only_what_compose_names_by_variable():
+    script = (ROOT / "scripts" / "offline_images.sh").read_text()
+    written = set(re.findall(r"^(\w+)=\$\w+$", script, re.MULTILINE))
+    assert written == {"TANDEM_PYTHON_IMAGE", "REDIS_IMAGE", "PROMETHEUS_IMAGE", "TANDEM_IMAGE_TAG"}
+    assert written <= {name for name, _ in compose_variables()}
+    offline = sorted((DEPLOY / "offline").glob("*.Dockerfile"))
+    assert [d.name for d in offline] == ["prometheus.Dockerfile", "python.Dockerfile", "redis.Dockerfile"]
+    for dockerfile in offline:  # each on the debootstrapped base the script names
+        assert "\nFROM ${DEBIAN_IMAGE}\n" in dockerfile.read_text(), dockerfile.name
 
 
 @pytest.mark.parametrize("profile", PROFILES)
