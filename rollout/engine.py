@@ -45,6 +45,12 @@ class Engine:
         """Time with at least one request generating. In `keep` mode a request frozen
         through a weight update counts as busy; in `abort` mode it does not."""
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine process died (a crash, the OOM killer): every request fails from
+        then on, and only a new process brings the engine back."""
+        return bool(self.llm.errored)
+
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
               memory_utilization: float | None = None) -> "Engine":

@@ -126,7 +126,8 @@ class RolloutServer:
         return self.job.job_id if self.job else ""
 
     def health(self) -> tuple[bool, dict]:
-        return True, {"server_id": self.server_id, "job": self.job_id,
+        alive = self.engine is None or not self.engine.dead
+        return alive, {"server_id": self.server_id, "job": self.job_id,
                       "version": self.engine.version if self.engine else -1,
                       "inflight": len(self.inflight)}
 
@@ -136,7 +137,7 @@ class RolloutServer:
         loop.add_signal_handler(signal.SIGUSR1, log_task_stacks)
         loop.add_signal_handler(signal.SIGTERM, self.request_drain, True)
         log.info("rollout server %s up: %s", self.server_id, self.settings.loggable())
-        backoff_s, drained = 1.0, False
+        backoff_s, drained, engine_died = 1.0, False, False
         try:
             while not drained:
                 started, self.stopping = time.monotonic(), False
@@ -147,6 +148,10 @@ class RolloutServer:
                 except* _Drained:
                     log.info("drained; exiting")
                     drained = True
+                except* EngineDied as errors:
+                    log.critical("%s; exiting so that a new server takes its place (its tasks stay pending "
+                                 "and are taken up again)", errors.exceptions[0])
+                    drained = engine_died = True
                 except* (RedisConnectionError, RedisTimeoutError) as errors:
                     # Redis restarting or a network blip: keep the loaded engine, start over
                     # (the job's pending tasks wait in Redis; the learner regroups weights).
@@ -158,6 +163,8 @@ class RolloutServer:
             await self.judge_client.aclose()
             if self.engine:
                 self.engine.shutdown()
+        if engine_died:
+            raise SystemExit(1)  # for the supervisor (compose's restart policy, Kubernetes, `tandem up`)
 
     def stop_loops(self, _: asyncio.Task) -> None:
         self.stopping = True
@@ -180,6 +187,9 @@ class RolloutServer:
 
     async def heartbeat(self) -> None:
         while not self.stopping:
+            if self.engine is not None and self.engine.dead:
+                # Heartbeats would keep its held tasks from being reclaimed, forever.
+                raise EngineDied(f"the inference engine of {self.engine.model.path} died")
             if await self.redis.sismember(Keys.rollout_drain, self.server_id):
                 if not self.drain_requested.is_set():
                     self.request_drain(then_exit=False)
@@ -444,6 +454,10 @@ WEIGHT_POLL_S = 0.05
 
 class _JobEnded(Exception):
     pass
+
+
+class EngineDied(Exception):
+    """The server's vLLM engine is gone; the server cannot serve again in this process."""
 
 
 class _Drained(Exception):
