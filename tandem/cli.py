@@ -117,6 +117,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(Path(args.out), steps=args.steps)
 
 
+def cmd_prepare_demo(args: argparse.Namespace) -> None:
+    from tandem.demo import write_demo_files
+
+    path = write_demo_files(Path(args.dir), seen_as=args.seen_as, steps=args.steps)
+    print(f"wrote the demo's model, data and job spec; submit it with: tandem submit {path}")
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
     from tandem.client import ApiClient, load_spec_file
 
@@ -144,6 +151,8 @@ def cmd_follow(args: argparse.Namespace) -> None:
 
     record = follow(ApiClient(args.api, args.token), args.job_id)
     print(f"{args.job_id}: {record['status']} {record.get('error') or ''}")
+    if record["status"] != "SUCCEEDED":
+        sys.exit(1)
 
 
 def cmd_datasets(args: argparse.Namespace) -> None:
@@ -209,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=None)
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("prepare-demo", help="write the demo job (model, data, spec) for a stack started elsewhere")
+    p.add_argument("dir")
+    p.add_argument("--seen-as", default=None,
+                   help="where the stack's processes see DIR, e.g. /models/demo under compose (default: DIR)")
+    p.add_argument("--steps", type=int, default=None)
+    p.set_defaults(run=cmd_prepare_demo)
 
     def api_client_parser(name: str, run, help_text: str, *positional: str) -> argparse.ArgumentParser:
         """A subcommand that talks to the job API: its positionals, --api and --token."""

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
 
 
-def prepare(out: Path, spec: dict) -> dict:
-    """Tiny model + warm-start data under `out`; returns the spec pointing at them."""
+def prepare(out: Path, spec: dict, seen_as: str | None = None) -> dict:
+    """Tiny model + warm-start data under `out`; returns the spec pointing at them, by the
+    path the processes see `out` at (`seen_as`, e.g. a container's mount; default: `out`)."""
     from rollout.tasks import clarify
     from tandem.tiny_model import make_tiny_model
 
@@ -29,9 +30,24 @@ def prepare(out: Path, spec: dict) -> dict:
     task = spec["task"]
     dialogues = clarify.demonstrations(2000, seed=1, ask_share=task["ask_share"])
     data.write_text("".join(json.dumps({"messages": d}) + "\n" for d in dialogues))
-    spec["model"]["path"] = str(model_dir.resolve())
-    spec["warm_start"]["data"] = str(data.resolve())
+    base = seen_as.rstrip("/") if seen_as else str(out.resolve())
+    spec["model"]["path"] = f"{base}/{model_dir.name}"
+    spec["warm_start"]["data"] = f"{base}/{data.name}"
     return spec
+
+
+def write_demo_files(out: Path, seen_as: str | None = None, steps: int | None = None) -> Path:
+    """The demo job for a stack started some other way (`docker compose up`): the model, the
+    warm-start data and the spec, `out/demo.yaml`, naming them as that stack sees `out`."""
+    import yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = prepare(out, load_spec_file(DEMO_SPEC), seen_as)
+    if steps:
+        spec["train"]["num_steps"] = steps
+    path = out / "demo.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
 
 
 def run_demo(out: Path, steps: int | None = None) -> dict:

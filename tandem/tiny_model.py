@@ -9,6 +9,7 @@ load. head_dim is 64 because vLLM's CPU attention kernel rejects smaller heads.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -99,7 +100,19 @@ def make_tiny_model(
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     _write_generation_config(out, config.eos_token_id)
+    _readable_as_umask_allows(out)
     return out
+
+
+def _readable_as_umask_allows(out: Path) -> None:
+    """transformers writes the weights through a private temporary file (mode 0600), so a
+    container running as another user (compose's uid 1000) could not read a model built
+    on the host. Give every file the mode an ordinary write would have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _write_generation_config(out: Path, eos_token_id: int) -> None:
