@@ -226,12 +226,13 @@ class JobRun:
 
     # ---- checkpoints ---------------------------------------------------------------
 
-    async def checkpoint(self) -> None:
-        """Write a checkpoint (all ranks), then acknowledge what it covers. With checkpoints
-        off, trained groups are acknowledged right after their step instead."""
+    async def checkpoint(self, stopping: bool = False) -> None:
+        """Write a checkpoint (all ranks), then acknowledge what it covers. With periodic
+        checkpoints off, trained groups are acknowledged right after their step instead, and
+        only a stop (SIGTERM, `stopping`) writes one: the job resumes from it."""
         path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
-        if self.spec.train.checkpoint_every == 0 or (path == checkpoint.latest(self.settings.runs_dir, self.job_id)
-                                                     and not self.intake.acks.unacked):
+        if (self.spec.train.checkpoint_every == 0 and not stopping) or (
+                path == checkpoint.latest(self.settings.runs_dir, self.job_id) and not self.intake.acks.unacked):
             return
         meta = {
             "step": self.step, "version": self.version, "trained": sorted(self.intake.trained),
@@ -284,7 +285,7 @@ class JobRun:
 
     async def check_stop(self) -> None:
         if self.driver.stop_requested:
-            await self.checkpoint()
+            await self.checkpoint(stopping=True)
             raise LearnerStopping()
 
     async def check_cancel(self) -> None:

@@ -31,7 +31,7 @@ def job_record(client: redis.Redis, job_id: str) -> dict:
 
 
 def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_after: int | None,
-            interrupt: signal.Signals = signal.SIGTERM):
+            interrupt: signal.Signals = signal.SIGTERM, checkpoint_every: int = 3):
     """Run the 6-step job; with `interrupt_after`, only that many steps' tasks are answered
     until the learner, blocked waiting for the next batch, gets `interrupt` and is
     restarted with --resume."""
@@ -39,7 +39,8 @@ def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_aft
     client.flushdb()
     spec = JobSpec(model=ModelSpec(path=str(model), max_model_len=512),
                    rollout=RolloutSpec(group_size=2, max_total_tokens=256),
-                   train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3, checkpoint_every=3))
+                   train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3,
+                                   checkpoint_every=checkpoint_every))
     job_id = create_job(redis_url, spec)
     batch = spec.train.batch_size
     producer = Producer(redis_url, job_id, tokenizer, gate=batch * (interrupt_after or spec.train.num_steps))
@@ -84,6 +85,21 @@ def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis
         "step-000000", "step-000003", "step-000006"]
     assert resumed_tasks == straight_tasks
     assert len(resumed_tasks) == len(set(resumed_tasks)) == 6 * 2
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
+
+
+@pytest.mark.slow
+def test_with_periodic_checkpoints_off_a_stop_still_checkpoints_and_resumes_exactly(redis_url, tiny_model, tokenizer,
+                                                                                    tmp_path):
+    """`checkpoint_every: 0` turns off periodic checkpoints, not the one SIGTERM promises:
+    a restarted learner (`docker compose restart`) resumes instead of failing the job."""
+    straight, straight_tasks, _ = run_job(redis_url, tiny_model, tokenizer, tmp_path / "straight", None,
+                                          checkpoint_every=0)
+    resumed, resumed_tasks, resumed_dir = run_job(redis_url, tiny_model, tokenizer, tmp_path / "off", 2,
+                                                  checkpoint_every=0)
+
+    assert sorted(p.name for p in (resumed_dir / "checkpoints").glob("step-*")) == ["step-000002"]
+    assert resumed_tasks == straight_tasks
     assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
 
 
