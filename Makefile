@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about missing local index folders; hide that noise only.
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-unit bench clean
+.PHONY: install demo test test-unit test-compose bench clean
 
 $(STAMP): pyproject.toml $(wildcard requirements/*.lock) scripts/install.sh
 	./scripts/install.sh $(VENV) 2>&1 | { $(QUIET); }
@@ -22,6 +22,11 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit
+
+# docker compose up on this machine's Docker engine, faults and restarts included
+# (scripts/test_compose.sh: images from a registry, or built offline from Debian's packages).
+test-compose: $(STAMP)
+	VENV=$(VENV) scripts/test_compose.sh
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(VENV)/bin/python $$b; done

@@ -54,12 +54,16 @@ SOURCES
 }
 
 build_from_debian() {  # image, Dockerfile under deploy/offline
-  docker build --network host --build-arg "DEBIAN_IMAGE=$debian" -t "$1" -f "deploy/offline/$2" deploy/offline
+  docker build --network host --force-rm --build-arg "DEBIAN_IMAGE=$debian" -t "$1" -f "deploy/offline/$2" deploy/offline
 }
 
 serve_wheels() {  # a loopback HTTP server over $wheels: sets wheels_url and wheel_server
-  local port
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # A fixed port: the URL is a build argument, and a new one would rebuild the install layer.
+  local port=${WHEELS_PORT:-38765}
+  if curl -s "http://127.0.0.1:$port/" >/dev/null; then
+    echo "port $port is taken; set WHEELS_PORT to a free one" >&2
+    return 1
+  fi
   python3 -m http.server --bind 127.0.0.1 --directory "$wheels" "$port" >/dev/null 2>&1 &
   wheel_server=$!
   wheels_url="http://127.0.0.1:$port/"
@@ -88,7 +92,7 @@ compgen -G "$wheels/torch-$torch-cp311-*.whl" >/dev/null \
 wheel_server=
 trap '[ -z "$wheel_server" ] || kill "$wheel_server"' EXIT
 serve_wheels
-docker build --network host -f deploy/Dockerfile.cpu -t "tandem-cpu:$tag" \
+docker build --network host --force-rm -f deploy/Dockerfile.cpu -t "tandem-cpu:$tag" \
   --build-arg "PYTHON_IMAGE=$python_image" --build-arg TORCH_INDEX_URL= --build-arg "PIP_FIND_LINKS=$wheels_url" .
 
 mkdir -p "$(dirname "$env_file")"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# make test-compose: the README's compose quick start on this machine's Docker engine
+# (tests/compose/test_compose_stack.py). Installs the compose plugin if it is missing; the
+# images come from a registry when one answers, else scripts/offline_images.sh builds them
+# from Debian's packages (TANDEM_COMPOSE_OFFLINE=1 forces that). Needs a running engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${VENV:-.venv}
+docker info >/dev/null 2>&1 || { echo "no Docker engine answers (docker info); start dockerd first" >&2; exit 1; }
+scripts/install_compose.sh
+images=
+if [ -z "${TANDEM_COMPOSE_OFFLINE:-}" ] && timeout 60 docker pull -q python:3.11-slim >/dev/null 2>&1; then
+  echo "a registry answers: the test builds tandem-cpu on python:3.11-slim and pulls the rest"
+else
+  echo "no registry: building the images from Debian's packages (scripts/offline_images.sh)"
+  images=runs/compose/offline-images.env
+  scripts/offline_images.sh "$images"
+fi
+TANDEM_COMPOSE=1 TANDEM_COMPOSE_IMAGES_ENV=$images "$venv/bin/python" -m pytest tests/compose -s -p no:cacheprovider
