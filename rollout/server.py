@@ -164,7 +164,7 @@ class RolloutServer:
             if self.engine:
                 self.engine.shutdown()
         if engine_died:
-            raise SystemExit(1)  # for the supervisor (compose's restart policy, Kubernetes, `tandem up`)
+            raise SystemExit(1)  # for a supervisor to replace it (compose's restart policy, Kubernetes)
 
     def stop_loops(self, _: asyncio.Task) -> None:
         self.stopping = True
