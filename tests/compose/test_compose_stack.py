@@ -54,6 +54,12 @@ def wait_for(condition: Callable, timeout_s: float, what: str, interval_s: float
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def image_present(image: str) -> bool:
+    """Here or pullable. Without a registry Grafana is neither: no Debian package builds it."""
+    present = subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
+    return present or subprocess.run(["docker", "pull", "-q", image], capture_output=True).returncode == 0
+
+
 class Stack:
     """The compose project under test: commands, its API and Prometheus, phase timings."""
 
@@ -62,12 +68,14 @@ class Stack:
         self.ports = {name: free_port() for name in ("api", "judge", "prometheus", "grafana")}
         self.models = workdir / "models"
         self.models.mkdir()
+        variables = self.variables()
         self.env_file = workdir / "compose.env"
-        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in self.variables().items()))
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in variables.items()))
         self.env = os.environ | {"COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_ENV_FILES": str(self.env_file)}
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{self.ports['api']}", timeout=10,
                                 headers={"Authorization": f"Bearer {self.token}"})
-        self.services = [s for s in SERVICES if s != "grafana" or self.grafana_image_present()]
+        grafana = image_present(variables.get("GRAFANA_IMAGE", "grafana/grafana:12.1.0"))
+        self.services = [s for s in SERVICES if s != "grafana" or grafana]
         self.phases: list[dict] = []
 
     def variables(self) -> dict[str, str]:
@@ -93,12 +101,6 @@ class Stack:
             "GRAFANA_PORT": str(self.ports["grafana"]),
             **chosen,
         }
-
-    def grafana_image_present(self) -> bool:
-        """No registry, no Grafana: it has no Debian package to build it from."""
-        image = self.variables().get("GRAFANA_IMAGE", "grafana/grafana:12.1.0")
-        present = subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
-        return present or subprocess.run(["docker", "pull", "-q", image], capture_output=True).returncode == 0
 
     # ---- commands --------------------------------------------------------------------
 
