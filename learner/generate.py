@@ -125,8 +125,9 @@ class GenerateRun(JobRun):
         }
         await self.steps.write(record, done, self.version)
 
-    async def checkpoint(self) -> None:
-        """Nothing to keep: the rows are on disk as they come, and the job does not resume."""
+    async def checkpoint(self, stopping: bool = False) -> None:
+        """Nothing to keep, a stop's included: the rows are on disk as they come, and the
+        job does not resume."""
 
     async def publish_datasets(self) -> None:
         await self.redis.hset(Keys.datasets(self.job_id), mapping={

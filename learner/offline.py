@@ -71,7 +71,9 @@ class OfflineRun(JobRun):
                   "step_seconds": time.perf_counter() - started, **metrics}
         await self.steps.write(record, self.step, self.version)
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self, stopping: bool = False) -> None:
+        """Always written when called, a stop's (`stopping`) too: nothing waits on it to be
+        acknowledged, since an offline job reads its pairs from a file."""
         path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
         meta = {"step": self.step, "version": self.version, "history_length": await self.steps.length()}
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
