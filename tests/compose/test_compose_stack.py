@@ -23,13 +23,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from polling import wait_for
 from tandem.redis_embed import free_port
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
@@ -43,15 +43,8 @@ TARGETS = {"api", "judge-proxy", "rollout", "learner"}
 STEPS = 60
 """The demo job's RL steps here: room for two faults before it ends."""
 UP_TIMEOUT_S = 900
-
-
-def wait_for(condition: Callable, timeout_s: float, what: str, interval_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+POLL_S = 1.0
+"""Between polls: each one runs docker or queries the stack."""
 
 
 def image_present(image: str) -> bool:
@@ -169,7 +162,7 @@ class Stack:
         def reached():
             assert self.job(job_id)["status"] in ("QUEUED", "RUNNING"), f"{self.job(job_id)}\n{self.diagnosis()}"
             return (done := self.rl_steps(job_id)) >= step and done
-        return wait_for(reached, timeout_s, f"job {job_id} to reach RL step {step}")
+        return wait_for(reached, timeout_s, f"job {job_id} to reach RL step {step}", POLL_S)
 
     def prometheus(self, query: str) -> list[dict]:
         reply = httpx.get(f"http://127.0.0.1:{self.ports['prometheus']}/api/v1/query", params={"query": query},
@@ -223,11 +216,12 @@ def test_compose_stack_trains_survives_faults_and_restarts_and_leaves_nothing(st
 
     with stack.phase("prometheus: every Tandem target up, a training metric moving"):
         wait_for(lambda: TARGETS <= {p for p, h in stack.targets().items() if h == "up"}, 60,
-                 f"Prometheus to scrape {sorted(TARGETS)}: {stack.targets()}")
+                 f"Prometheus to scrape {sorted(TARGETS)}: {stack.targets()}", POLL_S)
         query = f'tandem_learner_step{{job="{job_id}"}}'
-        first = wait_for(lambda: stack.prometheus(query), 60, f"{query} in Prometheus")
+        first = wait_for(lambda: stack.prometheus(query), 60, f"{query} in Prometheus", POLL_S)
         before = float(first[0]["value"][1])
-        wait_for(lambda: float(stack.prometheus(query)[0]["value"][1]) > before, 120, f"{query} to rise past {before}")
+        wait_for(lambda: float(stack.prometheus(query)[0]["value"][1]) > before, 120, f"{query} to rise past {before}",
+                 POLL_S)
 
     with stack.phase("rollout crashes mid-job: restarted, the job goes on"):
         # SIGKILL to the container's process, as the kernel's OOM killer sends it. (`docker
@@ -237,7 +231,7 @@ def test_compose_stack_trains_survives_faults_and_restarts_and_leaves_nothing(st
         os.kill(int(stack.inspect(rollout, "{{.State.Pid}}")), signal.SIGKILL)
         wait_for(lambda: stack.inspect(rollout, "{{.RestartCount}}") != restarts
                  and stack.states().get("rollout-cpu") == "running/healthy", 300,
-                 "the restart policy to start the crashed rollout container again, healthy")
+                 "the restart policy to start the crashed rollout container again, healthy", POLL_S)
         stack.wait_for_step(job_id, stack.rl_steps(job_id) + 3)  # served by the new process alone
 
     with stack.phase("compose restart learner mid-job: resumed from its checkpoint"):

@@ -8,7 +8,6 @@ import os
 import random
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,16 +23,7 @@ from tandem.launcher import learner_command
 from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
-
-def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.1):
-    """Poll `condition()` until it returns something truthy (returned); TimeoutError naming
-    `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+from polling import wait_for  # noqa: F401  (the integration tests import it from here)
 
 
 def create_job(redis_url: str, spec: JobSpec) -> str:
