@@ -61,10 +61,11 @@ def lock_cpu(uv: str, work: Path, pins: dict[str, str]) -> None:
     torch, wheels = torch_hashes(work, pins["torch"])
     write_lock("torch-cpu.lock", "torch's CPU build", f"the wheels pip fetched: {wheels}", torch)
     rest = [pin for name, pin in pins.items() if name not in {"pip", "torch"}]
-    found = blocks(hashed(uv, work, rest))
-    for pin, marker in OLDER_PYTHON_ONLY.items():
-        block = blocks(hashed(uv, work, [pin]))[normalize(pin.split("==")[0])]
-        found.setdefault(normalize(pin.split("==")[0]), block.replace(f"{pin} \\", f"{pin} ; {marker} \\", 1))
+    older = {pin: marker for pin, marker in OLDER_PYTHON_ONLY.items() if normalize(pin.split("==")[0]) not in pins}
+    found = blocks(hashed(uv, work, rest + list(older)))
+    for pin, marker in older.items():
+        name = normalize(pin.split("==")[0])
+        found[name] = found[name].replace(f"{pin} \\", f"{pin} ; {marker} \\", 1)
     write_lock("cpu.lock", "the CPU environment less pip and torch: pip freeze of a venv the "
                "tests passed in, plus OLDER_PYTHON_ONLY", FROM_PYPI, "".join(found[name] for name in sorted(found)))
 
