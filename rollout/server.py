@@ -276,8 +276,9 @@ class RolloutServer:
         if self.engine and self.engine.model == spec.model:
             await self.engine.reload_from_disk(spec.model.path)
             return
-        if self.engine:
-            self.engine.shutdown()
+        if self.engine:  # unset first: the heartbeat must not see a shut-down engine as dead
+            engine, self.engine = self.engine, None
+            engine.shutdown()
         self.engine = await asyncio.to_thread(
             Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed, self.settings.memory_utilization
         )
@@ -431,6 +432,7 @@ class ServedJob:
             journal = await Journal.open(self.server.redis, self.job_id, task.task_id)
             group = await self.rollout.group(task, journal)
             group.elapsed_s = time.perf_counter() - started
+            group.dispatched_version = task.dispatched_version
             await publish(self.server.redis, Keys.trajectories(self.job_id), group)
             await self.consumer.ack(delivery.entry_id)
             await journal.discard()
