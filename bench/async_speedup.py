@@ -39,7 +39,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from collab_clarify import evaluate_policies  # noqa: E402  (bench/ is on sys.path as the script's folder)
+import async_groups  # noqa: E402  (bench/ is on sys.path as the script's folder)
+from collab_clarify import evaluate_policies  # noqa: E402
+
+from learner import group_log  # noqa: E402
 
 from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
 from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
@@ -49,12 +52,14 @@ from tandem.redis_embed import free_port  # noqa: E402
 
 UPSTREAM = "stand-in"
 """The one upstream: the provider's key, shared by the user simulator and the judge."""
-SETTINGS = (  # label, max_staleness, pause mode
-    ("sync", 0, "abort"),
-    ("eta1", 1, "abort"),
-    ("eta2", 2, "abort"),
-    ("eta2-keep", 2, "keep"),
-    ("eta4", 4, "abort"),
+SETTINGS = (  # label, max_staleness, pause mode, stragglers (train.stragglers)
+    ("sync", 0, "abort", "drop"),
+    ("eta1", 1, "abort", "drop"),
+    ("eta2", 2, "abort", "drop"),
+    ("eta2-wait", 2, "abort", "wait"),
+    ("eta2-keep", 2, "keep", "drop"),
+    ("eta4", 4, "abort", "drop"),
+    ("eta4-wait", 4, "abort", "wait"),
 )
 REWARD = {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5e-4,
           "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 0.5,
@@ -162,26 +167,31 @@ def cpu_seconds(stack: Stack, stand_in: StandIn) -> dict[str, float]:
     return used
 
 
-def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict]]:
-    """The warm start, then one run per setting; returns the warm policy and the runs."""
+def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int, dict]]]:
+    """The warm start, then per seed one run per setting (settings alternate, so a slow
+    patch of the machine does not fall on one setting); returns the warm policy and the
+    runs (label -> seed -> run)."""
     base = base_spec(out, args.steps)
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seed)
+    base["train"]["export_every"] = args.export_every
+    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
            "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
-    runs: dict[str, dict] = {}
+    runs: dict[str, dict[int, dict]] = {}
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
             policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
-            for label, eta, pause in (s for s in SETTINGS if s[0] in args.settings):
-                spec = copy.deepcopy(base) | {"name": f"async-eta{eta}-{pause}"}
-                spec["model"]["path"] = str(policy)
-                spec["warm_start"] = {"steps": 0}
-                spec["train"] |= {"max_staleness": eta, "seed": args.seed}
-                spec["rollout"]["pause_mode"] = pause
-                print(f"\n{label}")
-                runs[label] = run_job(client, stack, stand_in, spec) | {"max_staleness": eta, "pause_mode": pause}
-                (out / "training.json").write_text(json.dumps(runs))
+            for seed in args.seeds:
+                for label, eta, pause, stragglers in (s for s in SETTINGS if s[0] in args.settings):
+                    spec = copy.deepcopy(base) | {"name": f"async-{label}-seed{seed}"}
+                    spec["model"]["path"] = str(policy)
+                    spec["warm_start"] = {"steps": 0}
+                    spec["train"] |= {"max_staleness": eta, "seed": seed, "stragglers": stragglers}
+                    spec["rollout"]["pause_mode"] = pause
+                    print(f"\n{label}, seed {seed}")
+                    runs.setdefault(label, {})[seed] = run_job(client, stack, stand_in, spec) | {
+                        "max_staleness": eta, "pause_mode": pause, "stragglers": stragglers}
+                    (out / "training.json").write_text(json.dumps(runs))
     finally:
         stand_in.stop()
     return policy, runs
@@ -213,8 +223,8 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         for value, count in h["staleness_counts"].items():
             staleness[value] = staleness.get(value, 0) + count
     return {
-        "max_staleness": run["max_staleness"], "pause_mode": run["pause_mode"], "job_id": run["job_id"],
-        "steps": len(history), "wall_s": wall, "steps_per_min": len(history) / wall * 60,
+        "max_staleness": run["max_staleness"], "pause_mode": run["pause_mode"], "stragglers": run["stragglers"],
+        "job_id": run["job_id"], "steps": len(history), "wall_s": wall, "steps_per_min": len(history) / wall * 60,
         "target_step": None if reached is None else reached + 1,
         "to_target_s": None if reached is None else seconds[reached],
         "final_reward_ma": average[-1],
@@ -231,85 +241,175 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
     }
 
 
-def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict, total_s: float) -> dict:
-    rows = {label: summarize(run, args.target, args.window, args.tpm) | {"held_out": held_out[(label, args.seed)]}
-            for label, run in runs.items()}
-    sync = rows[SETTINGS[0][0]]
-    for row in rows.values():
-        row["speedup_to_target"] = (sync["to_target_s"] / row["to_target_s"]
-                                    if sync["to_target_s"] and row["to_target_s"] else None)
-        row["speedup_to_end"] = sync["wall_s"] / row["wall_s"]
-        row["held_out_vs_sync"] = row["held_out"]["success"] - sync["held_out"]["success"]
-    best = best_async(rows)
-    return {"steps": args.steps, "seed": args.seed, "target_reward": args.target, "window": args.window,
+def held_out_curve(run: dict, held_out: dict, label: str, seed: int) -> list[dict]:
+    """Held-out success at each exported step: [{step, seconds, success, asked}], step 0
+    being the warm start (at 0 s)."""
+    seconds = run["curve"]["seconds"]
+    points = [{"step": 0, "seconds": 0.0} | held_out[("warm start", 0, 0)]]
+    for (key_label, key_seed, step), result in sorted(held_out.items(), key=lambda kv: kv[0][2]):
+        if key_label == label and key_seed == seed and step > 0:
+            points.append({"step": step, "seconds": seconds[step - 1]} | result)
+    return points
+
+
+def first_reaching(curve: list[dict], target: float) -> float | None:
+    """Wall seconds at the first exported step whose held-out success is >= `target`."""
+    return next((point["seconds"] for point in curve if point["success"] >= target), None)
+
+
+def spread(values: list[float | None]) -> dict:
+    """min, mean and max of the values that exist, and how many did not."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"min": None, "mean": None, "max": None, "missing": len(values)}
+    return {"min": min(present), "mean": sum(present) / len(present), "max": max(present),
+            "missing": len(values) - len(present)}
+
+
+def make_report(args: argparse.Namespace, out: Path, runs: dict[str, dict[int, dict]], held_out: dict,
+                total_s: float) -> dict:
+    """Per run: its figures, its held-out curve and its groups; per setting: the spread over
+    seeds. The held-out target of a seed is sync's final held-out success on that seed less
+    `--heldout-slack` (about one standard error of the evaluation)."""
+    rows: dict[str, dict[int, dict]] = {}
+    for label, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            row = summarize(run, args.target, args.window, args.tpm)
+            row["held_out_curve"] = held_out_curve(row, held_out, label, seed)
+            row["held_out"] = row["held_out_curve"][-1]
+            groups_file = out / "runs" / run["job_id"] / "groups.jsonl"
+            row["groups"] = async_groups.summarize(group_log.read(groups_file)) if groups_file.exists() else None
+            rows.setdefault(label, {})[seed] = row
+    sync_label = SETTINGS[0][0]
+    for label, by_seed in rows.items():
+        for seed, row in by_seed.items():
+            sync = rows[sync_label][seed]
+            heldout_target = sync["held_out"]["success"] - args.heldout_slack
+            row["heldout_target"] = heldout_target
+            row["to_heldout_target_s"] = first_reaching(row["held_out_curve"], heldout_target)
+            sync_time = first_reaching(sync["held_out_curve"], heldout_target)
+            row["speedup_to_heldout_target"] = (sync_time / row["to_heldout_target_s"]
+                                                if sync_time and row["to_heldout_target_s"] else None)
+            row["speedup_to_target"] = (sync["to_target_s"] / row["to_target_s"]
+                                        if sync["to_target_s"] and row["to_target_s"] else None)
+            row["speedup_to_end"] = sync["wall_s"] / row["wall_s"]
+            row["held_out_vs_sync"] = row["held_out"]["success"] - sync["held_out"]["success"]
+    settings = {}
+    for label, by_seed in rows.items():
+        pick = lambda key: spread([row[key] for row in by_seed.values()])  # noqa: E731
+        sync_times = [rows[sync_label][seed]["to_heldout_target_s"] for seed in by_seed]
+        times = [row["to_heldout_target_s"] for row in by_seed.values()]
+        settings[label] = {
+            "seeds": sorted(by_seed), "held_out": spread([row["held_out"]["success"] for row in by_seed.values()]),
+            "asked": spread([row["held_out"].get("asked") for row in by_seed.values()]),
+            "held_out_vs_sync": pick("held_out_vs_sync"), "to_heldout_target_s": pick("to_heldout_target_s"),
+            "speedup_to_heldout_target": pick("speedup_to_heldout_target"),
+            "speedup_to_heldout_target_of_means": (sum(sync_times) / sum(times)
+                                                   if None not in sync_times + times else None),
+            "wall_s": pick("wall_s"), "speedup_to_end": pick("speedup_to_end"),
+            "to_target_s": pick("to_target_s"), "speedup_to_target": pick("speedup_to_target"),
+            "stale_dropped": pick("stale_dropped"), "mismatch_kl_mean": pick("mismatch_kl_mean"),
+            "learner_idle_ratio": pick("learner_idle_ratio"), "budget_use": pick("budget_use"),
+        }
+    return {"steps": args.steps, "seeds": args.seeds, "target_reward": args.target, "window": args.window,
+            "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "tpm": args.tpm, "rpm": args.rpm, "max_concurrent_tasks": args.max_tasks,
-            "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
-            "held_out_warm_start": held_out[("warm start", args.seed)], "best_async": best, "runs": rows}
+            "eval_conversations": args.eval, "eval_final_conversations": args.eval_final, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
+            "held_out_warm_start": held_out[("warm start", 0, 0)], "settings": settings, "runs": rows}
 
 
-QUALITY_TOLERANCE = 0.05
-"""Asynchrony must not cost quality: held-out success within this of sync's."""
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
 
 
-def best_async(rows: dict[str, dict]) -> str | None:
-    """The asynchronous setting that reached the target soonest among those whose held-out
-    success is within QUALITY_TOLERANCE of sync's (None when none is)."""
-    fit = [label for label, row in rows.items() if row["max_staleness"] > 0 and row["speedup_to_target"]
-           and row["held_out_vs_sync"] >= -QUALITY_TOLERANCE]
-    return max(fit, key=lambda label: rows[label]["speedup_to_target"], default=None)
+def fmt_spread(s: dict, spec: str, suffix: str = "") -> str:
+    """min / mean / max (and how many seeds have no value)."""
+    text = " / ".join(fmt(s[k], spec, suffix) for k in ("min", "mean", "max"))
+    return text + (f" ({s['missing']} never)" if s["missing"] else "")
 
 
 def print_report(report: dict) -> None:
-    print(f"\njudge-bound clarify, {report['steps']} RL steps per run, seed {report['seed']}, "
-          f"target: reward moving average ({report['window']} steps) >= {report['target_reward']}, "
+    print(f"\njudge-bound clarify, {report['steps']} RL steps per run, seeds {report['seeds']}, "
+          f"held-out every {report['export_every']} steps ({report['eval_conversations']} conversations; the final "
+          f"policy {report['eval_final_conversations']}), "
           f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all")
-    print(f"{'setting':>13} {'to target':>10} {'speedup':>8} {'to end':>8} {'steps/min':>10} {'held-out':>9} "
-          f"{'vs sync':>8} {'idle':>6} {'engine':>7} {'budget':>7} {'429s':>5} {'dropped':>8} {'mism. KL':>9}"
-          "  staleness")
-    for label, r in report["runs"].items():
-        to_target = f"{r['to_target_s']:.0f} s" if r["to_target_s"] else "never"
-        speedup = f"{r['speedup_to_target']:.2f}x" if r["speedup_to_target"] else "-"
-        print(f"{label:>13} {to_target:>10} {speedup:>8} {r['wall_s']:>6.0f} s {r['steps_per_min']:>10.1f} "
-              f"{r['held_out']['success']:>9.3f} {r['held_out_vs_sync']:>+8.3f} {r['learner_idle_ratio']:>6.2f} "
-              f"{r['engine_busy_ratio']:>7.2f} {r['budget_use']:>7.2f} {r['upstream_429']:>5} {r['stale_dropped']:>8} "
-              f"{r['mismatch_kl_mean']:>9.2e}  {r['staleness_histogram']}")
-    print(f"warm start held-out success {report['held_out_warm_start']['success']:.3f}; "
-          f"fastest asynchronous setting within {QUALITY_TOLERANCE} of sync's held-out success: "
-          f"{report['best_async']}")
-    print("\nCPU seconds per RL step, by process (2 cores):")
-    for label, r in report["runs"].items():
+    print(f"warm start held-out success {report['held_out_warm_start']['success']:.3f}; held-out target per seed: "
+          f"sync's final less {report['heldout_slack']}. Each cell: min / mean / max over seeds.")
+    columns = (("final held-out", "held_out", ".3f", ""), ("vs sync", "held_out_vs_sync", "+.3f", ""),
+               ("to held-out target", "to_heldout_target_s", ".0f", " s"),
+               ("speedup to it", "speedup_to_heldout_target", ".2f", "x"), ("to end", "wall_s", ".0f", " s"),
+               ("speedup to end", "speedup_to_end", ".2f", "x"), ("dropped", "stale_dropped", ".0f", ""),
+               ("mismatch KL", "mismatch_kl_mean", ".1e", ""))
+    for label, s in report["settings"].items():
+        print(f"\n{label} (seeds {s['seeds']}); speedup to the held-out target, mean time over mean time: "
+              f"{fmt(s['speedup_to_heldout_target_of_means'], '.2f', 'x')}")
+        for name, key, spec, suffix in columns:
+            print(f"  {name:>20}: {fmt_spread(s[key], spec, suffix)}")
+    print("\nper run: final held-out (asked), reached the held-out target at, to end, dropped, "
+          "dropped groups' asked share vs trained")
+    for label, by_seed in report["runs"].items():
+        for seed, r in by_seed.items():
+            g = r["groups"] or {}
+            asked = (f"{fmt(g['dropped']['asked'], '.2f')} vs {fmt(g['trained']['asked'], '.2f')}" if g else "-")
+            print(f"{label:>10} seed {seed}: {r['held_out']['success']:.3f} ({fmt(r['held_out'].get('asked'), '.2f')}), "
+                  f"{fmt(r['to_heldout_target_s'], '.0f', ' s')}, {r['wall_s']:.0f} s, {r['stale_dropped']}, {asked}")
+    print("\nCPU seconds per RL step, by process (2 cores), first seed:")
+    for label, by_seed in report["runs"].items():
+        r = next(iter(by_seed.values()))
         parts = ", ".join(f"{name} {seconds / r['steps']:.2f}" for name, seconds in
                           sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]) if seconds >= 0.005 * r["steps"])
         print(f"{label:>13}: {parts}")
 
 
 def plot(report: dict, path: Path) -> None:
-    """Training reward (moving average) against wall time, one line per setting."""
+    """Training reward (moving average) and held-out success against wall time, one colour
+    per setting, one line per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (train_ax, held_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     first = report["window"] - 1  # from the first full window on
-    for label, run in report["runs"].items():
-        ax.plot(run["curve"]["seconds"][first:], run["curve"]["reward_ma"][first:], label=label, lw=1.6,
-                ls="--" if run["max_staleness"] == 0 else "-")
-    ax.axhline(report["target_reward"], color="grey", lw=0.8, ls=":", label="target")
-    ax.set_xlabel("wall time since the first weight publish (s)")
-    ax.set_ylabel(f"training reward, moving average of {report['window']} steps")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("Judge-bound clarify (LLM user + judge via the proxy): reward vs wall time")
+    for colour, (label, by_seed) in enumerate(report["runs"].items()):
+        for n, run in enumerate(by_seed.values()):
+            style = dict(color=f"C{colour}", lw=1.2, alpha=0.8, ls="--" if run["max_staleness"] == 0 else "-",
+                         label=label if n == 0 else None)
+            train_ax.plot(run["curve"]["seconds"][first:], run["curve"]["reward_ma"][first:], **style)
+            curve = run["held_out_curve"]
+            held_ax.plot([p["seconds"] for p in curve], [p["success"] for p in curve], marker=".", **style)
+    train_ax.axhline(report["target_reward"], color="grey", lw=0.8, ls=":", label="target")
+    train_ax.set_ylabel(f"training reward, moving average of {report['window']} steps")
+    held_ax.set_ylabel("held-out success")
+    for ax in (train_ax, held_ax):
+        ax.set_xlabel("wall time since the first weight publish (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"Judge-bound clarify (LLM user + judge via the proxy), seeds {report['seeds']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def policies_to_evaluate(out: Path, runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
+    """(label, seed, step) -> policy folder: every exported step of every run before its
+    last, and (separately, to be evaluated on more conversations) each run's final policy."""
+    during, final = {}, {}
+    for label, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            steps = len(run["history"])
+            final[(label, seed, steps)] = out / "runs" / run["job_id"] / "policy"
+            for folder in sorted((out / "runs" / run["job_id"] / "policies").glob("step-*")):
+                step = int(folder.name.removeprefix("step-"))
+                if step < steps:
+                    during[(label, seed, step)] = folder
+    return during, final
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="train.seed of the runs, comma-separated")
     parser.add_argument("--tpm", type=int, default=1_500_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
@@ -317,20 +417,29 @@ def main() -> None:
                         help="training reward (moving average) to reach; R* is at most about 1.41 here")
     parser.add_argument("--window", type=int, default=5, help="moving average window in steps")
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
-    parser.add_argument("--settings", default=",".join(s[0] for s in SETTINGS),
-                        help="which runs, comma-separated (the first must be sync)")
+    parser.add_argument("--eval-final", type=int, default=1024, help="held-out conversations per final policy")
+    parser.add_argument("--export-every", type=int, default=5, help="steps between held-out evaluations")
+    parser.add_argument("--heldout-slack", type=float, default=0.02,
+                        help="the held-out target is sync's final held-out success less this")
+    parser.add_argument("--settings", default="sync,eta2,eta2-wait",
+                        help=f"which runs, comma-separated, sync first (of {', '.join(s[0] for s in SETTINGS)})")
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/async_speedup")
     args = parser.parse_args()
     args.settings = args.settings.split(",")
+    args.seeds = [int(seed) for seed in args.seeds.split(",")]
+    if args.settings[0] != SETTINGS[0][0]:
+        parser.error("the first setting must be sync: the others are compared with it")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     warm_policy, runs = train(out, args)
-    policies = {("warm start", args.seed): warm_policy}
-    policies |= {(label, args.seed): out / "runs" / run["job_id"] / "policy" for label, run in runs.items()}
-    held_out = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
-    report = make_report(args, runs, held_out, time.monotonic() - started)
+    during, final = policies_to_evaluate(out, runs)
+    print(f"\nevaluating {len(during) + 1} policies on {args.eval} held-out conversations each "
+          f"and {len(final)} final ones on {args.eval_final}")
+    held_out = asyncio.run(evaluate_policies({("warm start", 0, 0): warm_policy} | during, args.eval, seed=10_000))
+    held_out |= asyncio.run(evaluate_policies(final, args.eval_final, seed=10_000))
+    report = make_report(args, out, runs, held_out, time.monotonic() - started)
     print_report(report)
     (out / "async_speedup.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "async_speedup.png")

@@ -35,6 +35,11 @@ class Dispatcher:
         self.next_task_id = 0
         self.replaced = 0
         self.dead_cursor = "0-0"
+        self.admitted_at: list[tuple[int, int]] = []
+        """(version, first task id) for each version that admitted tasks, oldest first (the
+        versions a waiting learner may still ask about): which version admitted which task."""
+        self.lost: set[int] = set()
+        """Admitted tasks that will never be trained (replaced), until the intake forgets them."""
         self._orders: dict[int, list[int]] = {}
 
     @property
@@ -58,15 +63,38 @@ class Dispatcher:
             self._orders = {epoch: order}
         return self._orders[epoch][position]
 
-    def replace(self, count: int = 1) -> None:
-        """`count` admitted tasks will never be trained: admit as many new ones."""
-        self.replaced += count
+    def replace(self, task_id: int) -> None:
+        """Admitted task `task_id` will never be trained: admit a new one in its place."""
+        self.replaced += 1
+        self.lost.add(task_id)
+
+    def admitted_before(self, version: int) -> int:
+        """How many tasks were admitted while the learner's version was below `version`
+        (tasks are numbered in the order they were admitted)."""
+        return next((first for at, first in self.admitted_at if at >= version), self.next_task_id)
+
+    def skip_past(self, task_id: int, version: int) -> None:
+        """A resumed run: tasks up to `task_id` are in the stream already (a lost run admitted
+        them after its last checkpoint); count them as admitted at `version`."""
+        if task_id >= self.next_task_id:
+            self._record_admission(version)
+            self.next_task_id = task_id + 1
+
+    def _record_admission(self, version: int) -> None:
+        """Tasks from `next_task_id` on are admitted at `version`. Versions more than
+        `max_staleness` behind it are forgotten: the learner asks about none of them again."""
+        if not self.admitted_at or self.admitted_at[-1][0] != version:
+            self.admitted_at.append((version, self.next_task_id))
+        horizon = version - self.spec.train.max_staleness
+        while len(self.admitted_at) > 1 and self.admitted_at[1][0] <= horizon:
+            self.admitted_at.pop(0)
 
     async def top_up(self, version: int) -> int:
         """Publish as many tasks as the admission rule allows now; returns how many."""
         await self._replace_dead_tasks()
         count = max(0, self.limit(version) - self.outstanding)
         if count:
+            self._record_admission(version)
             async with self.client.pipeline(transaction=False) as pipe:
                 for task_id in range(self.next_task_id, self.next_task_id + count):
                     task = protocol.Task(
@@ -86,29 +114,36 @@ class Dispatcher:
         entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
         for entry_id, fields in entries:
             self.dead_cursor = entry_id.decode()
-            if self._lost_here(fields.get(b"stream", b""), fields.get(FIELD, b"")):
-                self.replace()
+            task_id = self._lost_here(fields.get(b"stream", b""), fields.get(FIELD, b""))
+            if task_id is not None:
+                self.replace(task_id)
 
-    def _lost_here(self, stream: bytes, data: bytes) -> bool:
+    def _lost_here(self, stream: bytes, data: bytes) -> int | None:
+        """The task a dead-stream entry names, if this dispatcher admitted it."""
         if stream == Keys.tasks(self.job_id).encode():
             return self._admitted_here(data, protocol.Task)
         if stream == Keys.trajectories(self.job_id).encode():
             # A group that does not validate (malformed samples, another schema) still
             # names its task; bytes that name none were not written for a task of ours.
             return self._admitted_here(data, TaskRef)
-        return False
+        return None
 
-    def _admitted_here(self, data: bytes, kind: type[protocol.Task | TaskRef]) -> bool:
+    def _admitted_here(self, data: bytes, kind: type[protocol.Task | TaskRef]) -> int | None:
         try:
             message = msgspec.msgpack.decode(data, type=kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        return message.job_id == self.job_id and 0 <= message.task_id < self.next_task_id
+            return None
+        if message.job_id == self.job_id and 0 <= message.task_id < self.next_task_id:
+            return message.task_id
+        return None
 
     def state(self) -> dict:
-        return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor}
+        return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor,
+                "admitted_at": self.admitted_at, "lost": sorted(self.lost)}
 
     def load_state(self, state: dict) -> None:
         self.next_task_id = state["next_task_id"]
         self.replaced = state["replaced"]
         self.dead_cursor = state["dead_cursor"]
+        self.admitted_at = [tuple(pair) for pair in state.get("admitted_at", [])]  # older checkpoints: none
+        self.lost = set(state.get("lost", []))

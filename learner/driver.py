@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from learner import checkpoint, policy, warm_start
 from learner.control import Command, Worker
 from learner.dispatcher import Dispatcher
+from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
 from learner.publisher import WeightPublisher
 from learner.step_log import JobUnhealthy, StepLog, rl_record
@@ -162,13 +163,14 @@ class JobRun:
         every = self.spec.train.checkpoint_every
         self.intake = BatchIntake(self.job_id, self.spec.train, trajectories, self.dispatcher,
                                   Acks(trajectories, deferred=every > 0),
-                                  policy.vocab_size(self.spec.model.local_folder()))
+                                  policy.vocab_size(self.spec.model.local_folder()), GroupLog(self.run_dir))
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_cancel)
         await self.publisher.publish(self.version)
         await self.intake.read_backlog()
         self.steps.start_rl()
+        self.intake.log.start()
         while self.step < self.spec.train.num_steps:
             await self.check_cancel()
             waited = time.monotonic()
@@ -176,6 +178,8 @@ class JobRun:
             await self.train(batch, time.monotonic() - waited)
             if every and self.step % every == 0:
                 await self.checkpoint()
+            if self.spec.train.export_every and self.step % self.spec.train.export_every == 0:
+                self.worker.run(Command(kind="export", path=str(self.run_dir / "policies" / f"step-{self.step:06d}")))
             if self.step < self.spec.train.num_steps:
                 await self.check_stop()
         if not every or self.step % every:
@@ -270,7 +274,7 @@ class JobRun:
         last = await self.redis.xrevrange(Keys.tasks(self.job_id), count=1)
         if last:
             last_task = protocol.decode(last[0][1][FIELD], protocol.Task).task_id
-            self.dispatcher.next_task_id = max(self.dispatcher.next_task_id, last_task + 1)
+            self.dispatcher.skip_past(last_task, self.version)
         await self.steps.trim(meta["history_length"])
         log.info("resumed job %s from %s (step %d)", self.job_id, path, self.step)
         return True

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import Counter
 
 from learner.dispatcher import Dispatcher
+from learner.group_log import GroupLog
 from services import protocol
 from services.config import TrainSpec
 from services.queues import Delivery, StreamConsumer
@@ -94,10 +95,10 @@ class Acks:
 
 
 class BatchIntake:
-    COUNTS = ("stale_dropped", "duplicates")
+    COUNTS = ("stale_dropped", "duplicates", "held_over")
 
     def __init__(self, job_id: str, train: TrainSpec, trajectories: StreamConsumer, dispatcher: Dispatcher,
-                 acks: Acks, vocab_size: int | None = None) -> None:
+                 acks: Acks, vocab_size: int | None = None, log: GroupLog | None = None) -> None:
         self.job_id = job_id
         self.train = train
         self.vocab_size = vocab_size
@@ -105,11 +106,16 @@ class BatchIntake:
         self.trajectories = trajectories
         self.dispatcher = dispatcher
         self.acks = acks
+        self.log = log
+        """Where each decision is recorded (None: nowhere)."""
         self.trained: set[int] = set()
         """Tasks whose group was trained (checkpointed with the job)."""
         self.counts = dict.fromkeys(self.COUNTS, 0)
         self.backlog: list[Delivery] = []
-        """Entries an earlier run read and never acknowledged, still to decide."""
+        """Entries read and not decided yet: an earlier run's, never acknowledged, and groups
+        held over from the last batch (`stragglers: wait`)."""
+        self.done_below = 0
+        """Every task below this id is trained or lost."""
 
     async def read_backlog(self) -> None:
         """Every trajectory entry an earlier run of this job read and never acknowledged, in
@@ -123,51 +129,96 @@ class BatchIntake:
                       size: int | None = None) -> list[Delivery]:
         """`size` (default `batch_size`) fresh groups of distinct, untrained tasks for the
         step after `version`, keeping the dispatcher topped up; `when_idle` runs whenever a
-        read finds nothing."""
+        read finds nothing. With `stragglers: wait` the batch keeps a place for each `due`
+        task and waits for its group; a group that is not due and finds no place is held
+        over to the next batch (where it is still fresh enough)."""
         size = size or self.train.batch_size
         batch: list[Delivery] = []
         seen: set[int] = set()
+        waiting, held = self.backlog, []
         while len(batch) < size:
             await self.dispatcher.top_up(version)
+            due = self.due(version) - seen
+            if held and len(batch) + len(due) < size:  # a place came free (a due task was lost)
+                waiting, held = held + waiting, []
             need = size - len(batch)
-            deliveries, self.backlog = self.backlog[:need], self.backlog[need:]
+            deliveries, waiting = waiting[:need], waiting[need:]
             if not deliveries:
                 deliveries = await self.trajectories.read(need, block_ms=200)
                 if not deliveries:
                     await when_idle()
             for delivery in deliveries:
-                if await self.admit(delivery, version, seen):
+                task_id = delivery.message.task_id
+                fits = task_id in due or len(batch) + len(due - seen) < size
+                if not fits and self.eligible(delivery, version, seen):
+                    held.append(delivery)
+                    self.counts["held_over"] += 1
+                elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
-                    seen.add(delivery.message.task_id)
+                    seen.add(task_id)
+        self.backlog = held + waiting
         return batch
 
+    def due(self, version: int) -> set[int]:
+        """The tasks whose groups the batch trained on `version` must hold (`stragglers:
+        wait`; else none): those admitted at `version - max_staleness` or before and neither
+        trained nor lost. After this step their groups would be over-stale. The admission
+        rule lets at most `batch_size` of them be untrained when the step begins."""
+        if self.train.stragglers != "wait":
+            return set()
+        cut = self.dispatcher.admitted_before(version - self.train.max_staleness + 1)
+        lost = self.dispatcher.lost
+        while self.done_below < cut and (self.done_below in self.trained or self.done_below in lost):
+            lost.discard(self.done_below)
+            self.done_below += 1
+        return {t for t in range(self.done_below, cut) if t not in self.trained and t not in lost}
+
+    def eligible(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
+        """Whether `decide` would take the group into the batch (without deciding)."""
+        group: protocol.TrajectoryGroup = delivery.message
+        return (group.task_id not in self.trained and group.task_id not in seen
+                and not invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
+                and not self.over_stale(group, version))
+
+    def over_stale(self, group: protocol.TrajectoryGroup, version: int) -> bool:
+        """Older than `max_staleness` at `version`, or from a version newer than it."""
+        oldest = group.min_version()
+        staleness = version - (version if oldest is None else oldest)
+        return staleness > self.train.max_staleness or group.max_version() > version
+
     async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
-        """Whether a group may join the batch trained on `version`. Refused: a task already
-        trained (a rollout server died after writing it) or already in the batch, groups the
-        trainer must not see (dead-lettered: `invalid_reason`), over-stale groups and groups
-        from versions newer than `version` (sampled by weights a crashed learner published
-        and this one never had)."""
+        """`decide`, recorded in the group log."""
+        decision = await self.decide(delivery, version, seen)
+        if self.log is not None:
+            self.log.write(delivery.message, decision, version)
+        return decision == "trained"
+
+    async def decide(self, delivery: Delivery, version: int, seen: set[int]) -> str:
+        """Whether a group joins the batch trained on `version` ("trained") or why not.
+        Refused: a task already trained (a rollout server died after writing it) or already
+        in the batch ("duplicate"), groups the
+        trainer must not see ("invalid", dead-lettered: `invalid_reason`), over-stale groups
+        and groups from versions newer than `version` ("stale"; the latter were sampled by
+        weights a crashed learner published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
             DUPLICATES.labels(self.job_id).inc()
             await self.acks.settle(delivery.entry_id)
-            return False
+            return "duplicate"
         problem = invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
         if problem:
             # Refused here, on rank 0, for all ranks: in a step it would fail on some ranks
             # only and leave the others blocked in a collective.
             await self.trajectories.dead_letter(delivery.entry_id, protocol.encode(group), problem)
-            return False  # the dispatcher replaces its task when it reads the dead stream
-        oldest = group.min_version()
-        staleness = version - (version if oldest is None else oldest)
-        if staleness > self.train.max_staleness or group.max_version() > version:
+            return "invalid"  # the dispatcher replaces its task when it reads the dead stream
+        if self.over_stale(group, version):
             self.counts["stale_dropped"] += 1
             STALE_DROPPED.labels(self.job_id).inc()
-            self.dispatcher.replace()
+            self.dispatcher.replace(group.task_id)
             await self.acks.settle(delivery.entry_id)
-            return False
-        return True
+            return "stale"
+        return "trained"
 
     async def trained_on(self, batch: list[Delivery]) -> None:
         """`batch` was trained: its entries are decided, its tasks done."""

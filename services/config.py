@@ -147,8 +147,15 @@ class TrainSpec(LossSpec):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
+    stragglers: Literal["wait", "drop"] = Field("drop", description=(
+        "A group that would be older than max_staleness when the learner gets to it: `wait` for it (the learner "
+        "trains it at the last version its bound allows, so no group is dropped for being slow), or `drop` it "
+        "when it arrives too late and dispatch its task again."))
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
+    export_every: int = Field(0, ge=0, description=(
+        "Steps between servable policy folders (runs/<job>/policies/step-<N>), to evaluate the policy as it "
+        "trains; 0 = only the final one (runs/<job>/policy)."))
     seed: int = 0
     data: str | None = Field(None, description=(
         "offline jobs: the JSONL of preference pairs to train on (a generate job's pairs.jsonl); "

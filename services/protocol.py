@@ -58,6 +58,8 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server_id: str
     elapsed_s: float
     """Wall time from the task's arrival at the rollout server to this message."""
+    dispatched_version: int = -1
+    """The learner's version when it admitted the task (-1: not known)."""
     conversation: list[dict[str, str]] = []
     """Generate jobs: the conversation the best responses made (the SFT row)."""
     conversation_metrics: dict[str, float] = {}

@@ -34,7 +34,8 @@ async def test_admission_follows_the_staleness_rule(redis_client, eta, version, 
 async def test_replaced_tasks_are_admitted_again_and_examples_are_a_function_of_the_task(redis_client):
     dispatcher = Dispatcher(redis_client, "j", spec(0))
     await dispatcher.top_up(0)
-    dispatcher.replace(2)
+    dispatcher.replace(0)
+    dispatcher.replace(1)
     assert await dispatcher.top_up(0) == 2
     again = Dispatcher(redis_client, "other", spec(0))
     assert [again.example(t) for t in range(6)] == [dispatcher.example(t) for t in range(6)]
@@ -154,3 +155,66 @@ async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(red
     assert await claim_job(redis_client, job_id, LearnerSettings()) is None  # no model loaded, no warm start
     assert (await read(redis_client, job_id))["status"] == "CANCELLED"
     assert not await redis_client.sismember(Keys.jobs_running, job_id)
+
+
+# ---- stragglers: wait ------------------------------------------------------------------
+
+
+async def test_the_dispatcher_knows_which_version_admitted_each_task(redis_client):
+    dispatcher = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
+    await dispatcher.top_up(0)   # (1 + 0 + 1) * 2: tasks 0-3 at version 0
+    await dispatcher.top_up(1)   # tasks 4, 5 at version 1
+    dispatcher.replace(3)        # one lost: task 6 at version 1 takes its place
+    await dispatcher.top_up(1)
+    assert [dispatcher.admitted_before(v) for v in (0, 1, 2)] == [0, 4, 7]
+    await dispatcher.top_up(2)   # tasks 7, 8 at version 2; version 0 is forgotten (2 - eta = 1)
+    assert dispatcher.admitted_at == [(1, 4), (2, 7)]
+    assert [dispatcher.admitted_before(v) for v in (2, 3)] == [7, 9]
+
+
+async def arrive(redis_client, *groups: Delivery) -> None:
+    for delivery in groups:
+        await redis_client.xadd(Keys.trajectories("j"), {FIELD: protocol.encode(delivery.message)})
+
+
+async def nothing_arrived() -> None:
+    raise AssertionError("the batch waited for a group that will not come")
+
+
+async def straggler_run(redis_client, stragglers: str) -> tuple[list[list[int]], BatchIntake]:
+    """batch 2, eta 1: version 0 admits tasks 0-3. Tasks 2 and 3 come back first and are
+    trained on version 0; version 1 admits 4 and 5, whose group 4 comes back before the
+    slow groups of tasks 0 and 1 (sampled on version 0); then groups 5 and 6 (6 exists if
+    version 2 admitted it)."""
+    trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
+                                        protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=1, batch_size=2, num_steps=10,
+                                                              stragglers=stragglers))
+    intake = BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
+                         Acks(trajectories, deferred=False))
+    batches = []
+    await arrive(redis_client, group(2, [0]), group(3, [0]))
+    for version, arrivals in ((0, []), (1, [group(4, [1]), group(0, [0]), group(1, [0])]), (2, [group(5, [1]), group(6, [2])])):
+        await arrive(redis_client, *arrivals)
+        batch = await intake.collect(version, nothing_arrived)
+        await intake.trained_on(batch)
+        batches.append([d.message.task_id for d in batch])
+    return batches, intake
+
+
+async def test_waiting_trains_every_straggler_within_the_bound(redis_client):
+    batches, intake = await straggler_run(redis_client, "wait")
+    # Version 1: tasks 0 and 1 (admitted at version 0 = 1 - eta) are due and take both
+    # places; group 4 is held over to version 2, where it is 1 version old.
+    assert batches == [[2, 3], [0, 1], [4, 5]]
+    assert intake.counts == {"stale_dropped": 0, "duplicates": 0, "held_over": 1}
+    assert intake.dispatcher.replaced == 0
+
+
+async def test_dropping_loses_the_straggler_that_came_last(redis_client):
+    batches, intake = await straggler_run(redis_client, "drop")
+    # Version 1 takes the first two to arrive (4 and 0); group 1 is then 2 versions old
+    # at version 2 and dropped, its task replaced by a new one (6), sampled on version 2.
+    assert batches == [[2, 3], [4, 0], [5, 6]]
+    assert intake.counts["stale_dropped"] == 1
+    assert intake.dispatcher.lost == {1}

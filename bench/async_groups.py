@@ -1,0 +1,122 @@
+"""Which groups an asynchronous run trains, which it drops, and what lateness has to do with content.
+
+Reads the learner's per-group records (`runs/<job>/groups.jsonl`, `learner.group_log`) of
+one or more jobs and compares: groups dropped as over-stale against groups trained (how long
+their rollouts took, the share of first turns that ask, their reward), and among trained
+groups the late ones (trained at staleness >= 1) against the fresh ones. Run on its own:
+
+    python bench/async_groups.py runs/<job>/groups.jsonl [more ...] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from learner.group_log import read  # noqa: E402
+
+
+def mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def describe(records: list[dict]) -> dict:
+    """Count, mean rollout seconds, asked share (over groups whose samples say), mean
+    reward and mean success of `records`."""
+    asked = [r["metrics"]["asked"] for r in records if "asked" in r["metrics"]]
+    success = [r["metrics"]["success"] for r in records if "success" in r["metrics"]]
+    return {"groups": len(records), "elapsed_s": mean([r["elapsed_s"] for r in records]),
+            "asked": mean(asked), "asked_groups": len(asked), "reward": mean([r["reward_mean"] for r in records]),
+            "success": mean(success)}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Dropped against trained, late against fresh, and asked share by rollout-time quartile."""
+    trained = [r for r in records if r["decision"] == "trained"]
+    ordered = sorted(records, key=lambda r: r["elapsed_s"])
+    quartiles = [ordered[i * len(ordered) // 4:(i + 1) * len(ordered) // 4] for i in range(4)]
+    return {
+        "decisions": {d: sum(r["decision"] == d for r in records) for d in sorted({r["decision"] for r in records})},
+        "trained": describe(trained),
+        "dropped": describe([r for r in records if r["decision"] == "stale"]),
+        "trained_fresh": describe([r for r in trained if r["staleness"] == 0]),
+        "trained_late": describe([r for r in trained if (r["staleness"] or 0) >= 1]),
+        "by_rollout_quartile": [describe(q) | {"elapsed_max_s": q[-1]["elapsed_s"] if q else None}
+                                for q in quartiles],
+    }
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_summary(label: str, summary: dict) -> None:
+    print(f"\n{label}: {summary['decisions']}")
+    print(f"{'groups':>22} {'n':>5} {'rollout s':>10} {'asked':>6} {'reward':>7} {'success':>8}")
+    rows = [("trained", summary["trained"]), ("dropped as stale", summary["dropped"]),
+            ("trained fresh (0)", summary["trained_fresh"]), ("trained late (>=1)", summary["trained_late"])]
+    rows += [(f"rollout quartile {i + 1}", q) for i, q in enumerate(summary["by_rollout_quartile"])]
+    for name, d in rows:
+        print(f"{name:>22} {d['groups']:>5} {fmt(d['elapsed_s'], '10.1f')} {fmt(d['asked'], '6.2f')} "
+              f"{fmt(d['reward'], '7.3f')} {fmt(d['success'], '8.3f')}")
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    """Per run: rollout time of trained and dropped groups (histograms), and the asked share
+    of groups by rollout time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    bins = [i * 2.0 for i in range(16)]
+    for label, records in runs.items():
+        for decision, style in (("trained", "-"), ("stale", ":")):
+            times = [min(r["elapsed_s"], 30.0) for r in records if r["decision"] == decision]
+            if times:
+                axes[0].hist(times, bins=bins, histtype="step", ls=style, lw=1.5, label=f"{label}: {decision}")
+        first = sorted((r for r in records if "asked" in r["metrics"]), key=lambda r: r["elapsed_s"])
+        tenths = [first[i * len(first) // 10:(i + 1) * len(first) // 10] for i in range(10)]
+        points = [(statistics.fmean(r["elapsed_s"] for r in t), statistics.fmean(r["metrics"]["asked"] for r in t))
+                  for t in tenths if t]
+        if points:
+            axes[1].plot(*zip(*points), marker="o", lw=1.2, label=label)
+    axes[0].set_xlabel("group rollout time (s, capped at 30)")
+    axes[0].set_ylabel("groups")
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("group rollout time (s), mean of each tenth")
+    axes[1].set_ylabel("share of first-turn responses that ask")
+    axes[1].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle("Which groups are late, and what they hold")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, help="groups.jsonl files (one per job)")
+    parser.add_argument("--plot", type=Path, help="write the picture here")
+    parser.add_argument("--json", type=Path, help="write the summaries here")
+    args = parser.parse_args()
+    runs = {str(path.parent.name): read(path) for path in args.files}
+    summaries = {label: summarize(records) for label, records in runs.items()}
+    for label, summary in summaries.items():
+        print_summary(label, summary)
+    if args.json:
+        args.json.write_text(json.dumps(summaries, indent=2))
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()

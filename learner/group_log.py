@@ -1,0 +1,62 @@
+"""Every trajectory group the learner decided on, one JSON line each.
+
+`groups.jsonl` in the job's run folder says, per group: what was decided (trained, dropped
+as over-stale, a duplicate, refused as invalid), at which learner version, how old its
+tokens were, when it was dispatched and how long it took, and what it held (its rewards and
+the means of its samples' task metrics, such as clarify's `asked`). These records are what
+shows whether lateness and content go together: which groups come late, which are dropped
+and whether dropping them skews what the learner trains on (`bench/async_groups.py`).
+
+A resumed job appends: groups decided after its last checkpoint are decided, and recorded,
+again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from services import protocol
+from services.stats import mean_by_key
+
+DECISIONS = ("trained", "stale", "duplicate", "invalid")
+
+
+def group_record(group: protocol.TrajectoryGroup, decision: str, version: int, arrived_s: float) -> dict:
+    """The record of `group`, decided on (`decision`) while the learner was at `version`,
+    `arrived_s` seconds after RL began."""
+    rewards = [s.reward for s in group.samples] or [0.0]
+    oldest = group.min_version()
+    return {
+        "task_id": group.task_id, "decision": decision, "learner_version": version,
+        "dispatched_version": group.dispatched_version, "behaviour_version": oldest,
+        "staleness": None if oldest is None else version - oldest,
+        "elapsed_s": group.elapsed_s, "arrived_s": arrived_s, "server_id": group.server_id,
+        "samples": len(group.samples), "reward_mean": sum(rewards) / len(rewards),
+        "reward_spread": max(rewards) - min(rewards),
+        "metrics": mean_by_key([s.metrics for s in group.samples]),
+    }
+
+
+class GroupLog:
+    """Appends group records to `run_dir/groups.jsonl`; times are from `start()`."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "groups.jsonl"
+        self.started = time.monotonic()
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+
+    def write(self, group: protocol.TrajectoryGroup, decision: str, version: int) -> None:
+        assert decision in DECISIONS, decision
+        record = group_record(group, decision, version, time.monotonic() - self.started)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read(path: Path) -> list[dict]:
+    """The records of a `groups.jsonl`."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
