@@ -68,10 +68,12 @@ class Dispatcher:
         self.replaced += 1
         self.lost.add(task_id)
 
-    def admitted_before(self, version: int) -> int:
-        """How many tasks were admitted while the learner's version was below `version`
-        (tasks are numbered in the order they were admitted)."""
-        return next((first for at, first in self.admitted_at if at >= version), self.next_task_id)
+    def admitted_version(self, task_id: int) -> int | None:
+        """The version that admitted `task_id` (None: forgotten, more than eta versions
+        ago, or never admitted)."""
+        if not 0 <= task_id < self.next_task_id:
+            return None
+        return next((at for at, first in reversed(self.admitted_at) if first <= task_id), None)
 
     def skip_past(self, task_id: int, version: int) -> None:
         """A resumed run: tasks up to `task_id` are in the stream already (a lost run admitted

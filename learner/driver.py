@@ -163,7 +163,8 @@ class JobRun:
         every = self.spec.train.checkpoint_every
         self.intake = BatchIntake(self.job_id, self.spec.train, trajectories, self.dispatcher,
                                   Acks(trajectories, deferred=every > 0),
-                                  policy.vocab_size(self.spec.model.local_folder()), GroupLog(self.run_dir))
+                                  policy.vocab_size(self.spec.model.local_folder()), GroupLog(self.run_dir),
+                                  self.spec.train.stragglers)
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_cancel)

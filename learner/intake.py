@@ -98,9 +98,13 @@ class BatchIntake:
     COUNTS = ("stale_dropped", "duplicates", "held_over")
 
     def __init__(self, job_id: str, train: TrainSpec, trajectories: StreamConsumer, dispatcher: Dispatcher,
-                 acks: Acks, vocab_size: int | None = None, log: GroupLog | None = None) -> None:
+                 acks: Acks, vocab_size: int | None = None, log: GroupLog | None = None,
+                 stragglers: str = "drop") -> None:
         self.job_id = job_id
         self.train = train
+        self.stragglers = stragglers
+        """`train.stragglers` of an RL job; a generate job's version never moves, nothing it
+        samples goes stale, and it drops (its default) nothing."""
         self.vocab_size = vocab_size
         """The policy's embedding rows: token ids at or above it are refused (None: unchecked)."""
         self.trajectories = trajectories
@@ -129,49 +133,81 @@ class BatchIntake:
                       size: int | None = None) -> list[Delivery]:
         """`size` (default `batch_size`) fresh groups of distinct, untrained tasks for the
         step after `version`, keeping the dispatcher topped up; `when_idle` runs whenever a
-        read finds nothing. With `stragglers: wait` the batch keeps a place for each `due`
-        task and waits for its group; a group that is not due and finds no place is held
-        over to the next batch (where it is still fresh enough)."""
+        read finds nothing. With `stragglers: wait` a group takes a place only if every task
+        still out can be trained before its deadline (`latest_deadline_fitting`); one that
+        cannot is held over to a later batch, and the batch waits for the groups it owes."""
         size = size or self.train.batch_size
         batch: list[Delivery] = []
         seen: set[int] = set()
         waiting, held = self.backlog, []
         while len(batch) < size:
             await self.dispatcher.top_up(version)
-            due = self.due(version) - seen
-            if held and len(batch) + len(due) < size:  # a place came free (a due task was lost)
-                waiting, held = held + waiting, []
-            need = size - len(batch)
-            deliveries, waiting = waiting[:need], waiting[need:]
-            if not deliveries:
-                deliveries = await self.trajectories.read(need, block_ms=200)
-                if not deliveries:
+            if not waiting:
+                waiting = await self.trajectories.read(size - len(batch), block_ms=200)
+                if not waiting:
                     await when_idle()
-            for delivery in deliveries:
-                task_id = delivery.message.task_id
-                fits = task_id in due or len(batch) + len(due - seen) < size
-                if not fits and self.eligible(delivery, version, seen):
+                    waiting, held = held, []  # a place may have come free (a task owed was lost)
+                    continue
+            chunk, waiting = waiting, []
+            for index, delivery in enumerate(chunk):
+                if len(batch) == size:
+                    waiting = chunk[index:]
+                    break
+                if not self.fits(delivery, version, seen, size - len(batch)):
                     held.append(delivery)
                     self.counts["held_over"] += 1
                 elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
-                    seen.add(task_id)
+                    seen.add(delivery.message.task_id)
         self.backlog = held + waiting
         return batch
 
-    def due(self, version: int) -> set[int]:
-        """The tasks whose groups the batch trained on `version` must hold (`stragglers:
-        wait`; else none): those admitted at `version - max_staleness` or before and neither
-        trained nor lost. After this step their groups would be over-stale. The admission
-        rule lets at most `batch_size` of them be untrained when the step begins."""
-        if self.train.stragglers != "wait":
-            return set()
-        cut = self.dispatcher.admitted_before(version - self.train.max_staleness + 1)
+    def fits(self, delivery: Delivery, version: int, seen: set[int], places: int) -> bool:
+        """Whether the group may take one of the batch's `places` left (else it is held
+        over): always unless the learner waits for stragglers and the group's deadline is
+        later than `latest_deadline_fitting` allows. Groups to refuse always "fit": `admit`
+        decides them."""
+        latest = self.latest_deadline_fitting(version, seen, places)
+        if latest is None or not self.eligible(delivery, version, seen):
+            return True
+        admitted = self.dispatcher.admitted_version(delivery.message.task_id)
+        return admitted is None or admitted + self.train.max_staleness - version <= latest
+
+    def latest_deadline_fitting(self, version: int, seen: set[int], places: int) -> int | None:
+        """`stragglers: wait`: the latest deadline a group may have to take one of `places`,
+        in steps after `version` (None: any group may).
+
+        A task admitted at version a must be trained on version a + eta at the latest: its
+        deadline is k = a + eta - version steps from now. Every step trains batch_size groups,
+        so if n_k tasks (neither trained, lost nor in this batch) have deadlines <= k, this
+        batch owes n_k - k * batch_size of its places to them. A group whose deadline is
+        later than some k that is owed every place left must wait. The admission rule admits
+        at most (eta + v + 1) * batch_size tasks by version v, so n_k - k * batch_size never
+        exceeds batch_size: every deadline can be met, and no group is dropped as stale."""
+        if self.stragglers != "wait":
+            return None
+        eta, size = self.train.max_staleness, self.train.batch_size
+        by_deadline = [0] * (eta + 1)
+        for task_id in self.untrained_tasks():
+            admitted = self.dispatcher.admitted_version(task_id)
+            if task_id not in seen and admitted is not None and 0 <= admitted + eta - version <= eta:
+                by_deadline[admitted + eta - version] += 1
+        owed = 0
+        for deadline, count in enumerate(by_deadline):
+            owed += count
+            if owed - deadline * size >= places:
+                return deadline
+        return None
+
+    def untrained_tasks(self) -> list[int]:
+        """Admitted tasks neither trained nor lost, oldest first."""
         lost = self.dispatcher.lost
-        while self.done_below < cut and (self.done_below in self.trained or self.done_below in lost):
+        while self.done_below < self.dispatcher.next_task_id and (
+                self.done_below in self.trained or self.done_below in lost):
             lost.discard(self.done_below)
             self.done_below += 1
-        return {t for t in range(self.done_below, cut) if t not in self.trained and t not in lost}
+        return [t for t in range(self.done_below, self.dispatcher.next_task_id)
+                if t not in self.trained and t not in lost]
 
     def eligible(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """Whether `decide` would take the group into the batch (without deciding)."""

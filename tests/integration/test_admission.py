@@ -166,10 +166,10 @@ async def test_the_dispatcher_knows_which_version_admitted_each_task(redis_clien
     await dispatcher.top_up(1)   # tasks 4, 5 at version 1
     dispatcher.replace(3)        # one lost: task 6 at version 1 takes its place
     await dispatcher.top_up(1)
-    assert [dispatcher.admitted_before(v) for v in (0, 1, 2)] == [0, 4, 7]
+    assert [dispatcher.admitted_version(t) for t in (0, 3, 4, 6, 7)] == [0, 0, 1, 1, None]
     await dispatcher.top_up(2)   # tasks 7, 8 at version 2; version 0 is forgotten (2 - eta = 1)
     assert dispatcher.admitted_at == [(1, 4), (2, 7)]
-    assert [dispatcher.admitted_before(v) for v in (2, 3)] == [7, 9]
+    assert [dispatcher.admitted_version(t) for t in (3, 4, 8, 9)] == [None, 1, 2, None]
 
 
 async def arrive(redis_client, *groups: Delivery) -> None:
@@ -181,20 +181,18 @@ async def nothing_arrived() -> None:
     raise AssertionError("the batch waited for a group that will not come")
 
 
-async def straggler_run(redis_client, stragglers: str) -> tuple[list[list[int]], BatchIntake]:
-    """batch 2, eta 1: version 0 admits tasks 0-3. Tasks 2 and 3 come back first and are
-    trained on version 0; version 1 admits 4 and 5, whose group 4 comes back before the
-    slow groups of tasks 0 and 1 (sampled on version 0); then groups 5 and 6 (6 exists if
-    version 2 admitted it)."""
+async def play(redis_client, stragglers: str, eta: int, schedule: list[list[Delivery]],
+               batch: int = 2) -> tuple[list[list[int]], BatchIntake]:
+    """Batches of `batch` on versions 0, 1, ...: before the batch on version v is collected,
+    the groups `schedule[v]` arrive. Returns the task ids of each batch, and the intake."""
     trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
                                         protocol.TrajectoryGroup, Keys.dead("j")).setup()
-    job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=1, batch_size=2, num_steps=10,
+    job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=10,
                                                               stragglers=stragglers))
     intake = BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
-                         Acks(trajectories, deferred=False))
+                         Acks(trajectories, deferred=False), stragglers=stragglers)
     batches = []
-    await arrive(redis_client, group(2, [0]), group(3, [0]))
-    for version, arrivals in ((0, []), (1, [group(4, [1]), group(0, [0]), group(1, [0])]), (2, [group(5, [1]), group(6, [2])])):
+    for version, arrivals in enumerate(schedule):
         await arrive(redis_client, *arrivals)
         batch = await intake.collect(version, nothing_arrived)
         await intake.trained_on(batch)
@@ -202,9 +200,16 @@ async def straggler_run(redis_client, stragglers: str) -> tuple[list[list[int]],
     return batches, intake
 
 
+# batch 2, eta 1: version 0 admits tasks 0-3; 2 and 3 come back first. Version 1 admits 4
+# and 5; group 4 comes back before the slow groups of tasks 0 and 1 (sampled on version 0),
+# then groups 5 and 6 (task 6 exists if version 2 admitted it).
+ONE_SLOW_PAIR = [[group(2, [0]), group(3, [0])], [group(4, [1]), group(0, [0]), group(1, [0])],
+                 [group(5, [1]), group(6, [2])]]
+
+
 async def test_waiting_trains_every_straggler_within_the_bound(redis_client):
-    batches, intake = await straggler_run(redis_client, "wait")
-    # Version 1: tasks 0 and 1 (admitted at version 0 = 1 - eta) are due and take both
+    batches, intake = await play(redis_client, "wait", 1, ONE_SLOW_PAIR)
+    # Version 1: tasks 0 and 1 (admitted at version 0) must be trained now, and take both
     # places; group 4 is held over to version 2, where it is 1 version old.
     assert batches == [[2, 3], [0, 1], [4, 5]]
     assert intake.counts == {"stale_dropped": 0, "duplicates": 0, "held_over": 1}
@@ -212,9 +217,33 @@ async def test_waiting_trains_every_straggler_within_the_bound(redis_client):
 
 
 async def test_dropping_loses_the_straggler_that_came_last(redis_client):
-    batches, intake = await straggler_run(redis_client, "drop")
+    batches, intake = await play(redis_client, "drop", 1, ONE_SLOW_PAIR)
     # Version 1 takes the first two to arrive (4 and 0); group 1 is then 2 versions old
     # at version 2 and dropped, its task replaced by a new one (6), sampled on version 2.
     assert batches == [[2, 3], [4, 0], [5, 6]]
     assert intake.counts["stale_dropped"] == 1
     assert intake.dispatcher.lost == {1}
+
+
+# batch 2, eta 2: version 0 admits tasks 0-5, all due by version 2; 0 and 1 come back at
+# once. Version 1 admits 6 and 7, which come back before 2-5 (sampled on version 0).
+FOUR_SLOW = [[group(0, [0]), group(1, [0])], [group(6, [1]), group(7, [1]), group(2, [0]), group(3, [0]),
+                                              group(4, [0]), group(5, [0])], [], []]
+
+
+async def test_waiting_keeps_places_for_deadlines_of_later_steps(redis_client):
+    batches, intake = await play(redis_client, "wait", 2, FOUR_SLOW)
+    # Version 1: four tasks are due by version 2, and two steps (1 and 2) train two groups
+    # each, so version 1 owes both places to them (4 - 1 * 2 = 2): 6 and 7 wait. Taking
+    # them (no task is due *at* version 1) would leave four due at version 2 and two of
+    # them over-stale.
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert intake.counts["stale_dropped"] == 0
+    assert intake.counts["held_over"] == 4  # 6 and 7, at versions 1 and 2
+
+
+async def test_dropping_loses_what_the_fast_groups_pushed_back(redis_client):
+    batches, intake = await play(redis_client, "drop", 2, FOUR_SLOW[:3] + [[group(8, [2]), group(9, [2])]])
+    # Version 3 finds 4 and 5 three versions old: dropped (and replaced), and takes 8 and 9.
+    assert batches == [[0, 1], [6, 7], [2, 3], [8, 9]]
+    assert intake.counts["stale_dropped"] == 2
