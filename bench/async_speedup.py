@@ -7,19 +7,29 @@ judge scores each future on the interactivity rubric (R* = success - token penal
 with its latency model: lognormal time to first token, median 0.6 s, p99 5 s, then 80
 tokens/s), with one TPM/RPM budget for the simulator and the judge together.
 
-One warm start, then the same job, seed and steps under `max_staleness` 0 (synchronous
-RL, same code), 1, 2 and 4 (pause mode abort), and 2 with pause mode keep, one after
-another on one running system; the stand-in and the proxy's shared budget start full for
-each run. Per run: wall time (from the first weight publish) to a target training reward
-(a moving average over `--window` steps) and to the end, steps per minute, held-out
-success of the trained policy (rule-based user, the same answers the simulator gives),
-learner idle ratio (waiting for a batch / wall), rollout engine busy ratio, judge budget
-use (tokens per minute over the TPM, as the dashboards show it; the provider's bucket
-starts full, so a short run may pass 1 by up to one minute's tokens), upstream 429s, groups
-dropped as over-stale, staleness histogram and mismatch KL, and the CPU seconds of every
-process (2 cores: where they go decides what can overlap).
+One warm start, then the same job and steps under each setting (`--settings`): `max_staleness`
+0 (synchronous RL, same code), 1, 2 and 4, pause mode abort or keep, and what the learner does
+about slow groups (`train.stragglers`: drop them when over-stale, or wait for them). Per seed
+(`--seeds`), the settings run one after another on one running system (alternating, so a slow
+patch of the machine does not fall on one setting); the stand-in and the proxy's shared
+budget start full for each run.
 
-Run: python bench/async_speedup.py [--steps 30] [--tpm 1500000] [--target 1.2] [--eval 256]
+Quality is measured the way the speed claim is made: every run exports its policy every
+`--export-every` steps, and after all runs each exported policy is evaluated on the same
+held-out conversations (rule-based user, the same answers the simulator gives), so the
+evaluation takes none of the runs' cores. Reported per run: the held-out curve against wall
+time, the wall time at which it first reaches the held-out target (sync's final held-out
+success on that seed less `--heldout-slack`, about one standard error), final held-out
+success (on `--eval-final` conversations), wall time (from the first weight publish) to a
+target training reward (a moving average over `--window` steps) and to the end, learner idle
+ratio, rollout engine busy ratio, judge budget use (tokens per minute over the TPM, as the
+dashboards show it; the provider's bucket starts full, so a short run may pass 1), upstream
+429s, groups dropped as over-stale, staleness histogram, mismatch KL, the CPU seconds of
+every process, and what the learner's group records say (`bench/async_groups.py`: asked
+share, rollout time and reward of dropped against trained groups, late against fresh).
+Per setting: min / mean / max over the seeds.
+
+Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 30]
 """
 
 from __future__ import annotations

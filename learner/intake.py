@@ -23,6 +23,8 @@ from services.queues import Delivery, StreamConsumer
 
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
+HELD_OVER = Counter("tandem_learner_held_over_total",
+                    "Groups held over to a later batch (stragglers: wait kept their places for older tasks)", ["job"])
 
 
 LOGPROB_SLACK = 1e-4
@@ -156,6 +158,7 @@ class BatchIntake:
                 if not self.fits(delivery, version, seen, size - len(batch)):
                     held.append(delivery)
                     self.counts["held_over"] += 1
+                    HELD_OVER.labels(self.job_id).inc()
                 elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
                     seen.add(delivery.message.task_id)

@@ -247,3 +247,21 @@ async def test_dropping_loses_what_the_fast_groups_pushed_back(redis_client):
     # Version 3 finds 4 and 5 three versions old: dropped (and replaced), and takes 8 and 9.
     assert batches == [[0, 1], [6, 7], [2, 3], [8, 9]]
     assert intake.counts["stale_dropped"] == 2
+
+
+async def test_the_dispatch_state_survives_a_checkpoint(redis_client):
+    import json
+
+    dispatcher = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
+    await dispatcher.top_up(0)
+    await dispatcher.top_up(1)
+    dispatcher.replace(2)
+    restored = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
+    restored.load_state(json.loads(json.dumps(dispatcher.state())))  # as meta.json keeps it
+    assert [restored.admitted_version(t) for t in range(7)] == [0, 0, 0, 0, 1, 1, None]
+    assert restored.lost == {2}
+    restored.skip_past(8, version=1)  # a lost run admitted 6-8 after the checkpoint
+    assert restored.next_task_id == 9 and restored.admitted_version(8) == 1
+    older = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
+    older.load_state({"next_task_id": 4, "replaced": 0, "dead_cursor": "0-0"})  # before admitted_at existed
+    assert older.admitted_version(3) is None and older.lost == set()

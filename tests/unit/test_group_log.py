@@ -1,0 +1,35 @@
+"""The learner's per-group records: what `groups.jsonl` says about one group."""
+
+from learner.group_log import GroupLog, group_record, read
+from services import protocol
+
+
+def sample(reward: float, versions: list[int], metrics: dict[str, float]) -> protocol.Sample:
+    return protocol.Sample(sample_id="s", tokens=[1] * (len(versions) + 1), mask=[0] + [1] * len(versions),
+                           logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=reward,
+                           advantage=0.0, num_turns=1, metrics=metrics)
+
+
+GROUP = protocol.TrajectoryGroup(
+    job_id="j", task_id=7, server_id="r0", elapsed_s=12.5, dispatched_version=3,
+    samples=[sample(1.25, [4, 4], {"asked": 1.0, "success": 1.0}),
+             sample(0.25, [5], {"asked": 0.0, "success": 0.0}),
+             sample(-0.5, [4], {"success": 0.0})])  # a follow-up context: no `asked`
+
+
+def test_a_record_says_when_the_group_was_made_and_what_it_held() -> None:
+    record = group_record(GROUP, "stale", version=7, arrived_s=40.0)
+    assert record["decision"] == "stale"
+    assert (record["learner_version"], record["dispatched_version"], record["behaviour_version"]) == (7, 3, 4)
+    assert record["staleness"] == 3
+    assert record["elapsed_s"] == 12.5 and record["arrived_s"] == 40.0
+    assert record["reward_mean"] == (1.25 + 0.25 - 0.5) / 3
+    assert record["reward_spread"] == 1.75
+    assert record["metrics"] == {"asked": 0.5, "success": 1 / 3}  # asked over the two that say
+
+
+def test_records_append_one_line_per_decision(tmp_path) -> None:
+    log = GroupLog(tmp_path)
+    log.write(GROUP, "trained", 5)
+    log.write(GROUP, "duplicate", 6)
+    assert [r["decision"] for r in read(tmp_path / "groups.jsonl")] == ["trained", "duplicate"]
