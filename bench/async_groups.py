@@ -6,12 +6,15 @@ their rollouts took, the share of first turns that ask, their reward), and among
 groups the late ones (trained at staleness >= 1) against the fresh ones. Run on its own:
 
     python bench/async_groups.py runs/<job>/groups.jsonl [more ...] [--plot out.png]
+
+Files of jobs named alike but for their seed (`async-eta2-seed3-<id>`) are pooled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -108,7 +111,10 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="write the picture here")
     parser.add_argument("--json", type=Path, help="write the summaries here")
     args = parser.parse_args()
-    runs = {str(path.parent.name): read(path) for path in args.files}
+    runs: dict[str, list[dict]] = {}
+    for path in args.files:  # a job folder is <name>-<id>; seeds of one setting pool (async-eta2-seed3-...)
+        label = re.sub(r"(-seed\d+)?-[0-9a-f]{8}$", "", path.parent.name)
+        runs.setdefault(label, []).extend(read(path))
     summaries = {label: summarize(records) for label, records in runs.items()}
     for label, summary in summaries.items():
         print_summary(label, summary)

@@ -24,7 +24,8 @@ from services.queues import Delivery, StreamConsumer
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
 HELD_OVER = Counter("tandem_learner_held_over_total",
-                    "Groups held over to a later batch (stragglers: wait kept their places for older tasks)", ["job"])
+                    "Groups held over to a later batch, once each (stragglers: wait kept the places for older tasks)",
+                    ["job"])
 
 
 LOGPROB_SLACK = 1e-4
@@ -122,6 +123,8 @@ class BatchIntake:
         held over from the last batch (`stragglers: wait`)."""
         self.done_below = 0
         """Every task below this id is trained or lost."""
+        self.held_once: set[int] = set()
+        """Tasks whose group was held over and is not decided yet."""
 
     async def read_backlog(self) -> None:
         """Every trajectory entry an earlier run of this job read and never acknowledged, in
@@ -157,8 +160,10 @@ class BatchIntake:
                     break
                 if not self.fits(delivery, version, seen, size - len(batch)):
                     held.append(delivery)
-                    self.counts["held_over"] += 1
-                    HELD_OVER.labels(self.job_id).inc()
+                    if delivery.message.task_id not in self.held_once:  # counted once however often it waits
+                        self.held_once.add(delivery.message.task_id)
+                        self.counts["held_over"] += 1
+                        HELD_OVER.labels(self.job_id).inc()
                 elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
                     seen.add(delivery.message.task_id)
@@ -228,6 +233,7 @@ class BatchIntake:
     async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """`decide`, recorded in the group log."""
         decision = await self.decide(delivery, version, seen)
+        self.held_once.discard(delivery.message.task_id)
         if self.log is not None:
             self.log.write(delivery.message, decision, version)
         return decision == "trained"
