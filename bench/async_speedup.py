@@ -67,6 +67,7 @@ SETTINGS = (  # label, max_staleness, pause mode, stragglers (train.stragglers)
     ("eta1", 1, "abort", "drop"),
     ("eta2", 2, "abort", "drop"),
     ("eta2-wait", 2, "abort", "wait"),
+    ("eta2-admit", 2, "abort", "admit"),
     ("eta2-keep", 2, "keep", "drop"),
     ("eta4", 4, "abort", "drop"),
     ("eta4-wait", 4, "abort", "wait"),
@@ -187,12 +188,17 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
            "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
     runs: dict[str, dict[int, dict]] = {}
+    if args.add and (out / "training.json").exists():  # runs an earlier invocation made here
+        runs = {label: {int(seed): run for seed, run in by_seed.items()}
+                for label, by_seed in json.loads((out / "training.json").read_text()).items()}
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
             policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
             for seed in args.seeds:
                 for label, eta, pause, stragglers in (s for s in SETTINGS if s[0] in args.settings):
+                    if seed in runs.get(label, {}):
+                        continue
                     spec = copy.deepcopy(base) | {"name": f"async-{label}-seed{seed}"}
                     spec["model"]["path"] = str(policy)
                     spec["warm_start"] = {"steps": 0}
@@ -416,6 +422,20 @@ def policies_to_evaluate(out: Path, runs: dict[str, dict[int, dict]]) -> tuple[d
     return during, final
 
 
+def evaluate_once(out: Path, policies: dict, conversations: int) -> dict:
+    """Held-out results of `policies` on `conversations` conversations, each policy folder
+    evaluated once in this output folder (`held_out.json` keeps the results)."""
+    cache_file = out / "held_out.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    key = lambda path: f"{path}:{conversations}"  # noqa: E731
+    todo = {name: path for name, path in policies.items() if key(path) not in cache}
+    if todo:
+        for name, result in asyncio.run(evaluate_policies(todo, conversations, seed=10_000)).items():
+            cache[key(todo[name])] = result
+        cache_file.write_text(json.dumps(cache))
+    return {name: cache[key(path)] for name, path in policies.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -433,6 +453,8 @@ def main() -> None:
                         help="the held-out target is sync's final held-out success less this")
     parser.add_argument("--settings", default="sync,eta2,eta2-wait",
                         help=f"which runs, comma-separated, sync first (of {', '.join(s[0] for s in SETTINGS)})")
+    parser.add_argument("--add", action="store_true",
+                        help="keep the runs already in --out (training.json) and run only the missing ones")
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/async_speedup")
     args = parser.parse_args()
@@ -447,8 +469,8 @@ def main() -> None:
     during, final = policies_to_evaluate(out, runs)
     print(f"\nevaluating {len(during) + 1} policies on {args.eval} held-out conversations each "
           f"and {len(final)} final ones on {args.eval_final}")
-    held_out = asyncio.run(evaluate_policies({("warm start", 0, 0): warm_policy} | during, args.eval, seed=10_000))
-    held_out |= asyncio.run(evaluate_policies(final, args.eval_final, seed=10_000))
+    held_out = evaluate_once(out, {("warm start", 0, 0): warm_policy} | during, args.eval)
+    held_out |= evaluate_once(out, final, args.eval_final)
     report = make_report(args, out, runs, held_out, time.monotonic() - started)
     print_report(report)
     (out / "async_speedup.json").write_text(json.dumps(report, indent=2))

@@ -225,10 +225,12 @@ class BatchIntake:
                 and not self.over_stale(group, version))
 
     def over_stale(self, group: protocol.TrajectoryGroup, version: int) -> bool:
-        """Older than `max_staleness` at `version`, or from a version newer than it."""
+        """Older than `max_staleness` at `version` (unless late groups are admitted), or
+        from a version newer than it."""
         oldest = group.min_version()
         staleness = version - (version if oldest is None else oldest)
-        return staleness > self.train.max_staleness or group.max_version() > version
+        late = staleness > self.train.max_staleness and self.stragglers != "admit"
+        return late or group.max_version() > version
 
     async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """`decide`, recorded in the group log."""

@@ -147,10 +147,10 @@ class TrainSpec(LossSpec):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
-    stragglers: Literal["wait", "drop"] = Field("drop", description=(
-        "A group that would be older than max_staleness when the learner gets to it: `wait` for it (the learner "
-        "trains it at the last version its bound allows, so no group is dropped for being slow), or `drop` it "
-        "when it arrives too late and dispatch its task again."))
+    stragglers: Literal["drop", "wait", "admit"] = Field("drop", description=(
+        "A group older than max_staleness when the learner gets to it: `drop` it and dispatch its task again; "
+        "`wait` for it (batches keep places for groups about to pass the bound, so none passes it); or `admit` "
+        "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."))
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
     export_every: int = Field(0, ge=0, description=(

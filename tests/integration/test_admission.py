@@ -231,6 +231,14 @@ FOUR_SLOW = [[group(0, [0]), group(1, [0])], [group(6, [1]), group(7, [1]), grou
                                               group(4, [0]), group(5, [0])], [], []]
 
 
+async def test_admitting_trains_the_stragglers_late(redis_client):
+    batches, intake = await play(redis_client, "admit", 1, ONE_SLOW_PAIR)
+    # As with drop, version 1 takes 4 and 0; group 1, 2 versions old at version 2, is
+    # trained there (its tokens weighted by the behaviour correction) instead of replaced.
+    assert batches == [[2, 3], [4, 0], [1, 5]]
+    assert intake.counts["stale_dropped"] == 0 and intake.dispatcher.replaced == 0
+
+
 async def test_waiting_keeps_places_for_deadlines_of_later_steps(redis_client):
     batches, intake = await play(redis_client, "wait", 2, FOUR_SLOW)
     # Version 1: four tasks are due by version 2, and two steps (1 and 2) train two groups
