@@ -70,38 +70,47 @@ def print_summary(label: str, summary: dict) -> None:
               f"{fmt(d['reward'], '7.3f')} {fmt(d['success'], '8.3f')}")
 
 
+def by_tenth(records: list[dict], value) -> list[tuple[float, float]]:
+    """(mean rollout seconds, mean value) of each tenth of `records` ordered by rollout time."""
+    ordered = sorted(records, key=lambda r: r["elapsed_s"])
+    tenths = [ordered[i * len(ordered) // 10:(i + 1) * len(ordered) // 10] for i in range(10)]
+    return [(statistics.fmean(r["elapsed_s"] for r in t), statistics.fmean(value(r) for r in t)) for t in tenths if t]
+
+
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
-    """Per run: rollout time of trained and dropped groups (histograms), and the asked share
-    of groups by rollout time."""
+    """Per run (one colour each): rollout time of trained and dropped groups, and the group
+    reward and the asked share of groups by rollout time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    bins = [i * 2.0 for i in range(16)]
-    for label, records in runs.items():
+    fig, (times_ax, reward_ax, asked_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    bins = [i * 1.5 for i in range(17)]
+    for colour, (label, records) in enumerate(runs.items()):
         for decision, style in (("trained", "-"), ("stale", ":")):
-            times = [min(r["elapsed_s"], 30.0) for r in records if r["decision"] == decision]
+            times = [min(r["elapsed_s"], 24.0) for r in records if r["decision"] == decision]
             if times:
-                axes[0].hist(times, bins=bins, histtype="step", ls=style, lw=1.5, label=f"{label}: {decision}")
-        first = sorted((r for r in records if "asked" in r["metrics"]), key=lambda r: r["elapsed_s"])
-        tenths = [first[i * len(first) // 10:(i + 1) * len(first) // 10] for i in range(10)]
-        points = [(statistics.fmean(r["elapsed_s"] for r in t), statistics.fmean(r["metrics"]["asked"] for r in t))
-                  for t in tenths if t]
-        if points:
-            axes[1].plot(*zip(*points), marker="o", lw=1.2, label=label)
-    axes[0].set_xlabel("group rollout time (s, capped at 30)")
-    axes[0].set_ylabel("groups")
-    axes[0].legend(fontsize=7)
-    axes[1].set_xlabel("group rollout time (s), mean of each tenth")
-    axes[1].set_ylabel("share of first-turn responses that ask")
-    axes[1].legend(fontsize=7)
-    for ax in axes:
+                times_ax.hist(times, bins=bins, histtype="step", ls=style, lw=1.6, color=f"C{colour}",
+                              label=f"{label}: {'dropped as stale' if decision == 'stale' else decision}")
+        reward_ax.plot(*zip(*by_tenth(records, lambda r: r["reward_mean"])), marker="o", lw=1.2,
+                       color=f"C{colour}", label=label)
+        first_turn = [r for r in records if "asked" in r["metrics"]]
+        if first_turn:
+            asked_ax.plot(*zip(*by_tenth(first_turn, lambda r: r["metrics"]["asked"])), marker="o", lw=1.2,
+                          color=f"C{colour}", label=label)
+    times_ax.set_xlabel("group rollout time (s, capped at 24)")
+    times_ax.set_ylabel("groups")
+    reward_ax.set_ylabel("mean reward of the group")
+    asked_ax.set_ylabel("share of first-turn responses that ask")
+    for ax in (reward_ax, asked_ax):
+        ax.set_xlabel("group rollout time (s), mean of each tenth of the groups")
+    for ax in (times_ax, reward_ax, asked_ax):
         ax.grid(alpha=0.3)
-    fig.suptitle("Which groups are late, and what they hold")
+        ax.legend(fontsize=7)
+    fig.suptitle("Which groups come back late, and what they hold")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
