@@ -243,10 +243,10 @@ class BatchIntake:
     async def decide(self, delivery: Delivery, version: int, seen: set[int]) -> str:
         """Whether a group joins the batch trained on `version` ("trained") or why not.
         Refused: a task already trained (a rollout server died after writing it) or already
-        in the batch ("duplicate"), groups the
-        trainer must not see ("invalid", dead-lettered: `invalid_reason`), over-stale groups
-        and groups from versions newer than `version` ("stale"; the latter were sampled by
-        weights a crashed learner published and this one never had)."""
+        in the batch ("duplicate"), groups the trainer must not see ("invalid",
+        dead-lettered: `invalid_reason`), over-stale groups and groups from versions newer
+        than `version` ("stale"; the latter were sampled by weights a crashed learner
+        published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
@@ -272,3 +272,4 @@ class BatchIntake:
         for delivery in batch:
             await self.acks.settle(delivery.entry_id)
         self.trained.update(d.message.task_id for d in batch)
+        self.untrained_tasks()  # moves done_below on, forgetting lost tasks below it
