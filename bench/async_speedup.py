@@ -9,7 +9,8 @@ tokens/s), with one TPM/RPM budget for the simulator and the judge together.
 
 One warm start, then the same job and steps under each setting (`--settings`): `max_staleness`
 0 (synchronous RL, same code), 1, 2 and 4, pause mode abort or keep, and what the learner does
-about slow groups (`train.stragglers`: drop them when over-stale, or wait for them). Per seed
+about slow groups (`train.stragglers`: drop them when over-stale, wait for them, or admit them
+late with the behaviour correction). Per seed
 (`--seeds`), the settings run one after another on one running system (alternating, so a slow
 patch of the machine does not fall on one setting); the stand-in and the proxy's shared
 budget start full for each run.
@@ -30,6 +31,7 @@ share, rollout time and reward of dropped against trained groups, late against f
 Per setting: min / mean / max over the seeds.
 
 Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 30]
+     [--warm-policy DIR] [--add]   (--add: keep the runs already in --out, run the missing settings)
 """
 
 from __future__ import annotations
