@@ -8,7 +8,7 @@ shows whether lateness and content go together: which groups come late, which ar
 and whether dropping them skews what the learner trains on (`bench/async_groups.py`).
 
 A resumed job appends: groups decided after its last checkpoint are decided, and recorded,
-again.
+again. Records are written once per batch: a crash loses those of the batch being collected.
 """
 
 from __future__ import annotations
@@ -40,20 +40,26 @@ def group_record(group: protocol.TrajectoryGroup, decision: str, version: int, a
 
 
 class GroupLog:
-    """Appends group records to `run_dir/groups.jsonl`; times are from `start()`."""
+    """Group records for `run_dir/groups.jsonl`, kept until `flush` (once per batch, so a
+    batch costs one file write); times are from `start()`."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "groups.jsonl"
         self.started = time.monotonic()
+        self.pending: list[str] = []
 
     def start(self) -> None:
         self.started = time.monotonic()
 
     def write(self, group: protocol.TrajectoryGroup, decision: str, version: int) -> None:
         assert decision in DECISIONS, decision
-        record = group_record(group, decision, version, time.monotonic() - self.started)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.pending.append(json.dumps(group_record(group, decision, version, time.monotonic() - self.started)))
+
+    def flush(self) -> None:
+        if self.pending:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.pending) + "\n")
+            self.pending = []
 
 
 def read(path: Path) -> list[dict]:

@@ -97,6 +97,24 @@ class Acks:
         self.unacked = []
 
 
+def latest_fitting(owed: list[int], places: int, batch_size: int) -> int | None:
+    """The latest deadline (in steps from now) a group may have to take one of the batch's
+    `places` left, given `owed[k]` tasks still out whose deadline is k steps away (None:
+    any group may).
+
+    Every step trains batch_size groups, so the tasks due within k steps, n_k of them, need
+    n_k - k * batch_size of this batch's places. A group due later than some k that needs
+    every place left must wait. The admission rule admits at most (eta + v + 1) * batch_size
+    tasks by version v, so n_k - k * batch_size never exceeds batch_size: every deadline can
+    be met, and no group is dropped as stale."""
+    due = 0
+    for deadline, count in enumerate(owed):
+        due += count
+        if due - deadline * batch_size >= places:
+            return deadline
+    return None
+
+
 class BatchIntake:
     COUNTS = ("stale_dropped", "duplicates", "held_over")
 
@@ -139,7 +157,7 @@ class BatchIntake:
         """`size` (default `batch_size`) fresh groups of distinct, untrained tasks for the
         step after `version`, keeping the dispatcher topped up; `when_idle` runs whenever a
         read finds nothing. With `stragglers: wait` a group takes a place only if every task
-        still out can be trained before its deadline (`latest_deadline_fitting`); one that
+        still out can be trained before its deadline (`latest_fitting`); one that
         cannot is held over to a later batch, and the batch waits for the groups it owes."""
         size = size or self.train.batch_size
         batch: list[Delivery] = []
@@ -154,11 +172,12 @@ class BatchIntake:
                     waiting, held = held, []  # a place may have come free (a task owed was lost)
                     continue
             chunk, waiting = waiting, []
+            owed = self.owed_by_deadline(version, seen)
             for index, delivery in enumerate(chunk):
                 if len(batch) == size:
                     waiting = chunk[index:]
                     break
-                if not self.fits(delivery, version, seen, size - len(batch)):
+                if not self.fits(delivery, version, seen, owed, size - len(batch)):
                     held.append(delivery)
                     if delivery.message.task_id not in self.held_once:  # counted once however often it waits
                         self.held_once.add(delivery.message.task_id)
@@ -167,45 +186,45 @@ class BatchIntake:
                 elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
                     seen.add(delivery.message.task_id)
+                    deadline = self.deadline(delivery.message.task_id, version)
+                    if owed is not None and deadline is not None and 0 <= deadline < len(owed):
+                        owed[deadline] -= 1
         self.backlog = held + waiting
+        if self.log is not None:
+            self.log.flush()
         return batch
 
-    def fits(self, delivery: Delivery, version: int, seen: set[int], places: int) -> bool:
+    def fits(self, delivery: Delivery, version: int, seen: set[int], owed: list[int] | None, places: int) -> bool:
         """Whether the group may take one of the batch's `places` left (else it is held
-        over): always unless the learner waits for stragglers and the group's deadline is
-        later than `latest_deadline_fitting` allows. Groups to refuse always "fit": `admit`
-        decides them."""
-        latest = self.latest_deadline_fitting(version, seen, places)
-        if latest is None or not self.eligible(delivery, version, seen):
+        over): always unless the learner waits for stragglers (`owed` is not None) and the
+        group's deadline is later than `latest_fitting` allows. Groups to refuse always
+        "fit": `admit` decides them."""
+        if owed is None:
             return True
-        admitted = self.dispatcher.admitted_version(delivery.message.task_id)
-        return admitted is None or admitted + self.train.max_staleness - version <= latest
+        latest = latest_fitting(owed, places, self.train.batch_size)
+        deadline = self.deadline(delivery.message.task_id, version)
+        if latest is None or deadline is None or deadline <= latest:
+            return True
+        return not self.eligible(delivery, version, seen)
 
-    def latest_deadline_fitting(self, version: int, seen: set[int], places: int) -> int | None:
-        """`stragglers: wait`: the latest deadline a group may have to take one of `places`,
-        in steps after `version` (None: any group may).
+    def deadline(self, task_id: int, version: int) -> int | None:
+        """Steps after `version` until the last version that may train `task_id`'s group:
+        admitted at version a, it must be trained on a + eta at the latest (None: the
+        dispatcher no longer knows the task's version, long past its deadline)."""
+        admitted = self.dispatcher.admitted_version(task_id)
+        return None if admitted is None else admitted + self.train.max_staleness - version
 
-        A task admitted at version a must be trained on version a + eta at the latest: its
-        deadline is k = a + eta - version steps from now. Every step trains batch_size groups,
-        so if n_k tasks (neither trained, lost nor in this batch) have deadlines <= k, this
-        batch owes n_k - k * batch_size of its places to them. A group whose deadline is
-        later than some k that is owed every place left must wait. The admission rule admits
-        at most (eta + v + 1) * batch_size tasks by version v, so n_k - k * batch_size never
-        exceeds batch_size: every deadline can be met, and no group is dropped as stale."""
+    def owed_by_deadline(self, version: int, seen: set[int]) -> list[int] | None:
+        """`stragglers: wait`: how many tasks (neither trained, lost nor in the batch) have
+        their deadline 0, 1, ..., eta steps after `version` (None: any other rule)."""
         if self.stragglers != "wait":
             return None
-        eta, size = self.train.max_staleness, self.train.batch_size
-        by_deadline = [0] * (eta + 1)
+        owed = [0] * (self.train.max_staleness + 1)
         for task_id in self.untrained_tasks():
-            admitted = self.dispatcher.admitted_version(task_id)
-            if task_id not in seen and admitted is not None and 0 <= admitted + eta - version <= eta:
-                by_deadline[admitted + eta - version] += 1
-        owed = 0
-        for deadline, count in enumerate(by_deadline):
-            owed += count
-            if owed - deadline * size >= places:
-                return deadline
-        return None
+            deadline = self.deadline(task_id, version)
+            if task_id not in seen and deadline is not None and 0 <= deadline < len(owed):
+                owed[deadline] += 1
+        return owed
 
     def untrained_tasks(self) -> list[int]:
         """Admitted tasks neither trained nor lost, oldest first."""

@@ -49,7 +49,7 @@ class Engine:
     def dead(self) -> bool:
         """vLLM's engine process died (a crash, the OOM killer): every request fails from
         then on, and only a new process brings the engine back."""
-        return bool(self.llm.errored)
+        return self.llm is not None and bool(self.llm.errored)
 
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
@@ -172,6 +172,7 @@ class Engine:
 
         self.llm.shutdown()
         # Collect now, while modules are alive: AsyncLLM.__del__ shuts down again and
-        # fails noisily if that first happens at interpreter exit.
-        del self.llm
+        # fails noisily if that first happens at interpreter exit. A shut-down engine is
+        # not dead: `dead` (read by health checks) stays False.
+        self.llm = None
         gc.collect()

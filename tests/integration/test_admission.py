@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from learner.dispatcher import Dispatcher
-from learner.intake import Acks, BatchIntake
+from learner.intake import Acks, BatchIntake, latest_fitting
 from services import protocol
 from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
@@ -273,3 +273,15 @@ async def test_the_dispatch_state_survives_a_checkpoint(redis_client):
     older = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
     older.load_state({"next_task_id": 4, "replaced": 0, "dead_cursor": "0-0"})  # before admitted_at existed
     assert older.admitted_version(3) is None and older.lost == set()
+
+
+@pytest.mark.parametrize("owed, places, latest", [
+    ([2, 2, 2], 2, 0),      # two tasks due now take both places: only they fit
+    ([0, 4, 2], 2, 1),      # four due within 1 step, two steps of 2: this batch owes 4 - 2 = 2
+    ([0, 0, 6], 2, 2),      # six within 2 steps, 3 batches of 2: owes 6 - 4 = 2, so k <= 2
+    ([0, 1, 1], 2, None),   # 1 - 2 and 2 - 4 owe nothing: any group fits
+    ([1, 0, 0], 1, 0),      # the last place belongs to the one due now
+    ([1, 0, 0], 2, None),   # ... but with two places left, one is free
+])
+def test_the_places_a_batch_owes_by_deadline(owed, places, latest):
+    assert latest_fitting(owed, places, batch_size=2) == latest

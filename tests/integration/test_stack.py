@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import redis
 
+from learner import group_log
 from services import protocol
 from services.queues import FIELD, Keys
 from tandem.launcher import Ports, Stack, kill_all, process_tree
@@ -88,6 +89,8 @@ def test_killed_rollout_server_loses_nothing_and_bad_input_takes_nothing_down(tm
     assert final["status"] == "SUCCEEDED", final.get("error")
     trained = [task_id for record in history if record["phase"] == "rl" for task_id in record["task_ids"]]
     assert len(trained) == len(set(trained)) == 8 * 4
+    records = group_log.read(tmp_path / "runs" / job_id / "groups.jsonl")  # one per decision, trained ones too
+    assert sorted(r["task_id"] for r in records if r["decision"] == "trained") == sorted(trained)
     assert killed_tasks and killed_tasks <= set(trained)
     reasons = [fields[b"reason"].decode() for _, fields in dead]
     assert sum("DecodeError" in r or "MsgspecError" in r or "Validation" in r for r in reasons) >= 3, reasons

@@ -32,4 +32,18 @@ def test_records_append_one_line_per_decision(tmp_path) -> None:
     log = GroupLog(tmp_path)
     log.write(GROUP, "trained", 5)
     log.write(GROUP, "duplicate", 6)
+    assert not (tmp_path / "groups.jsonl").exists()  # kept for the batch's one write
+    log.flush()
     assert [r["decision"] for r in read(tmp_path / "groups.jsonl")] == ["trained", "duplicate"]
+
+
+def test_a_group_the_learner_refuses_still_makes_a_record() -> None:
+    """Invalid groups are recorded too, whatever a rollout server sent: no samples, or
+    non-finite rewards and metrics."""
+    empty = protocol.TrajectoryGroup(job_id="j", task_id=1, server_id="r0", elapsed_s=0.0, samples=[])
+    assert group_record(empty, "invalid", 3, 1.0)["reward_mean"] == 0.0
+    assert group_record(empty, "invalid", 3, 1.0)["staleness"] is None
+    broken = protocol.TrajectoryGroup(job_id="j", task_id=2, server_id="r0", elapsed_s=0.0,
+                                      samples=[sample(float("nan"), [3], {"success": float("inf")})])
+    record = group_record(broken, "invalid", 3, 1.0)
+    assert record["reward_mean"] != record["reward_mean"] and record["metrics"]["success"] == float("inf")
