@@ -8,7 +8,12 @@ current logprob `theta` (with grad).
     r = exp(theta - prox)            PPO ratio, clipped to [1 - eps_low, 1 + eps_high]
     w = min(exp(prox - mu), C)       tis  (detached)
       | 1[1/C <= exp(prox - mu) <= C] mis
-    loss = -sum(w * min(r A, clip(r) A) * mask) / normaliser  (+ kl_coef * KL to a reference)
+    loss = -sum(w * min(r A, clip(r) A) * mask) / normaliser
+         + kl_coef * sum(w * k(theta, ref) * mask) / normaliser     (KL to a reference)
+
+The KL term is estimated on the same behaviour samples as the surrogate, so it takes the
+same weight w. Unweighted, a token the policy has moved away from since it was sampled
+(theta far below ref) gives k3 a gradient of 1 - exp(ref - theta) that grows without bound.
 
 The normaliser is global (all ranks, all micro-batches), so the gradient is the same
 however the sequences were split across ranks.
@@ -129,7 +134,8 @@ def mismatch_kl(prox: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
 
 def kl_penalty(theta: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     """[T] per-token KL(pi_theta || pi_ref) estimate on samples from pi_theta: k1 = log ratio,
-    k3 = exp(-d) - 1 + d with d = theta - ref (unbiased, always >= 0)."""
+    k3 = exp(-d) - 1 + d with d = theta - ref (unbiased, always >= 0). On samples from another
+    policy it needs that policy's importance weight (`policy_loss` applies it)."""
     delta = theta - ref
     if estimator == "k1":
         return delta
@@ -177,7 +183,7 @@ def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOu
         "ratio_mean": (ratio.detach() * x.mask).sum(),
     }
     if spec.kl_coef > 0 and x.ref is not None:
-        kl = kl_penalty(x.theta, x.ref, spec.kl_estimator)
+        kl = weight * kl_penalty(x.theta, x.ref, spec.kl_estimator)
         loss = loss + spec.kl_coef * (kl * scale).sum()
         metrics["kl_ref"] = (kl.detach() * x.mask).sum()
     return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})

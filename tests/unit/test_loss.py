@@ -120,6 +120,29 @@ def test_kl_penalty_is_added_with_its_coefficient():
     assert with_kl - base == pytest.approx(0.1 * math.log(2), abs=1e-6)
 
 
+def test_kl_penalty_takes_the_behaviour_weight():
+    # k1 = log 2 on every token; tis weights [1.0, 0.5, 2.0 (3.0 capped), 1.2] sum to 4.7.
+    x, plain = inputs(), inputs()
+    x.ref = x.theta.detach() - math.log(2)
+    base = loss.policy_loss(plain, cfg(correction="tis"), normaliser=4).loss.item()
+    out = loss.policy_loss(x, cfg(correction="tis", kl_coef=0.1, kl_estimator="k1"), normaliser=4)
+    assert out.loss.item() - base == pytest.approx(0.1 * 4.7 * math.log(2) / 4, abs=1e-6)
+    assert out.metrics["kl_ref"].item() == pytest.approx(4.7 * math.log(2), abs=1e-5)
+
+
+def test_kl_gradient_of_a_token_the_policy_left_stays_bounded():
+    # Sampled when the policy gave it 0.5 (mu), now 1e-4 (prox = theta), reference 0.5.
+    # k3's gradient is 1 - exp(ref - theta) = 1 - 5000; the weight exp(prox - mu) = 2e-4
+    # brings it to 2e-4 * -4999 = -0.9998. Unweighted, one such token made the async runs'
+    # gradient norm jump a hundredfold.
+    theta = torch.tensor([math.log(1e-4)], requires_grad=True)
+    x = loss.LossInputs(theta=theta, prox=theta.detach().clone(), mu=torch.tensor([math.log(0.5)]),
+                        advantages=torch.zeros(1), mask=torch.ones(1), seq_ids=torch.zeros(1, dtype=torch.long),
+                        num_seqs=1, ref=torch.tensor([math.log(0.5)]))
+    loss.policy_loss(x, cfg(correction="tis", kl_coef=1.0, kl_estimator="k3"), normaliser=1).loss.backward()
+    assert theta.grad.item() == pytest.approx(2e-4 * (1 - 5000), rel=1e-4)
+
+
 def test_sft_loss_is_masked_mean_negative_logprob():
     theta = torch.log(torch.tensor([0.5, 0.25, 0.1]))
     assert loss.sft_loss(theta, torch.tensor([1.0, 1.0, 0.0]), normaliser=2).item() == pytest.approx(
