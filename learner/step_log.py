@@ -34,7 +34,7 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
     "grad_norm": Gauge("tandem_learner_grad_norm", "Gradient norm before clipping", ["job"]),
     "entropy": Gauge("tandem_learner_entropy", "Mean policy entropy on trained tokens", ["job"]),
     "mismatch_kl": Gauge("tandem_learner_mismatch_kl", "KL(behaviour || proximal), k3, per token", ["job"]),
-    "kl_ref": Gauge("tandem_learner_kl_ref", "KL to the reference policy per token", ["job"]),
+    "kl_ref": Gauge("tandem_learner_kl_ref", "KL to the reference policy per token (behaviour-weighted estimate)", ["job"]),
     "clip_fraction": Gauge("tandem_learner_clip_fraction", "Share of tokens where the PPO clip bites", ["job"]),
     "is_weight_mean": Gauge("tandem_learner_importance_weight_mean", "Mean behaviour importance weight", ["job"]),
     "is_weight_max": Gauge("tandem_learner_importance_weight_max", "Largest behaviour importance weight", ["job"]),
