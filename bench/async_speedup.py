@@ -30,7 +30,7 @@ every process, and what the learner's group records say (`bench/async_groups.py`
 share, rollout time and reward of dropped against trained groups, late against fresh).
 Per setting: min / mean / max over the seeds.
 
-Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 30]
+Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 30] [--lr 5e-4]
      [--warm-policy DIR] [--add]   (--add: keep the runs already in --out, run the missing settings)
 """
 
@@ -80,13 +80,13 @@ REWARD = {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5
 WARM_START_STEPS = 400
 
 
-def base_spec(out: Path, steps: int) -> dict:
+def base_spec(out: Path, steps: int, lr: float = 5e-4) -> dict:
     """The judge-bound job on the tiny model (deploy/configs/clarify-judge.yaml at tiny scale)."""
     spec = prepare(out, load_spec_file(DEMO_SPEC))
     spec["task"] |= {"user": "llm", "followup_share": 0.5}
     spec["rollout"] |= {"group_size": 4}
     spec["reward"] = dict(REWARD)
-    spec["train"] |= {"num_steps": steps, "batch_size": 8, "lr": 5e-4, "kl_coef": 0.02}
+    spec["train"] |= {"num_steps": steps, "batch_size": 8, "lr": lr, "kl_coef": 0.02}
     spec["warm_start"]["steps"] = WARM_START_STEPS
     return spec
 
@@ -184,7 +184,7 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     """The warm start, then per seed one run per setting (settings alternate, so a slow
     patch of the machine does not fall on one setting); returns the warm policy and the
     runs (label -> seed -> run)."""
-    base = base_spec(out, args.steps)
+    base = base_spec(out, args.steps, args.lr)
     base["train"]["export_every"] = args.export_every
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
@@ -329,7 +329,7 @@ def make_report(args: argparse.Namespace, out: Path, runs: dict[str, dict[int, d
             "stale_dropped": pick("stale_dropped"), "mismatch_kl_mean": pick("mismatch_kl_mean"),
             "learner_idle_ratio": pick("learner_idle_ratio"), "budget_use": pick("budget_use"),
         }
-    return {"steps": args.steps, "seeds": args.seeds, "target_reward": args.target, "window": args.window,
+    return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "target_reward": args.target, "window": args.window,
             "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "tpm": args.tpm, "rpm": args.rpm, "max_concurrent_tasks": args.max_tasks,
             "eval_conversations": args.eval, "eval_final_conversations": args.eval_final, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
@@ -347,7 +347,7 @@ def fmt_spread(s: dict, spec: str, suffix: str = "") -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"\njudge-bound clarify, {report['steps']} RL steps per run, seeds {report['seeds']}, "
+    print(f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report.get('lr', 5e-4):g}, seeds {report['seeds']}, "
           f"held-out every {report['export_every']} steps ({report['eval_conversations']} conversations; the final "
           f"policy {report['eval_final_conversations']}), "
           f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all")
@@ -441,6 +441,7 @@ def evaluate_once(out: Path, policies: dict, conversations: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=5e-4, help="the learning rate of every run")
     parser.add_argument("--seeds", default="0", help="train.seed of the runs, comma-separated")
     parser.add_argument("--tpm", type=int, default=1_500_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
