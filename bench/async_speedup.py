@@ -30,7 +30,7 @@ every process, and what the learner's group records say (`bench/async_groups.py`
 share, rollout time and reward of dropped against trained groups, late against fresh).
 Per setting: min / mean / max over the seeds.
 
-Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 30] [--lr 5e-4]
+Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 40] [--lr 2.5e-4]
      [--warm-policy DIR] [--add]   (--add: keep the runs already in --out, run the missing settings)
 """
 
@@ -440,8 +440,8 @@ def evaluate_once(out: Path, policies: dict, conversations: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=5e-4, help="the learning rate of every run")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=2.5e-4, help="the learning rate of every run")
     parser.add_argument("--seeds", default="0", help="train.seed of the runs, comma-separated")
     parser.add_argument("--tpm", type=int, default=1_500_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
