@@ -133,7 +133,7 @@ def test_kl_penalty_takes_the_behaviour_weight():
 def test_kl_gradient_of_a_token_the_policy_left_stays_bounded():
     # Sampled when the policy gave it 0.5 (mu), now 1e-4 (prox = theta), reference 0.5.
     # k3's gradient is 1 - exp(ref - theta) = 1 - 5000; the weight exp(prox - mu) = 2e-4
-    # brings it to 2e-4 * -4999 = -0.9998. Unweighted, one such token made the async runs'
+    # brings it to 2e-4 * -4999 = -0.9998. Unweighted, tokens like this one made the async runs'
     # gradient norm jump a hundredfold.
     theta = torch.tensor([math.log(1e-4)], requires_grad=True)
     x = loss.LossInputs(theta=theta, prox=theta.detach().clone(), mu=torch.tensor([math.log(0.5)]),
