@@ -78,9 +78,12 @@ REWARD = {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5
           "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 0.5,
           "judge_model": "judge", "user_model": "judge", "scale_advantage_by_std": False}
 WARM_START_STEPS = 400
+FIRST_LR = 5e-4
+"""The step size of the first measurements (runs kept from before `--lr` were made at it),
+and still that of the benches sharing `base_spec`."""
 
 
-def base_spec(out: Path, steps: int, lr: float = 5e-4) -> dict:
+def base_spec(out: Path, steps: int, lr: float = FIRST_LR) -> dict:
     """The judge-bound job on the tiny model (deploy/configs/clarify-judge.yaml at tiny scale)."""
     spec = prepare(out, load_spec_file(DEMO_SPEC))
     spec["task"] |= {"user": "llm", "followup_share": 0.5}
@@ -189,10 +192,7 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
            "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
-    runs: dict[str, dict[int, dict]] = {}
-    if args.add and (out / "training.json").exists():  # runs an earlier invocation made here
-        runs = {label: {int(seed): run for seed, run in by_seed.items()}
-                for label, by_seed in json.loads((out / "training.json").read_text()).items()}
+    runs = kept_runs(out, args)
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
@@ -208,11 +208,28 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
                     spec["rollout"]["pause_mode"] = pause
                     print(f"\n{label}, seed {seed}")
                     runs.setdefault(label, {})[seed] = run_job(client, stack, stand_in, spec) | {
-                        "max_staleness": eta, "pause_mode": pause, "stragglers": stragglers}
+                        "max_staleness": eta, "pause_mode": pause, "stragglers": stragglers, "lr": args.lr}
                     (out / "training.json").write_text(json.dumps(runs))
     finally:
         stand_in.stop()
     return policy, runs
+
+
+def kept_runs(out: Path, args: argparse.Namespace) -> dict[str, dict[int, dict]]:
+    """With `--add`, the runs an earlier invocation made in `out` (label -> seed -> run);
+    they must have the steps and step size of this one, or the settings would not compare."""
+    path = out / "training.json"
+    if not (args.add and path.exists()):
+        return {}
+    runs = {label: {int(seed): run for seed, run in by_seed.items()}
+            for label, by_seed in json.loads(path.read_text()).items()}
+    for label, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            steps, lr = len(run["history"]), run.get("lr", FIRST_LR)
+            if (steps, lr) != (args.steps, args.lr):
+                raise SystemExit(f"--add: {label} seed {seed} in {path} ran {steps} steps at lr {lr:g}; "
+                                 f"run again with --steps {steps} --lr {lr:g}")
+    return runs
 
 
 def warm_start(client: ApiClient, stack: Stack, stand_in: StandIn, base: dict, out: Path) -> Path:
@@ -347,7 +364,7 @@ def fmt_spread(s: dict, spec: str, suffix: str = "") -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report.get('lr', 5e-4):g}, seeds {report['seeds']}, "
+    print(f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report['lr']:g}, seeds {report['seeds']}, "
           f"held-out every {report['export_every']} steps ({report['eval_conversations']} conversations; the final "
           f"policy {report['eval_final_conversations']}), "
           f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all")
