@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from learner.trainer import Trainer
 
 META = "meta.json"
+SPEC = "job.json"
+"""The job's spec, beside its checkpoints (runs/<job>/job.json)."""
 
 
 def checkpoint_dir(runs_dir: str | Path, job_id: str, step: int) -> Path:
@@ -37,6 +39,12 @@ def latest(runs_dir: str | Path, job_id: str) -> Path | None:
     root = Path(runs_dir) / job_id / "checkpoints"
     complete = sorted(p for p in root.glob("step-*") if (p / META).exists()) if root.exists() else []
     return complete[-1] if complete else None
+
+
+def steps(runs_dir: str | Path, job_id: str) -> list[int]:
+    """Steps of a job's complete checkpoints, oldest first."""
+    root = Path(runs_dir) / job_id / "checkpoints"
+    return sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if (p / META).exists())
 
 
 def prune(runs_dir: str | Path, job_id: str, keep: int) -> list[Path]:
@@ -99,3 +107,25 @@ def load(trainer: Trainer, path: Path) -> dict:
     meta = json.loads((path / META).read_text())
     trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta
+
+
+def export(runs_dir: str | Path, job_id: str, step: int, out_dir: Path) -> Path:
+    """The policy of a job's complete checkpoint at `step` as a Hugging Face folder at
+    `out_dir`, in one process (no process group): the model the job names in `job.json`,
+    its parameters replaced by the checkpoint's, saved as the learner exports."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.policy import save_hf_folder
+    from services.config import JobSpec
+
+    path = checkpoint_dir(runs_dir, job_id, step)
+    if not (path / META).exists():
+        have = ", ".join(map(str, steps(runs_dir, job_id))) or "none"
+        raise FileNotFoundError(f"job {job_id} has no complete checkpoint at step {step} under {runs_dir} "
+                                f"(complete checkpoints: {have})")
+    spec = JobSpec.model_validate_json((Path(runs_dir) / job_id / SPEC).read_text())
+    model = AutoModelForCausalLM.from_pretrained(spec.model.local_folder(), dtype=torch.float32)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    save_hf_folder(model, state["model"], spec.model.path, out_dir)
+    return out_dir

@@ -154,8 +154,14 @@ class JobRun:
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
         self.steps = StepLog(self.redis, job_id, self.run_dir, spec.health, self.settings.history_keep)
 
-    async def run(self, resuming: bool = False) -> None:
+    def make_run_dir(self) -> None:
+        """The job's folder, with the spec it runs (`job.json`): what `tandem export` reads to
+        turn a checkpoint back into the model it trained."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / checkpoint.SPEC).write_text(self.spec.model_dump_json(indent=2) + "\n")
+
+    async def run(self, resuming: bool = False) -> None:
+        self.make_run_dir()
         trajectories = await StreamConsumer(
             self.redis, Keys.trajectories(self.job_id), "learner", "learner",
             protocol.TrajectoryGroup, Keys.dead(self.job_id),

@@ -40,7 +40,7 @@ class OfflineRun(JobRun):
     trajectory intake, weight publisher)."""
 
     async def run(self, resuming: bool = False) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.make_run_dir()
         train = self.spec.train
         vocab = policy.vocab_size(self.spec.model.local_folder())
         samples = preference.load_pairs(train.data, vocab, max_pair_tokens=train.max_tokens_per_rank)

@@ -107,19 +107,26 @@ def full_tensors(model: torch.nn.Module, names: list[str], dtype: str) -> dict[s
 
 
 def export(model: torch.nn.Module, source: str, out_dir: str, rank: int) -> None:
-    """Save the policy as a Hugging Face folder, with the config, tokenizer and generation
-    config of the model at `source` (rank 0 writes; all ranks must call)."""
-    from safetensors.torch import save_file
+    """Save the policy as a Hugging Face folder (rank 0 writes; all ranks must call)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoConfig, AutoTokenizer
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/model.safetensors")
+    if rank == 0:
+        save_hf_folder(model, state, source, Path(out_dir))
+
+
+def save_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, out_dir: Path) -> None:
+    """`state` (full tensors of `model`) as a Hugging Face folder, with the config, tokenizer
+    and generation config of the model at `source`. A weight tied to another (SmolLM2's
+    lm_head is its embedding) is saved once, as transformers and vLLM expect."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items() if k not in tied}, out_dir / "model.safetensors")
     AutoConfig.from_pretrained(source).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)
     generation = Path(source) / "generation_config.json"
     if generation.exists():
-        (Path(out_dir) / generation.name).write_text(generation.read_text())
+        (out_dir / generation.name).write_text(generation.read_text())

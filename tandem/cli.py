@@ -100,6 +100,16 @@ def cmd_model_get(args: argparse.Namespace) -> None:
     print(f"{args.name} is at {out}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from tandem.models import export_job
+
+    try:
+        out = export_job(Path(args.runs_dir), args.job_id, args.step, Path(args.dir))
+    except (FileNotFoundError, FileExistsError) as err:
+        sys.exit(f"tandem export: {err}")
+    print(f"{args.job_id} exported to {out}")
+
+
 def exit_on_termination() -> None:
     """SIGTERM and SIGHUP end the process as Ctrl-C would end `up` and `demo`: by unwinding,
     so the stack's context manager stops the processes it started. They run in sessions of
@@ -239,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="smollm2-135m-instruct")
     p.add_argument("dir", help="a new folder, or one that already holds this model")
     p.set_defaults(run=cmd_model_get)
+
+    p = sub.add_parser("export", help="a job's policy as an HF folder that transformers and vLLM load")
+    p.add_argument("job_id")
+    p.add_argument("dir", help="a new folder")
+    p.add_argument("--step", type=int, default=None, help="the policy after this step (default: the final one)")
+    p.add_argument("--runs-dir", default=os.environ.get("TANDEM_RUNS_DIR", "runs"),
+                   help="where the learner keeps jobs (default $TANDEM_RUNS_DIR or runs)")
+    p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("up", help="start every process locally")
     p.add_argument("--log-dir", default="runs/logs")

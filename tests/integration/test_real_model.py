@@ -1,10 +1,17 @@
 """SmolLM2-135M-Instruct, a real pretrained model (tied embeddings, its own chat template with
-a default system turn), as the policy of a job through the whole system."""
+a default system turn), as the policy of a job through the whole system, and exported."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 from tandem.launcher import Ports, Stack
@@ -56,18 +63,25 @@ def job_spec(model: str) -> dict:
         "reward": {"token_penalty": 0.01},
         # Synchronous, so step 2 trains on samples of the weights step 1 sent: parity after
         # an in-place reload, tied embedding included.
-        "train": {"num_steps": 2, "batch_size": 2, "lr": 1e-5, "max_staleness": 0},
+        "train": {"num_steps": 2, "batch_size": 2, "lr": 1e-5, "max_staleness": 0, "checkpoint_every": 1},
     }
 
 
-def test_real_model_trains_through_the_whole_system_with_engine_parity(tmp_path, real_model):
-    with Stack(tmp_path / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(tmp_path / "runs")}) as stack:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, real_model) -> tuple[Path, str, list[dict]]:
+    """A two-step job on the real model: (runs folder, job id, history)."""
+    tmp = tmp_path_factory.mktemp("real-job")
+    with Stack(tmp / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(tmp / "runs")}) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         job_id = api.post("/v1/jobs", json=job_spec(str(real_model))).json()["id"]
         record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED")
                           and r, 600, "the job to end", interval_s=1)
-        history = api.get(f"/v1/jobs/{job_id}/history").json()
-    assert record["status"] == "SUCCEEDED", record.get("error")
+        assert record["status"] == "SUCCEEDED", record.get("error")
+        return tmp / "runs", job_id, api.get(f"/v1/jobs/{job_id}/history").json()
+
+
+def test_real_model_trains_through_the_whole_system_with_engine_parity(trained):
+    _, _, history = trained
     steps = [h for h in history if h.get("phase") == "rl"]
     assert [h["step"] for h in steps] == [1, 2]
     for h in steps:
@@ -75,3 +89,50 @@ def test_real_model_trains_through_the_whole_system_with_engine_parity(tmp_path,
         assert abs(h["mismatch_kl"]) < MISMATCH_KL_BOUND and h["is_weight_max"] < IS_WEIGHT_BOUND, h
     assert all(h["staleness_max"] == 0 for h in steps)
     assert steps[0]["skipped_updates"] == 0 and steps[0]["grad_norm"] > 0  # a real update, then parity on it
+
+
+def export(runs: Path, job_id: str, out: Path, *step: str) -> Path:
+    subprocess.run([sys.executable, "-m", "tandem.cli", "export", job_id, str(out), "--runs-dir", str(runs), *step],
+                   check=True)
+    return out
+
+
+def transformers_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def test_export_from_a_checkpoint_equals_the_learners_export_and_loads_in_transformers_and_vllm(
+        trained, real_model, chat, tmp_path):
+    runs, job_id, _ = trained
+    final = export(runs, job_id, tmp_path / "final")  # the folder the learner wrote at the end
+    from_checkpoint = export(runs, job_id, tmp_path / "step-2", "--step", "2")  # rebuilt from the DCP shards
+    learner, rebuilt, base = (load_file(f / "model.safetensors") for f in (final, from_checkpoint, real_model))
+    assert learner.keys() == rebuilt.keys() == base.keys()  # lm_head tied, saved once, as in the base
+    assert all(torch.equal(learner[k], rebuilt[k]) for k in learner)
+    assert not all(torch.equal(learner[k], base[k]) for k in learner)  # the job did move the weights
+    record = json.loads((from_checkpoint / "provenance.json").read_text())
+    assert record["step"] == 2 and record["base_provenance"]["model"] == "smollm2-135m-instruct"
+
+    prompts = [chat.prompt([{"role": "user", "content": text}]) for text in
+               ("What is the capital of France?", "Write a haiku about rain.", "Help me plan a trip.")]
+    by_transformers = transformers_greedy(from_checkpoint, prompts, 24)  # both stop at <|im_end|>
+    by_vllm = json.loads(subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "vllm_greedy.py"), str(from_checkpoint), "24"],
+        input=json.dumps(prompts), capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert by_vllm == by_transformers
+    assert sum(len(ids) for ids in by_vllm) > 30
+
+
+def test_export_names_the_steps_it_has_when_asked_for_another(trained, tmp_path):
+    runs, job_id, _ = trained
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", job_id, str(tmp_path / "x"),
+                           "--runs-dir", str(runs), "--step", "7"], capture_output=True, text=True)
+    assert done.returncode == 1 and "no complete checkpoint at step 7" in done.stderr
+    assert "complete checkpoints: " in done.stderr and not (tmp_path / "x").exists()
