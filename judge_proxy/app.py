@@ -133,6 +133,8 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int = 0
     owned_by: str = "tandem-judge-proxy"
+    structured_output: bool = Field(False, description="Its upstreams keep a reply to a JSON schema given as "
+                                                       "`response_format` (Tandem's extension of OpenAI's object).")
 
 
 class ModelList(BaseModel):
@@ -234,12 +236,14 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
     @router.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> ModelList:
         authorize(request)
-        return ModelList(data=[ModelCard(id=name) for name in sorted(proxy.groups)])
+        return ModelList(data=[ModelCard(id=name, structured_output=group.structured)
+                               for name, group in sorted(proxy.groups.items())])
 
     @router.get("/v1/models/{model:path}", response_model=ModelCard)
     async def model(model: str, request: Request) -> ModelCard:
         authorize(request)
-        return ModelCard(id=proxy.group(model).model)
+        group = proxy.group(model)
+        return ModelCard(id=group.model, structured_output=group.structured)
 
     @router.get("/v1/budget", response_model=BudgetResponse)
     async def budget(request: Request) -> BudgetResponse:

@@ -49,7 +49,10 @@ from judge_proxy import metrics
 from judge_proxy.budget import Budget, Lease, Limits
 from judge_proxy.memory import Memory, Slot, digest
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
-from judge_proxy.rubrics import GroupParseError, Rubric, parse_group_verdicts, parse_verdict, render, render_group
+from judge_proxy.rubrics import (
+    GroupParseError, Rubric, group_schema, parse_group_verdicts, parse_verdict, prompt_sha256, render, render_group,
+    response_format, verdict_schema,
+)
 from judge_proxy.share import Share, Weights
 from judge_proxy.upstream import (
     Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
@@ -114,6 +117,8 @@ class Group:
     upstreams: list[Upstream]
     admitter: Admitter[Grant]
     share: Share
+    structured: bool
+    """Its upstreams keep to a JSON schema in `response_format` (all or none of them)."""
 
 
 @dataclass
@@ -207,7 +212,8 @@ class Proxy:
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
-                self.groups[config.model] = Group(config.model, [], admitter, Share(self.redis, config.model))
+                self.groups[config.model] = Group(config.model, [], admitter, Share(self.redis, config.model),
+                                                  config.structured_output)
             group = self.groups[config.model]
             group.upstreams.append(upstream)
             group.admitter.tokens_per_s += config.tpm / 60
@@ -513,9 +519,13 @@ class Proxy:
         """Ask for a verdict; ask once more, strictly, when the first cannot be read."""
         raws: list[str] = []
         usage: dict[str, int] = {}
+        structured = self.group(model).structured
         for strict in (False, True):
-            prompt = render(rubric, messages, reference, strict=strict, previous_reply=raws[-1] if raws else "")
+            prompt = render(rubric, messages, reference, strict=strict, previous_reply=raws[-1] if raws else "",
+                            structured=structured)
             body = {"model": model, "messages": prompt, "temperature": 0.0}
+            if structured:
+                body["response_format"] = response_format(rubric, verdict_schema(rubric))
             completion = await self.complete(body, rubric.max_tokens, 1, job=job, priority="judge",
                                              tag=tag and tag + "/strict" * strict)
             await completion.settle()
@@ -525,7 +535,9 @@ class Proxy:
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
                 return JudgeResult(score=verdict.score, criteria=verdict.criteria, verdict=verdict.verdict,
-                                   raw=raws[-1], usage=usage).model_dump_json().encode()
+                                   raw=raws[-1], usage=usage, model=completion.data.get("model", ""),
+                                   rubric_sha256=prompt_sha256(rubric, structured=structured)
+                                   ).model_dump_json().encode()
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
         raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
 
@@ -628,14 +640,19 @@ class GroupVerdicts:
 
     async def group_call(self, distinct: list[list[dict]], slots: list[Slot | None],
                          usage: dict[str, int]) -> list[JudgeResult]:
-        prompt = render_group(self.rubric, distinct, self.reference)
+        structured = self.proxy.group(self.model).structured
+        prompt = render_group(self.rubric, distinct, self.reference, structured=structured)
         body = {"model": self.model, "messages": prompt, "temperature": 0.0}
+        if structured:
+            body["response_format"] = response_format(self.rubric, group_schema(self.rubric, len(distinct)))
         completion = await self.proxy.complete(body, self.rubric.group_max_tokens(len(distinct)), 1,
                                                job=self.job, priority="judge", tag=self.tag)
         await completion.settle()
         add_usage(usage, completion.data.get("usage"))
         text = content_of(completion.data)
-        verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={})
+        provenance = {"model": completion.data.get("model", ""),
+                      "rubric_sha256": prompt_sha256(self.rubric, group=True, structured=structured)}
+        verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={}, **provenance)
                     for v in parse_group_verdicts(self.rubric, text, len(distinct))]
         await self.proxy.memory.store({slot: v.model_dump_json().encode() for slot, v in zip(slots, verdicts) if slot})
         return verdicts

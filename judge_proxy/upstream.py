@@ -45,6 +45,10 @@ class UpstreamConfig(BaseModel):
     weight: float = Field(1.0, gt=0, description="Share of the group's load when several have budget.")
     timeout_s: float = Field(60.0, gt=0)
     tokenizer: str | None = Field(None, description="Local tokenizer.json for prompt estimates; chars/4 when unset.")
+    structured_output: bool = Field(
+        False, description="The upstream constrains a reply to a JSON schema given as `response_format` (vLLM's "
+                           "structured outputs, OpenAI's json_schema): verdicts are asked for that way. Upstreams "
+                           "of one `model` must agree.")
     limit_model: LimitModel = Field(
         "window", description="How the provider enforces tpm/rpm: 'window' (a strict trailing window; "
                               "the safe choice, a bucket accepts whatever a window does) or 'bucket' "
@@ -79,6 +83,15 @@ class UpstreamsFile(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"upstream names must be unique; repeated: {duplicates}")
+        return upstreams
+
+    @field_validator("upstreams")
+    @classmethod
+    def _groups_agree_on_structured_output(cls, upstreams: list[UpstreamConfig]) -> list[UpstreamConfig]:
+        """A verdict's prompt and format must not depend on which upstream of a model answers."""
+        for model in {u.model for u in upstreams}:
+            if len({u.structured_output for u in upstreams if u.model == model}) > 1:
+                raise ValueError(f"upstreams of model {model!r} disagree on structured_output")
         return upstreams
 
 

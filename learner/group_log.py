@@ -36,7 +36,14 @@ def group_record(group: protocol.TrajectoryGroup, decision: str, version: int, a
         "samples": len(group.samples), "reward_mean": sum(rewards) / len(rewards),
         "reward_spread": max(rewards) - min(rewards),
         "metrics": mean_by_key([s.metrics for s in group.samples]),
+        **reward_sources(group.samples),
     }
+
+
+def reward_sources(samples: list[protocol.Sample]) -> dict[str, list[dict[str, str]]]:
+    """The distinct `reward_source`s of a batch (models, rubric digest, seed), if any."""
+    distinct = sorted({tuple(sorted(s.reward_source.items())) for s in samples if s.reward_source})
+    return {"reward_sources": [dict(source) for source in distinct]} if distinct else {}
 
 
 class GroupLog:

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from learner import health
+from learner.group_log import reward_sources
 from services import jobs, protocol
 from services.config import HealthRule
 from services.queues import Keys
@@ -113,7 +114,9 @@ def rl_record(step: int, version: int, groups: list[protocol.TrajectoryGroup], s
         "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
         "staleness_counts": {str(v): staleness.count(v) for v in sorted(set(staleness))},
         **waited, **mean_by_key([s.metrics for s in samples]), **llm_spend(samples), **step_metrics, **counts,
+        **reward_sources(samples),
     }
+
 
 
 def llm_spend(samples: list[protocol.Sample]) -> dict[str, float]:

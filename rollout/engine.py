@@ -33,6 +33,38 @@ class Generation:
     """`stop` (end-of-turn token) or `length` (hit max_tokens: truncated)."""
 
 
+def engine_options(model: ModelSpec, kv_cache_gib: float, seed: int = 0,
+                   memory_utilization: float | None = None) -> dict:
+    """vLLM's settings for this machine, shared by the rollout engine and `tandem
+    serve-model` (so a served judge runs as the policy does); sets the environment the CPU
+    build reads."""
+    # vLLM reports usage to its maintainers' server unless told not to; Tandem sends
+    # nothing anywhere but Redis and the judge proxy (an operator may set it to 0).
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+    if not on_gpu:
+        # Run the worker inside the engine-core process (the "uni" executor below; vLLM's
+        # CPU platform swaps it for a worker process unless this is 0). A worker process
+        # spins (sched_yield) for a second after every step, waiting for the next: under
+        # a steady trickle of requests it never stops, which burnt 0.7 of one of this
+        # machine's two cores (py-spy, bench/async_speedup.py). vLLM keeps its engine core
+        # in a separate process either way.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return dict(
+        model=model.local_folder(),
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        enforce_eager=not on_gpu,
+        gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
+        distributed_executor_backend=None if on_gpu else "uni",
+        seed=seed,
+    )
+
+
 class Engine:
     def __init__(self, llm, model: ModelSpec) -> None:
         self.llm = llm
@@ -54,37 +86,16 @@ class Engine:
     @classmethod
     def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
               memory_utilization: float | None = None) -> "Engine":
-        # vLLM reports usage to its maintainers' server unless told not to; a rollout server
-        # sends nothing anywhere but Redis and the judge proxy (an operator may set it to 0).
-        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        os.environ.setdefault("DO_NOT_TRACK", "1")
-        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        on_gpu = torch.cuda.is_available()
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
-        if not on_gpu:
-            # Run the worker inside the engine-core process (the "uni" executor below; vLLM's
-            # CPU platform swaps it for a worker process unless this is 0). A worker process
-            # spins (sched_yield) for a second after every step, waiting for the next: under
-            # a steady trickle of requests it never stops, which burnt 0.7 of one of this
-            # machine's two cores (py-spy, bench/async_speedup.py). AsyncLLM keeps its
-            # engine core in a separate process either way.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = AsyncEngineArgs(
-            model=model.local_folder(),
-            dtype=model.dtype,
-            max_model_len=model.max_model_len,
+            **engine_options(model, kv_cache_gib, seed, memory_utilization),
             skip_tokenizer_init=True,
-            enforce_eager=not on_gpu,
             worker_extension_cls=EXTENSION,
             # Behaviour logprobs must be those of the distribution actually sampled from
             # (after temperature), which the learner recomputes the same way.
             logprobs_mode="processed_logprobs",
-            gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
-            distributed_executor_backend=None if on_gpu else "uni",
-            seed=seed,
             disable_log_stats=False,
         )
         return cls(AsyncLLM.from_engine_args(args), model)

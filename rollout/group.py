@@ -59,8 +59,11 @@ class GroupRollout:
     rewards being computed at once (judge calls, futures), across all of a server's tasks."""
 
     def __init__(self, runner: EpisodeRunner, task_set: TaskSet, spec: RewardSpec, judge: Judge,
-                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str, generate: bool = False) -> None:
+                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str, generate: bool = False,
+                 seed: int = 0) -> None:
         self.runner, self.task_set, self.spec, self.judge = runner, task_set, spec, judge
+        self.seed = seed
+        """The job's sampling seed, recorded with every reward an LLM took part in."""
         self.reward_slots = reward_slots
         self.server_id, self.job_id = server_id, job_id
         self.generate = generate
@@ -115,6 +118,7 @@ class GroupRollout:
         return protocol.Sample(
             sample_id=sample_id, tokens=episode.tokens, mask=episode.mask, logprobs=episode.logprobs,
             versions=episode.versions, reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
+            reward_source=spend.source | {"seed": str(self.seed)} if spend.source else {},
         ), episode
 
     async def ranked_conversation(self, task: protocol.Task, journal: Journal | None) -> protocol.TrajectoryGroup:

@@ -245,14 +245,15 @@ class RolloutServer:
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)
         task_set = load_task(spec.task, spec.train.seed, judge=judge)
-        user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id)
+        user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id,
+                                                   seed=spec.train.seed)
         tools = None if spec.tools is None else await ToolBox.open(
             spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
         if tools is not None:
             chat = chat.with_tools(tools.schemas())
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)
         return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id,
-                            generate=spec.kind == "generate")
+                            generate=spec.kind == "generate", seed=spec.train.seed)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(

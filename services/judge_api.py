@@ -45,6 +45,9 @@ class JudgeResult(BaseModel):
     raw: str = Field(description="The judge's reply the scores were read from.")
     usage: dict[str, int] = Field(description="Token counts of every call the verdict took, summed.")
     remembered: bool = Field(False, description="Answered from the proxy's memory: no call was made for it now.")
+    model: str = Field("", description="The judge model as the upstream named it in its reply (its `model`).")
+    rubric_sha256: str = Field("", description="Digest of the rubric's instructions as sent "
+                                               "(judge_proxy.rubrics.prompt_sha256).")
 
 
 class GroupJudgeResult(BaseModel):

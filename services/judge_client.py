@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -48,6 +48,8 @@ class ChatResult:
     content: str
     usage: dict[str, int]
     remembered: bool = False
+    model: str = ""
+    """The model as the upstream named it in its reply."""
 
 
 @dataclass
@@ -61,6 +63,15 @@ class Spend:
     """Calls the proxy answered from memory (cache or replay): no upstream tokens."""
     budget_left: float | None = None
     """The share of the judge budget left, as the last chat reply's rate-limit headers said."""
+    source: dict[str, str] = field(default_factory=dict)
+    """What answered: `judge_model`, `simulator_model` (as the upstreams named themselves),
+    `rubric_sha256`; a key that saw several values holds them all, sorted, comma-joined."""
+
+    def note(self, **source: str) -> None:
+        for key, value in source.items():
+            if value:
+                seen = set(self.source[key].split(",")) if key in self.source else set()
+                self.source[key] = ",".join(sorted(seen | {value}))
 
     def add(self, priority: str, tokens: int, remembered: bool) -> None:
         self.calls += 1
@@ -92,16 +103,33 @@ class JudgeClient:
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
         self.rng = random.Random()
+        self.structured: dict[str, bool] = {}
+        """Per model: whether its upstreams take a JSON schema (`structured_output`)."""
 
     async def chat(self, messages: list[dict], *, model: str, max_tokens: int, temperature: float = 1.0,
-                   job: str = "", priority: str = "simulator", idempotency_key: str = "") -> ChatResult:
+                   job: str = "", priority: str = "simulator", idempotency_key: str = "",
+                   response_format: dict | None = None, seed: int | None = None) -> ChatResult:
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        body |= {"response_format": response_format} if response_format else {}
+        body |= {"seed": seed} if seed is not None else {}
         reply, headers = await self._post("/v1/chat/completions", body, job, priority, idempotency_key)
         remembered = headers.get("x-tandem-remembered") == "true"
         usage = reply.get("usage", {})
         self._spent(priority, usage, remembered)
         self._note_budget(headers)
-        return ChatResult(reply["choices"][0]["message"]["content"] or "", usage, remembered)
+        answered_by = str(reply.get("model", ""))
+        self._noted(**{f"{priority}_model": answered_by})
+        return ChatResult(reply["choices"][0]["message"]["content"] or "", usage, remembered, answered_by)
+
+    async def structured_output(self, model: str) -> bool:
+        """Whether the proxy's upstreams of `model` keep a reply to a JSON schema given as
+        `response_format` (`GET /v1/models/{model}`); asked once per model."""
+        if model not in self.structured:
+            reply = await self._try("GET", f"/v1/models/{model}", None, {})
+            if isinstance(reply, JudgeError):
+                raise reply
+            self.structured[model] = bool(reply[0].get("structured_output", False))
+        return self.structured[model]
 
     async def judge(self, rubric: str, messages: list[dict], reference: str | None = None, *, job: str = "",
                     model: str | None = None, cache: bool = True, idempotency_key: str = "") -> JudgeResult:
@@ -110,6 +138,7 @@ class JudgeClient:
         reply, _ = await self._post("/v1/judge", body, job, "judge", idempotency_key)
         result = JudgeResult.model_validate(reply)
         self._spent("judge", result.usage, result.remembered)
+        self._noted(judge_model=result.model, rubric_sha256=result.rubric_sha256)
         return result
 
     async def judge_group(self, rubric: str, candidates: list[list[dict]], reference: str | None = None, *,
@@ -121,6 +150,8 @@ class JudgeClient:
         reply, _ = await self._post("/v1/judge/group", body, job, "judge", idempotency_key)
         result = GroupJudgeResult.model_validate(reply)
         self._spent("judge", result.usage, result.remembered or not result.usage)
+        for one in result.results:
+            self._noted(judge_model=one.model, rubric_sha256=one.rubric_sha256)
         return result
 
     @staticmethod
@@ -128,6 +159,12 @@ class JudgeClient:
         spend = SPEND.get()
         if spend is not None:
             spend.add(priority, 0 if remembered else usage.get("total_tokens", 0), remembered)
+
+    @staticmethod
+    def _noted(**source: str) -> None:
+        spend = SPEND.get()
+        if spend is not None:
+            spend.note(**source)
 
     @staticmethod
     def _note_budget(headers: dict[str, str]) -> None:
@@ -157,7 +194,7 @@ class JudgeClient:
             headers["idempotency-key"] = idempotency_key
         attempt = 0
         while True:
-            reply = await self._try(path, body, headers)
+            reply = await self._try("POST", path, body, headers)
             if isinstance(reply, tuple):
                 return reply
             if not _retried(reply) or attempt == self.max_retries:
@@ -168,10 +205,12 @@ class JudgeClient:
             await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
             attempt += 1
 
-    async def _try(self, path: str, body: dict, headers: dict) -> tuple[dict, dict[str, str]] | JudgeError:
+    async def _try(self, method: str, path: str, body: dict | None,
+                   headers: dict) -> tuple[dict, dict[str, str]] | JudgeError:
+        data = None if body is None else msgspec.json.encode(body)
         try:
-            async with self._session().post(self.base_url + path, data=msgspec.json.encode(body),
-                                            headers=headers) as response:
+            async with self._session().request(method, self.base_url + path, data=data,
+                                               headers=headers) as response:
                 status, content = response.status, await response.read()
                 reply_headers = {k.lower(): v for k, v in response.headers.items()}
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:

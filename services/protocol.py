@@ -46,6 +46,11 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_turns: int
     metrics: dict[str, float] = {}
     """Task-specific scalars (success, asked, tokens...) averaged into the job's metrics."""
+    reward_source: dict[str, str] = {}
+    """What produced `reward`, so two runs' rewards are compared knowingly: `judge_model` and
+    `simulator_model` as the upstreams named themselves in their replies, `rubric_sha256`
+    (the judge's instructions as sent), `seed` (the job's sampling seed). Empty for a
+    reward no LLM took part in."""
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

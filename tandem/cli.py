@@ -100,6 +100,29 @@ def cmd_model_get(args: argparse.Namespace) -> None:
     print(f"{args.name} is at {out}")
 
 
+def cmd_serve_model(args: argparse.Namespace) -> None:
+    """vLLM's OpenAI-compatible server on a model folder, with the rollout engine's settings
+    for this machine (CPU or GPU): an upstream for the judge proxy (user simulator, judge)."""
+    from rollout.engine import engine_options
+    from services.config import ModelSpec
+
+    try:
+        spec = ModelSpec(path=args.dir, max_model_len=args.max_model_len)
+        options = engine_options(spec, args.kv_cache_gib, args.seed)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"tandem serve-model: {err}")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", args.name,
+               "--host", args.host, "--port", str(args.port)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            command += [flag, str(value)]
+    print(f"serving {args.dir} as {args.name!r}: {' '.join(command[1:])}", file=sys.stderr)
+    os.execv(sys.executable, command)
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from tandem.models import export_job
 
@@ -249,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="smollm2-135m-instruct")
     p.add_argument("dir", help="a new folder, or one that already holds this model")
     p.set_defaults(run=cmd_model_get)
+
+    p = sub.add_parser("serve-model", help="serve a model folder over vLLM's OpenAI API (an upstream of the "
+                                           "judge proxy: user simulator, judge)")
+    p.add_argument("dir", help="an HF folder (tandem model get / export)")
+    p.add_argument("--name", required=True, help="the model name clients and the proxy's upstream_model use")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache on CPU (GPU: a share of its memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_serve_model)
 
     p = sub.add_parser("export", help="a job's policy as an HF folder that transformers and vLLM load")
     p.add_argument("job_id")

@@ -28,6 +28,7 @@ judge does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from services.quoting import quote_tag, quote_turns, turn_pattern
 
 SCALE_MAX = 10
+VERDICT_CHARS = 300
+"""The most a structured verdict's sentence may take (so it cannot eat the reply's room)."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,12 @@ class Verdict:
 
 
 def render(rubric: Rubric, messages: list[dict], reference: str | None, *, strict: bool = False,
-           previous_reply: str = "") -> list[dict]:
+           previous_reply: str = "", structured: bool = False) -> list[dict]:
     """The chat messages that ask the judge for a verdict. `strict` re-asks after an
-    unparseable `previous_reply` and insists on the bare JSON object."""
+    unparseable `previous_reply` and insists on the bare JSON object; `structured` is for
+    an upstream that constrains the reply to `verdict_schema`, so the JSON is the reply."""
     tag = quote_tag([messages])
-    prompt = [{"role": "system", "content": _instructions(rubric)},
+    prompt = [{"role": "system", "content": _instructions(rubric, structured=structured)},
               {"role": "user", "content": _case(messages, reference, tag)}]
     if strict:
         prompt += [{"role": "assistant", "content": previous_reply},
@@ -103,7 +107,8 @@ class GroupParseError(ValueError):
         self.reason = reason
 
 
-def render_group(rubric: Rubric, candidates: list[list[dict]], reference: str | None) -> list[dict]:
+def render_group(rubric: Rubric, candidates: list[list[dict]], reference: str | None,
+                 structured: bool = False) -> list[dict]:
     """The chat messages that ask the judge to score every candidate conversation at once
     (candidate ids are 1-based positions)."""
     shared = shared_prefix(candidates)
@@ -115,7 +120,7 @@ def render_group(rubric: Rubric, candidates: list[list[dict]], reference: str | 
         parts.append(f'<candidate id="{number}">\n{_turns(candidate[shared:], tag)}\n</candidate>')
     if reference is not None:
         parts.append(f"<reference>\n{reference}\n</reference>")
-    system = _instructions(rubric, group=True)
+    system = _instructions(rubric, group=True, structured=structured)
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -173,7 +178,36 @@ def _last_json_list(text: str) -> list[dict] | None:
     return last
 
 
-def _instructions(rubric: Rubric, group: bool = False) -> str:
+def verdict_schema(rubric: Rubric) -> dict:
+    """The JSON schema of one verdict, for upstreams that constrain their output to a schema
+    (vLLM's structured outputs, OpenAI's `json_schema`): a small judge that would not keep
+    to the format by itself still returns a verdict `parse_verdict` reads."""
+    scores = {c.name: {"type": "integer", "minimum": 0, "maximum": SCALE_MAX} for c in rubric.criteria}
+    properties = {**scores, "verdict": {"type": "string", "maxLength": VERDICT_CHARS}}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def group_schema(rubric: Rubric, num_candidates: int) -> dict:
+    """The JSON schema of a group verdict: one object per candidate, each naming it."""
+    one = verdict_schema(rubric)
+    candidate = {"type": "integer", "minimum": 1, "maximum": num_candidates}
+    item = one | {"properties": {"candidate": candidate, **one["properties"]},
+                  "required": ["candidate", *one["required"]]}
+    return {"type": "array", "items": item, "minItems": num_candidates, "maxItems": num_candidates}
+
+
+def response_format(rubric: Rubric, schema: dict) -> dict:
+    """The OpenAI-style `response_format` that asks for `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": f"{rubric.name}_verdict", "schema": schema}}
+
+
+def prompt_sha256(rubric: Rubric, group: bool = False, structured: bool = False) -> str:
+    """A digest of the rubric's instructions as sent: two rewards that name the same digest
+    were asked the same question."""
+    return hashlib.sha256(_instructions(rubric, group, structured).encode()).hexdigest()
+
+
+def _instructions(rubric: Rubric, group: bool = False, structured: bool = False) -> str:
     sections = [
         "You grade conversations between a user and an AI assistant. Be strict and consistent: "
         "judge only what the assistant actually wrote, and use the whole scale.",
@@ -185,14 +219,14 @@ def _instructions(rubric: Rubric, group: bool = False) -> str:
     for criterion in rubric.criteria:
         anchors = "\n".join(f"  {score}: {text}" for score, text in criterion.anchors)
         sections.append(f"{criterion.name}: {criterion.question}\n{anchors}")
+    reply = ("Reply with only" if structured else "First think briefly, then end your reply with")
     if group:
         sections.append(
             "Several candidate conversations follow. Each one is the <shared> turns (if any) followed by "
-            "its own turns. Score each candidate on its own, as if it were the only one. First think "
-            "briefly, then end your reply with one JSON list holding one object per candidate:\n"
-            + _group_format(rubric))
+            f"its own turns. Score each candidate on its own, as if it were the only one. {reply} one JSON "
+            "list holding one object per candidate:\n" + _group_format(rubric))
     else:
-        sections.append("First think briefly, then end your reply with one JSON object:\n" + _format(rubric))
+        sections.append(f"{reply} one JSON object:\n" + _format(rubric))
     return "\n\n".join(sections)
 
 

@@ -11,6 +11,7 @@ guessed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -42,6 +43,18 @@ Reply with one JSON object and nothing else:
 {{"current_answer": "<the assistant's best answer so far, or an empty string>",
   "thought": "<one or two sentences on what you still need>",
   "response": "<your next message to the assistant>"}}"""
+
+REPLY_SCHEMA = {
+    "type": "object",
+    "properties": {"current_answer": {"type": "string", "maxLength": 600},
+                   "thought": {"type": "string", "maxLength": 400},
+                   "response": {"type": "string", "maxLength": 1200}},
+    "required": ["current_answer", "thought", "response"],
+    "additionalProperties": False,
+}
+"""The reply's shape, asked for as `response_format` where the upstreams take a schema: a
+small model that would not keep to the format by itself still answers in it."""
+REPLY_FORMAT = {"type": "json_schema", "json_schema": {"name": "user_reply", "schema": REPLY_SCHEMA}}
 
 STRICTER = ("Your last reply was not a JSON object with a \"response\" field. Reply again with only the "
             "JSON object, no other text.")
@@ -94,13 +107,15 @@ def transcript(messages: list[dict]) -> str:
 
 class LLMUser:
     def __init__(self, client, goal: Callable[[int], str], model: str, job: str = "",
-                 max_tokens: int = 512, temperature: float = 1.0) -> None:
+                 max_tokens: int = 512, temperature: float = 1.0, seed: int = 0) -> None:
         self.client = client
         self.goal = goal
         self.model = model
         self.job = job
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.seed = seed
+        """The job's; each call's sampling seed derives from it and the call's id."""
 
     async def respond(self, example: int, messages: list[dict], call_id: str = "") -> str | None:
         prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), end=END_MARKER)},
@@ -114,7 +129,15 @@ class LLMUser:
         return None if not response or END_MARKER in response else response
 
     async def _ask(self, prompt: list[dict], call_id: str) -> UserReply | None:
+        structured = await self.client.structured_output(self.model)
         result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
                                         temperature=self.temperature, job=self.job, priority="simulator",
-                                        idempotency_key=call_id)
+                                        idempotency_key=call_id, response_format=REPLY_FORMAT if structured else None,
+                                        seed=call_seed(self.seed, call_id) if call_id else None)
         return parse_user_reply(result.content)
+
+
+def call_seed(job_seed: int, call_id: str) -> int:
+    """A sampling seed for one simulator call: the same for the same job seed and call (a
+    replayed call samples what it sampled before), different across calls."""
+    return int.from_bytes(hashlib.sha256(f"{job_seed}/{call_id}".encode()).digest()[:4], "big")

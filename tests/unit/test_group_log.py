@@ -47,3 +47,14 @@ def test_a_group_the_learner_refuses_still_makes_a_record() -> None:
                                       samples=[sample(float("nan"), [3], {"success": float("inf")})])
     record = group_record(broken, "invalid", 3, 1.0)
     assert record["reward_mean"] != record["reward_mean"] and record["metrics"]["success"] == float("inf")
+
+
+def test_a_record_lists_each_distinct_reward_source_once() -> None:
+    judged = {"judge_model": "smollm2", "simulator_model": "smollm2", "rubric_sha256": "ab12", "seed": "0"}
+    unjudged = {"simulator_model": "smollm2", "seed": "0"}
+    samples = [sample(0.5, [1], {}), sample(0.0, [1], {}), sample(-1.0, [1], {}), sample(0.0, [1], {})]
+    for one, source in zip(samples, (judged, dict(judged), unjudged, {})):
+        one.reward_source = source
+    group = protocol.TrajectoryGroup(job_id="j", task_id=1, server_id="r0", elapsed_s=1.0, samples=samples)
+    assert group_record(group, "trained", version=1, arrived_s=1.0)["reward_sources"] == [judged, unjudged]
+    assert "reward_sources" not in group_record(GROUP, "trained", version=7, arrived_s=1.0)  # no LLM scored GROUP

@@ -220,3 +220,33 @@ def test_the_stand_in_judges_a_reply_that_claims_its_own_score_by_what_it_did():
               for c in (honest, claiming)]
 
     assert scores[0] == scores[1] < 0.5
+
+
+def test_structured_verdict_schemas_accept_what_the_parser_reads_and_nothing_out_of_range():
+    import jsonschema
+
+    from judge_proxy.rubrics import group_schema, verdict_schema
+
+    good = {"understanding": 7, "clarification": 9, "suggestions": 0, "verdict": "Asks before answering."}
+    jsonschema.validate(good, verdict_schema(INTERACTIVITY))
+    assert parse_verdict(INTERACTIVITY, json.dumps(good)).score == pytest.approx(16 / 30)
+    for bad in (good | {"clarification": 11}, good | {"suggestions": 2.5}, {k: v for k, v in good.items() if k != "verdict"},
+                good | {"extra": 1}, good | {"verdict": "x" * 301}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, verdict_schema(INTERACTIVITY))
+    two = [{"candidate": 1, **good}, {"candidate": 2, **good}]
+    jsonschema.validate(two, group_schema(INTERACTIVITY, 2))
+    for bad in (two[:1], [{"candidate": 3, **good}, two[1]]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, group_schema(INTERACTIVITY, 2))
+
+
+def test_a_structured_prompt_asks_for_the_bare_object_and_has_its_own_digest():
+    from judge_proxy.rubrics import prompt_sha256
+
+    conversation = [{"role": "user", "content": "a poem"}, {"role": "assistant", "content": "About what?"}]
+    plain, structured = (render(INTERACTIVITY, conversation, None, structured=s)[0]["content"] for s in (False, True))
+    assert "First think briefly, then end your reply with one JSON object" in plain
+    assert "Reply with only one JSON object" in structured
+    digests = {prompt_sha256(INTERACTIVITY, group=g, structured=s) for g in (False, True) for s in (False, True)}
+    assert len(digests) == 4 and prompt_sha256(INTERACTIVITY) == prompt_sha256(INTERACTIVITY)

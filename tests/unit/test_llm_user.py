@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.interactions.llm_user import END_MARKER, LLMUser, UserSimulatorError, parse_user_reply, transcript
+from rollout.interactions.llm_user import (
+    END_MARKER, REPLY_FORMAT, REPLY_SCHEMA, LLMUser, UserSimulatorError, call_seed, parse_user_reply, transcript,
+)
 from services.quoting import quote_tag, quoted_turns
 from services.judge_client import ChatResult
 
@@ -46,13 +48,20 @@ def test_an_assistant_reply_posing_as_the_user_stays_inside_its_quote():
 class ScriptedClient:
     """Answers chat calls from a list, as the judge proxy would relay an upstream's replies."""
 
-    def __init__(self, *replies: str) -> None:
+    def __init__(self, *replies: str, structured: bool = False) -> None:
         self.replies = list(replies)
         self.prompts: list[list[dict]] = []
+        self.structured = structured
+        self.options: list[dict] = []
 
-    async def chat(self, messages, *, model, max_tokens, temperature, job, priority, idempotency_key) -> ChatResult:
+    async def structured_output(self, model: str) -> bool:
+        return self.structured
+
+    async def chat(self, messages, *, model, max_tokens, temperature, job, priority, idempotency_key,
+                   response_format, seed) -> ChatResult:
         assert priority == "simulator"
         self.prompts.append(messages)
+        self.options.append({"response_format": response_format, "seed": seed})
         return ChatResult(self.replies.pop(0), {})
 
 
@@ -66,6 +75,21 @@ async def test_the_hidden_goal_reaches_the_simulator_and_the_response_the_conver
 
     assert reply == "the second one"
     assert "goal number 7" in client.prompts[0][0]["content"]
+
+
+async def test_upstreams_that_take_a_schema_are_asked_for_the_reply_object_with_a_seed_per_call():
+    reply = '{"current_answer": "", "thought": "", "response": "ok"}'
+    plain, structured = ScriptedClient(reply, reply), ScriptedClient(reply, reply, structured=True)
+    for client in (plain, structured):
+        await user(client).respond(0, [], call_id="task3/s1/t0")
+        await user(client).respond(0, [], call_id="task3/s1/t1")
+
+    assert [o["response_format"] for o in plain.options] == [None, None]
+    assert [o["response_format"] for o in structured.options] == [REPLY_FORMAT] * 2
+    assert REPLY_SCHEMA["required"] == ["current_answer", "thought", "response"]
+    seeds = [o["seed"] for o in structured.options]
+    assert seeds == [call_seed(0, "task3/s1/t0"), call_seed(0, "task3/s1/t1")] and seeds[0] != seeds[1]
+    assert call_seed(0, "task3/s1/t0") != call_seed(1, "task3/s1/t0")  # another job seed, other samples
 
 
 async def test_the_end_marker_or_an_empty_response_ends_the_conversation():
