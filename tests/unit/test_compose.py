@@ -597,3 +597,21 @@ def test_the_stand_in_provider_matches_the_upstreams_file_that_names_it():
     assert (upstream[0]["model"], str(upstream[0]["tpm"]), str(upstream[0]["rpm"])) == (
         flags["--model"], flags["--tpm"], flags["--rpm"])
     assert health_url(service)[1] == int(flags["--port"])
+
+
+def test_the_served_model_is_the_upstream_its_upstreams_file_names_and_reads_models_read_only():
+    """Profile `served-model`: `tandem serve-model` on a folder of the models mount, answering
+    to the model name, host and port the judge proxy's upstreams file gives it."""
+    from tandem.cli import build_parser
+
+    service = services()["served-model"]
+    assert "served-model" in service["profiles"] and not set(service["profiles"]) & set(PROFILES)
+    command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in service["command"]]
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "serve-model" and args.host == "0.0.0.0" and args.dir.startswith("/models/")
+    assert any(v.endswith(":/models:ro") for v in service["volumes"])
+    (upstream,) = yaml.safe_load((ROOT / "deploy" / "configs" / "judge_upstreams.served-model.yaml").read_text())[
+        "upstreams"]
+    assert upstream["base_url"] == f"http://served-model:{args.port}/v1"
+    assert upstream["model"] == args.name and upstream["structured_output"] is True
+    assert health_url(service)[1] == args.port

@@ -878,3 +878,37 @@ def test_the_external_redis_component_refuses_to_build_without_the_servers_addre
     result = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
                              str(external_redis_overlay(tmp_path, None))], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "tandem-external-redis" in result.stderr
+
+
+def test_the_served_model_overlay_serves_a_model_the_judge_proxy_reaches_and_nothing_else_does():
+    objects = render("overlays/served-model")
+    assert not schema_errors(objects)
+    assert sorted(processes("overlays/served-model")) == sorted(SETTINGS)  # overlays/cpu's processes, once each
+    served = workloads(objects)["tandem-served-model"]
+    (container,) = pod_spec(served)["containers"]
+    args = build_parser().parse_args(container["command"][1:])
+    assert args.command == "serve-model" and args.host == "0.0.0.0"
+    assert volume_of(served, container, "/models")["mountReadOnly"]
+    assert Path(args.dir).parent == Path("/models")
+
+    proxy, proxy_container = processes("overlays/served-model")["judge-proxy"]
+    upstreams_file = Path(literal_env(proxy_container)["TANDEM_UPSTREAMS"])
+    config_map = of_kind(objects, "ConfigMap")[volume_of(proxy, proxy_container, str(upstreams_file.parent))[
+        "configMap"]["name"]]
+    (upstream,) = yaml.safe_load(config_map["data"][upstreams_file.name])["upstreams"]
+    url = urlsplit(upstream["base_url"])
+    service = of_kind(objects, "Service")[url.hostname]
+    assert service["spec"]["selector"].items() <= served["spec"]["template"]["metadata"]["labels"].items()
+    assert url.port == service["spec"]["ports"][0]["port"] == args.port
+    assert upstream["model"] == args.name and upstream["structured_output"] is True
+
+    policies = of_kind(objects, "NetworkPolicy")
+    own = policies["tandem-served-model"]
+    assert own["spec"]["policyTypes"] == ["Ingress", "Egress"] and "egress" not in own["spec"]  # calls nothing
+    allowed = {c for rule in own["spec"]["ingress"] for peer in rule["from"]
+               for e in peer["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component"
+               for c in e["values"]}
+    assert allowed == {"judge-proxy", "prometheus"}
+    out = policies["tandem-judge-proxy-to-served-model"]["spec"]
+    assert out["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "judge-proxy"
+    assert out["egress"][0]["ports"] == [{"port": args.port, "protocol": "TCP"}]
