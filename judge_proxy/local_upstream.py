@@ -33,7 +33,8 @@ Admin routes (no auth: a test double). `POST /admin/script {"replies": [...]}` q
 taken one per chat request: `{"content": "..."}` answers with that text, `{"status": 500}`
 (or 429 with optional `retry_after_s` / `retry_after_ms`, or 400 with a `message` in which
 `{authorization}` becomes the key received) answers that error without charging,
-`{"delay_s": 1.5}` waits that long first, `{"cut_after": 2}` breaks a stream's connection
+`{"delay_s": 1.5}` waits that long first, `{"model": ...}` names the reply's model (any JSON value, as a
+hostile provider might), `{"cut_after": 2}` breaks a stream's connection
 after that many content chunks (charging the whole reservation) and `{"token_delay_s": 0.1}`
 paces a stream's chunks. `GET /admin/stats` gives the counters,
 `GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many admitted
@@ -354,6 +355,7 @@ class LocalUpstream:
         if tag:
             self.request_tags[tag] += 1
         reply = self.completion(body, prompt_tokens, max_tokens, script.get("content"))
+        reply["model"] = script.get("model", reply["model"])
         if body.get("stream"):
             return StreamingResponse(self.stream(body, reply, charge, script),
                                      media_type="text/event-stream", headers=self.limit_headers())

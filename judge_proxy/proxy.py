@@ -59,7 +59,7 @@ from judge_proxy.upstream import (
     weighted_order,
 )
 from services.config import JudgeProxySettings
-from services.judge_api import GroupJudgeResult, JudgeResult
+from services.judge_api import GroupJudgeResult, JudgeResult, reply_model
 from services.judge_client import backoff_s
 from services.queues import connect
 from services.stats import TrailingRate
@@ -535,7 +535,7 @@ class Proxy:
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
                 return JudgeResult(score=verdict.score, criteria=verdict.criteria, verdict=verdict.verdict,
-                                   raw=raws[-1], usage=usage, model=completion.data.get("model", ""),
+                                   raw=raws[-1], usage=usage, model=reply_model(completion.data),
                                    rubric_sha256=prompt_sha256(rubric, structured=structured)
                                    ).model_dump_json().encode()
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
@@ -650,7 +650,7 @@ class GroupVerdicts:
         await completion.settle()
         add_usage(usage, completion.data.get("usage"))
         text = content_of(completion.data)
-        provenance = {"model": completion.data.get("model", ""),
+        provenance = {"model": reply_model(completion.data),
                       "rubric_sha256": prompt_sha256(self.rubric, group=True, structured=structured)}
         verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={}, **provenance)
                     for v in parse_group_verdicts(self.rubric, text, len(distinct))]

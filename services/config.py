@@ -166,7 +166,8 @@ class WarmStartSpec(_Strict):
     steps: int = Field(0, ge=0, le=100_000, description="SFT steps before RL; 0 = none.")
     batch_size: int = Field(32, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0.0, le=1.0)
-    data: str | None = Field(None, description="JSONL of {messages: [...]}; task's own if unset.")
+    data: str | None = Field(None, description="JSONL of {messages: [...]}, required when steps > 0 "
+                                               "(`tandem demonstrations` writes a built-in task's).")
 
 
 class GenerateSpec(_Strict):

@@ -7,6 +7,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MODEL_NAME_CHARS = 128
+"""The most of a provider's model name that is recorded with a reward (`reply_model`)."""
+
+
+def reply_model(reply: dict) -> str:
+    """The model an upstream's reply names, as recorded with a reward: a provider's string,
+    so kept short and never anything but a string."""
+    model = reply.get("model") if isinstance(reply, dict) else None
+    return model[:MODEL_NAME_CHARS] if isinstance(model, str) else ""
+
 
 class Turn(BaseModel):
     """One message of the conversation to judge."""

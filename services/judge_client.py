@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from services.auth import job_credential
-from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
+from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult, reply_model
 
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
 """Unreachable, over budget, upstreams failing: worth another try."""
@@ -117,7 +117,7 @@ class JudgeClient:
         usage = reply.get("usage", {})
         self._spent(priority, usage, remembered)
         self._note_budget(headers)
-        answered_by = str(reply.get("model", ""))
+        answered_by = reply_model(reply)
         self._noted(**{f"{priority}_model": answered_by})
         return ChatResult(reply["choices"][0]["message"]["content"] or "", usage, remembered, answered_by)
 

@@ -100,6 +100,20 @@ def cmd_model_get(args: argparse.Namespace) -> None:
     print(f"{args.name} is at {out}")
 
 
+def cmd_demonstrations(args: argparse.Namespace) -> None:
+    """A built-in task's demonstrations as warm-start data (`warm_start.data`)."""
+    import json
+
+    from rollout.tasks import clarify, multiply
+
+    if args.task == "clarify":
+        rows = [{"messages": d} for d in clarify.demonstrations(args.num, seed=args.seed, ask_share=args.share)]
+    else:
+        rows = multiply.demonstrations(args.num, tool_share=args.share, seed=args.seed)
+    Path(args.file).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"{len(rows)} {args.task} demonstrations written to {args.file}")
+
+
 def cmd_serve_model(args: argparse.Namespace) -> None:
     """vLLM's OpenAI-compatible server on a model folder, with the rollout engine's settings
     for this machine (CPU or GPU): an upstream for the judge proxy (user simulator, judge)."""
@@ -272,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="smollm2-135m-instruct")
     p.add_argument("dir", help="a new folder, or one that already holds this model")
     p.set_defaults(run=cmd_model_get)
+
+    p = sub.add_parser("demonstrations", help="write a built-in task's demonstrations (warm-start data)")
+    p.add_argument("task", choices=["clarify", "multiply"])
+    p.add_argument("file")
+    p.add_argument("--num", type=int, default=2000)
+    p.add_argument("--share", type=float, default=0.3,
+                   help="clarify: vague requests that ask first; multiply: rows that call the calculator")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(run=cmd_demonstrations)
 
     p = sub.add_parser("serve-model", help="serve a model folder over vLLM's OpenAI API (an upstream of the "
                                            "judge proxy: user simulator, judge)")

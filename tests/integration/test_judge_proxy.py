@@ -466,3 +466,30 @@ async def test_a_bad_judge_request_gets_a_clear_error(make_proxy, upstreams, bod
     response = await proxy.post("/v1/judge", json=body)
 
     assert response.status_code == status and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("named", ["m" * 10_000, {"nested": "object"}, None])
+async def test_a_verdict_records_the_judge_model_a_provider_names_short_and_as_a_string(make_proxy, upstreams, named):
+    proxy = await make_proxy(entry("a", upstreams["a"]))
+    verdict = '{"understanding": 8, "clarification": 9, "suggestions": 1, "verdict": "Fine."}'
+    await upstreams["a"].script({"content": verdict, "model": named})
+
+    body = (await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})).json()
+
+    assert body["model"] == ("m" * 128 if isinstance(named, str) else "") and body["score"] == pytest.approx(0.6)
+    assert len(body["rubric_sha256"]) == 64
+
+
+async def test_a_structured_upstream_is_asked_for_the_verdict_schema_and_says_so_in_its_model_card(
+        make_proxy, upstreams):
+    from judge_proxy.rubrics import RUBRICS, verdict_schema
+
+    proxy = await make_proxy(entry("a", upstreams["a"], structured_output=True))
+    await upstreams["a"].script({"content": '{"understanding": 8, "clarification": 9, "suggestions": 1, '
+                                           '"verdict": "Fine."}'})
+
+    assert (await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})).status_code == 200
+    sent = (await upstreams["a"].requests())[-1]
+    assert sent["response_format"]["json_schema"]["schema"] == verdict_schema(RUBRICS["interactivity"])
+    assert "Reply with only one JSON object" in sent["messages"][0]["content"]
+    assert (await proxy.get("/v1/models/judge")).json()["structured_output"] is True

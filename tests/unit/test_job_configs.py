@@ -20,6 +20,8 @@ from services.config import JobSpec, JudgeProxySettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 UPSTREAMS_EXAMPLE = CONFIGS / "judge_upstreams.example.yaml"
+UPSTREAMS_OF = {"smollm2-clarify-judge.yaml": CONFIGS / "judge_upstreams.served-model.yaml"}
+"""Jobs written for another upstreams file than the example (their comments say which)."""
 JOB_FILES = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("judge_upstreams"))
 LOCAL_JOB_FILES = ("demo.yaml", "multiply-tools.yaml")
 COMPOSE_JOB_FILES = [p for p in JOB_FILES if p.name not in LOCAL_JOB_FILES]
@@ -47,9 +49,10 @@ def test_compose_job_file_loads_its_model_from_the_models_mount(path):
 
 
 @pytest.mark.parametrize("path", COMPOSE_JOB_FILES, ids=lambda p: p.name)
-def test_compose_job_file_names_rubrics_and_models_the_example_upstreams_serve(path):
+def test_compose_job_file_names_rubrics_and_models_its_upstreams_serve(path):
     spec = load(path)
-    served = {u["model"] for u in yaml.safe_load(UPSTREAMS_EXAMPLE.read_text())["upstreams"]}
+    upstreams = UPSTREAMS_OF.get(path.name, UPSTREAMS_EXAMPLE)
+    served = {u["model"] for u in yaml.safe_load(upstreams.read_text())["upstreams"]}
     if spec.reward.judge_rubric is not None:
         assert spec.reward.judge_rubric in RUBRICS
         assert (spec.reward.judge_model or JudgeProxySettings.model_fields["judge_model"].default) in served
