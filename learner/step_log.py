@@ -118,7 +118,6 @@ def rl_record(step: int, version: int, groups: list[protocol.TrajectoryGroup], s
     }
 
 
-
 def llm_spend(samples: list[protocol.Sample]) -> dict[str, float]:
     """What the batch's judge and user-simulator calls cost: tokens the provider charged in
     all and per trained token, and the most futures one response took (their mean is the

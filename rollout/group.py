@@ -118,7 +118,7 @@ class GroupRollout:
         return protocol.Sample(
             sample_id=sample_id, tokens=episode.tokens, mask=episode.mask, logprobs=episode.logprobs,
             versions=episode.versions, reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
-            reward_source=spend.source | {"seed": str(self.seed)} if spend.source else {},
+            reward_source=(spend.source | {"seed": str(self.seed)}) if spend.source else {},
         ), episode
 
     async def ranked_conversation(self, task: protocol.Task, journal: Journal | None) -> protocol.TrajectoryGroup:
