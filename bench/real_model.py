@@ -2,9 +2,10 @@
 speed, and RL on the clarify task.
 
 (a) learner: trained tokens/s of the learner's own RL and SFT steps (`learner.trainer`,
-    FSDP2 on one gloo rank, fp32) on 8 x 128-token sequences, and FLOP/s by the 6N rule,
-    against the FLOP/s of a 2048 x 2048 fp32 matmul and of a plain transformers training
-    step (forward, backward, AdamW) measured in the same run. The RL step also runs a
+    FSDP2 on one gloo rank, fp32) on 8 x 128-token sequences, packed into one row (the
+    learner's choice) and padded, and FLOP/s by the 6N rule, against the FLOP/s of a
+    2048 x 2048 fp32 matmul and of a plain transformers training step (forward, backward,
+    AdamW; one padded row per sequence) measured in the same run. The RL step also runs a
     forward without gradients for the proximal logprobs, which 6N does not count.
 (b) rollout: generation tokens/s of Tandem's engine (`rollout.engine.Engine`: token ids in
     and out, each token's logprob and weight version) against vLLM's offline
@@ -81,6 +82,7 @@ def learner_speed(steps: int) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from learner.micro_batch import Collator
     from learner.trainer import Trainer
     from services.config import JobSpec
     from services.protocol import Sample
@@ -117,6 +119,13 @@ def learner_speed(steps: int) -> dict:
     sample_batches = [samples(b) for b in token_batches]
     rows["Tandem SFT step"] = timed(trainer.sft_step, sample_batches)
     rows["Tandem RL step"] = timed(trainer.rl_step, sample_batches)
+    # The same steps with each sequence in a padded row of its own instead of all of them
+    # packed into one: what packing's attention over one long row costs on CPU, where the
+    # packed path is a dense block-diagonal mask over the whole row.
+    trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank, False,
+                               trainer.device)
+    rows["Tandem SFT step, padded rows"] = timed(trainer.sft_step, sample_batches)
+    rows["Tandem RL step, padded rows"] = timed(trainer.rl_step, sample_batches)
     dist.destroy_process_group()
     table = {name: {"seconds": s, "tokens_per_s": trained / s, "flops_6n": 6 * params * trained / s,
                     "share_of_matmul": 6 * params * trained / s / peak} for name, s in rows.items()}
@@ -285,9 +294,9 @@ def print_report(report: dict) -> None:
         a = report["learner"]
         print(f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, {a['sequences']} x {a['sequence_tokens']} "
               f"tokens, fp32, {os.cpu_count()} cores; matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s")
-        print(f"{'step':>24} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s (6N)':>13} {'of matmul':>10}")
+        print(f"{'step':>30} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s (6N)':>13} {'of matmul':>10}")
         for name, row in a["steps"].items():
-            print(f"{name:>24} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_6n'] / 1e9:>13.0f} "
+            print(f"{name:>30} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_6n'] / 1e9:>13.0f} "
                   f"{row['share_of_matmul']:>10.0%}")
         print(f"Tandem/plain tokens/s: RL step {a['rl_over_plain']:.2f}, SFT step {a['sft_over_plain']:.2f}")
     if "rollout" in report:
