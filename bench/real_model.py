@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tandem.client import ApiClient, follow  # noqa: E402
+from tandem.demo import write_demonstrations  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
 from tandem.models import get  # noqa: E402
 from tandem.redis_embed import free_port  # noqa: E402
@@ -215,12 +216,9 @@ def rollout_speed(out: Path, rounds: int) -> dict:
 # ---- (c) clarify RL ------------------------------------------------------------------
 
 def clarify_spec(out: Path, seed: int, steps: int) -> dict:
-    from rollout.tasks import clarify
-
     data = out / "warm_start.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps({"messages": d}) + "\n"
-                                for d in clarify.demonstrations(2000, seed=1, ask_share=0.3)))
+        write_demonstrations(data, share=0.3)
     return {"name": f"smollm2-clarify-s{seed}", "model": {"path": str(MODEL), "max_model_len": 1024},
             "task": {"name": "clarify", "num_examples": 512, "ask_share": 0.3}, "rollout": ROLLOUT,
             "reward": {"mode": "episode"}, "train": TRAIN | {"num_steps": steps, "seed": seed},

@@ -34,17 +34,16 @@ def checkpoint_dir(runs_dir: str | Path, job_id: str, step: int) -> Path:
     return Path(runs_dir) / job_id / "checkpoints" / f"step-{step:06d}"
 
 
-def latest(runs_dir: str | Path, job_id: str) -> Path | None:
-    """The newest complete checkpoint of a job, if any."""
-    root = Path(runs_dir) / job_id / "checkpoints"
-    complete = sorted(p for p in root.glob("step-*") if (p / META).exists()) if root.exists() else []
-    return complete[-1] if complete else None
-
-
 def steps(runs_dir: str | Path, job_id: str) -> list[int]:
     """Steps of a job's complete checkpoints, oldest first."""
     root = Path(runs_dir) / job_id / "checkpoints"
     return sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if (p / META).exists())
+
+
+def latest(runs_dir: str | Path, job_id: str) -> Path | None:
+    """The newest complete checkpoint of a job, if any."""
+    complete = steps(runs_dir, job_id)
+    return checkpoint_dir(runs_dir, job_id, complete[-1]) if complete else None
 
 
 def prune(runs_dir: str | Path, job_id: str, keep: int) -> list[Path]:

@@ -102,16 +102,10 @@ def cmd_model_get(args: argparse.Namespace) -> None:
 
 def cmd_demonstrations(args: argparse.Namespace) -> None:
     """A built-in task's demonstrations as warm-start data (`warm_start.data`)."""
-    import json
+    from tandem.demo import write_demonstrations
 
-    from rollout.tasks import clarify, multiply
-
-    if args.task == "clarify":
-        rows = [{"messages": d} for d in clarify.demonstrations(args.num, seed=args.seed, ask_share=args.share)]
-    else:
-        rows = multiply.demonstrations(args.num, tool_share=args.share, seed=args.seed)
-    Path(args.file).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(f"{len(rows)} {args.task} demonstrations written to {args.file}")
+    rows = write_demonstrations(Path(args.file), args.task, args.num, args.share, args.seed)
+    print(f"{rows} {args.task} demonstrations written to {args.file}")
 
 
 def cmd_serve_model(args: argparse.Namespace) -> None:

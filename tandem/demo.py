@@ -17,6 +17,21 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
 
 
+def write_demonstrations(path: Path, task: str = "clarify", num: int = 2000, share: float = 0.3,
+                         seed: int = 1) -> int:
+    """A built-in task's demonstrations as warm-start data (JSONL rows with `messages`, and
+    `tools` for multiply); `share` is clarify's asking share or multiply's calling share.
+    Returns the number of rows."""
+    from rollout.tasks import clarify, multiply
+
+    if task == "clarify":
+        rows = [{"messages": d} for d in clarify.demonstrations(num, seed=seed, ask_share=share)]
+    else:
+        rows = multiply.demonstrations(num, tool_share=share, seed=seed)
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
 def prepare(out: Path, spec: dict, seen_as: str | None = None) -> dict:
     """Tiny model + warm-start data under `out`; returns the spec pointing at them, by the
     path the processes see `out` at (`seen_as`, e.g. a container's mount; default: `out`)."""
@@ -27,9 +42,7 @@ def prepare(out: Path, spec: dict, seen_as: str | None = None) -> dict:
     if not (model_dir / "model.safetensors").exists():
         make_tiny_model(model_dir, clarify.corpus())
     data = out / "warm_start.jsonl"
-    task = spec["task"]
-    dialogues = clarify.demonstrations(2000, seed=1, ask_share=task["ask_share"])
-    data.write_text("".join(json.dumps({"messages": d}) + "\n" for d in dialogues))
+    write_demonstrations(data, share=spec["task"]["ask_share"])
     base = seen_as.rstrip("/") if seen_as else str(out.resolve())
     spec["model"]["path"] = f"{base}/{model_dir.name}"
     spec["warm_start"]["data"] = f"{base}/{data.name}"

@@ -172,8 +172,8 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     if Path(out_dir).exists():
         raise FileExistsError(f"{out_dir} exists; export into a new folder")
     exported = job_dir / "policy" if step is None else job_dir / "policies" / f"step-{step:06d}"
-    if step is None and not exported.is_dir() and checkpoint.steps(runs_dir, job_id):
-        step = checkpoint.steps(runs_dir, job_id)[-1]
+    if step is None and not exported.is_dir():
+        step = (checkpoint.steps(runs_dir, job_id) or [0])[-1]  # none at all: export names what it has
     if exported.is_dir():
         shutil.copytree(exported, out_dir)
         made_from = str(exported)

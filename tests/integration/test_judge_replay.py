@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from judge_proxy.local_upstream import Latency, LocalUpstreamConfig, create_app, serve_in_thread
-from rollout.tasks import clarify
 from services import protocol
 from services.queues import FIELD, Keys
+from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 from tandem.redis_embed import free_port
 
@@ -27,8 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def job_spec(model: str, warm_start: Path) -> dict:
-    warm_start.write_text("".join(json.dumps({"messages": d}) + "\n"
-                                  for d in clarify.demonstrations(1000, seed=1, ask_share=0.5)))
+    write_demonstrations(warm_start, num=1000, share=0.5)
     return {
         "name": "replay",
         "model": {"path": model, "max_model_len": 512},

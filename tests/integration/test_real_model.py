@@ -144,3 +144,11 @@ def test_export_of_a_job_the_runs_folder_does_not_hold_says_so(tmp_path):
         done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", job, str(tmp_path / "x"),
                                "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True)
         assert done.returncode == 1 and f"no job {job} under" in done.stderr and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_job_with_no_policy_or_checkpoint_yet_says_it_has_none(tmp_path):
+    (tmp_path / "runs" / "fresh-job").mkdir(parents=True)
+    (tmp_path / "runs" / "fresh-job" / "job.json").write_text("{}")  # written at start, nothing trained yet
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", "fresh-job", str(tmp_path / "x"),
+                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True)
+    assert done.returncode == 1 and "(complete checkpoints: none)" in done.stderr and not (tmp_path / "x").exists()

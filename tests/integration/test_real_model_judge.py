@@ -4,7 +4,6 @@ held to JSON schemas (structured outputs), and the proxy charges what vLLM count
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 from judge_proxy.rubrics import RUBRICS, prompt_sha256
-from rollout.tasks import clarify
+from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack
 
 from helpers import metric_sum, served_model, vllm_counted, wait_for
@@ -53,8 +52,7 @@ def test_served_real_model_is_simulator_and_judge_and_the_proxy_charges_what_vll
         "tokenizer": str(real_model / "tokenizer.json")}]}))
     env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(tmp_path / "runs")}
     warm_start = tmp_path / "warm_start.jsonl"
-    warm_start.write_text("".join(json.dumps({"messages": d}) + "\n"
-                                  for d in clarify.demonstrations(200, seed=1, ask_share=0.5)))
+    write_demonstrations(warm_start, num=200, share=0.5)
     with Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         card = httpx.get(f"{stack.judge_url}/v1/models/{SERVED}", timeout=10).json()
