@@ -44,8 +44,10 @@ from tandem.launcher import Ports, Stack  # noqa: E402
 
 SETTINGS = {
     "baseline": {"judge_mode": "single", "judge_cache": False, "futures": "fixed", "num_futures": 3},
-    "efficient": {"judge_mode": "group", "judge_cache": True, "futures": "adaptive", "num_futures": 3,
-                  "min_futures": 2, "max_futures": 6, "futures_se_threshold": 0.05},
+    # The recorded runs used the `own` rule (a response's own futures decide its count), which
+    # reallocates futures within a group but biases MR (docs/DESIGN.md, "Adaptive futures").
+    "efficient": {"judge_mode": "group", "judge_cache": True, "futures": "adaptive", "adaptive_rule": "own",
+                  "num_futures": 3, "min_futures": 2, "max_futures": 6, "futures_se_threshold": 0.05},
     # The ablation: group judging and the cache alone, S = 3 futures as the baseline.
     "group-cache": {"judge_mode": "group", "judge_cache": True, "futures": "fixed", "num_futures": 3},
 }

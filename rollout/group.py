@@ -28,7 +28,7 @@ from rollout.journal import Journal
 from rollout.rewards import multiturn
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import Judge, episode_reward
-from rollout.rewards.multiturn import FuturesAllowance
+from rollout.rewards.multiturn import GroupFutures
 from rollout.tasks.base import TaskSet
 from rollout.tools.box import usage_metrics
 from services import protocol
@@ -79,8 +79,8 @@ class GroupRollout:
         if self.generate:
             return await self.ranked_conversation(task, journal)
         context = self.task_set.context(task.example)
-        allowance = FuturesAllowance(self.spec, task.group_size)
-        samples = await gather_all(*(self.sample(task, index, context, journal, allowance)
+        futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
+        samples = await gather_all(*(self.sample(task, index, context, journal, futures)
                                      for index in range(task.group_size)))
         advantages = group_advantages([s.reward for s in samples], self.spec.scale_advantage_by_std)
         for sample, advantage in zip(samples, advantages):
@@ -89,23 +89,24 @@ class GroupRollout:
                                         server_id=self.server_id, elapsed_s=0.0)
 
     async def sample(self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None,
-                     allowance: FuturesAllowance) -> protocol.Sample:
+                     futures: GroupFutures) -> protocol.Sample:
         """One sample, its advantage still 0."""
         sample, _ = await self.scored_sample(
-            task, f"{self.job_id}:{task.task_id}:{index}", allowance,
+            task, f"{self.job_id}:{task.task_id}:{index}", futures, index,
             self.play(task.example, context, f"task{task.task_id}/s{index}", journal))
         return sample
 
-    async def scored_sample(self, task: protocol.Task, sample_id: str, allowance: FuturesAllowance,
+    async def scored_sample(self, task: protocol.Task, sample_id: str, futures: GroupFutures, index: int,
                             play: Awaitable[Episode]) -> tuple[protocol.Sample, Episode]:
-        """The sample `play` makes, scored, and its episode. Runs as a task of its own
-        (`gather_all`), so the `Spend` set here counts this sample's calls only."""
+        """The sample `play` makes, scored as response `index` of its group, and its
+        episode. Runs as a task of its own (`gather_all`), so the `Spend` set here counts
+        this sample's calls only. Scoring holds one of the server's reward slots at a time
+        (`GroupFutures.slots`)."""
         started = time.perf_counter()
         spend = Spend()
         SPEND.set(spend)
         episode = await play
-        async with self.reward_slots:
-            reward, scored = await self.score(task.example, episode, allowance)
+        reward, scored = await self.score(task.example, episode, futures, index)
         TOKENS.labels(self.job_id).inc(episode.policy_tokens)
         REWARD.labels(self.job_id).observe(reward)
         REWARD_TOTAL.labels(self.job_id).observe(reward)
@@ -131,9 +132,9 @@ class GroupRollout:
         samples: list[protocol.Sample] = []
         responses: list[str] = []
         for turn in range(self.runner.spec.max_turns):
-            allowance = FuturesAllowance(self.spec, task.group_size)
+            futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
             candidates = await gather_all(*(
-                self.scored_sample(task, f"{self.job_id}:{task.task_id}:{turn}:{index}", allowance,
+                self.scored_sample(task, f"{self.job_id}:{task.task_id}:{turn}:{index}", futures, index,
                                    self.candidate(base, f"j{turn}c{index}"))
                 for index in range(task.group_size)))
             for sample, episode in candidates:
@@ -176,21 +177,22 @@ class GroupRollout:
                                 journal: Journal | None) -> Episode:
         return await self.runner.run(example, context, trace, journal)
 
-    async def score_conversation(self, example: int, episode: Episode,
-                                 allowance: FuturesAllowance) -> tuple[float, list[Episode]]:
+    async def score_conversation(self, example: int, episode: Episode, futures: GroupFutures,
+                                 index: int) -> tuple[float, list[Episode]]:
         """R* of the conversation, which is also the one conversation it is scored from."""
-        return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
+        async with futures.slots:
+            return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
 
     async def play_response(self, example: int, context: list[dict], trace: str, journal: Journal | None) -> Episode:
         episode = self.runner.start(context, trace, journal)
         await self.runner.policy_turn(episode)
         return episode
 
-    async def score_response(self, example: int, episode: Episode,
-                             allowance: FuturesAllowance) -> tuple[float, list[Episode]]:
+    async def score_response(self, example: int, episode: Episode, futures: GroupFutures,
+                             index: int) -> tuple[float, list[Episode]]:
         """MR of the response, and the futures it was computed from."""
         return await multiturn.score_response(self.runner, episode, self.task_set, example, self.spec, self.judge,
-                                              allowance)
+                                              futures, index)
 
 
 def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:

@@ -80,7 +80,11 @@ class RewardSpec(_Strict):
     min_futures: int = Field(2, ge=1, le=64, description="Adaptive: futures every response gets.")
     max_futures: int = Field(8, ge=1, le=64, description="Adaptive: most futures for one response.")
     futures_se_threshold: float = Field(
-        0.05, ge=0.0, description="Adaptive: add futures while the standard error of their mean R* is above this.")
+        0.05, ge=0.0, description="Adaptive: add futures while the standard error of a mean R* is above this.")
+    adaptive_rule: Literal["others", "own"] = Field("others", description=(
+        "Adaptive: whose futures decide a response's count. others: the other responses' first futures (MR stays "
+        "an unbiased estimate; up to num_futures each); own: its own, while they disagree (up to max_futures, "
+        "within the group's allowance), which biases MR towards 0 and 1."))
     judge_mode: Literal["single", "group"] = Field(
         "single", description="single: one judge call per conversation; group: one call scores all futures of "
                               "a response (falls back to single calls when the judge's list is unusable).")

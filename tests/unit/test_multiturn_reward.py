@@ -7,7 +7,7 @@ import pytest
 from rollout.episode import Episode
 from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import conversation_reward, conversation_rewards, episode_reward
-from rollout.rewards.multiturn import FuturesAllowance, more_futures, score_response
+from rollout.rewards.multiturn import GroupFutures, more_futures, score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify_task import ClarifyTask
 from services.config import RewardSpec, TaskSpec
@@ -138,8 +138,8 @@ def test_a_group_without_spread_has_advantages_of_exactly_zero():
 
 # ---- adaptive futures ------------------------------------------------------------------
 
-ADAPTIVE = RewardSpec(mode="multiturn", futures="adaptive", num_futures=3, min_futures=2, max_futures=8,
-                      futures_se_threshold=0.1)
+ADAPTIVE = RewardSpec(mode="multiturn", futures="adaptive", adaptive_rule="own", num_futures=3, min_futures=2,
+                      max_futures=8, futures_se_threshold=0.1)
 
 
 @pytest.mark.parametrize("rewards, more", [
@@ -156,7 +156,7 @@ def test_futures_are_added_while_their_rewards_disagree_up_to_the_maximum(reward
 
 
 def test_a_group_never_spends_more_extra_futures_than_the_fixed_policy_would():
-    allowance = FuturesAllowance(ADAPTIVE, group_size=4)   # 4 * (3 - 2) = 4 beyond the first rounds
+    allowance = GroupFutures(ADAPTIVE, group_size=4)   # 4 * (3 - 2) = 4 beyond the first rounds
     assert [allowance.take(2), allowance.take(4), allowance.take(2)] == [2, 2, 0]
 
 
@@ -180,7 +180,7 @@ async def test_an_adaptive_response_whose_futures_disagree_gets_more_and_its_mr_
     runner = ScriptedFutures([right, wrong, right, right])   # 1, 0: disagree, 2 more: 1, 1
 
     reward, futures = await score_response(runner, asked, TASK, EXAMPLE, ADAPTIVE,
-                                           allowance=FuturesAllowance(ADAPTIVE, group_size=2))
+                                           futures=GroupFutures(ADAPTIVE, group_size=2))
 
     assert len(futures) == 4 and reward == pytest.approx(0.75)
     assert [f.trace for f in futures] == ["/f0", "/f1", "/f2", "/f3"]
