@@ -54,6 +54,9 @@ class Episode:
     """Assistant turns generated in this episode."""
     policy_tokens: int = 0
     """Tokens the policy generated in this episode, trained or not (the token penalty's count)."""
+    context_len: int = 0
+    """Tokens of the context the episode started from; what follows is the conversation a
+    reward scores (`reward.token_count: all` counts all of it)."""
     trace: str = ""
     """Where this conversation sits in its task (`task12/s3`, a future `task12/s3/f1`)."""
     journal: Journal | None = None
@@ -65,13 +68,18 @@ class Episode:
     def from_context(cls, messages: list[dict], tokens: list[int], trace: str = "",
                      journal: Journal | None = None) -> "Episode":
         n = len(tokens)
-        return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n, trace=trace, journal=journal)
+        return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n, trace=trace, journal=journal,
+                   context_len=n)
 
     def fork(self, name: str) -> "Episode":
         """An independent copy to extend with a sampled future, traced as `name` under this one."""
         return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
                        logprobs=list(self.logprobs), versions=list(self.versions), trace=f"{self.trace}/{name}",
                        tool_use=self.tool_use.copy())
+
+    def new_tokens(self) -> int:
+        """Tokens after the context: the policy's, the user's, tools' and the template's."""
+        return len(self.tokens) - self.context_len
 
     def turn_name(self) -> str:
         """The name of the turn that comes next."""
@@ -111,12 +119,12 @@ class EpisodeRunner:
     def start(self, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
         return Episode.from_context(context, self.chat.prompt(context), trace, journal)
 
-    async def policy_turn(self, episode: Episode, trained: bool = True) -> bool:
-        """Generate one assistant turn into `episode`, tool rounds included; False if it
-        ended the episode (cut at a length limit)."""
+    async def policy_turn(self, episode: Episode, trained: bool = True, temperature: float | None = None) -> bool:
+        """Generate one assistant turn into `episode`, tool rounds included, at `temperature`
+        (the rollout's when None); False if it ended the episode (cut at a length limit)."""
         rounds = 1 + (self.tools.spec.max_rounds_per_turn if self.tools else 0)
         for round_ in range(rounds):
-            if not await self.reply(episode, trained, first=round_ == 0):
+            if not await self.reply(episode, trained, first=round_ == 0, temperature=temperature):
                 return False
             if self.tools is None or round_ == rounds - 1:
                 return True
@@ -128,14 +136,14 @@ class EpisodeRunner:
                 return False
         return True
 
-    async def reply(self, episode: Episode, trained: bool, first: bool = True) -> bool:
+    async def reply(self, episode: Episode, trained: bool, first: bool = True, temperature: float | None = None) -> bool:
         """One policy reply into `episode` (`first` of its turn, or after tool results);
         False if it ended the episode."""
         budget = min(self.spec.max_new_tokens, self.spec.max_total_tokens - len(episode.tokens))
         if budget <= 0:
             episode.end = "max_tokens"
             return False
-        gen = await self.generate(episode, budget)
+        gen = await self.generate(episode, budget, temperature)
         episode.append(gen.tokens, int(trained), gen.logprobs, gen.versions)
         episode.policy_tokens += len(gen.tokens)
         text = self.chat.tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -160,13 +168,14 @@ class EpisodeRunner:
         episode.append(delta, 0)
         return True
 
-    async def generate(self, episode: Episode, budget: int) -> Generation:
+    async def generate(self, episode: Episode, budget: int, temperature: float | None = None) -> Generation:
         """The next policy turn: from the task's journal, or the engine's (then recorded)."""
         name = episode.turn_name()
         journal = episode.journal
         if journal is not None and (recorded := journal.recall(name)) is not None:
             return recorded
-        gen = await self.engine.generate(episode.tokens, budget, self.spec.temperature, [self.chat.eot_id])
+        temperature = self.spec.temperature if temperature is None else temperature
+        gen = await self.engine.generate(episode.tokens, budget, temperature, [self.chat.eot_id])
         if journal is not None:
             await journal.record(name, gen)
         return gen
@@ -179,15 +188,17 @@ class EpisodeRunner:
             return False
         return self.append_turn(episode, [{"role": "user", "content": reply}])
 
-    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True) -> Episode:
+    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True,
+                     temperature: float | None = None) -> Episode:
         """Alternate user and policy turns after an assistant turn, at most `max_turns` more
-        policy turns, then run the tokenization sanity check. An episode a malformed turn
-        ended stays as it is."""
+        policy turns (at `temperature`, the rollout's when None), then run the tokenization
+        sanity check. An episode a malformed turn ended stays as it is."""
         if episode.end in MALFORMED_ENDS:
             return episode
         episode.end = "max_turns"
         for _ in range(max_turns):
-            if not await self.user_turn(episode, example) or not await self.policy_turn(episode, trained):
+            if not await self.user_turn(episode, example) or \
+                    not await self.policy_turn(episode, trained, temperature):
                 break
         if episode.end not in MALFORMED_ENDS:
             self.chat.check(episode.tokens, episode.messages)

@@ -142,8 +142,10 @@ class GroupRollout:
                 samples.append(sample)
                 responses.append(episode.messages[-1]["content"])
             _, best = max(candidates, key=lambda c: c[0].reward)
-            # A copy (the best sample keeps its own tokens), all context from here on.
-            base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens))
+            # A copy (the best sample keeps its own tokens), all context from here on: the
+            # next turn's rewards count only what follows it.
+            base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens),
+                           context_len=len(best.tokens), policy_tokens=0)
             if not best.well_formed() or turn == self.runner.spec.max_turns - 1:
                 break
             if not await self.runner.user_turn(base, task.example):

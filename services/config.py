@@ -14,6 +14,8 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.presets import PRESETS
+
 JOB_NAME = r"[A-Za-z0-9_.-]{1,128}"
 """A job's name (JobSpec.name); job ids are a name, a dash and 8 hex digits."""
 
@@ -59,8 +61,18 @@ class TaskSpec(_Strict):
                             "proxy (reward.user_model).",
     )
     metric: Literal["exact_match", "judge"] = Field(
-        "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric."
+        "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric "
+                                   "(binary, as the references are)."
     )
+    system_prompt: str | None = Field(None, max_length=8000, description=(
+        "A system message before every context (`reward.preset: collabllm` sets CollabLLM's collaborative "
+        "prompt); the user simulator and the judge never see it."))
+    contexts: str | None = Field(None, description=(
+        "JSONL of conversations ({messages, example}, e.g. a generate job's sft.jsonl): every prefix ending "
+        "with a user turn becomes a context, so every turn j is trained; num_examples caps how many."))
+    simulator: Literal["cooperative", "person"] = Field("cooperative", description=(
+        "How the LLM user simulator plays the goal: cooperative (truthful, forthcoming when asked) or person "
+        "(CollabLLM's: minimal effort, preferences, occasional mistakes, ends when satisfied)."))
 
 
 class RewardSpec(_Strict):
@@ -72,6 +84,10 @@ class RewardSpec(_Strict):
     never more than `max_futures` for a response nor `num_futures` per response on average
     over its group."""
 
+    preset: Literal["none", "collabllm"] = Field("none", description=(
+        "Fill in a published recipe's settings wherever the spec does not set them (services/presets.py); "
+        "collabllm: the paper's MR (w 2, S 3, lambda by task, interactivity judge, future temperature, "
+        "system prompt, person simulator)."))
     mode: Literal["episode", "multiturn"] = "episode"
     window: int = Field(2, ge=0, le=16, description="w: future turns per forward sample.")
     num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response (the mean, when "
@@ -90,10 +106,20 @@ class RewardSpec(_Strict):
                               "a response (falls back to single calls when the judge's list is unusable).")
     judge_cache: bool = Field(True, description="Let the judge proxy answer a verdict it gave this job before.")
     token_penalty: float = Field(0.0, ge=0.0, le=1.0, description="lambda per token.")
+    token_count: Literal["policy", "all"] = Field("policy", description=(
+        "Which tokens the penalty counts: policy, the tokens the policy generated from the scored response on; "
+        "all, every token from the scored response on, user (and tool) turns included, as CollabLLM counts."))
+    future_temperature: float | None = Field(None, gt=0.0, le=10.0, description=(
+        "The policy's sampling temperature in forward-sampled futures; rollout.temperature when unset "
+        "(CollabLLM: 0.6-0.8)."))
     extrinsic_weight: float = Field(1.0, ge=0.0)
     judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
     judge_weight: float = Field(1.0, ge=0.0)
     judge_model: str | None = Field(None, description="Model name at the judge proxy; its default if unset.")
+    judge_reference: bool = Field(False, description=(
+        "Show the judge the task's reference answer with judge_rubric. Off by default, as in CollabLLM: an "
+        "interactivity score that sees the answer leaks correctness into it. A rubric that needs a reference "
+        "(accuracy) needs this on."))
     user_model: str = Field("user-simulator", min_length=1,
                             description="Model name at the judge proxy that plays the user (LLM-user tasks).")
     tool_format_weight: float = Field(
@@ -329,6 +355,19 @@ class JobSpec(_Strict):
                     "for 5 steps: the job trains on nothing).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data):
+        """`reward.preset`'s settings for the task, under what the spec sets itself."""
+        if not isinstance(data, dict):
+            return data
+        reward, task = _given(data.get("reward")), _given(data.get("task"))
+        preset = reward.get("preset", "none")
+        if preset == "none" or not isinstance(preset, str) or preset not in PRESETS:
+            return data
+        filled = PRESETS[preset](task.get("name", "clarify"))
+        return data | {"reward": filled["reward"] | reward, "task": filled["task"] | task}
+
     @model_validator(mode="after")
     def _lengths_fit(self) -> "JobSpec":
         if self.rollout.max_total_tokens > self.model.max_model_len:
@@ -346,8 +385,18 @@ class JobSpec(_Strict):
         return self
 
 
-PATH_FIELDS = (("model", "path"), ("task", "data"), ("warm_start", "data"), ("tools", "file"),
-               ("train", "data"))
+def _given(section) -> dict:
+    """The fields a job-spec section sets itself: a mapping as written, or a model's
+    explicitly set fields; {} for anything else (validation reports it)."""
+    if isinstance(section, dict):
+        return section
+    if isinstance(section, BaseModel):
+        return {name: getattr(section, name) for name in section.model_fields_set}
+    return {}
+
+
+PATH_FIELDS = (("model", "path"), ("task", "data"), ("task", "contexts"), ("warm_start", "data"),
+               ("tools", "file"), ("train", "data"))
 """(section, field) of every job-spec field that names a file or folder the learner or a
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
 

@@ -58,6 +58,19 @@ class Rubric:
     """Room for the judge's reply (the verdict sentence and the scores)."""
     candidate_tokens: int = 80
     """Room for each further candidate's object in a group verdict."""
+    anchored: bool = False
+    """Scores are the anchors' only: a score between two anchors counts as the lower one
+    (a binary rubric stays binary whatever the judge writes)."""
+
+    def scaled(self, raw: dict[str, int]) -> dict[str, float]:
+        """Each criterion's raw 0-10 score in [0, 1], held to its anchors when `anchored`."""
+        scores = {}
+        for criterion in self.criteria:
+            score = raw[criterion.name]
+            if self.anchored:
+                score = max(a for a, _ in criterion.anchors if a <= score)
+            scores[criterion.name] = score / SCALE_MAX
+        return scores
 
     def group_max_tokens(self, num_candidates: int) -> int:
         return self.max_tokens + self.candidate_tokens * (num_candidates - 1)
@@ -95,7 +108,7 @@ def parse_verdict(rubric: Rubric, text: str) -> Verdict | None:
     if found is None:
         return None
     raw_scores, verdict = found
-    scores = {name: raw_scores[name] / SCALE_MAX for name in names}
+    scores = rubric.scaled(raw_scores)
     return Verdict(rubric.combine(scores), scores, verdict)
 
 
@@ -155,7 +168,7 @@ def parse_group_verdicts(rubric: Rubric, text: str, num_candidates: int) -> list
         if any(v is None for v in raw.values()):
             bad = [n for n, v in raw.items() if v is None]
             raise GroupParseError("out_of_range", f"candidate {number}: {bad} missing or not 0-{SCALE_MAX}")
-        scores = {name: raw[name] / SCALE_MAX for name in names}
+        scores = rubric.scaled(raw)
         verdict = fields.get("verdict")
         found[number] = Verdict(rubric.combine(scores), scores, verdict if isinstance(verdict, str) else "")
     missing = [n for n in range(1, num_candidates + 1) if n not in found]
@@ -182,7 +195,8 @@ def verdict_schema(rubric: Rubric) -> dict:
     """The JSON schema of one verdict, for upstreams that constrain their output to a schema
     (vLLM's structured outputs, OpenAI's `json_schema`): a small judge that would not keep
     to the format by itself still returns a verdict `parse_verdict` reads."""
-    scores = {c.name: {"type": "integer", "minimum": 0, "maximum": SCALE_MAX} for c in rubric.criteria}
+    scores = {c.name: {"enum": [a for a, _ in c.anchors]} if rubric.anchored else
+              {"type": "integer", "minimum": 0, "maximum": SCALE_MAX} for c in rubric.criteria}
     properties = {**scores, "verdict": {"type": "string", "maxLength": VERDICT_CHARS}}
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 

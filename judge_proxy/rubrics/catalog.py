@@ -37,11 +37,27 @@ INTERACTIVITY = Rubric(
     ),
 )
 
+_ACCURACY_TASK = ("Compare the assistant's final answer with the reference answer. Only the last answer the "
+                  "assistant commits to counts, not earlier attempts. Answers that are mathematically or "
+                  "semantically equivalent to the reference are correct whatever their form.")
+
 ACCURACY = Rubric(
     name="accuracy",
-    task=("Compare the assistant's final answer with the reference answer. Only the last answer the "
-          "assistant commits to counts, not earlier attempts. Answers that are mathematically or "
-          "semantically equivalent to the reference are correct whatever their form."),
+    task=_ACCURACY_TASK,
+    criteria=(
+        Criterion("correctness", "Does the final answer match the reference?", (
+            (0, "No final answer, a wrong one, or several candidate answers of which the user must pick."),
+            (10, "States one answer, equivalent to the reference."),
+        )),
+    ),
+    needs_reference=True,
+    anchored=True,
+)
+"""Binary, as the references are (CollabLLM's accuracy): hedging between answers earns nothing."""
+
+ACCURACY_GRADED = Rubric(
+    name="accuracy_graded",
+    task=_ACCURACY_TASK,
     criteria=(
         Criterion("correctness", "Does the final answer match the reference?", (
             (0, "No final answer, or an answer that contradicts the reference."),
@@ -78,4 +94,4 @@ HELPFULNESS = Rubric(
     ),
 )
 
-RUBRICS: dict[str, Rubric] = {r.name: r for r in (INTERACTIVITY, ACCURACY, HELPFULNESS)}
+RUBRICS: dict[str, Rubric] = {r.name: r for r in (INTERACTIVITY, ACCURACY, ACCURACY_GRADED, HELPFULNESS)}

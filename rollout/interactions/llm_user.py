@@ -94,9 +94,10 @@ def parse_user_reply(text: str) -> UserReply | None:
 def transcript(messages: list[dict]) -> str:
     """The conversation as the simulator reads it: it is the USER. Each message is quoted
     (`services.quoting`), so an assistant reply cannot pose as the user's own lines or the
-    prompt's. Tool traffic is the assistant's own business: tool results and the replies
-    that asked for them are left out."""
-    names = {"user": "USER", "assistant": "ASSISTANT", "system": "SYSTEM"}
+    prompt's. Tool traffic and the assistant's system prompt are the assistant's own
+    business: tool results, the replies that asked for them and system messages are left
+    out."""
+    names = {"user": "USER", "assistant": "ASSISTANT"}   # never the assistant's system prompt
     shown = [m for i, m in enumerate(messages)
              if m["role"] in names and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
     tag = quote_tag([shown])

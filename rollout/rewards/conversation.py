@@ -1,7 +1,10 @@
 """R*(conversation): the conversation-level reward CollabLLM averages over futures.
 
-R* = extrinsic_weight * R_ext - min(lambda * policy_tokens, 1) + judge_weight * R_llm, where
-policy_tokens counts every token the policy generated in the scored conversation. With
+R* = extrinsic_weight * R_ext - min(lambda * tokens, 1) + judge_weight * R_llm, where
+tokens (`reward.token_count`) counts what the policy generated in the scored conversation
+(`policy`), or every token after its context, user and tool turns included (`all`,
+CollabLLM's count). The judge sees the conversation without its system prompt, and the
+task's reference only with `reward.judge_reference`. With
 tools, ARTIST's composite adds tool_format_weight when every call could be read and
 tool_success_weight times the share of calls that ran without error (`tool_terms`); the
 answer's correctness is R_ext.
@@ -47,7 +50,7 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
                                judge: Judge | None = None, call_id: str = "") -> list[float]:
     """R* of each conversation; one the policy left unfinished scores only its token
     penalty. The judge is asked about the finished ones together (one call in group mode)."""
-    rewards = [-min(spec.token_penalty * e.policy_tokens, 1.0) for e in episodes]
+    rewards = [-min(spec.token_penalty * counted_tokens(e, spec), 1.0) for e in episodes]
     finished = [i for i, e in enumerate(episodes) if e.well_formed()]
     if not finished:
         return rewards
@@ -60,11 +63,21 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
-        scores = await judge.score_all(spec.judge_rubric, [episodes[i].messages for i in finished],
-                                       task.reference(example), call_id)
+        scores = await judge.score_all(spec.judge_rubric, [judged(episodes[i].messages) for i in finished],
+                                       task.reference(example) if spec.judge_reference else None, call_id)
         for i, score in zip(finished, scores):
             rewards[i] += spec.judge_weight * score
     return rewards
+
+
+def counted_tokens(episode: Episode, spec: RewardSpec) -> int:
+    """The tokens the penalty counts (`reward.token_count`)."""
+    return episode.new_tokens() if spec.token_count == "all" else episode.policy_tokens
+
+
+def judged(messages: list[dict]) -> list[dict]:
+    """What the judge reads: the conversation without the assistant's system prompt."""
+    return [m for m in messages if m["role"] != "system"]
 
 
 def tool_terms(usage: ToolUsage, spec: RewardSpec) -> float:

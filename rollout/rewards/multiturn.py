@@ -127,7 +127,8 @@ async def score_response(runner: EpisodeRunner, episode: Episode, task: TaskSet,
     while wanted:
         async with futures.slots:
             forks = [episode.fork(f"f{len(sampled) + i}") for i in range(wanted)]
-            forks = await gather_all(*(runner.extend(f, example, spec.window, trained=False) for f in forks))
+            forks = await gather_all(*(runner.extend(f, example, spec.window, trained=False,
+                                                     temperature=spec.future_temperature) for f in forks))
             rewards += await conversation_rewards(task, example, forks, spec, judge,
                                                   f"{episode.trace}/judge{len(sampled)}")
         sampled += forks

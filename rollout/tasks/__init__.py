@@ -16,8 +16,32 @@ _FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | r
 
 
 def load_task(spec: TaskSpec, seed: int = 0, judge=None):
-    """The task set a job names. `judge` (a `rollout.rewards.conversation.Judge`) is for
-    tasks whose metric asks the judge proxy (MATH-Chat accuracy with metric=judge)."""
+    """The task set a job names, seen through its `system_prompt` and `contexts` when it
+    sets them (`rollout.tasks.contexts`). `judge` (a `rollout.rewards.conversation.Judge`)
+    is for tasks whose metric asks the judge proxy (MATH-Chat accuracy with metric=judge)."""
+    if spec.contexts is None:
+        base = _base_task(spec, seed, judge)
+        if spec.system_prompt is None:
+            return base
+        from rollout.tasks.contexts import ContextView
+
+        return ContextView(base, spec.system_prompt)
+    from rollout.tasks.contexts import ContextView, turn_contexts
+
+    turns = turn_contexts(spec.contexts, spec.num_examples)
+    if len(turns) < spec.num_examples:
+        raise ValueError(f"task.contexts holds {len(turns)} contexts, fewer than task.num_examples "
+                         f"({spec.num_examples}); set num_examples to at most {len(turns)}")
+    # The base task's examples as far as the contexts reach (generated tasks draw the same
+    # first examples whatever their number).
+    needed = max(t.example for t in turns) + 1
+    base = _base_task(spec.model_copy(update={"num_examples": needed}), seed, judge)
+    if len(base) < needed:
+        raise ValueError(f"task.contexts names example {needed - 1}, but task {spec.name!r} has {len(base)}")
+    return ContextView(base, spec.system_prompt, turns)
+
+
+def _base_task(spec: TaskSpec, seed: int, judge):
     if spec.name == "clarify":
         from rollout.tasks.clarify_task import ClarifyTask
 
@@ -53,6 +77,17 @@ def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
 def final_reply(messages: list[dict]) -> str:
     """The content of the last assistant message (a scored conversation has one)."""
     return [m["content"] for m in messages if m["role"] == "assistant"][-1]
+
+
+def last_found(messages: list[dict], find):
+    """What `find` returns for the latest assistant message it finds something in (not
+    None), searching back from the end; None when no message has it. R_ext reads the
+    conversation this way, as CollabLLM extracts the final answer from the whole of it: a
+    pleasantry after the answer does not hide the answer."""
+    for message in reversed(messages):
+        if message["role"] == "assistant" and (found := find(message["content"])) is not None:
+            return found
+    return None
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:

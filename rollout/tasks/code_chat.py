@@ -1,6 +1,7 @@
 """BigCodeBench-Chat: the user asks for a Python function, leaving out parts of its spec;
 the user simulator knows the full spec. Scored by the pass rate of the example's unit tests
-run in the sandbox against the code of the final reply.
+run in the sandbox against the conversation's final code: the last Python block of any
+assistant reply.
 
 Fixture rows: {"opening": the user's first request, "goal": the full spec, "reference": a
 solution that passes every test, "tests": Python snippets, each one test (usually one
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollout.tasks import fenced_blocks, final_reply, read_examples
+from rollout.tasks import fenced_blocks, last_found, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.sandbox import run_tests
 from rollout.tasks.base import FixtureTask
@@ -45,7 +46,7 @@ class CodeChatTask(FixtureTask):
 
     async def score(self, example: int, messages: list[dict]) -> float:
         """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""
-        code = python_code(final_reply(messages))
+        code = last_found(messages, python_code)
         if code is None:
             return 0.0
         result = await asyncio.to_thread(run_tests, code, self.examples[example].tests)
@@ -56,6 +57,6 @@ class CodeChatTask(FixtureTask):
         would block the event loop."""
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         return {
-            "has_code": float(python_code(replies[-1]) is not None),
+            "has_code": float(last_found(messages, python_code) is not None),
             "asked": float(is_question(replies[0])),
         }

@@ -1,6 +1,6 @@
 """MediumDocEdit-Chat: the user asks for edits to a short document without saying all of
-them; the user simulator knows every edit. Scored by sentence BLEU of the final document
-against the reference edit.
+them; the user simulator knows every edit. Scored by sentence BLEU of the conversation's
+final document (`conversation_document`) against the reference edit.
 
 Fixture rows: {"request": the user's opening words, "document": the text to edit, "goal":
 every edit the user wants, "reference": the document with those edits made}.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from rollout.tasks import fenced_blocks, final_reply, read_examples
+from rollout.tasks import fenced_blocks, final_reply, last_found, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
@@ -33,6 +33,14 @@ def final_document(reply: str) -> str:
     return (blocks[-1][1] if blocks else reply).strip()
 
 
+def conversation_document(messages: list[dict]) -> str:
+    """The document the conversation ends with: the last fenced block of any assistant
+    reply (a reply after it that holds none, a thank-you, leaves it standing); without any,
+    the whole latest reply."""
+    found = last_found(messages, lambda text: blocks[-1][1].strip() if (blocks := fenced_blocks(text)) else None)
+    return found if found is not None else final_reply(messages).strip()
+
+
 def document_bleu(hypothesis: str, reference: str) -> float:
     """sacreBLEU sentence BLEU (13a tokens, exponential smoothing) / 100, in [0, 1]."""
     return sacrebleu.sentence_bleu(hypothesis, [reference]).score / 100
@@ -50,11 +58,11 @@ class DocEditChatTask(FixtureTask):
         return [{"role": "user", "content": f"{ex.request}\n\n```\n{ex.document}\n```"}]
 
     async def score(self, example: int, messages: list[dict]) -> float:
-        return document_bleu(final_document(final_reply(messages)), self.examples[example].reference)
+        return document_bleu(conversation_document(messages), self.examples[example].reference)
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         return {
-            "bleu": document_bleu(final_document(replies[-1]), self.examples[example].reference),
+            "bleu": document_bleu(conversation_document(messages), self.examples[example].reference),
             "asked": float(is_question(replies[0])),
         }

@@ -1,5 +1,6 @@
 """MATH-Chat: a math problem asked with a detail missing; the user simulator knows the full
-problem. Scored by exact match of the final answer, or by the judge's `accuracy` rubric.
+problem. Scored by exact match of the conversation's final answer (`conversation_answer`),
+or by the judge's binary `accuracy` rubric, which reads the whole conversation.
 
 Fixture rows: {"opening": the underspecified request, "goal": the full problem as the
 user's intent, "answer": the reference final answer}.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from rollout.tasks import final_reply, read_examples
+from rollout.tasks import last_found, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
@@ -79,9 +80,20 @@ def _as_fraction(text: str) -> Fraction | None:
         return None
 
 
-def is_correct(reply: str, answer: str) -> bool:
-    """Exact match of the reply's final answer with the reference, after normalisation."""
-    return normalise_answer(final_answer(reply)) == normalise_answer(answer)
+def conversation_answer(messages: list[dict]) -> str:
+    """The answer the assistant last committed to in the conversation: the last `\\boxed{}`
+    of any of its replies; without one, the last number of its latest reply that has one;
+    '' when none has either."""
+    found = last_found(messages, boxed)
+    if found is None:
+        found = last_found(messages, lambda text: final_answer(text) or None)
+    return found or ""
+
+
+def is_correct(messages: list[dict], answer: str) -> bool:
+    """Exact match of the conversation's final answer with the reference, after
+    normalisation."""
+    return normalise_answer(conversation_answer(messages)) == normalise_answer(answer)
 
 
 class MathChatTask(FixtureTask):
@@ -100,11 +112,11 @@ class MathChatTask(FixtureTask):
     async def score(self, example: int, messages: list[dict]) -> float:
         if self.metric == "judge":
             return await self.judge("accuracy", messages, self.reference(example))
-        return float(is_correct(final_reply(messages), self.examples[example].answer))
+        return float(is_correct(messages, self.examples[example].answer))
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         return {
-            "exact_match": float(is_correct(replies[-1], self.examples[example].answer)),
+            "exact_match": float(is_correct(messages, self.examples[example].answer)),
             "asked": float(is_question(replies[0])),
         }

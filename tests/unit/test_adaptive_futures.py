@@ -88,7 +88,8 @@ class FixedFutures:
     def __init__(self, rewards: dict[str, float]) -> None:
         self.rewards = rewards
 
-    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool) -> Episode:
+    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool,
+                     temperature: float | None = None) -> Episode:
         episode.messages.append({"role": "assistant", "content": str(self.rewards[episode.trace])})
         return episode
 

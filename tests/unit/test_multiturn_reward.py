@@ -166,7 +166,8 @@ class ScriptedFutures:
     def __init__(self, replies: list[str]) -> None:
         self.replies = list(replies)
 
-    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool) -> Episode:
+    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool,
+                     temperature: float | None = None) -> Episode:
         episode.messages += [{"role": "user", "content": clarify.clarification(TARGET.target)},
                              {"role": "assistant", "content": self.replies.pop(0)}]
         episode.policy_tokens += 10

@@ -135,13 +135,13 @@ async def test_reward_slots_bound_the_rewards_computed_at_once(tokenizer):
             active -= 1
             return [0.5] * len(conversations)
 
-    spec = RewardSpec(mode="episode", judge_rubric="interactivity", judge_weight=1.0)
+    spec = RewardSpec(mode="episode", judge_rubric="interactivity", judge_weight=1.0, judge_reference=True)
     rollout, _ = group_rollout(tokenizer, [RIGHT], spec, "job-slots", judge=Judge(), reward_slots=2)
 
     group = await rollout.group(task("job-slots", 6))
 
     assert peak == 2
-    assert references == [RIGHT] * 6  # the task's reference answer
+    assert references == [RIGHT] * 6  # the task's reference answer, as judge_reference asks
     assert [s.reward for s in group.samples] == [1.5] * 6  # R_ext + judge_weight * R_llm
 
 
