@@ -246,7 +246,7 @@ class RolloutServer:
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)
         task_set = load_task(spec.task, spec.train.seed, judge=judge)
         user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id,
-                                             seed=spec.train.seed)
+                                             seed=spec.train.seed, style=spec.task.simulator)
         tools = None if spec.tools is None else await ToolBox.open(
             spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
         if tools is not None:

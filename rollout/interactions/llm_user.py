@@ -1,8 +1,10 @@
 """An LLM that plays the user, through the judge proxy's chat completions.
 
-It knows the user's hidden goal (the task's `goal`), keeps to the style of the user's
-earlier messages, reveals details only as the assistant earns them, and ends the chat with
-END_MARKER. It answers with a JSON object {current_answer, thought, response}; only
+It knows the user's hidden goal (the task's `goal`) and ends the chat with END_MARKER. Two
+styles (`task.simulator`): `cooperative` keeps to the style of the user's earlier messages,
+answers truthfully and reveals details only as the assistant earns them; `person` plays a
+person as CollabLLM's simulator does (`PERSON_RULES`): minimal effort, realistic knowledge,
+stated preferences, the odd slip, writing the opening request itself when asked to. It answers with a JSON object {current_answer, thought, response}; only
 `response` reaches the conversation. Replies are parsed leniently (code fences, text
 around the object, a bare "response" field); an unparseable reply is asked for once more
 with a stricter instruction, then reported as an error (the task is retried), never
@@ -22,15 +24,28 @@ from services.quoting import quote_tag, quote_turns
 END_MARKER = "[[TERMINATE CHAT]]"
 _RESPONSE_FIELD = re.compile(r'"response"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
+COOPERATIVE_RULES = """- Write as this user: match the length, tone and wording of your earlier messages.
+- Do not hand over the whole goal at once. Answer the assistant's questions truthfully, react
+  to what it proposes, and add details only when they are asked for or clearly needed."""
+
+PERSON_RULES = """- You are a person, not an AI, with a personality you keep for the whole chat.
+- Make little effort: write short, casual messages, leave things out at first, and let the
+  assistant ask for what it needs. Never paste your goal word for word.
+- Know what such a person would know; you may not notice when the assistant gets a detail wrong.
+- Now and then slip: a typo, a loose or slightly wrong detail, a question that is not quite clear.
+- Say what you prefer when it matters to you (short answers, being in a hurry, a format you like).
+- Keep to your goal: no small talk; bring the chat back when it drifts.
+- If the conversation is empty, write the first message you would send to get help with your goal."""
+
+STYLES = {"cooperative": COOPERATIVE_RULES, "person": PERSON_RULES}
+
 SYSTEM_PROMPT = """You play a user who is talking with an AI assistant. Stay in that role.
 
 Your hidden goal (the assistant has not seen it):
 {goal}
 
 How to act:
-- Write as this user: match the length, tone and wording of your earlier messages.
-- Do not hand over the whole goal at once. Answer the assistant's questions truthfully, react
-  to what it proposes, and add details only when they are asked for or clearly needed.
+{rules}
 - Never mention that you are simulated, and never write the assistant's part.
 - When the goal is reached, or the assistant clearly cannot help further, your response is
   exactly {end}
@@ -108,8 +123,9 @@ def transcript(messages: list[dict]) -> str:
 
 class LLMUser:
     def __init__(self, client, goal: Callable[[int], str], model: str, job: str = "",
-                 max_tokens: int = 512, temperature: float = 1.0, seed: int = 0) -> None:
+                 max_tokens: int = 512, temperature: float = 1.0, seed: int = 0, style: str = "cooperative") -> None:
         self.client = client
+        self.rules = STYLES[style]
         self.goal = goal
         self.model = model
         self.job = job
@@ -119,7 +135,8 @@ class LLMUser:
         """The job's; each call's sampling seed derives from it and the call's id."""
 
     async def respond(self, example: int, messages: list[dict], call_id: str = "") -> str | None:
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), end=END_MARKER)},
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), rules=self.rules,
+                                                                      end=END_MARKER)},
                   {"role": "user", "content": transcript(messages)}]
         reply = await self._ask(prompt, call_id)
         if reply is None:

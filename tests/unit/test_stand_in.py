@@ -16,7 +16,7 @@ import pytest
 from judge_proxy.local_upstream import Latency, LocalUpstream, LocalUpstreamConfig, count_prompt_tokens, create_app
 from judge_proxy.rubrics import RUBRICS, parse_verdict, render
 from judge_proxy.stand_in import interactivity_scores, reply_for
-from rollout.interactions.llm_user import END_MARKER, SYSTEM_PROMPT, parse_user_reply, transcript
+from rollout.interactions.llm_user import COOPERATIVE_RULES, END_MARKER, SYSTEM_PROMPT, parse_user_reply, transcript
 
 GOAL = "You want a fruit, specifically mango."
 ASKED = [{"role": "user", "content": "I want a fruit."}, {"role": "assistant", "content": "Which fruit do you mean?"}]
@@ -25,7 +25,7 @@ GUESSED = [{"role": "user", "content": "I want a fruit."}, {"role": "assistant",
 
 
 def simulator_prompt(messages: list[dict]) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT.format(goal=GOAL, end=END_MARKER)},
+    return [{"role": "system", "content": SYSTEM_PROMPT.format(goal=GOAL, rules=COOPERATIVE_RULES, end=END_MARKER)},
             {"role": "user", "content": transcript(messages)}]
 
 
