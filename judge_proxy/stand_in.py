@@ -13,7 +13,8 @@ only what the prompt contains (no hidden channel to the task):
   by whether the final answer states the reference's key word. The reply is a one-line
   rationale and the JSON object the rubric asks for; to a group prompt (several
   `<candidate>` conversations after `<shared>` turns), the JSON list with one object per
-  candidate, each scored as it would be alone.
+  candidate, each scored as it would be alone. Asked for an opening (an empty
+  conversation), the user names the category only, as the task's vague requests do.
 Any other prompt gets None: the upstream then answers filler text, as it always has.
 """
 
@@ -54,9 +55,11 @@ def user_reply(system: str, transcript: str) -> str | None:
     goal = GOAL.search(system)
     tag = TAG.search(transcript)
     turns = quoted_turns(transcript, tag.group(0)) if tag else []
-    if goal is None or not turns:
+    if goal is None:
         return None
     category, target = goal.groups()
+    if transcript.startswith("The conversation has not started"):
+        return json.dumps({"current_answer": "", "thought": "I start vague.", "response": f"I want a {category}."})
     last_assistant = next((text for role, text in reversed(turns) if role == "ASSISTANT"), "")
     if last_assistant.rstrip().endswith("?"):
         thought, response = f"It asked which {category}; I say which.", f"I mean {target}."

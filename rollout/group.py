@@ -60,8 +60,10 @@ class GroupRollout:
 
     def __init__(self, runner: EpisodeRunner, task_set: TaskSet, spec: RewardSpec, judge: Judge,
                  reward_slots: asyncio.Semaphore, server_id: str, job_id: str, generate: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, openings: bool = False) -> None:
         self.runner, self.task_set, self.spec, self.judge = runner, task_set, spec, judge
+        self.openings = openings
+        """`task.opening: simulator`: the user simulator writes each task's first request."""
         self.seed = seed
         """The job's sampling seed, recorded with every reward an LLM took part in."""
         self.reward_slots = reward_slots
@@ -78,7 +80,7 @@ class GroupRollout:
         generate job's: a ranked conversation)."""
         if self.generate:
             return await self.ranked_conversation(task, journal)
-        context = self.task_set.context(task.example)
+        context = await self.context(task)
         futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
         samples = await gather_all(*(self.sample(task, index, context, journal, futures)
                                      for index in range(task.group_size)))
@@ -128,7 +130,7 @@ class GroupRollout:
         (the user simulator answers it), until the user ends it, `max_turns`, or a turn
         whose best response is malformed. The group holds every response, trained on its
         own tokens only and marked with its `turn`; the conversation is the SFT row."""
-        base = self.runner.start(self.task_set.context(task.example), f"task{task.task_id}/g", journal)
+        base = self.runner.start(await self.context(task), f"task{task.task_id}/g", journal)
         samples: list[protocol.Sample] = []
         responses: list[str] = []
         for turn in range(self.runner.spec.max_turns):
@@ -154,6 +156,18 @@ class GroupRollout:
         return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
                                         server_id=self.server_id, elapsed_s=0.0, conversation=base.messages,
                                         conversation_metrics=metrics, responses=responses)
+
+    async def context(self, task: protocol.Task) -> list[dict]:
+        """The task's context; with `openings`, its request replaced by one the user
+        simulator writes (under the task's name, so a replayed task gets the same one) with
+        the task's attachment, after the context's system prompt if it has one."""
+        context = self.task_set.context(task.example)
+        if not self.openings:
+            return context
+        written = await self.runner.user.opening(task.example, f"task{task.task_id}/opening")
+        attachment = self.task_set.attachment(task.example)
+        request = f"{written}\n\n{attachment}" if attachment else written
+        return [*context[:-1], {"role": "user", "content": request}]
 
     async def candidate(self, base: Episode, name: str) -> Episode:
         """One response to the conversation in `base`, on a fork of it."""

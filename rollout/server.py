@@ -253,7 +253,8 @@ class RolloutServer:
             chat = chat.with_tools(tools.schemas())
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)
         return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id,
-                            generate=spec.kind == "generate", seed=spec.train.seed)
+                            generate=spec.kind == "generate", seed=spec.train.seed,
+                            openings=spec.task.opening == "simulator")
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(

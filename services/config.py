@@ -73,6 +73,23 @@ class TaskSpec(_Strict):
     simulator: Literal["cooperative", "person"] = Field("cooperative", description=(
         "How the LLM user simulator plays the goal: cooperative (truthful, forthcoming when asked) or person "
         "(CollabLLM's: minimal effort, preferences, occasional mistakes, ends when satisfied)."))
+    opening: Literal["task", "simulator"] = Field("task", description=(
+        "Who writes a training conversation's first request: the task's data, or the LLM user simulator from "
+        "the goal (CollabLLM), once per group; the task's own material (a document to edit) is attached. "
+        "Evaluation keeps the task's openings."))
+    extraction: Literal["rule", "llm"] = Field("rule", description=(
+        "doc_edit_chat and code_chat: how R_ext finds the final document or code in a conversation: rule, the "
+        "last fenced block of any assistant reply; llm, an extraction call to reward.judge_model through the "
+        "judge proxy (CollabLLM), for replies that do not fence what they deliver."))
+
+    @model_validator(mode="after")
+    def _openings_need_a_simulator(self) -> "TaskSpec":
+        if self.opening == "simulator" and self.user == "auto" and self.name in ("clarify", "multiply"):
+            raise ValueError(f"task.opening: simulator needs the LLM user simulator; {self.name} plays its "
+                             "rule-based user unless task.user is llm")
+        if self.opening == "simulator" and self.contexts is not None:
+            raise ValueError("task.opening: simulator writes openings, task.contexts brings its own: set one")
+        return self
 
 
 class RewardSpec(_Strict):
@@ -365,7 +382,7 @@ class JobSpec(_Strict):
         preset = reward.get("preset", "none")
         if preset == "none" or not isinstance(preset, str) or preset not in PRESETS:
             return data
-        filled = PRESETS[preset](task.get("name", "clarify"))
+        filled = PRESETS[preset](task)
         return data | {"reward": filled["reward"] | reward, "task": filled["task"] | task}
 
     @model_validator(mode="after")

@@ -11,7 +11,8 @@ with the preset filled in).
   token from the scored response on, user turns included (`token_count: all`);
 - futures played by the current policy at 0.6 (math, code) or 0.8 (documents and the rest);
 - a collaborative system prompt before every trained context, hidden from the simulator and
-  the judge; the simulator plays a person (`task.simulator: person`).
+  the judge; the simulator plays a person (`task.simulator: person`) and, on the paper's
+  three tasks, writes the opening request (`task.opening: simulator`).
 What Tandem does differently under the preset, and why, is in docs/DESIGN.md ("CollabLLM").
 """
 
@@ -29,16 +30,22 @@ ask specific questions, and offer choices the user can pick from.
 
 _TOKEN_PENALTY = {"doc_edit_chat": 1e-4}
 _FUTURE_TEMPERATURE = {"math_chat": 0.6, "code_chat": 0.6}
+_DATA_TASKS = ("math_chat", "doc_edit_chat", "code_chat")
+"""The paper's tasks, whose user the LLM simulator always plays: it writes their openings."""
 
 
-def collabllm(task: str) -> dict[str, dict]:
-    """The `collabllm` preset's settings for a task, by job-spec section."""
+def collabllm(given_task: dict) -> dict[str, dict]:
+    """The `collabllm` preset's settings, by job-spec section, for the task section a spec
+    gives (its name, and whether it brings its own `contexts`)."""
+    task = given_task.get("name", "clarify")
+    writes_openings = task in _DATA_TASKS and given_task.get("contexts") is None
     return {
         "reward": {"mode": "multiturn", "window": 2, "num_futures": 3, "futures": "fixed",
                    "token_penalty": _TOKEN_PENALTY.get(task, 5e-4), "token_count": "all",
                    "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 1.0,
                    "judge_reference": False, "future_temperature": _FUTURE_TEMPERATURE.get(task, 0.8)},
-        "task": {"system_prompt": COLLABORATIVE_SYSTEM_PROMPT, "simulator": "person"},
+        "task": {"system_prompt": COLLABORATIVE_SYSTEM_PROMPT, "simulator": "person"}
+        | ({"opening": "simulator"} if writes_openings else {}),
     }
 
 

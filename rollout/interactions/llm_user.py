@@ -71,6 +71,9 @@ REPLY_SCHEMA = {
 small model that would not keep to the format by itself still answers in it."""
 REPLY_FORMAT = {"type": "json_schema", "json_schema": {"name": "user_reply", "schema": REPLY_SCHEMA}}
 
+NOT_STARTED = "The conversation has not started yet. Your JSON reply as the USER, with your first message:"
+"""The transcript of an empty conversation: the simulator writes the opening request."""
+
 STRICTER = ("Your last reply was not a JSON object with a \"response\" field. Reply again with only the "
             "JSON object, no other text.")
 
@@ -113,6 +116,8 @@ def transcript(messages: list[dict]) -> str:
     business: tool results, the replies that asked for them and system messages are left
     out."""
     names = {"user": "USER", "assistant": "ASSISTANT"}   # never the assistant's system prompt
+    if not any(m["role"] in names for m in messages):
+        return NOT_STARTED
     shown = [m for i, m in enumerate(messages)
              if m["role"] in names and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
     tag = quote_tag([shown])
@@ -145,6 +150,13 @@ class LLMUser:
             raise UserSimulatorError("the user simulator's reply had no parseable response, twice")
         response = reply.response.strip()
         return None if not response or END_MARKER in response else response
+
+    async def opening(self, example: int, call_id: str = "") -> str:
+        """The first request, written by the simulator from the goal alone."""
+        written = await self.respond(example, [], call_id)
+        if written is None:
+            raise UserSimulatorError("the user simulator wrote no opening request")
+        return written
 
     async def _ask(self, prompt: list[dict], call_id: str) -> UserReply | None:
         structured = await self.client.structured_output(self.model)

@@ -27,6 +27,11 @@ class TaskSet(Protocol):
         """The reference answer or document the task metric compares against."""
         ...
 
+    def attachment(self, example: int) -> str:
+        """What a user brings with the request whoever words it (a document to edit); ''
+        for none. A simulator-written opening (`task.opening: simulator`) gets it appended."""
+        ...
+
     async def score(self, example: int, messages: list[dict]) -> float:
         """R_ext in [0, 1]: the task metric of a finished conversation against the reference."""
         ...
@@ -55,3 +60,6 @@ class FixtureTask:
 
     def reference(self, example: int) -> str:
         return self.examples[example].reference
+
+    def attachment(self, example: int) -> str:
+        return ""

@@ -31,6 +31,9 @@ class ClarifyTask:
                          {"role": "user", "content": clarify.clarification(ex.target)}]
         return messages
 
+    def attachment(self, example: int) -> str:
+        return ""
+
     def goal(self, example: int) -> str:
         ex = self.examples[example]
         return f"You want a {ex.category}, specifically {ex.target}."

@@ -115,6 +115,9 @@ class ContextView:
     def reference(self, index: int) -> str:
         return self.base.reference(self.example_of(index))
 
+    def attachment(self, index: int) -> str:
+        return self.base.attachment(self.example_of(index))
+
     async def score(self, index: int, messages: list[dict]) -> float:
         return await self.base.score(self.example_of(index), messages)
 

@@ -53,9 +53,11 @@ class DocEditChatTask(FixtureTask):
         self.examples = [DocEditExample(**row) for row in read_examples(spec, "doc_edit_chat.jsonl")]
 
     def context(self, example: int) -> list[dict]:
-        ex = self.examples[example]
-        # The document goes in a fence, which invites a fenced edit back.
-        return [{"role": "user", "content": f"{ex.request}\n\n```\n{ex.document}\n```"}]
+        return [{"role": "user", "content": f"{self.examples[example].request}\n\n{self.attachment(example)}"}]
+
+    def attachment(self, example: int) -> str:
+        """The document, in a fence, which invites a fenced edit back."""
+        return f"```\n{self.examples[example].document}\n```"
 
     async def score(self, example: int, messages: list[dict]) -> float:
         return document_bleu(conversation_document(messages), self.examples[example].reference)

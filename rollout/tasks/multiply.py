@@ -113,6 +113,9 @@ class MultiplyTask:
     def context(self, example: int) -> list[dict]:
         return [{"role": "user", "content": question(self.examples[example])}]
 
+    def attachment(self, example: int) -> str:
+        return ""
+
     def goal(self, example: int) -> str:
         return f"You want the product {self.examples[example].value}."
 

@@ -16,7 +16,7 @@ from judge_proxy.rubrics import RUBRICS
 from judge_proxy.rubrics.base import parse_verdict
 from rollout.episode import Episode, EpisodeRunner
 from rollout.group import GroupRollout
-from rollout.interactions.llm_user import PERSON_RULES, LLMUser, transcript
+from rollout.interactions.llm_user import NOT_STARTED, PERSON_RULES, LLMUser, transcript
 from rollout.rewards.conversation import conversation_rewards
 from rollout.rewards.multiturn import score_response
 from rollout.tasks import clarify, load_task
@@ -284,3 +284,70 @@ async def test_the_person_simulator_is_briefed_as_a_person_and_never_sees_the_sy
     system, shown = client.prompts[0][0]["content"], client.prompts[0][1]["content"]
     assert PERSON_RULES in system and MATH.goal(0) in system
     assert "SECRET SYSTEM" not in shown and shown == transcript(conversation)
+
+
+# ---- 5. the simulator writes the opening -------------------------------------------------
+
+class OpeningClient(RecordingClient):
+    async def chat(self, prompt, **options):
+        self.prompts.append((prompt, options))
+        started = prompt[1]["content"] == NOT_STARTED
+        response = "can u fix my note" if started else "[[TERMINATE CHAT]]"
+        return type("R", (), {"content": json.dumps({"current_answer": "", "thought": "", "response": response})})()
+
+
+class Polite:
+    """An engine double that always says the same short thing."""
+
+    def __init__(self, chat_tokenizer: ChatTokenizer) -> None:
+        self.chat, self.prompts = chat_tokenizer, []
+
+    async def generate(self, prompt, max_tokens, temperature, stop_ids):
+        from rollout.engine import Generation
+
+        self.prompts.append(self.chat.tokenizer.decode(prompt))
+        tokens = self.chat.tokenizer.encode("Sure.", add_special_tokens=False) + [self.chat.eot_id]
+        return Generation(tokens, [-0.5] * len(tokens), [0] * len(tokens), "stop")
+
+
+async def test_a_simulated_opening_is_written_once_per_group_with_the_tasks_attachment(tokenizer):
+    task = ContextView(DocEditChatTask(TaskSpec(name="doc_edit_chat")), "be collaborative")
+    client = OpeningClient()
+    user = LLMUser(client, task.goal, "user-simulator", style="person")
+    chat_tokenizer = ChatTokenizer(tokenizer)
+    engine = Polite(chat_tokenizer)
+    runner = EpisodeRunner(engine, chat_tokenizer, user, RolloutSpec(max_new_tokens=16, max_turns=2,
+                                                                     max_total_tokens=600))
+    rollout = GroupRollout(runner, task, RewardSpec(mode="multiturn", window=1, num_futures=1), None,
+                           asyncio.Semaphore(4), "s", "job-open", openings=True)
+    await rollout.group(protocol.Task(job_id="job-open", task_id=3, example=0, group_size=3, dispatched_version=0))
+    openings = [(p, o) for p, o in client.prompts if p[1]["content"] == NOT_STARTED]
+    assert len(openings) == 1 and openings[0][1]["idempotency_key"] == "task3/opening"
+    first_prompts = engine.prompts[:3]   # the three responses, before any future
+    assert len(set(first_prompts)) == 1
+    assert first_prompts[0].index("be collaborative") < first_prompts[0].index("can u fix my note") < \
+        first_prompts[0].index(task.base.examples[0].document)
+
+
+def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
+    from judge_proxy.stand_in import reply_for
+
+    system = "Your hidden goal (the assistant has not seen it):\nYou want a fruit, specifically mango."
+    reply = reply_for([{"role": "system", "content": system}, {"role": "user", "content": NOT_STARTED}])
+    assert json.loads(reply)["response"] == "I want a fruit."
+
+
+@pytest.mark.parametrize("task, says", [
+    ({"name": "clarify", "opening": "simulator"}, "needs the LLM user simulator"),
+    ({"name": "math_chat", "opening": "simulator", "contexts": "/x.jsonl"}, "set one")])
+def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
+    with pytest.raises(ValueError, match=says):
+        TaskSpec.model_validate(task)
+
+
+def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_contexts_are_given():
+    assert preset("math_chat").task.opening == "simulator"
+    assert preset("clarify").task.opening == "task"
+    with_contexts = JobSpec.model_validate({"model": {"path": "m"}, "reward": {"preset": "collabllm"},
+                                            "task": {"name": "code_chat", "contexts": "/c.jsonl"}})
+    assert with_contexts.task.opening == "task"
