@@ -14,7 +14,9 @@ only what the prompt contains (no hidden channel to the task):
   rationale and the JSON object the rubric asks for; to a group prompt (several
   `<candidate>` conversations after `<shared>` turns), the JSON list with one object per
   candidate, each scored as it would be alone. Asked for an opening (an empty
-  conversation), the user names the category only, as the task's vague requests do.
+  conversation), the user names the category only, as the task's vague requests do;
+- **the extraction of a final document or code** (`rollout.tasks.extraction`): the body of
+  the last fenced block the assistant wrote, or nothing when it wrote none.
 Any other prompt gets None: the upstream then answers filler text, as it always has.
 """
 
@@ -41,6 +43,8 @@ def reply_for(messages: list[dict]) -> str | None:
     last_user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
     if "Your hidden goal" in system:
         return user_reply(system, last_user if isinstance(last_user, str) else "")
+    if system.startswith("You read a conversation between a user and an AI assistant"):
+        return extraction_reply(last_user if isinstance(last_user, str) else "")
     if system.startswith("You grade conversations"):
         case = next((m.get("content") for m in messages if m.get("role") == "user"), "")
         return verdict_reply(system, case if isinstance(case, str) else "")
@@ -67,6 +71,19 @@ def user_reply(system: str, transcript: str) -> str | None:
         thought, response = "It gave its answer; nothing more to ask for.", END_MARKER
     return json.dumps({"current_answer": "" if response != END_MARKER else last_assistant,
                        "thought": thought, "response": response})
+
+
+# ---- extraction ----------------------------------------------------------------------
+
+_FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def extraction_reply(request: str) -> str:
+    """{"final": the last fenced block of the assistant's turns, or ""}."""
+    tag = TAG.search(request)
+    turns = quoted_turns(request, tag.group(0)) if tag else []
+    blocks = [block for role, text in turns if role == "ASSISTANT" for block in _FENCED.findall(text)]
+    return json.dumps({"final": blocks[-1] if blocks else ""})
 
 
 # ---- the judge -----------------------------------------------------------------------

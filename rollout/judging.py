@@ -23,6 +23,18 @@ class ProxyJudge:
                                          cache=self.spec.judge_cache)
         return result.score
 
+    async def complete(self, messages: list[dict], max_tokens: int, response_format: dict | None) -> str:
+        """A chat completion by the job's judge model at temperature 0 (an extraction,
+        `rollout.tasks.extraction`), charged as a judge call."""
+        result = await self.client.chat(messages, model=self.spec.judge_model or "judge", max_tokens=max_tokens,
+                                        temperature=0.0, job=self.job_id, priority="judge",
+                                        response_format=response_format)
+        return result.content
+
+    async def structured(self) -> bool:
+        """Whether the judge model's upstreams keep to a JSON schema."""
+        return await self.client.structured_output(self.spec.judge_model or "judge")
+
     async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
                         call_id: str = "") -> list[float]:
         """Each conversation's score; `call_id` keys the calls (`/c<i>` per conversation)."""

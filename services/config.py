@@ -397,6 +397,8 @@ class JobSpec(_Strict):
             raise ValueError("an offline job trains DPO on a pairs file: set train.algorithm: dpo and train.data")
         if self.kind != "offline" and self.train.data:
             raise ValueError("train.data is read by offline jobs only (kind: offline)")
+        if self.task.extraction == "llm" and not self.reward.judge_model:
+            raise ValueError("task.extraction: llm asks the judge model by name: set reward.judge_model")
         if self.kind == "generate" and self.reward.mode != "multiturn":
             raise ValueError("a generate job ranks each turn's responses: reward.mode must be multiturn")
         return self

@@ -53,7 +53,7 @@ def _base_task(spec: TaskSpec, seed: int, judge):
     if spec.name == "doc_edit_chat":
         from rollout.tasks.doc_edit_chat import DocEditChatTask
 
-        return DocEditChatTask(spec)
+        return DocEditChatTask(spec, judge)
     if spec.name == "multiply":
         from rollout.tasks.multiply import MultiplyTask
 
@@ -61,7 +61,7 @@ def _base_task(spec: TaskSpec, seed: int, judge):
     if spec.name == "code_chat":
         from rollout.tasks.code_chat import CodeChatTask
 
-        return CodeChatTask(spec)
+        return CodeChatTask(spec, judge)
     raise ValueError(f"task {spec.name!r} is not available in this rollout server")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollout.tasks import fenced_blocks, last_found, read_examples
+from rollout.tasks import extraction, fenced_blocks, last_found, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.sandbox import run_tests
 from rollout.tasks.base import FixtureTask
@@ -41,12 +41,16 @@ def python_code(reply: str) -> str | None:
 class CodeChatTask(FixtureTask):
     name = "code_chat"
 
-    def __init__(self, spec: TaskSpec) -> None:
+    def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
+        if spec.extraction == "llm" and judge is None:
+            raise ValueError("code_chat with extraction='llm' needs a judge client")
         self.examples = [CodeExample(**row) for row in read_examples(spec, "code_chat.jsonl")]
+        self.judge = judge if spec.extraction == "llm" else None
 
     async def score(self, example: int, messages: list[dict]) -> float:
         """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""
-        code = last_found(messages, python_code)
+        code = last_found(messages, python_code) if self.judge is None else \
+            (await extraction.extract(self.judge, "code", messages) or None)
         if code is None:
             return 0.0
         result = await asyncio.to_thread(run_tests, code, self.examples[example].tests)

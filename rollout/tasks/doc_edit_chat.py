@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from rollout.tasks import fenced_blocks, final_reply, last_found, read_examples
+from rollout.tasks import extraction, fenced_blocks, final_reply, last_found, read_examples
 from rollout.tasks.clarify import is_question
 from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
@@ -49,8 +49,11 @@ def document_bleu(hypothesis: str, reference: str) -> float:
 class DocEditChatTask(FixtureTask):
     name = "doc_edit_chat"
 
-    def __init__(self, spec: TaskSpec) -> None:
+    def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
+        if spec.extraction == "llm" and judge is None:
+            raise ValueError("doc_edit_chat with extraction='llm' needs a judge client")
         self.examples = [DocEditExample(**row) for row in read_examples(spec, "doc_edit_chat.jsonl")]
+        self.judge = judge if spec.extraction == "llm" else None
 
     def context(self, example: int) -> list[dict]:
         return [{"role": "user", "content": f"{self.examples[example].request}\n\n{self.attachment(example)}"}]
@@ -60,7 +63,9 @@ class DocEditChatTask(FixtureTask):
         return f"```\n{self.examples[example].document}\n```"
 
     async def score(self, example: int, messages: list[dict]) -> float:
-        return document_bleu(conversation_document(messages), self.examples[example].reference)
+        document = conversation_document(messages) if self.judge is None else \
+            await extraction.extract(self.judge, "document", messages)
+        return document_bleu(document, self.examples[example].reference)
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         replies = [m["content"] for m in messages if m["role"] == "assistant"]

@@ -351,3 +351,54 @@ def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_
     with_contexts = JobSpec.model_validate({"model": {"path": "m"}, "reward": {"preset": "collabllm"},
                                             "task": {"name": "code_chat", "contexts": "/c.jsonl"}})
     assert with_contexts.task.opening == "task"
+
+
+# ---- 2. R_ext by an LLM's extraction -------------------------------------------------------
+
+class StandInCompleter:
+    """The judge model played by the stand-in provider's reply function; counts calls."""
+
+    def __init__(self, replies: list[str] | None = None) -> None:
+        self.replies, self.calls = replies, []
+
+    async def structured(self) -> bool:
+        return False
+
+    async def complete(self, messages, max_tokens, response_format):
+        from judge_proxy.stand_in import reply_for
+
+        self.calls.append(messages)
+        return self.replies.pop(0) if self.replies is not None else reply_for(messages)
+
+
+async def test_llm_extraction_reads_the_final_document_from_the_whole_conversation():
+    judge = StandInCompleter()
+    task = DocEditChatTask(TaskSpec(name="doc_edit_chat", extraction="llm"), judge)
+    reference = task.reference(0)
+    conversation = [{"role": "system", "content": "SECRET"},
+                    *chat("fix this", f"Here:\n```\n{reference}\n```", "thanks", "You're welcome!")]
+    assert await task.score(0, conversation) == pytest.approx(1.0)
+    (system, request), = judge.calls
+    assert system["content"].startswith("You read a conversation") and "SECRET" not in request["content"]
+
+
+async def test_llm_extraction_of_code_and_of_nothing():
+    judge = StandInCompleter()
+    task = CodeChatTask(TaskSpec(name="code_chat", extraction="llm"), judge)
+    solution = f"```python\n{task.reference(0)}```"
+    assert await task.score(0, chat("write it", solution, "works", "Great!")) == 1.0
+    assert await task.score(0, chat("write it", "Which names?", "a list", "Sure.")) == 0.0   # nothing delivered
+
+
+async def test_an_unreadable_extraction_is_asked_again_then_raised_never_scored():
+    from rollout.tasks.extraction import ExtractionError, extract
+
+    again = StandInCompleter(["I think the document is fine.", '{"final": "the doc"}'])
+    assert await extract(again, "document", chat("q", "a")) == "the doc" and len(again.calls) == 2
+    with pytest.raises(ExtractionError, match="unreadable, twice"):
+        await extract(StandInCompleter(["no", "still no"]), "document", chat("q", "a"))
+
+
+def test_llm_extraction_needs_a_named_judge_model():
+    with pytest.raises(ValueError, match="set reward.judge_model"):
+        JobSpec.model_validate({"model": {"path": "m"}, "task": {"name": "code_chat", "extraction": "llm"}})
