@@ -27,7 +27,9 @@ def batches(spec: JobSpec) -> Iterator[list[protocol.Sample]]:
 def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
     """JSONL of {"messages": [...]} -> SFT samples (mask on assistant tokens). A row may
     carry `tools` (OpenAI function schemas, the usual form of tool-calling SFT data): its
-    conversation is then rendered with them, as the rollout servers render episodes."""
+    conversation is then rendered with them, as the rollout servers render episodes. The
+    job's `task.system_prompt` goes before every conversation that has no system message,
+    as it goes before every RL context (CollabLLM fine-tunes under its prompt too)."""
     from transformers import AutoTokenizer
 
     from services.tokenization import ChatTokenizer
@@ -44,7 +46,10 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
             key = json.dumps(tools, sort_keys=True)
             if key not in by_tools:  # rendering the base history once per tool list, not per row
                 by_tools[key] = chat.with_tools(tools)
-            tokens, mask = by_tools[key].encode_demonstration(row["messages"])
+            messages = row["messages"]
+            if spec.task.system_prompt and not (messages and messages[0].get("role") == "system"):
+                messages = [{"role": "system", "content": spec.task.system_prompt}, *messages]
+            tokens, mask = by_tools[key].encode_demonstration(messages)
             samples.append(protocol.Sample(
                 sample_id=f"sft:{line_number}", tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
                 versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0,

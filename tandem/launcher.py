@@ -185,3 +185,37 @@ def rendezvous_args(nodes: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
     if not rdzv_endpoint:
         raise ValueError(f"a learner on {nodes} nodes needs a rendezvous endpoint (host:port)")
     return [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+
+
+@contextlib.contextmanager
+def served_model(folder: Path, name: str, log_path: Path, max_model_len: int = 2048, timeout_s: float = 240):
+    """`tandem serve-model` (vLLM's OpenAI server) on `folder` as `name`, on a free loopback
+    port; its base URL (no /v1). Stops its whole process tree afterwards."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve-model", str(folder), "--name", name,
+                                   "--port", str(port), "--max-model-len", str(max_model_len)],
+                                  stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _serving(url, server, log_path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tandem serve-model did not become healthy in {timeout_s:.0f} s ({log_path})")
+            time.sleep(0.5)
+        yield url
+    finally:  # vLLM's engine may run in a child process: stop the whole tree
+        tree = process_tree(server.pid)
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=30)
+        kill_all(tree)
+
+
+def _serving(url: str, server: subprocess.Popen, log_path: Path) -> bool:
+    if server.poll() is not None:
+        raise RuntimeError(f"tandem serve-model exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

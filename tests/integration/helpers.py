@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +21,7 @@ from rollout.tasks import clarify
 from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
-from tandem.launcher import kill_all, learner_command, process_tree
+from tandem.launcher import learner_command, served_model  # noqa: F401 (tests import served_model here)
 from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
 
@@ -96,40 +94,6 @@ def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subpro
                         "TANDEM_METRICS_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(learner_command(2, resume=resume), env=env, stdout=open(log, "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-SERVE_TIMEOUT_S = 240
-
-
-@contextlib.contextmanager
-def served_model(folder: Path, name: str, log_path: Path, max_model_len: int = 2048):
-    """`tandem serve-model` (vLLM's OpenAI server) on `folder` as `name`, on a free loopback
-    port; its base URL (no /v1). Stops its whole process tree afterwards."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve-model", str(folder), "--name", name,
-                                   "--port", str(port), "--max-model-len", str(max_model_len)],
-                                  stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(url, server, log_path), SERVE_TIMEOUT_S, f"tandem serve-model ({log_path})",
-                 interval_s=0.5)
-        yield url
-    finally:  # vLLM's engine may run in a child process: stop the whole tree
-        tree = process_tree(server.pid)
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=30)
-        kill_all(tree)
-
-
-def _healthy(url: str, server: subprocess.Popen, log_path: Path) -> bool:
-    if server.poll() is not None:
-        raise AssertionError(f"tandem serve-model exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def metric_sum(text: str, *names: str, **labels: str) -> float:

@@ -402,3 +402,17 @@ async def test_an_unreadable_extraction_is_asked_again_then_raised_never_scored(
 def test_llm_extraction_needs_a_named_judge_model():
     with pytest.raises(ValueError, match="set reward.judge_model"):
         JobSpec.model_validate({"model": {"path": "m"}, "task": {"name": "code_chat", "extraction": "llm"}})
+
+
+def test_the_warm_start_fine_tunes_under_the_system_prompt_too(tiny_model, tokenizer, tmp_path):
+    from learner.warm_start import load_demonstrations
+    from services.config import ModelSpec
+
+    data = tmp_path / "warm.jsonl"
+    rows = [chat("u", "a"), [{"role": "system", "content": "be collaborative"}, *chat("u", "a")],
+            [{"role": "system", "content": "own prompt"}, *chat("u", "a")]]
+    data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    spec = JobSpec(model=ModelSpec(path=str(tiny_model)), task=TaskSpec(system_prompt="be collaborative"))
+    bare, written, own = load_demonstrations(str(data), spec)
+    assert bare.tokens == written.tokens and bare.mask == written.mask   # as if the row had the prompt
+    assert "own prompt" in tokenizer.decode(own.tokens) and "collaborative" not in tokenizer.decode(own.tokens)

@@ -1,0 +1,154 @@
+"""CollabLLM's three tasks under the `collabllm` preset, end to end with a real model.
+
+SmolLM2-135M-Instruct plays every part: the policy (Tandem's rollout engine and learner),
+and, served by `tandem serve-model` behind the judge proxy, the user simulator (a person,
+writing the opening itself), the interactivity judge and, for documents and code, nothing
+else: R_ext is the task's rule (exact match, BLEU, unit tests) over the whole conversation.
+Per task:
+1. a `generate` job: MR-ranked conversations (at each turn `group_size` responses, each
+   scored by MR over 3 futures of w = 2 turns; the best carries on);
+2. an `rl` job on every turn of those conversations (`task.contexts`), GRPO on MR.
+The history of the RL job is the curve: mean MR of the trained responses, the task metric
+of their futures, the turn trained, tokens, and LLM tokens spent. One seed per task: this
+shows the machinery runs and what it does with a 135M model, not a learning result.
+
+Needs the model (`tandem model get smollm2-135m-instruct models/smollm2-135m-instruct`,
+done here if missing). Run: python bench/collab_tasks.py [--tasks math_chat,...] [--steps 10]
+Writes docs/results/collab_tasks.json and docs/img/collab_tasks.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rollout.tasks.contexts import turn_contexts  # noqa: E402
+from tandem.client import ApiClient, follow  # noqa: E402
+from tandem.launcher import Ports, Stack, served_model  # noqa: E402
+from tandem.models import get  # noqa: E402
+
+MODEL = REPO / "models" / "smollm2-135m-instruct"
+SERVED = "smollm2"
+METRIC = {"math_chat": "exact_match", "doc_edit_chat": "bleu", "code_chat": "has_code"}
+ROLLOUT = {"temperature": 1.0, "max_new_tokens": 160, "max_turns": 3, "max_total_tokens": 1536}
+
+
+def spec(task: str, kind: str, args, contexts: Path | None = None, num_examples: int = 0) -> dict:
+    """The preset's job for `task`, its LLM parts the served model; what departs from the
+    paper is written here: the group size, batch and steps this machine can afford."""
+    task_section = {"name": task} | ({"contexts": str(contexts), "num_examples": num_examples} if contexts else {})
+    job = {
+        "name": f"collab-{task}-{kind}", "kind": kind,
+        "model": {"path": str(MODEL), "max_model_len": 2048},
+        "task": task_section,
+        "rollout": ROLLOUT | {"group_size": args.group_size},
+        "reward": {"preset": "collabllm", "judge_model": SERVED, "user_model": SERVED, "judge_mode": "group"},
+        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": 2e-5, "max_staleness": 1,
+                  "seed": args.seed},
+    }
+    if kind == "generate":
+        job["generate"] = {"conversations": args.conversations}
+        job["task"]["num_examples"] = args.conversations
+    return job
+
+
+def run_task(client: ApiClient, task: str, args, runs_dir: Path) -> dict:
+    started = time.monotonic()
+    generated = client.submit(spec(task, "generate", args))["id"]
+    record = follow(client, generated)
+    if record["status"] != "SUCCEEDED":
+        return {"task": task, "status": f"generate {record['status']}: {record.get('error')}"}
+    sft = runs_dir / generated / "dataset" / "sft.jsonl"
+    contexts = turn_contexts(sft, limit=10_000)
+    generate_s = time.monotonic() - started
+    job_id = client.submit(spec(task, "rl", args, sft, len(contexts)))["id"]
+    record = follow(client, job_id)
+    history = [h for h in client.history(job_id) if h.get("phase") == "rl"]
+    return {"task": task, "status": record["status"], "error": record.get("error"), "generate_job": generated,
+            "rl_job": job_id, "contexts": len(contexts), "turns": sorted({c.turn for c in contexts}),
+            "generate_seconds": generate_s, "seconds": time.monotonic() - started,
+            "spec": spec(task, "rl", args, sft, len(contexts)), "history": history}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| task | contexts (turns) | steps | MR first 3 -> last 3 steps | task metric | turn trained | "
+            "well-formed | LLM tokens / step | wall time |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        h = r.get("history", [])
+        if not h:
+            rows.append(f"| {r['task']} | - | 0 | {r['status']} | | | | | |")
+            continue
+        mean = lambda key, part: sum(s.get(key, 0.0) for s in part) / len(part)  # noqa: E731
+        metric = METRIC[r["task"]]
+        rows.append(
+            f"| {r['task']} | {r['contexts']} ({', '.join(map(str, r['turns']))}) | {len(h)} | "
+            f"{mean('reward_mean', h[:3]):.3f} -> {mean('reward_mean', h[-3:]):.3f} | "
+            f"{metric} {mean(metric, h[:3]):.2f} -> {mean(metric, h[-3:]):.2f} | {mean('turn', h):.2f} | "
+            f"{mean('well_formed', h):.2f} | {mean('llm_tokens_step', h) / 1000:.1f}k | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(rows)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        h = r.get("history", [])
+        steps = [s["step"] for s in h]
+        ax.plot(steps, [s.get("reward_mean", 0) for s in h], marker="o", label="MR (trained responses)")
+        ax.plot(steps, [s.get(METRIC[r["task"]], 0) for s in h], marker="s", label=f"{METRIC[r['task']]} (futures)")
+        ax.plot(steps, [s.get("well_formed", 0) for s in h], ls=":", label="well-formed")
+        ax.set_title(f"{r['task']} ({r.get('contexts', 0)} contexts)")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("collabllm preset, SmolLM2-135M-Instruct as policy, simulator and judge (one seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="math_chat,doc_edit_chat,code_chat")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--conversations", type=int, default=6, help="Ranked conversations per task.")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "out" / "collab_tasks"))
+    parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not MODEL.is_dir():
+        get("smollm2-135m-instruct", MODEL)
+    upstreams = out / "upstreams.yaml"
+    results = []
+    with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096) as url:
+        upstreams.write_text(yaml.safe_dump({"upstreams": [{
+            "name": "smollm2-local", "model": SERVED, "base_url": f"{url}/v1", "tpm": 10_000_000, "rpm": 100_000,
+            "max_concurrency": 16, "timeout_s": 600, "structured_output": True,
+            "tokenizer": str(MODEL / "tokenizer.json")}]}))
+        env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")}
+        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
+            client = ApiClient(stack.api_url)
+            for task in args.tasks.split(","):
+                results.append(run_task(client, task, args, out / "runs"))
+                Path(args.results).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
+    print(table(results))
+    plot(results, REPO / "docs" / "img" / "collab_tasks.png")
+
+
+if __name__ == "__main__":
+    main()
