@@ -38,7 +38,7 @@ from tandem.models import get  # noqa: E402
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 SERVED = "smollm2"
 METRIC = {"math_chat": "exact_match", "doc_edit_chat": "bleu", "code_chat": "has_code"}
-ROLLOUT = {"temperature": 1.0, "max_new_tokens": 160, "max_turns": 3, "max_total_tokens": 1536}
+ROLLOUT = {"temperature": 1.0, "max_new_tokens": 256, "max_turns": 2, "max_total_tokens": 2048}
 
 
 def spec(task: str, kind: str, args, contexts: Path | None = None, num_examples: int = 0) -> dict:
@@ -47,7 +47,7 @@ def spec(task: str, kind: str, args, contexts: Path | None = None, num_examples:
     task_section = {"name": task} | ({"contexts": str(contexts), "num_examples": num_examples} if contexts else {})
     job = {
         "name": f"collab-{task}-{kind}", "kind": kind,
-        "model": {"path": str(MODEL), "max_model_len": 2048},
+        "model": {"path": str(MODEL), "max_model_len": 4096},
         "task": task_section,
         "rollout": ROLLOUT | {"group_size": args.group_size},
         "reward": {"preset": "collabllm", "judge_model": SERVED, "user_model": SERVED, "judge_mode": "group"},
@@ -122,9 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="math_chat,doc_edit_chat,code_chat")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--conversations", type=int, default=6, help="Ranked conversations per task.")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=3, help="Ranked conversations per task.")
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "collab_tasks"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))

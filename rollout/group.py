@@ -143,7 +143,9 @@ class GroupRollout:
                 sample.metrics |= {"turn": float(turn), "context_messages": float(len(base.messages))}
                 samples.append(sample)
                 responses.append(episode.messages[-1]["content"])
-            _, best = max(candidates, key=lambda c: c[0].reward)
+            # Ties go to a well-formed response: a reply whose futures all pay the capped
+            # penalty scores -1 like a malformed one, and only the former can carry on.
+            _, best = max(candidates, key=lambda c: (c[0].reward, c[1].well_formed()))
             # A copy (the best sample keeps its own tokens), all context from here on: the
             # next turn's rewards count only what follows it.
             base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens),
