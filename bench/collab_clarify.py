@@ -13,7 +13,13 @@ With `--seeds N` every reward is trained N times (train.seed 0..N-1, each job wi
 warm start) and the table gives every run and, per policy, the mean, min and max over seeds,
 with the longest stretch of steps whose mean reward sat at R*'s floor.
 
-Run: python bench/collab_clarify.py [--seeds 5] [--steps 60] [--eval 512]
+With `--preset`, the MR run is the `collabllm` reward preset instead (services/presets.py:
+the paper's w, S, lambda over every token from the response on, the interactivity judge,
+here the stand-in provider, future temperature 0.8), and only it is trained. One departure
+from the preset: no system prompt, since the tiny model's vocabulary, built from the task's
+own corpus, spells the collaborative prompt in 417 tokens of its 512-token window.
+
+Run: python bench/collab_clarify.py [--seeds 5] [--steps 60] [--eval 512] [--preset]
 """
 
 from __future__ import annotations
@@ -50,31 +56,41 @@ REWARDS = {
     "multiturn (w=2, S=3)": {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5e-4},
     "next-turn (w=0)": {"mode": "multiturn", "window": 0, "token_penalty": 5e-4},
 }
+PRESET = {"MR, collabllm preset": {"preset": "collabllm"}}
 
 
-def train(out: Path, steps: int, seeds: list[int]) -> dict[str, list[dict]]:
-    """Both RL jobs for every seed, one after the other, on one running system: per reward,
-    one record per seed (job id, seconds, RL history)."""
+def train(out: Path, steps: int, seeds: list[int], rewards: dict[str, dict]) -> dict[str, list[dict]]:
+    """Every reward's RL job for every seed, one after the other, on one running system:
+    per reward, one record per seed (job id, seconds, RL history). A judged reward gets the
+    stand-in provider as its judge."""
     base = prepare(out, load_spec_file(DEMO_SPEC))
     base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
     base["task"]["followup_share"] = FOLLOWUP_SHARE
+    base["task"]["system_prompt"] = None   # the preset's departure, see the docstring
     base["warm_start"]["steps"] = WARM_START_STEPS
-    runs: dict[str, list[dict]] = {label: [] for label in REWARDS}
-    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
-        client = ApiClient(stack.api_url)
-        for seed in seeds:
-            for label, reward in REWARDS.items():
-                spec = copy.deepcopy(base) | {"name": f"clarify-{label.split()[0]}-s{seed}"}
-                spec["train"]["seed"] = seed
-                spec["reward"] = reward | {"scale_advantage_by_std": False}
-                job_id = client.submit(spec)["id"]
-                started = time.monotonic()
-                record = follow(client, job_id)
-                if record["status"] != "SUCCEEDED":
-                    raise RuntimeError(f"{label} seed {seed}: {record['status']} {record.get('error')} "
-                                       f"(logs in {out / 'logs'})")
-                runs[label].append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
-                                    "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
+    runs: dict[str, list[dict]] = {label: [] for label in rewards}
+    from async_speedup import StandIn  # here: async_speedup imports this module
+
+    stand_in = StandIn(out, tpm=100_000_000, rpm=1_000_000, seed=0)
+    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
+    try:
+        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
+            client = ApiClient(stack.api_url)
+            for seed in seeds:
+                for label, reward in rewards.items():
+                    spec = copy.deepcopy(base) | {"name": f"clarify-{label.split()[0].strip(',')}-s{seed}"}
+                    spec["train"]["seed"] = seed
+                    spec["reward"] = reward | {"scale_advantage_by_std": False}
+                    job_id = client.submit(spec)["id"]
+                    started = time.monotonic()
+                    record = follow(client, job_id)
+                    if record["status"] != "SUCCEEDED":
+                        raise RuntimeError(f"{label} seed {seed}: {record['status']} {record.get('error')} "
+                                           f"(logs in {out / 'logs'})")
+                    runs[label].append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
+                                        "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
+    finally:
+        stand_in.stop()
     return runs
 
 
@@ -124,31 +140,34 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="runs per reward, train.seed = 0..N-1")
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--out", default="bench/results/collab_clarify")
+    parser.add_argument("--preset", action="store_true", help="train only MR under the collabllm preset")
     args = parser.parse_args()
+    rewards = PRESET if args.preset else REWARDS
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     seeds = list(range(args.seeds))
-    runs = train(out, args.steps, seeds)
+    runs = train(out, args.steps, seeds, rewards)
     (out / "training.json").write_text(json.dumps(runs))  # the runs, should evaluation fail
     policies = {}
     for i, seed in enumerate(seeds):
-        first = runs[next(iter(REWARDS))][i]["job_id"]
+        first = runs[next(iter(rewards))][i]["job_id"]
         policies[(WARM, seed)] = out / "runs" / first / "policy-warm-start"
-        policies |= {(label, seed): out / "runs" / runs[label][i]["job_id"] / "policy" for label in REWARDS}
+        policies |= {(label, seed): out / "runs" / runs[label][i]["job_id"] / "policy" for label in rewards}
     results = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
     total = time.monotonic() - started
-    report = make_report(args, runs, results, total)
+    report = make_report(args, runs, results, total, rewards)
     print_report(report)
     (out / "collab_clarify.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "collab_clarify.png")
+    plot(report, out / "collab_clarify.png", rewards)
     print(f"wrote {out / 'collab_clarify.json'} and {out / 'collab_clarify.png'}")
 
 
 WARM = "warm start (SFT)"
 
 
-def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total: float) -> dict:
+def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total: float,
+                rewards: dict[str, dict]) -> dict:
     """Every run (policy x seed) with its held-out results and training curve, and per
     policy the spread over seeds."""
     rows = []
@@ -163,10 +182,13 @@ def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: 
                                            "futures_malformed", "entropy", "is_capped_tokens")} if run else {}})
     summary = {label: {"success": spread([r["success"] for r in rows if r["policy"] == label]),
                        "asked": spread([r.get("asked", 0.0) for r in rows if r["policy"] == label])}
-               for label in [WARM, *REWARDS]}
-    mr, nt = (summary[label]["success"]["mean"] for label in REWARDS)
-    return {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
-            "total_seconds": total, "summary": summary, "mr_minus_next_turn_mean": mr - nt, "runs": rows}
+               for label in [WARM, *rewards]}
+    report = {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
+              "total_seconds": total, "rewards": rewards, "summary": summary, "runs": rows}
+    if rewards is REWARDS:
+        mr, nt = (summary[label]["success"]["mean"] for label in REWARDS)
+        report["mr_minus_next_turn_mean"] = mr - nt
+    return report
 
 
 def print_report(report: dict) -> None:
@@ -183,10 +205,11 @@ def print_report(report: dict) -> None:
     print(f"\n{'policy':>22} {'success mean':>13} {'min':>6} {'max':>6}")
     for label, s in report["summary"].items():
         print(f"{label:>22} {s['success']['mean']:>13.3f} {s['success']['min']:>6.3f} {s['success']['max']:>6.3f}")
-    print(f"multiturn - next-turn success (means): {report['mr_minus_next_turn_mean']:+.3f}")
+    if "mr_minus_next_turn_mean" in report:
+        print(f"multiturn - next-turn success (means): {report['mr_minus_next_turn_mean']:+.3f}")
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path, rewards: dict[str, dict]) -> None:
     """Per step, for every run: the share of first turns that ask and the mean reward."""
     import matplotlib
 
@@ -194,7 +217,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (asks, reward) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = dict(zip(REWARDS, ("tab:blue", "tab:orange")))
+    colours = dict(zip(rewards, ("tab:blue", "tab:orange")))
     for run in report["runs"]:
         if run["policy"] not in colours:
             continue
