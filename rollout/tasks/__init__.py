@@ -65,10 +65,25 @@ def _base_task(spec: TaskSpec, seed: int, judge):
     raise ValueError(f"task {spec.name!r} is not available in this rollout server")
 
 
+MAX_DATA_BYTES = 256 << 20
+"""The largest data file a task reads (a spec's file, confined to the operator's roots
+by the API, could still be a device or a huge file)."""
+
+
+def checked_file(path: str | Path, field: str) -> Path:
+    """`path` if it is a regular file of at most MAX_DATA_BYTES; ValueError naming `field`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{field} {str(path)!r}: not a regular file")
+    if path.stat().st_size > MAX_DATA_BYTES:
+        raise ValueError(f"{field} {str(path)!r}: over the {MAX_DATA_BYTES} bytes a task reads")
+    return path
+
+
 def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
     """The first `spec.num_examples` rows of the JSONL file `spec.data`, or of the built-in
     `FIXTURES / fixture` when the spec names none (all rows if there are fewer)."""
-    path = Path(spec.data) if spec.data else FIXTURES / fixture
+    path = checked_file(spec.data, "task.data") if spec.data else FIXTURES / fixture
     with path.open(encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
     return rows[:spec.num_examples]

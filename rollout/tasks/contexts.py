@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.interactions.base import UserSimulator
+from rollout.tasks import checked_file
 from rollout.tasks.base import TaskSet
 
 ROLES = ("system", "user", "assistant")
@@ -40,7 +41,7 @@ def turn_contexts(path: str | Path, limit: int) -> list[TurnContext]:
     ...], "example": <index>}`, or has a role other than system, user and assistant, raises
     ValueError naming its line."""
     contexts: list[TurnContext] = []
-    with open(path, encoding="utf-8") as lines:
+    with checked_file(path, "task.contexts").open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
