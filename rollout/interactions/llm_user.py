@@ -4,11 +4,11 @@ It knows the user's hidden goal (the task's `goal`) and ends the chat with END_M
 styles (`task.simulator`): `cooperative` keeps to the style of the user's earlier messages,
 answers truthfully and reveals details only as the assistant earns them; `person` plays a
 person as CollabLLM's simulator does (`PERSON_RULES`): minimal effort, realistic knowledge,
-stated preferences, the odd slip, writing the opening request itself when asked to. It answers with a JSON object {current_answer, thought, response}; only
-`response` reaches the conversation. Replies are parsed leniently (code fences, text
-around the object, a bare "response" field); an unparseable reply is asked for once more
-with a stricter instruction, then reported as an error (the task is retried), never
-guessed.
+stated preferences, the odd slip, writing the opening request itself when asked to (`opening`).
+It answers with a JSON object {current_answer, thought, response}; only `response` reaches
+the conversation. Replies are parsed leniently (code fences, text around the object, a bare
+"response" field); an unparseable reply is asked for once more with a stricter
+instruction, then reported as an error (the task is retried), never guessed.
 """
 
 from __future__ import annotations

@@ -123,4 +123,10 @@ class ContextView:
         return await self.base.score(self.example_of(index), messages)
 
     def metrics(self, index: int, messages: list[dict]) -> dict[str, float]:
-        return self.base.metrics(self.example_of(index), messages) | {"turn": float(self.turn(index))}
+        """The base task's metrics and the turn trained. `asked` (whether the first reply
+        of the conversation asks) is left out after the opening: there it describes the
+        context's reply, not the one trained."""
+        metrics = self.base.metrics(self.example_of(index), messages) | {"turn": float(self.turn(index))}
+        if self.turn(index) > 0:
+            metrics.pop("asked", None)
+        return metrics

@@ -37,8 +37,8 @@ def conversation_document(messages: list[dict]) -> str:
     """The document the conversation ends with: the last fenced block of any assistant
     reply (a reply after it that holds none, a thank-you, leaves it standing); without any,
     the whole latest reply."""
-    found = last_found(messages, lambda text: blocks[-1][1].strip() if (blocks := fenced_blocks(text)) else None)
-    return found if found is not None else final_reply(messages).strip()
+    found = last_found(messages, lambda text: final_document(text) if fenced_blocks(text) else None)
+    return found if found is not None else final_document(final_reply(messages))
 
 
 def document_bleu(hypothesis: str, reference: str) -> float:
