@@ -1,0 +1,81 @@
+"""A job under the `collabllm` preset through the whole system (API, learner, a rollout
+server on vLLM, the judge proxy in front of the stand-in provider): the API stores the
+spec with the paper's settings filled in, later turns of ranked conversations are trained
+as contexts of their own (`task.contexts`), and the interactivity judge and the user
+simulator are called through the proxy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
+from rollout.tasks import clarify
+from tandem.demo import write_demonstrations
+from tandem.launcher import Ports, Stack
+from tandem.redis_embed import free_port
+
+from helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def ranked_conversations(path: Path, examples: list[clarify.ClarifyExample]) -> None:
+    """Conversations as a generate job writes them: the request, the question, the user's
+    answer and the right answer; each gives a turn-0 and a turn-1 context."""
+    with path.open("w") as rows:
+        for index, ex in enumerate(examples):
+            messages = [{"role": "user", "content": clarify.request(ex)},
+                        {"role": "assistant", "content": clarify.question(ex.category)},
+                        {"role": "user", "content": clarify.clarification(ex.target)},
+                        {"role": "assistant", "content": clarify.answer(ex.category, ex.target)}]
+            rows.write(json.dumps({"messages": messages, "example": index}) + "\n")
+
+
+def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the_proxy(tmp_path, tiny_model):
+    contexts = tmp_path / "sft.jsonl"
+    ranked_conversations(contexts, clarify.make_examples(8, seed=0))
+    warm_start = tmp_path / "warm.jsonl"
+    write_demonstrations(warm_start, num=1000, share=0.5)
+    spec = {
+        "name": "preset",
+        "model": {"path": str(tiny_model), "max_model_len": 512},
+        # The tiny model's vocabulary spells the collaborative prompt in most of its window.
+        "task": {"name": "clarify", "user": "llm", "contexts": str(contexts), "num_examples": 16,
+                 "system_prompt": None},
+        "rollout": {"group_size": 2, "max_new_tokens": 32, "max_turns": 2, "max_total_tokens": 256},
+        "reward": {"preset": "collabllm", "judge_model": "judge", "user_model": "judge"},
+        "train": {"num_steps": 3, "batch_size": 4, "max_staleness": 1, "lr": 1e-4},
+        "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
+    }
+    stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
+    with contextlib.ExitStack() as stack:
+        stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
+        upstreams = tmp_path / "upstreams.json"
+        upstreams.write_text(json.dumps({"upstreams": [{
+            "name": "stand-in", "model": "judge", "base_url": f"{stand_in_url}/v1", "tpm": 50_000_000,
+            "rpm": 500_000, "max_concurrency": 64}]}))
+        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
+        system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
+        api = httpx.Client(base_url=system.api_url, timeout=10)
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
+                          ("SUCCEEDED", "FAILED") and r, 600, "the preset job", interval_s=1)
+        history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
+    assert record["status"] == "SUCCEEDED", record.get("error")
+
+    stored = record["spec"]
+    for key, value in {"preset": "collabllm", "mode": "multiturn", "window": 2, "num_futures": 3,
+                       "token_penalty": 5e-4, "token_count": "all", "judge_rubric": "interactivity",
+                       "judge_reference": False, "future_temperature": 0.8}.items():
+        assert stored["reward"][key] == value, key
+    assert stored["task"]["simulator"] == "person" and stored["task"]["system_prompt"] is None
+
+    assert len(history) == 3
+    turns = [h["turn"] for h in history]
+    assert all(0.0 <= t <= 1.0 for t in turns) and sum(turns) > 0   # later turns trained too
+    assert all(h["judge_tokens"] > 0 and h["simulator_tokens"] > 0 for h in history)
