@@ -106,3 +106,12 @@ def vllm_counted(vllm_url: str) -> int:
     """Prompt plus generated tokens, as vLLM's own /metrics count them."""
     text = httpx.get(f"{vllm_url}/metrics").text
     return int(metric_sum(text, "vllm:prompt_tokens_total", "vllm:generation_tokens_total"))
+
+
+def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256) -> Path:
+    """The judge proxy's upstreams file for one stand-in provider at `url` serving `judge`,
+    with a budget no test reaches."""
+    path.write_text(json.dumps({"upstreams": [{
+        "name": "stand-in", "model": "judge", "base_url": f"{url}/v1", "tpm": 50_000_000, "rpm": 500_000,
+        "max_concurrency": max_concurrency}]}))
+    return path

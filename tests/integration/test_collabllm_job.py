@@ -19,7 +19,7 @@ from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
 
-from helpers import wait_for
+from helpers import stand_in_upstreams, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +55,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
-        upstreams = tmp_path / "upstreams.json"
-        upstreams.write_text(json.dumps({"upstreams": [{
-            "name": "stand-in", "model": "judge", "base_url": f"{stand_in_url}/v1", "tpm": 50_000_000,
-            "rpm": 500_000, "max_concurrency": 64}]}))
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, max_concurrency=64)
         env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
         api = httpx.Client(base_url=system.api_url, timeout=10)

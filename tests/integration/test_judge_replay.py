@@ -6,7 +6,6 @@ twice, and each of those tasks trains once. The whole system as separate process
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 from tandem.redis_embed import free_port
 
-from helpers import wait_for
+from helpers import stand_in_upstreams, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,10 +67,7 @@ def test_a_killed_servers_episodes_finish_elsewhere_without_a_single_call_sent_t
                                    latency=Latency(median_s=0.3, p99_s=1.0, tokens_per_s=400))
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
-        upstreams = tmp_path / "upstreams.json"
-        upstreams.write_text(json.dumps({"upstreams": [{
-            "name": "stand-in", "model": "judge", "base_url": f"{stand_in_url}/v1", "tpm": 50_000_000,
-            "rpm": 500_000, "max_concurrency": 256}]}))
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url)
         env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
                "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2",
                "TANDEM_MIN_ROLLOUT_SERVERS": "2", "TANDEM_UPSTREAMS": str(upstreams)}
