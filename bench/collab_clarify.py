@@ -141,14 +141,19 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--out", default="bench/results/collab_clarify")
     parser.add_argument("--preset", action="store_true", help="train only MR under the collabllm preset")
+    parser.add_argument("--evaluate-only", action="store_true",
+                        help="evaluate the runs recorded in OUT/training.json instead of training")
     args = parser.parse_args()
     rewards = PRESET if args.preset else REWARDS
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     seeds = list(range(args.seeds))
-    runs = train(out, args.steps, seeds, rewards)
-    (out / "training.json").write_text(json.dumps(runs))  # the runs, should evaluation fail
+    if args.evaluate_only:
+        runs = json.loads((out / "training.json").read_text())
+    else:
+        runs = train(out, args.steps, seeds, rewards)
+        (out / "training.json").write_text(json.dumps(runs))  # the runs, should evaluation fail
     policies = {}
     for i, seed in enumerate(seeds):
         first = runs[next(iter(rewards))][i]["job_id"]
@@ -173,10 +178,10 @@ def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: 
     rows = []
     for (label, seed), result in results.items():
         run = next((r for r in runs.get(label, []) if r["seed"] == seed), None)
-        rewards = [h["reward_mean"] for h in run["history"]] if run else []
+        step_rewards = [h["reward_mean"] for h in run["history"]] if run else []
         rows.append({"policy": label, "seed": seed, **result,
                      "train_seconds": run["seconds"] if run else None, "job_id": run["job_id"] if run else None,
-                     "floor_stretch": floor_stretch(rewards) if run else None,
+                     "floor_stretch": floor_stretch(step_rewards) if run else None,
                      "curve": {key: [h.get(key) for h in run["history"]]
                                for key in ("reward_mean", "asked", "zero_spread_share", "well_formed",
                                            "futures_malformed", "entropy", "is_capped_tokens")} if run else {}})
@@ -232,7 +237,9 @@ def plot(report: dict, path: Path, rewards: dict[str, dict]) -> None:
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
     asks.set_ylim(-0.05, 1.05)
-    reward.set_ylim(-1.05, 1.05)
+    top = max((v for run in report["runs"] for v in run["curve"].get("reward_mean", []) if v is not None),
+              default=1.0)
+    reward.set_ylim(-1.05, max(1.05, top + 0.05))   # a judged reward reaches 2 (R_ext + R_llm)
     asks.legend(loc="center right", fontsize=8)
     fig.suptitle(f"Clarify task: {report['seeds']} seed(s) per reward, one line per run")
     fig.tight_layout()
