@@ -67,7 +67,10 @@ def run_task(client: ApiClient, task: str, args, runs_dir: Path) -> dict:
     if record["status"] != "SUCCEEDED":
         return {"task": task, "status": f"generate {record['status']}: {record.get('error')}"}
     sft = runs_dir / generated / "dataset" / "sft.jsonl"
-    contexts = turn_contexts(sft, limit=10_000)
+    try:
+        contexts = turn_contexts(sft, limit=10_000)
+    except ValueError as err:   # no well-formed ranked conversation: nothing to train on
+        return {"task": task, "status": f"generate gave no contexts: {err}", "generate_job": generated}
     generate_s = time.monotonic() - started
     job_id = client.submit(spec(task, "rl", args, sft, len(contexts)))["id"]
     record = follow(client, job_id)
