@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "out" / "collab_tasks"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "collab_tasks"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))
     args = parser.parse_args()
     out = Path(args.out)

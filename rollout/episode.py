@@ -136,7 +136,8 @@ class EpisodeRunner:
                 return False
         return True
 
-    async def reply(self, episode: Episode, trained: bool, first: bool = True, temperature: float | None = None) -> bool:
+    async def reply(self, episode: Episode, trained: bool, first: bool = True,
+                    temperature: float | None = None) -> bool:
         """One policy reply into `episode` (`first` of its turn, or after tool results);
         False if it ended the episode."""
         budget = min(self.spec.max_new_tokens, self.spec.max_total_tokens - len(episode.tokens))
