@@ -26,7 +26,7 @@ import json
 import re
 
 from judge_proxy.rubrics.base import read_case
-from services.quoting import TAG, quoted_turns
+from services.quoting import TAG, fenced_blocks, quoted_turns
 
 GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
 EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
@@ -75,14 +75,11 @@ def user_reply(system: str, transcript: str) -> str | None:
 
 # ---- extraction ----------------------------------------------------------------------
 
-_FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
-
-
 def extraction_reply(request: str) -> str:
     """{"final": the last fenced block of the assistant's turns, or ""}."""
     tag = TAG.search(request)
     turns = quoted_turns(request, tag.group(0)) if tag else []
-    blocks = [block for role, text in turns if role == "ASSISTANT" for block in _FENCED.findall(text)]
+    blocks = [body for role, text in turns if role == "ASSISTANT" for _, body in fenced_blocks(text)]
     return json.dumps({"final": blocks[-1] if blocks else ""})
 
 

@@ -7,6 +7,9 @@ of itself, so no turn can end its quote, or the transcript, early. The digest is
 function of the text, so the same request renders the same prompt every time (the
 judge's cache and a provider's prefix cache still match). `quoted_turns` reads the turns
 back, as the stand-in provider does.
+
+Reading what a model wrote is here too: its Markdown fenced blocks (`fenced_blocks`) and
+the JSON object a reply holds among other text (`json_object`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import re
 
 TAG = re.compile(r"q[0-9a-f]{16}")
+_FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 
 
 def quote_tag(conversations: list[list[dict]]) -> str:
@@ -40,3 +44,23 @@ def turn_pattern(tag: str) -> re.Pattern:
 def quoted_turns(text: str, tag: str) -> list[tuple[str, str]]:
     """The (role, text) pairs quoted with `tag` in `text`, in order."""
     return turn_pattern(tag).findall(text)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Each Markdown ``` fenced block of `text`, in order, as (info word lower-cased, body);
+    the info word is '' for a bare fence. Fences open and close at the start of a line."""
+    return [(info.lower(), body) for info, body in _FENCE.findall(text)]
+
+
+def json_object(text: str) -> dict | None:
+    """The JSON object from the first `{` to the last `}` of a reply (fences and words around
+    it are common), read leniently: raw newlines inside strings are allowed, as models
+    write them. None when there is no such object."""
+    start, end = text.find("{"), text.rfind("}")
+    if not 0 <= start < end:
+        return None
+    try:
+        found = json.loads(text[start:end + 1], strict=False)
+    except json.JSONDecodeError:
+        return None
+    return found if isinstance(found, dict) else None

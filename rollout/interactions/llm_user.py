@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.quoting import quote_tag, quote_turns
+from services.quoting import json_object, quote_tag, quote_turns
 
 END_MARKER = "[[TERMINATE CHAT]]"
 _RESPONSE_FIELD = re.compile(r'"response"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
@@ -92,14 +92,9 @@ class UserReply:
 def parse_user_reply(text: str) -> UserReply | None:
     """The simulator's JSON object, found inside fences or surrounding text; failing that,
     a bare "response" field; None when neither is there."""
-    start, end = text.find("{"), text.rfind("}")
-    if 0 <= start < end:
-        try:  # strict=False: LLMs often put raw newlines inside strings
-            obj = json.loads(text[start : end + 1], strict=False)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
-            return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
+    obj = json_object(text)
+    if obj is not None and isinstance(obj.get("response"), str):
+        return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
     match = _RESPONSE_FIELD.search(text)
     if match:
         try:

@@ -5,14 +5,13 @@ BigCodeBench-Chat)."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from services.config import TaskSpec
+from services.quoting import fenced_blocks  # noqa: F401  (the tasks read it from here)
 
 FIXTURES = Path(__file__).parent / "data"
 """The small built-in datasets a task uses when the spec names no `data` file."""
-_FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 
 
 def load_task(spec: TaskSpec, seed: int = 0, judge=None):
@@ -104,8 +103,3 @@ def last_found(messages: list[dict], find):
             return found
     return None
 
-
-def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """Each Markdown ``` fenced block of `text`, in order, as (info word lower-cased, body);
-    the info word is '' for a bare fence. Fences open and close at the start of a line."""
-    return [(info.lower(), body) for info, body in _FENCE.findall(text)]

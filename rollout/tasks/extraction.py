@@ -11,10 +11,9 @@ as `ExtractionError` (the task is retried), never scored as nothing.
 
 from __future__ import annotations
 
-import json
 from typing import Protocol
 
-from services.quoting import quote_tag, quote_turns
+from services.quoting import json_object, quote_tag, quote_turns
 
 PROMPT = """You read a conversation between a user and an AI assistant and write out the final {what} \
 the assistant delivered: the latest version, with every change the user and the assistant agreed on \
@@ -55,14 +54,8 @@ def prompt(what: str, messages: list[dict]) -> list[dict]:
 
 def parse(text: str) -> str | None:
     """The `final` string of the reply's JSON object, or None."""
-    start, end = text.find("{"), text.rfind("}")
-    if not 0 <= start < end:
-        return None
-    try:
-        found = json.loads(text[start:end + 1], strict=False)
-    except json.JSONDecodeError:
-        return None
-    return found["final"] if isinstance(found, dict) and isinstance(found.get("final"), str) else None
+    found = json_object(text)
+    return found["final"] if found is not None and isinstance(found.get("final"), str) else None
 
 
 async def extract(completer: Completer, what: str, messages: list[dict], max_tokens: int = 1024) -> str:

@@ -230,9 +230,11 @@ def test_a_bad_contexts_row_is_refused_naming_its_line(tmp_path, row, says):
         turn_contexts(path, limit=10)
 
 
-def test_a_contexts_path_that_is_no_regular_file_is_refused():
+def test_a_contexts_or_data_path_that_is_no_regular_file_is_refused():
     with pytest.raises(ValueError, match="task.contexts '/dev/zero': not a regular file"):
         turn_contexts("/dev/zero", limit=10)
+    with pytest.raises(ValueError, match="task.data '/dev/zero': not a regular file"):
+        load_task(TaskSpec(name="math_chat", data="/dev/zero"))
 
 
 def test_load_task_reads_contexts_and_refuses_too_few_or_unknown_examples(tmp_path):

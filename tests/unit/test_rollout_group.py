@@ -189,6 +189,9 @@ async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokeniz
         start = sample.mask.index(1)
         assert sample.tokens[:start] == chat.prompt(context)
         assert all(sample.mask[start:])
+        # Its token count (the penalty's, with lambda > 0) is its own reply's, not the
+        # earlier turns' as well.
+        assert sample.metrics["tokens"] == sum(sample.mask)
 
     sft, pairs, without = group_rows(group, example=EXAMPLE, margin=0.5)
 
