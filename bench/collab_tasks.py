@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads of each process (the served model, the policy engine, the learner); 0: all")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "collab_tasks"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))
     args = parser.parse_args()
@@ -138,12 +140,15 @@ def main() -> None:
         get("smollm2-135m-instruct", MODEL)
     upstreams = out / "upstreams.yaml"
     results = []
-    with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096) as url:
+    # Two vLLM engines (the policy's and the served model) share this machine's cores: one
+    # OpenMP thread each, or their spinning threads slow both about fourfold (README).
+    threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096, threads=args.threads) as url:
         upstreams.write_text(yaml.safe_dump({"upstreams": [{
             "name": "smollm2-local", "model": SERVED, "base_url": f"{url}/v1", "tpm": 10_000_000, "rpm": 100_000,
             "max_concurrency": 16, "timeout_s": 600, "structured_output": True,
             "tokenizer": str(MODEL / "tokenizer.json")}]}))
-        env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")}
+        env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")} | threads
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
             for task in args.tasks.split(","):
