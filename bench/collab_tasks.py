@@ -1,9 +1,12 @@
 """CollabLLM's three tasks under the `collabllm` preset, end to end with a real model.
 
 SmolLM2-135M-Instruct plays every part: the policy (Tandem's rollout engine and learner),
-and, served by `tandem serve-model` behind the judge proxy, the user simulator (a person,
-writing the opening itself), the interactivity judge and, for documents and code, nothing
-else: R_ext is the task's rule (exact match, BLEU, unit tests) over the whole conversation.
+and, served by `tandem serve-model` behind the judge proxy, the user simulator (a person)
+and the interactivity judge. R_ext is the task's rule (exact match, BLEU, unit tests) over
+the whole conversation. Departures from the preset, each for this machine or this model:
+the task's own opening request (the 135M simulator's were unrelated to the task), group
+size, batch and steps, 512 new tokens per turn, responses sampled at the futures'
+temperature, and one CPU thread per process (two vLLM engines share 2 cores).
 Per task:
 1. a `generate` job: MR-ranked conversations (at each turn `group_size` responses, each
    scored by MR over 3 futures of w = 2 turns; the best carries on);
@@ -38,25 +41,34 @@ from tandem.models import get  # noqa: E402
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 SERVED = "smollm2"
 METRIC = {"math_chat": "exact_match", "doc_edit_chat": "bleu", "code_chat": "has_code"}
-ROLLOUT = {"temperature": 1.0, "max_new_tokens": 256, "max_turns": 2, "max_total_tokens": 2048}
+ROLLOUT = {"max_new_tokens": 512, "max_turns": 2, "max_total_tokens": 3072}
+"""A first run at 256 new tokens and temperature 1.0 had every trained math response cut at
+the limit: all scored at R*'s floor, no spread, no gradient. Responses are sampled at the
+preset's future temperature of their task (0.6 or 0.8), as their futures are."""
 
 
 def spec(task: str, kind: str, args, contexts: Path | None = None, num_examples: int = 0) -> dict:
     """The preset's job for `task`, its LLM parts the served model; what departs from the
     paper is written here: the group size, batch and steps this machine can afford."""
+    from services.presets import collabllm
+
+    temperature = collabllm({"name": task})["reward"]["future_temperature"]
     task_section = {"name": task} | ({"contexts": str(contexts), "num_examples": num_examples} if contexts else {})
     job = {
         "name": f"collab-{task}-{kind}", "kind": kind,
         "model": {"path": str(MODEL), "max_model_len": 4096},
         "task": task_section,
-        "rollout": ROLLOUT | {"group_size": args.group_size},
+        "rollout": ROLLOUT | {"group_size": args.group_size, "temperature": temperature},
         "reward": {"preset": "collabllm", "judge_model": SERVED, "user_model": SERVED, "judge_mode": "group"},
-        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": 2e-5, "max_staleness": 1,
+        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": 2e-5, "max_staleness": 2,
                   "seed": args.seed},
     }
     if kind == "generate":
         job["generate"] = {"conversations": args.conversations}
-        job["task"]["num_examples"] = args.conversations
+        # The preset has the simulator write the opening. SmolLM2-135M's had nothing to do
+        # with the problem (a math problem's: "Not yet. Aim at 1 month and I hope you don't
+        # let me go."), so the conversations open with the task's own request.
+        job["task"] |= {"num_examples": args.conversations, "opening": "task"}
     return job
 
 
@@ -79,6 +91,13 @@ def run_task(client: ApiClient, task: str, args, runs_dir: Path) -> dict:
             "rl_job": job_id, "contexts": len(contexts), "turns": sorted({c.turn for c in contexts}),
             "generate_seconds": generate_s, "seconds": time.monotonic() - started,
             "spec": spec(task, "rl", args, sft, len(contexts)), "history": history}
+
+
+def recorded(path: Path, replaced: str) -> list[dict]:
+    """The results file's other tasks, so that tasks can run one command at a time."""
+    if not path.is_file():
+        return []
+    return [r for r in json.loads(path.read_text())["results"] if r["task"] != replaced]
 
 
 def table(results: list[dict]) -> str:
@@ -152,7 +171,7 @@ def main() -> None:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
             for task in args.tasks.split(","):
-                results.append(run_task(client, task, args, out / "runs"))
+                results = recorded(Path(args.results), task) + [run_task(client, task, args, out / "runs")]
                 Path(args.results).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
     print(table(results))
     plot(results, REPO / "docs" / "img" / "collab_tasks.png")
