@@ -34,10 +34,11 @@ class Generation:
 
 
 def engine_options(model: ModelSpec, kv_cache_gib: float, seed: int = 0,
-                   memory_utilization: float | None = None) -> dict:
+                   memory_utilization: float | None = None, seeded_requests: bool = False) -> dict:
     """vLLM's settings for this machine, shared by the rollout engine and `tandem
     serve-model` (so a served judge runs as the policy does); sets the environment the CPU
-    build reads."""
+    build reads. `seeded_requests`: requests carry their own sampling seed (the judge
+    proxy's calls do)."""
     # vLLM reports usage to its maintainers' server unless told not to; Tandem sends
     # nothing anywhere but Redis and the judge proxy (an operator may set it to 0).
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -54,7 +55,7 @@ def engine_options(model: ModelSpec, kv_cache_gib: float, seed: int = 0,
         # machine's two cores (py-spy, bench/async_speedup.py). vLLM keeps its engine core
         # in a separate process either way.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return dict(
+    options = dict(
         model=model.local_folder(),
         dtype=model.dtype,
         max_model_len=model.max_model_len,
@@ -63,6 +64,14 @@ def engine_options(model: ModelSpec, kv_cache_gib: float, seed: int = 0,
         distributed_executor_backend=None if on_gpu else "uni",
         seed=seed,
     )
+    if seeded_requests and not on_gpu:
+        # A prompt prefilled in chunks samples a token at each chunk and throws it away,
+        # then winds the request's generator back, which a CPU generator cannot do: with a
+        # seeded request in a partial prefill the CPU engine dies ("CPU Generator does not
+        # use offset"; a served simulator under ten concurrent 600-token prompts). Whole
+        # prompts only, with a step budget that fits the longest.
+        options |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(model.max_model_len, 2048))
+    return options
 
 
 class Engine:

@@ -116,7 +116,7 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
 
     try:
         spec = ModelSpec(path=args.dir, max_model_len=args.max_model_len)
-        options = engine_options(spec, args.kv_cache_gib, args.seed)
+        options = engine_options(spec, args.kv_cache_gib, args.seed, seeded_requests=True)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"tandem serve-model: {err}")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", args.name,

@@ -93,3 +93,20 @@ def test_the_proxy_lists_its_model_and_passes_vllms_client_errors_through(proxy_
 
     assert listed == ["judge"]
     assert too_long.value.status_code == 400 and "context length" in too_long.value.message
+
+
+def test_seeded_requests_whose_prompts_overflow_a_step_all_complete(vllm_url):
+    """The judge proxy seeds every call. Ten concurrent seeded 450-token prompts overflow
+    one engine step's token budget: with chunked prefill a prompt is split across steps and
+    vLLM's CPU engine dies winding back the seeded generator ("CPU Generator does not use
+    offset"); `tandem serve-model` prefills whole prompts, so every request completes."""
+    import concurrent.futures
+
+    def complete(seed: int) -> int:
+        reply = httpx.post(f"{vllm_url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": [5 + seed] * 450, "max_tokens": 8, "temperature": 1.0, "seed": seed})
+        return reply.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        assert list(pool.map(complete, range(10))) == [200] * 10
+    assert httpx.get(f"{vllm_url}/health", timeout=5).status_code == 200

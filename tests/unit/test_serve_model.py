@@ -36,3 +36,15 @@ def test_without_threads_the_engine_keeps_every_core(tiny_model, monkeypatch):
 def test_a_negative_thread_count_is_refused(tiny_model, monkeypatch):
     with pytest.raises(SystemExit):
         served(tiny_model, monkeypatch, "--threads", "-1")
+
+
+def test_on_cpu_seeded_requests_are_never_prefilled_in_chunks(tiny_model, monkeypatch):
+    """The judge proxy seeds every call; vLLM's CPU engine dies on a seeded request in a
+    partial prefill, so the served model prefills whole prompts within one step's budget."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("chunked prefill stays on on GPU")
+    _, argv = served(tiny_model, monkeypatch, "--max-model-len", "4096")
+    assert "--no-enable-chunked-prefill" in argv
+    assert int(argv[argv.index("--max-num-batched-tokens") + 1]) >= 4096
