@@ -160,7 +160,8 @@ def main() -> None:
     upstreams = out / "upstreams.yaml"
     results = []
     # Two vLLM engines (the policy's and the served model) share this machine's cores: one
-    # OpenMP thread each, or their spinning threads slow both about fourfold (README).
+    # OpenMP thread each, or their spinning threads slow each to a fourteenth of its speed
+    # (bench/shared_cpu_engines.py).
     threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096, threads=args.threads) as url:
         upstreams.write_text(yaml.safe_dump({"upstreams": [{

@@ -129,8 +129,8 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
             command += [flag, str(value)]
     if args.threads:
         # OpenMP threads spin while they wait for work. Two CPU engines on the same cores,
-        # each with a thread per core, spin against each other: on 2 cores a served model and
-        # the policy engine generated 4 tokens/s each at once, 18 with one thread each.
+        # each with a thread per core, spin against each other: on 2 cores each ran at 0.07
+        # of one engine's speed alone, 0.68 with one thread each (bench/shared_cpu_engines.py).
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"serving {args.dir} as {args.name!r}: {' '.join(command[1:])}", file=sys.stderr)
     os.execv(sys.executable, command)
