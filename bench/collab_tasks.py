@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rollout.tasks.contexts import turn_contexts  # noqa: E402
+from tandem.cli import count  # noqa: E402
 from tandem.client import ApiClient, follow  # noqa: E402
 from tandem.launcher import Ports, Stack, served_model  # noqa: E402
 from tandem.models import get  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=count, default=1,
                         help="CPU threads of each process (the served model, the policy engine, the learner); 0: all")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "collab_tasks"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))

@@ -72,17 +72,9 @@ def together(urls: list[str], tokens: int) -> list[float]:
 @contextlib.contextmanager
 def two_engines(environment: dict, threads: int, logs: Path):
     """Two servers of the model under `environment`, started one after the other."""
-    saved = dict(os.environ)
-    os.environ.update(environment)
-    try:
-        with served_model(MODEL, "m", logs / "a.log", threads=threads) as a, \
-                served_model(MODEL, "m", logs / "b.log", threads=threads) as b:
-            os.environ.clear()
-            os.environ.update(saved)
-            yield [a, b]
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with served_model(MODEL, "m", logs / "a.log", threads=threads, env=environment) as a, \
+            served_model(MODEL, "m", logs / "b.log", threads=threads, env=environment) as b:
+        yield [a, b]
 
 
 def measure(name: str, args, logs: Path) -> dict:

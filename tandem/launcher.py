@@ -189,16 +189,16 @@ def rendezvous_args(nodes: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
 
 @contextlib.contextmanager
 def served_model(folder: Path, name: str, log_path: Path, max_model_len: int = 2048, timeout_s: float = 240,
-                 threads: int = 0):
+                 threads: int = 0, env: dict[str, str] | None = None):
     """`tandem serve-model` (vLLM's OpenAI server) on `folder` as `name`, on a free loopback
-    port, with `threads` CPU compute threads (0: all cores); its base URL (no /v1). Stops its
-    whole process tree afterwards."""
+    port, with `threads` CPU compute threads (0: all cores) and `env` added to this process's
+    environment; its base URL (no /v1). Stops its whole process tree afterwards."""
     port = free_port()
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve-model", str(folder), "--name", name,
                                    "--port", str(port), "--max-model-len", str(max_model_len),
                                    "--threads", str(threads)],
-                                  stdout=log, stderr=subprocess.STDOUT)
+                                  env=os.environ | (env or {}), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
