@@ -45,7 +45,7 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
             tools = row.get("tools")
             key = json.dumps(tools, sort_keys=True)
             if key not in by_tools:  # rendering the base history once per tool list, not per row
-                by_tools[key] = chat.with_tools(tools)
+                by_tools[key] = chat.with_tools(tools, spec.tools.parser if spec.tools else "hermes")
             messages = row["messages"]
             if spec.task.system_prompt and not (messages and messages[0].get("role") == "system"):
                 messages = [{"role": "system", "content": spec.task.system_prompt}, *messages]

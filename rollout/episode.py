@@ -19,12 +19,14 @@ the policy generated, calls included, so a fresh rendering spells the same token
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rollout.engine import Engine, Generation
 from rollout.interactions.base import UserSimulator
 from rollout.journal import Journal
+from rollout.tools.base import World
 from rollout.tools.box import ToolBox, ToolUsage, tool_message
 from rollout.tools.parsers import parse_reply
 from services.config import RolloutSpec
@@ -66,10 +68,10 @@ class Episode:
 
     @classmethod
     def from_context(cls, messages: list[dict], tokens: list[int], trace: str = "",
-                     journal: Journal | None = None) -> "Episode":
+                     journal: Journal | None = None, world: World | None = None) -> "Episode":
         n = len(tokens)
         return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n, trace=trace, journal=journal,
-                   context_len=n)
+                   context_len=n, tool_use=ToolUsage(world=world))
 
     def fork(self, name: str) -> "Episode":
         """An independent copy to extend with a sampled future, traced as `name` under this one."""
@@ -115,9 +117,14 @@ class EpisodeRunner:
     spec: RolloutSpec
     tools: ToolBox | None = None
     """The job's tools; `chat` must render with their schemas (`ChatTokenizer.with_tools`)."""
+    worlds: Callable[[int], World] | None = None
+    """The task's fresh world for an example, when its tools act on one (`rollout.tasks.tau2`)."""
 
-    def start(self, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
-        return Episode.from_context(context, self.chat.prompt(context), trace, journal)
+    def start(self, context: list[dict], trace: str = "", journal: Journal | None = None,
+              example: int | None = None) -> Episode:
+        """An episode at `context`, with a fresh world of `example` when the task has worlds."""
+        world = self.worlds(example) if self.worlds is not None and example is not None else None
+        return Episode.from_context(context, self.chat.prompt(context), trace, journal, world)
 
     async def policy_turn(self, episode: Episode, trained: bool = True, temperature: float | None = None) -> bool:
         """Generate one assistant turn into `episode`, tool rounds included, at `temperature`
@@ -206,8 +213,11 @@ class EpisodeRunner:
         return episode
 
     async def run(self, example: int, context: list[dict], trace: str = "", journal: Journal | None = None) -> Episode:
-        """A whole conversation from `context`: at most `spec.max_turns` assistant turns."""
-        episode = self.start(context, trace, journal)
-        if await self.policy_turn(episode):
+        """A whole conversation from `context`: at most `spec.max_turns` assistant turns. A
+        context that ends with an assistant message (a greeting) has the user speak first."""
+        episode = self.start(context, trace, journal, example)
+        if context[-1]["role"] == "assistant":
+            await self.extend(episode, example, self.spec.max_turns)
+        elif await self.policy_turn(episode):
             await self.extend(episode, example, self.spec.max_turns - 1)
         return episode

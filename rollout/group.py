@@ -130,7 +130,7 @@ class GroupRollout:
         (the user simulator answers it), until the user ends it, `max_turns`, or a turn
         whose best response is malformed. The group holds every response, trained on its
         own tokens only and marked with its `turn`; the conversation is the SFT row."""
-        base = self.runner.start(await self.context(task), f"task{task.task_id}/g", journal)
+        base = self.runner.start(await self.context(task), f"task{task.task_id}/g", journal, task.example)
         samples: list[protocol.Sample] = []
         responses: list[str] = []
         for turn in range(self.runner.spec.max_turns):
@@ -202,7 +202,7 @@ class GroupRollout:
             return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
 
     async def play_response(self, example: int, context: list[dict], trace: str, journal: Journal | None) -> Episode:
-        episode = self.runner.start(context, trace, journal)
+        episode = self.runner.start(context, trace, journal, example)
         await self.runner.policy_turn(episode)
         return episode
 

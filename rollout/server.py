@@ -33,12 +33,13 @@ from rollout.engine import Engine
 from rollout.episode import EpisodeRunner
 from rollout.group import GroupRollout
 from rollout.interactions.llm_user import LLMUser
+from rollout.interactions.role_play import RolePlayUser
 from rollout.journal import Journal
 from rollout.judging import ProxyJudge
 from rollout.tasks import load_task
 from rollout.tools.box import ToolBox
 from services import jobs, protocol
-from services.config import JobSpec, RolloutSettings
+from services.config import JobSpec, RolloutSettings, ToolsSpec
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, connect, publish
@@ -245,16 +246,22 @@ class RolloutServer:
         chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
         judge = ProxyJudge(self.judge_client, job_id, spec.reward)
         task_set = load_task(spec.task, spec.train.seed, judge=judge)
-        user = task_set.rule_user or LLMUser(self.judge_client, task_set.goal, spec.reward.user_model, job=job_id,
-                                             seed=spec.train.seed, style=spec.task.simulator)
-        tools = None if spec.tools is None else await ToolBox.open(
-            spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
+        user = task_user(task_set, self.judge_client, spec, job_id)
+        tools = await self.open_tools(task_set, spec, job_id)
         if tools is not None:
-            chat = chat.with_tools(tools.schemas())
-        runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools)
+            chat = chat.with_tools(tools.schemas(), tools.spec.parser)
+        runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools, getattr(task_set, "world", None))
         return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id,
                             generate=spec.kind == "generate", seed=spec.train.seed,
                             openings=spec.task.opening == "simulator")
+
+    async def open_tools(self, task_set, spec: JobSpec, job_id: str) -> ToolBox | None:
+        """The task's own tools where it brings them, else the job's (None without)."""
+        if hasattr(task_set, "tools"):
+            return await task_tools(task_set, spec, job_id)
+        if spec.tools is None:
+            return None
+        return await ToolBox.open(spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(
@@ -288,6 +295,29 @@ class RolloutServer:
     async def wait_until_job_ends(self, job_id: str) -> None:
         while job_id in await jobs.running_jobs(self.redis):
             await asyncio.sleep(0.5)
+
+
+TASK_TOOLS = ToolsSpec(max_calls_per_episode=30, max_rounds_per_turn=8)
+"""The parser and limits of a task's own tools when the job sets none: room for the calls
+one τ² conversation makes (the benchmark bounds a conversation by its steps and errors)."""
+
+
+def task_user(task_set, client: JudgeClient, spec: JobSpec, job_id: str):
+    """Who plays the user: the task's rule-based user; a role-played user from the task's
+    brief (τ²-bench: greedy, as the benchmark's simulator runs by default); or the LLM user
+    simulator playing the task's goal."""
+    if task_set.rule_user is not None:
+        return task_set.rule_user
+    if hasattr(task_set, "brief"):
+        return RolePlayUser(client, task_set.brief, task_set.stop_markers, spec.reward.user_model, job=job_id,
+                            temperature=0.0, seed=spec.train.seed)
+    return LLMUser(client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed,
+                   style=spec.task.simulator)
+
+
+async def task_tools(task_set, spec: JobSpec, job_id: str) -> ToolBox:
+    """The tool box of a task that brings its own tools, under the job's parser and limits."""
+    return ToolBox.of_task(spec.tools or TASK_TOOLS, await asyncio.to_thread(task_set.tools), job_id)
 
 
 class ServedJob:

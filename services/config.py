@@ -41,7 +41,15 @@ class ModelSpec(_Strict):
 
 
 class TaskSpec(_Strict):
-    name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat", "multiply"] = "clarify"
+    name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat", "multiply", "tau2"] = Field(
+        "clarify", description="tau2: a τ²-bench domain (`domain`, `split`), its tools, user and verdict from the "
+                               "benchmark's package (`rollout.tasks.tau2`).")
+    domain: Literal["mock", "airline", "retail"] | None = Field(
+        None, description="tau2: the benchmark's domain (telecom, whose user acts through tools of their own, is "
+                          "not supported).")
+    split: Literal["train", "test", "base"] = Field(
+        "train", description="tau2: the domain's task split (base: all its tasks; the mock domain's train and "
+                             "test are Tandem's, 6 and 3 of its 9 tasks).")
     data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
     num_examples: int = Field(
         512, ge=1, le=1_000_000,
@@ -89,6 +97,11 @@ class TaskSpec(_Strict):
                              "rule-based user unless task.user is llm")
         if self.opening == "simulator" and self.contexts is not None:
             raise ValueError("task.opening: simulator writes openings, task.contexts brings its own: set one")
+        if (self.name == "tau2") != (self.domain is not None):
+            raise ValueError("task.domain names a τ² domain, and only a tau2 task sets one")
+        if self.name == "tau2" and (self.opening != "task" or self.contexts is not None or self.system_prompt):
+            raise ValueError("a tau2 task brings its own context (the domain's policy, the benchmark's greeting): "
+                             "task.opening, task.contexts and task.system_prompt are not for it")
         return self
 
 
@@ -293,8 +306,6 @@ class ToolsSpec(_Strict):
 
     @model_validator(mode="after")
     def _some_unique_tools(self) -> "ToolsSpec":
-        if not self.tools and self.file is None:
-            raise ValueError("tools needs inline tools or a file")
         names = [t.name for t in self.tools]
         if len(names) != len(set(names)):
             raise ValueError(f"tool names repeat: {sorted({n for n in names if names.count(n) > 1})}")
@@ -401,6 +412,10 @@ class JobSpec(_Strict):
             raise ValueError("task.extraction: llm asks the judge model by name: set reward.judge_model")
         if self.kind == "generate" and self.reward.mode != "multiturn":
             raise ValueError("a generate job ranks each turn's responses: reward.mode must be multiturn")
+        if self.tools is not None and self.task.name != "tau2" and not self.tools.tools and self.tools.file is None:
+            raise ValueError("tools needs inline tools or a file (only a tau2 task brings its own)")
+        if self.tools is not None and self.task.name == "tau2" and (self.tools.tools or self.tools.file):
+            raise ValueError("a tau2 task brings its domain's tools: tools sets only the parser and limits")
         return self
 
 

@@ -17,11 +17,14 @@ templates that rewrite earlier reasoning), `off` skips the check.
 With tools, every rendering passes the same function schemas as the template's `tools`
 argument (templates show them in the system turn), and tool results are delta-tokenized
 like user turns: whatever the template makes of a `tool` message (its own turn, or a user
-turn wrapping `<tool_response>`), the delta holds exactly that.
+turn wrapping `<tool_response>`), the delta holds exactly that. A template that does not show
+tools at all (SmolLM2's) gets them in the system turn instead, with how to call them in the
+job's parser's format (`TOOL_PROMPTS`), in every rendering alike.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -31,16 +34,34 @@ _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _SPACE = re.compile(r"\s+")
 
 
+TOOL_PROMPTS = {
+    "hermes": ("You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, write "
+               '<tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as a JSON object>}}}}</tool_call>; '
+               "several calls are several blocks. The results come back in tool messages."),
+    "llama3": ("You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, reply with "
+               'only {{"name": "<tool name>", "parameters": {{<the arguments as a JSON object>}}}}; several calls '
+               "are a JSON list of them. The results come back in tool messages."),
+}
+"""How tools are shown to a model whose chat template ignores them (by the tool parser)."""
+
+
 class TokenizationMismatch(ValueError):
     """The episode's tokens differ from a fresh rendering of the same conversation."""
 
 
 class ChatTokenizer:
-    def __init__(self, tokenizer, check_mode: CheckMode = "strict", tools: list[dict] | None = None) -> None:
+    def __init__(self, tokenizer, check_mode: CheckMode = "strict", tools: list[dict] | None = None,
+                 parser: str = "hermes") -> None:
         self.tokenizer = tokenizer
         self.check_mode = check_mode
         self.tools = tools or None
         """OpenAI function schemas shown to the model in every rendering; None without tools."""
+        self.parser = parser
+        self._tool_prompt = None
+        """The system text that shows the tools, for a template that ignores `tools`."""
+        if self.tools and self._template_ignores_tools():
+            shown = "\n".join(json.dumps(tool.get("function", tool)) for tool in self.tools)
+            self._tool_prompt = TOOL_PROMPTS[parser].format(tools=shown)
         self.eot_id: int = tokenizer.eos_token_id
         self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
@@ -50,17 +71,31 @@ class ChatTokenizer:
         self._cut = _after_last(self._base, self.eot_id)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        tools = self.tools
+        if self._tool_prompt is not None:
+            messages, tools = _with_system_text(messages, self._tool_prompt), None
         ids = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
         )
         return list(ids)
 
-    def with_tools(self, tools: list[dict] | None) -> "ChatTokenizer":
-        """The same tokenizer and check, rendering with `tools`."""
-        return self if (tools or None) == self.tools else ChatTokenizer(self.tokenizer, self.check_mode, tools)
+    def with_tools(self, tools: list[dict] | None, parser: str = "hermes") -> "ChatTokenizer":
+        """The same tokenizer and check, rendering with `tools` (read back by `parser`)."""
+        if (tools or None) == self.tools and parser == self.parser:
+            return self
+        return ChatTokenizer(self.tokenizer, self.check_mode, tools, parser)
+
+    def _template_ignores_tools(self) -> bool:
+        plain = self.tokenizer.apply_chat_template(BASE, tokenize=False)
+        return plain == self.tokenizer.apply_chat_template(BASE, tools=self.tools, tokenize=False)
 
     def prompt(self, messages: list[dict]) -> list[int]:
-        """Tokens of a context that the assistant answers next."""
+        """Tokens of a context that the assistant answers next; of one that ends with an
+        assistant message (the user speaks first, as after τ²'s greeting), the rendering up
+        to that message's end-of-turn token, where `delta` goes on."""
+        if messages and messages[-1]["role"] == "assistant":
+            rendered = self.render(messages)
+            return rendered[: _after_last(rendered, self.eot_id)]
         return self.render(messages, add_generation_prompt=True)
 
     def delta(self, new_messages: list[dict]) -> list[int]:
@@ -104,6 +139,14 @@ class ChatTokenizer:
             tokens = context + reply
             mask += [1] * len(reply)
         return tokens, mask
+
+
+def _with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` after the system message's content (a new system message first
+    when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _after_last(ids: list[int], token: int) -> int:

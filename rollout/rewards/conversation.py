@@ -57,7 +57,7 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
     for i in finished:
         rewards[i] += tool_terms(episodes[i].tool_use, spec)
     if spec.extrinsic_weight:
-        scores = await gather_all(*(task.score(example, episodes[i].messages) for i in finished))
+        scores = await gather_all(*(task.score(example, episodes[i].messages, episodes[i]) for i in finished))
         for i, score in zip(finished, scores):
             rewards[i] += spec.extrinsic_weight * score
     if spec.judge_rubric and spec.judge_weight:

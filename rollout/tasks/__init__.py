@@ -57,6 +57,10 @@ def _base_task(spec: TaskSpec, seed: int, judge):
         from rollout.tasks.multiply import MultiplyTask
 
         return MultiplyTask(spec, seed)
+    if spec.name == "tau2":
+        from rollout.tasks.tau2 import Tau2Task
+
+        return Tau2Task(spec)
     if spec.name == "code_chat":
         from rollout.tasks.code_chat import CodeChatTask
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rollout.interactions.base import UserSimulator
+
+if TYPE_CHECKING:
+    from rollout.episode import Episode
 
 
 class TaskSet(Protocol):
@@ -32,8 +35,10 @@ class TaskSet(Protocol):
         for none. A simulator-written opening (`task.opening: simulator`) gets it appended."""
         ...
 
-    async def score(self, example: int, messages: list[dict]) -> float:
-        """R_ext in [0, 1]: the task metric of a finished conversation against the reference."""
+    async def score(self, example: int, messages: list[dict], episode: Episode | None = None) -> float:
+        """R_ext in [0, 1]: the task metric of a finished conversation against the reference.
+        `episode` is the conversation's episode, for a task whose verdict reads how it ended
+        and what its tools did (τ²-bench); the others read `messages` alone."""
         ...
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:

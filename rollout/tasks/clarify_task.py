@@ -42,7 +42,7 @@ class ClarifyTask:
         ex = self.examples[example]
         return clarify.answer(ex.category, ex.target)
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         return float(clarify.is_correct_answer(self.examples[example], messages[-1]["content"]))
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:

@@ -47,7 +47,7 @@ class CodeChatTask(FixtureTask):
         self.examples = [CodeExample(**row) for row in read_examples(spec, "code_chat.jsonl")]
         self.judge = judge if spec.extraction == "llm" else None
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""
         code = last_found(messages, python_code) if self.judge is None else \
             (await extraction.extract(self.judge, "code", messages) or None)

@@ -119,8 +119,8 @@ class ContextView:
     def attachment(self, index: int) -> str:
         return self.base.attachment(self.example_of(index))
 
-    async def score(self, index: int, messages: list[dict]) -> float:
-        return await self.base.score(self.example_of(index), messages)
+    async def score(self, index: int, messages: list[dict], episode=None) -> float:
+        return await self.base.score(self.example_of(index), messages, episode)
 
     def metrics(self, index: int, messages: list[dict]) -> dict[str, float]:
         """The base task's metrics and the turn trained. `asked` (whether the first reply

@@ -62,7 +62,7 @@ class DocEditChatTask(FixtureTask):
         """The document, in a fence, which invites a fenced edit back."""
         return f"```\n{self.examples[example].document}\n```"
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         document = conversation_document(messages) if self.judge is None else \
             await extraction.extract(self.judge, "document", messages)
         return document_bleu(document, self.examples[example].reference)

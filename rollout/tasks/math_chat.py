@@ -109,7 +109,7 @@ class MathChatTask(FixtureTask):
     def reference(self, example: int) -> str:
         return self.examples[example].answer
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         if self.metric == "judge":
             return await self.judge("accuracy", messages, self.reference(example))
         return float(is_correct(messages, self.examples[example].answer))

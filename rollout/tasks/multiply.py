@@ -122,7 +122,7 @@ class MultiplyTask:
     def reference(self, example: int) -> str:
         return answer(self.examples[example].value)
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         return float(last_number(final_reply(messages)) == self.examples[example].value)
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:

@@ -1,6 +1,10 @@
 """What a tool is to an episode: a name, an OpenAI function schema the chat template shows
 the model, and an async call from JSON arguments to the text the model reads back.
 
+A tool that acts on state of its own episode (a τ² domain's database, `rollout.tasks.tau2`)
+says so with `acts_on_world = True`: its call also gets the episode's `World`, which the
+tool box finds on the episode's `ToolUsage` and which forks with the episode.
+
 A tool raises `ToolError` for a failure the model should hear about in its own words (a
 division by zero, no document found); anything else it raises is reported as an
 `exception` by the tool box (`rollout.tools.box`), which also owns timeouts, concurrency
@@ -40,6 +44,26 @@ class Tool(Protocol):
     async def close(self) -> None:
         """Release what the tool holds (a subprocess, a connection); called once at the end."""
         ...
+
+
+class WorldTool(Protocol):
+    """A tool whose calls act on the episode's `World` (`acts_on_world` is True)."""
+
+    name: str
+    acts_on_world: bool
+
+    def schema(self) -> dict: ...
+
+    async def call(self, arguments: dict, world: World) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class World(Protocol):
+    """State that belongs to one episode and that its tools change: each episode starts
+    from its own, and a forked episode (a sampled future) goes on with a copy."""
+
+    def fork(self) -> "World": ...
 
 
 def function_schema(name: str, description: str, properties: dict, required: list[str]) -> dict:

@@ -11,14 +11,15 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import jsonschema
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
-from rollout.tools.base import Tool, ToolCall, ToolError
+from rollout.tools.base import Tool, ToolCall, ToolError, World, WorldTool
 from rollout.tools.parsers import PARSERS, Parsed
-from services.config import ToolCatalog, ToolSpec, ToolsSpec
+from services.config import ToolCatalog, ToolsSpec
 from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls
 
 FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout", "tool_error", "exception")
@@ -32,6 +33,24 @@ LATENCY = Histogram("tandem_rollout_tool_seconds", "Tool call time, waiting for 
                     buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
 PER_EPISODE = Histogram("tandem_rollout_tool_calls_per_episode", "Tool calls per finished episode", ["job"],
                         buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
+
+
+class ToolLimits(Protocol):
+    """What the tool box enforces for one tool (a `ToolSpec` from the job, or a task's
+    own limits for the tools it brings)."""
+
+    max_calls: int
+    max_concurrency: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class TaskToolLimits:
+    """The limits of a tool a task brings: in-memory calls, many at once, quick."""
+
+    max_calls: int
+    max_concurrency: int = 64
+    timeout_s: float = 30.0
 
 
 @dataclass
@@ -56,6 +75,9 @@ class ToolUsage:
     calls: Counter = field(default_factory=Counter)
     """Calls run, by tool name (what the per-tool limit counts)."""
     results: list[ToolResult] = field(default_factory=list)
+    world: World | None = None
+    """The episode's own state its world tools act on (`rollout.tools.base.World`); None
+    for a job without such tools."""
 
     @property
     def total(self) -> int:
@@ -69,11 +91,12 @@ class ToolUsage:
         return Counter(r.failure for r in self.results if r.failure)
 
     def copy(self) -> "ToolUsage":
-        return ToolUsage(Counter(self.calls), list(self.results))
+        return ToolUsage(Counter(self.calls), list(self.results), self.world and self.world.fork())
 
 
 class ToolBox:
-    def __init__(self, spec: ToolsSpec, tools: list[Tool], limits: dict[str, ToolSpec], job: str = "") -> None:
+    def __init__(self, spec: ToolsSpec, tools: list[Tool | WorldTool], limits: dict[str, ToolLimits],
+                 job: str = "") -> None:
         self.spec = spec
         self.tools = {tool.name: tool for tool in tools}
         self.limits = limits
@@ -121,6 +144,13 @@ class ToolBox:
             tools += await open_mcp_tools(mcp_specs)
         return cls(spec, tools, {t.name: t for t in spec.tools}, job)
 
+    @classmethod
+    def of_task(cls, spec: ToolsSpec, tools: list[Tool | WorldTool], job: str = "") -> "ToolBox":
+        """A box for the tools a task brings (τ²-bench's domain tools): the job's `tools`
+        section sets only the parser and the per-episode limits, which bound each tool too."""
+        limits = TaskToolLimits(max_calls=spec.max_calls_per_episode)
+        return cls(spec, tools, {tool.name: limits for tool in tools}, job)
+
     def schemas(self) -> list[dict]:
         """The OpenAI function schemas, for the chat template's `tools` argument."""
         return [tool.schema() for tool in self.tools.values()]
@@ -137,7 +167,7 @@ class ToolBox:
                 admitted.append((len(results), call))
                 usage.calls[call.name] += 1
             results.append(refused)
-        ran = await asyncio.gather(*(self._call(call) for _, call in admitted))
+        ran = await asyncio.gather(*(self._call(call, usage.world) for _, call in admitted))
         for (index, _), result in zip(admitted, ran):
             results[index] = result
         results += [ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed")
@@ -166,7 +196,7 @@ class ToolBox:
                               "call_limit")
         return None
 
-    async def _call(self, call: ToolCall) -> ToolResult:
+    async def _call(self, call: ToolCall, world: World | None) -> ToolResult:
         """Wait for a slot of the tool, run it under its timeout; the wait counts in the time."""
         timeout = self.limits[call.name].timeout_s
         started = time.monotonic()
@@ -175,7 +205,7 @@ class ToolBox:
             self.most_in_flight[call.name] = max(self.most_in_flight[call.name], self.in_flight[call.name])
             try:  # asyncio.timeout: Python 3.11's wait_for can swallow the episode's cancel
                 async with asyncio.timeout(timeout):
-                    content, failure = await self.tools[call.name].call(call.arguments), ""
+                    content, failure = await self._invoke(self.tools[call.name], call.arguments, world), ""
             except TimeoutError:
                 content, failure = f"error: {call.name} did not answer within {timeout:g} s", "timeout"
             except ToolError as exc:
@@ -187,6 +217,14 @@ class ToolBox:
         seconds = time.monotonic() - started
         LATENCY.labels(self.job, call.name).observe(seconds)
         return ToolResult(call, content, failure, seconds)
+
+    @staticmethod
+    async def _invoke(tool: Tool | WorldTool, arguments: dict, world: World | None) -> str:
+        if not getattr(tool, "acts_on_world", False):
+            return await tool.call(arguments)
+        if world is None:
+            raise RuntimeError(f"{tool.name} acts on the episode's world, and this episode has none")
+        return await tool.call(arguments, world)
 
     def observe_episode(self, usage: ToolUsage) -> None:
         PER_EPISODE.labels(self.job).observe(usage.total)

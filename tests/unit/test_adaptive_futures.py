@@ -97,7 +97,7 @@ class FixedFutures:
 class ScoreTask:
     """R_ext is the number the future's last reply holds."""
 
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         return float(messages[-1]["content"])
 
     def reference(self, example: int) -> str:

@@ -109,7 +109,7 @@ async def test_code_r_ext_runs_the_last_code_block_in_the_conversation():
 # ---- 3. the token penalty counts the conversation's tokens, user turns included ---------
 
 class Nothing:
-    async def score(self, example: int, messages: list[dict]) -> float:
+    async def score(self, example: int, messages: list[dict], episode=None) -> float:
         return 0.0
 
     def reference(self, example: int) -> str:

