@@ -16,7 +16,10 @@ only what the prompt contains (no hidden channel to the task):
   candidate, each scored as it would be alone. Asked for an opening (an empty
   conversation), the user names the category only, as the task's vague requests do;
 - **the extraction of a final document or code** (`rollout.tasks.extraction`): the body of
-  the last fenced block the assistant wrote, or nothing when it wrote none.
+  the last fenced block the assistant wrote, or nothing when it wrote none;
+- **a role-played user** (`rollout.interactions.role_play`, briefed with a τ²-bench
+  `<scenario>`): the scenario's instructions as its request, then the benchmark's stop
+  marker at the agent's first answer, so conversations end as the benchmark's do.
 Any other prompt gets None: the upstream then answers filler text, as it always has.
 """
 
@@ -32,6 +35,7 @@ GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
 EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
 CLARIFICATION = re.compile(r"^I mean (\w+)\.$")
 END_MARKER = "[[TERMINATE CHAT]]"  # the user simulator's, see rollout.interactions.llm_user
+ROLE_PLAY_STOP = "###STOP###"  # τ²-bench's user's, see rollout.tasks.tau2
 _WORD = re.compile(r"[a-z]+")
 
 
@@ -45,6 +49,8 @@ def reply_for(messages: list[dict]) -> str | None:
         return user_reply(system, last_user if isinstance(last_user, str) else "")
     if system.startswith("You read a conversation between a user and an AI assistant"):
         return extraction_reply(last_user if isinstance(last_user, str) else "")
+    if "<scenario>" in system and ROLE_PLAY_STOP in system:
+        return role_play_reply(system, messages)
     if system.startswith("You grade conversations"):
         case = next((m.get("content") for m in messages if m.get("role") == "user"), "")
         return verdict_reply(system, case if isinstance(case, str) else "")
@@ -71,6 +77,16 @@ def user_reply(system: str, transcript: str) -> str | None:
         thought, response = "It gave its answer; nothing more to ask for.", END_MARKER
     return json.dumps({"current_answer": "" if response != END_MARKER else last_assistant,
                        "thought": thought, "response": response})
+
+
+def role_play_reply(system: str, messages: list[dict]) -> str:
+    """The request the scenario describes, or the stop marker once the user has spoken (its
+    own messages come as `assistant` turns: the roles are swapped)."""
+    if any(m.get("role") == "assistant" for m in messages):
+        return ROLE_PLAY_STOP
+    scenario = system.split("<scenario>", 1)[1].split("</scenario>", 1)[0]
+    instructions = scenario.split("Instructions:", 1)[-1]
+    return " ".join(instructions.split()) or "I need help."
 
 
 # ---- extraction ----------------------------------------------------------------------

@@ -136,6 +136,12 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
     os.execv(sys.executable, command)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    from rollout import tau2_eval
+
+    tau2_eval.main(args)
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from tandem.models import export_job
 
@@ -316,6 +322,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU compute threads (OMP_NUM_THREADS); give each engine sharing the cores its own share. "
                         "0: all cores")
     p.set_defaults(run=cmd_serve_model)
+
+    p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95% intervals")
+    p.add_argument("model", help="the policy: an HF folder (tandem model get, or a job's through tandem export)")
+    p.add_argument("--domains", default="mock", help="comma-separated: mock, airline, retail")
+    p.add_argument("--split", default="test", choices=["train", "test", "base"])
+    p.add_argument("--trials", type=int, default=4, help="conversations per task (k of pass^k goes up to it)")
+    p.add_argument("--num-tasks", type=int, default=1000, help="the split's first N tasks")
+    p.add_argument("--judge-url", default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
+                   help="the judge proxy that serves the user simulator (default $TANDEM_JUDGE_URL)")
+    p.add_argument("--judge-token", default=os.environ.get("TANDEM_JUDGE_TOKEN", ""))
+    p.add_argument("--user-model", default="user-simulator", help="the simulator's model name at the proxy")
+    p.add_argument("--max-model-len", type=int, default=8192, help="the policy's context, and a conversation's")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per policy reply")
+    p.add_argument("--max-turns", type=int, default=10, help="assistant turns before a conversation is cut")
+    p.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
+    p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="write the results (per-episode rows included) to this JSON file")
+    p.set_defaults(run=cmd_eval)
 
     p = sub.add_parser("export", help="a job's policy as an HF folder that transformers and vLLM load")
     p.add_argument("job_id")

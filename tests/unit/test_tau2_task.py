@@ -1,0 +1,140 @@
+"""The tau2 task's edges: what a spec may say, how a conversation that the user did not end
+scores, worlds that fork, the role-played user, and pass^k."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from judge_proxy.stand_in import reply_for
+from rollout.interactions.llm_user import UserSimulatorError
+from rollout.interactions.role_play import RolePlayUser, swapped
+from rollout.tasks.tau2 import MAX_ERRORS, Tau2Task, termination
+from rollout.tau2_eval import interval, pass_hat_k
+from rollout.tools.box import ToolResult, ToolUsage
+from rollout.episode import Episode
+from services.config import JobSpec, TaskSpec
+
+MODEL = {"path": "/models/m"}
+
+
+@pytest.mark.parametrize("task, tools, error", [
+    ({"name": "tau2"}, None, "task.domain"),
+    ({"name": "clarify", "domain": "mock"}, None, "task.domain"),
+    ({"name": "tau2", "domain": "telecom"}, None, "domain"),
+    ({"name": "tau2", "domain": "mock", "split": "dev"}, None, "split"),
+    ({"name": "tau2", "domain": "mock", "system_prompt": "Be brief."}, None, "brings its own context"),
+    ({"name": "tau2", "domain": "mock", "opening": "simulator"}, None, "brings its own context"),
+    ({"name": "tau2", "domain": "mock"}, {"tools": [{"name": "calc", "kind": "calculator"}]}, "domain's tools"),
+    ({"name": "clarify"}, {"max_calls_per_episode": 3}, "inline tools or a file"),
+])
+def test_a_spec_that_cannot_be_a_tau2_job_is_refused_naming_the_field(task, tools, error):
+    with pytest.raises(ValidationError, match=error):
+        JobSpec(model=MODEL, task=task, tools=tools)
+
+
+def test_a_tau2_job_may_set_only_the_parser_and_limits_of_its_tools():
+    spec = JobSpec(model=MODEL, task={"name": "tau2", "domain": "airline", "split": "test"},
+                   tools={"max_calls_per_episode": 20})
+    assert spec.tools.max_calls_per_episode == 20 and not spec.tools.tools
+
+
+def mock(split: str = "base") -> Tau2Task:
+    return Tau2Task(TaskSpec(name="tau2", domain="mock", split=split))
+
+
+def test_the_mock_split_holds_out_one_task_of_each_kind():
+    train, test = mock("train"), mock("test")
+    assert (len(train), len(test), len(mock())) == (6, 3, 9)
+    assert not {t.id for t in train.tasks} & {t.id for t in test.tasks}
+
+
+def episode_of(task: Tau2Task, example: int, end: str, failures: int = 0) -> Episode:
+    episode = Episode(task.context(example) + [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "Done."}], [1], end=end)
+    episode.tool_use = ToolUsage(world=task.world(example),
+                                 results=[ToolResult(None, "error", "malformed") for _ in range(failures)])
+    return episode
+
+
+@pytest.mark.parametrize("end, failures, reason", [
+    ("user_ended", 0, "user_stop"), ("max_turns", 0, "max_steps"), ("max_tokens", 0, "max_steps"),
+    ("truncated", 0, "agent_error"), ("user_ended", MAX_ERRORS, "too_many_errors"),
+])
+def test_only_a_conversation_the_user_ended_is_judged_on_its_merits(end, failures, reason):
+    task = mock()
+    nothing_expected = [t.id for t in task.tasks].index("create_task_1_nl_eval")   # passes if judged at all
+    episode = episode_of(task, nothing_expected, end, failures)
+    assert termination(episode) == reason
+    assert task.verdict(nothing_expected, episode).reward == (1.0 if reason == "user_stop" else 0.0)
+
+
+def test_a_forked_world_changes_apart_from_the_one_it_came_from():
+    task = mock()
+    world = task.world(0)
+    fork = world.fork()
+    fork.call("create_task", {"user_id": "user_1", "title": "Only in the fork"})
+    titles = {t.title for t in world.environment.tools.db.tasks.values()}
+    assert "Only in the fork" not in titles and len(fork.calls) == 1 and not world.calls
+
+
+def test_a_task_with_a_history_starts_from_it_and_its_world_holds_what_the_history_did():
+    task = mock()
+    example = [t.id for t in task.tasks].index("update_task_with_message_history")
+    context = task.context(example)
+    assert [m["role"] for m in context] == ["system", "user", "assistant", "tool", "assistant"]
+    assert context[2]["content"].startswith('<tool_call>{"name": "create_task"')
+    assert "task_2" in task.world(example).environment.tools.db.tasks
+
+
+class Client:
+    """The judge proxy's client as the user sees it: replies in order, prompts kept."""
+
+    def __init__(self, *replies: str) -> None:
+        self.replies, self.prompts = list(replies), []
+
+    async def chat(self, messages, **kwargs):
+        self.prompts.append(messages)
+        return type("Result", (), {"content": self.replies.pop(0)})()
+
+
+CONVERSATION = [{"role": "system", "content": "policy"}, {"role": "assistant", "content": "Hi!"},
+                {"role": "user", "content": "My order is late."},
+                {"role": "assistant", "content": '<tool_call>{"name": "get_order"}</tool_call>'},
+                {"role": "tool", "content": '{"status": "shipped"}'},
+                {"role": "assistant", "content": "It shipped yesterday."}]
+
+
+def test_the_role_played_user_sees_only_what_the_user_saw_with_roles_swapped():
+    assert swapped(CONVERSATION) == [{"role": "user", "content": "Hi!"},
+                                     {"role": "assistant", "content": "My order is late."},
+                                     {"role": "user", "content": "It shipped yesterday."}]
+
+
+async def test_the_role_played_user_ends_on_a_stop_marker_and_retries_a_blank_reply_once():
+    client = Client("Thanks! ###STOP###")
+    user = RolePlayUser(client, lambda example: f"brief {example}", ("###STOP###",), "sim")
+    assert await user.respond(3, CONVERSATION, "t/1") is None
+    assert client.prompts[0][0] == {"role": "system", "content": "brief 3"}
+    assert await RolePlayUser(Client("  ", "Where is it?"), str, ("###STOP###",), "sim").respond(0, CONVERSATION) \
+        == "Where is it?"
+    with pytest.raises(UserSimulatorError):
+        await RolePlayUser(Client("", ""), str, ("###STOP###",), "sim").respond(0, CONVERSATION)
+
+
+def test_the_stand_in_plays_a_briefed_user_asking_then_stopping():
+    task = mock()
+    brief = [{"role": "system", "content": task.brief(0)}, {"role": "user", "content": "Hi! How can I help?"}]
+    request = reply_for(brief)
+    assert "Important Meeting" in request and "###" not in request
+    assert reply_for(brief + [{"role": "assistant", "content": request},
+                              {"role": "user", "content": "Done."}]) == "###STOP###"
+
+
+def test_pass_hat_k_is_the_chance_that_k_trials_all_succeed_averaged_over_tasks():
+    # Task A: 2 of 4 trials; task B: 4 of 4. pass^1 = (0.5 + 1) / 2; pass^2 = (1/6 + 1) / 2.
+    assert pass_hat_k([2, 4], 4, 1) == pytest.approx(0.75)
+    assert pass_hat_k([2, 4], 4, 2) == pytest.approx((1 / 6 + 1) / 2)
+    assert pass_hat_k([2, 4], 4, 4) == pytest.approx(0.5)
+    low, high = interval([0, 4, 4], 4, 1)
+    assert low < pass_hat_k([0, 4, 4], 4, 1) < high and (low, high) == (0.0, 1.0)
