@@ -49,7 +49,8 @@ def summary(successes: list[int], trials: int) -> dict:
 def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
     """The settings of one domain's evaluation, as the job spec a rollout server reads."""
     return JobSpec(model=ModelSpec(path=model, max_model_len=args.max_model_len),
-                   task=TaskSpec(name="tau2", domain=domain, split=split, num_examples=args.num_tasks),
+                   task=TaskSpec(name="tau2", domain=domain, split=split,
+                                 **({"num_examples": args.num_tasks} if args.num_tasks else {})),
                    rollout=RolloutSpec(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                        max_total_tokens=args.max_model_len, max_turns=args.max_turns),
                    reward=RewardSpec(user_model=args.user_model), train={"seed": args.seed})
@@ -82,7 +83,8 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
         return {"task": task_set.tasks[example].id, "trial": trial, "reward": verdict.reward if verdict else 0.0,
                 "end": episode.end, "malformed": episode.malformed_reason(), "turns": episode.num_turns,
                 "tool_calls": episode.tool_use.total, "tool_failures": dict(episode.tool_use.failures()),
-                "policy_tokens": episode.policy_tokens, "seconds": round(time.monotonic() - started, 2)}
+                "policy_tokens": episode.policy_tokens, "seconds": round(time.monotonic() - started, 2),
+                "messages": episode.messages[1:]}   # the conversation, less the system prompt every task shares
 
     rows = await asyncio.gather(*(one(e, t) for e in range(len(task_set)) for t in range(trials)))
     by_task: dict[str, list[dict]] = {}

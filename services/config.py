@@ -40,11 +40,15 @@ class ModelSpec(_Strict):
         return self.path
 
 
+TAU2_DOMAINS = ("mock", "airline", "retail")
+"""The τ²-bench domains a tau2 task plays (telecom's user acts through tools of their own)."""
+
+
 class TaskSpec(_Strict):
     name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat", "multiply", "tau2"] = Field(
         "clarify", description="tau2: a τ²-bench domain (`domain`, `split`), its tools, user and verdict from the "
                                "benchmark's package (`rollout.tasks.tau2`).")
-    domain: Literal["mock", "airline", "retail"] | None = Field(
+    domain: Literal[TAU2_DOMAINS] | None = Field(
         None, description="tau2: the benchmark's domain (telecom, whose user acts through tools of their own, is "
                           "not supported).")
     split: Literal["train", "test", "base"] = Field(
@@ -89,6 +93,22 @@ class TaskSpec(_Strict):
         "doc_edit_chat and code_chat: how R_ext finds the final document or code in a conversation: rule, the "
         "last fenced block of any assistant reply; llm, an extraction call to reward.judge_model through the "
         "judge proxy (CollabLLM), for replies that do not fence what they deliver."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tau2_examples_are_its_split(cls, data):
+        """A tau2 task's examples are its split's tasks: `num_examples` is the split's size
+        unless set lower (the learner draws examples from it), and never more."""
+        if not isinstance(data, dict) or data.get("name") != "tau2" or data.get("domain") not in TAU2_DOMAINS \
+                or data.get("split", "train") not in ("train", "test", "base"):
+            return data   # field validation reports what is wrong
+        from services.tau2_splits import task_ids
+
+        size = len(task_ids(data["domain"], data.get("split", "train")))
+        if data.get("num_examples", size) > size:
+            raise ValueError(f"task.num_examples {data['num_examples']}: the {data['domain']} "
+                             f"{data.get('split', 'train')} split has {size} tasks")
+        return {"num_examples": size} | data
 
     @model_validator(mode="after")
     def _openings_need_a_simulator(self) -> "TaskSpec":

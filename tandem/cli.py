@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domains", default="mock", help="comma-separated: mock, airline, retail")
     p.add_argument("--split", default="test", choices=["train", "test", "base"])
     p.add_argument("--trials", type=int, default=4, help="conversations per task (k of pass^k goes up to it)")
-    p.add_argument("--num-tasks", type=int, default=1000, help="the split's first N tasks")
+    p.add_argument("--num-tasks", type=count, default=0, help="the split's first N tasks (0: all of them)")
     p.add_argument("--judge-url", default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
                    help="the judge proxy that serves the user simulator (default $TANDEM_JUDGE_URL)")
     p.add_argument("--judge-token", default=os.environ.get("TANDEM_JUDGE_TOKEN", ""))

@@ -42,6 +42,8 @@ class Stack:
     ports: Ports = field(default_factory=Ports)
     learner_ranks: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
+    env_for: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment of one process by name (`learner`, `rollout-0`), over `extra_env`."""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     redis: EmbeddedRedis | None = None
     redis_url: str = ""
@@ -93,7 +95,7 @@ class Stack:
 
     def spawn(self, name: str, args: list[str], **env: str) -> None:
         environment = os.environ | {"TANDEM_REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
-        environment |= self.extra_env | env
+        environment |= self.extra_env | self.env_for.get(name, {}) | env
         log = open(self.log_dir / f"{name}.log", "wb")
         self.processes[name] = subprocess.Popen(args, env=environment, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)

@@ -36,25 +36,22 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib
+import json
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from rollout.tools.base import ToolError
+from services.config import TAU2_DOMAINS
+from services.tau2_splits import task_ids
 
 if TYPE_CHECKING:
     from rollout.episode import Episode
     from services.config import TaskSpec
 
-DOMAINS = ("mock", "airline", "retail")
 GREETING = "Hi! How can I help you today?"
 """The benchmark's first message of every conversation without a history."""
 MAX_ERRORS = 10
 """Failed tool calls after which the benchmark ends a conversation (reward 0)."""
-MOCK_SPLIT = {
-    "test": ["create_task_1_with_env_assertions", "update_task_with_initialization_actions", "impossible_task_1"],
-}
-"""The mock domain ships its 9 tasks as one split (`base`); Tandem holds out one task of
-each kind (create, update, transfer) as `test` and trains on the other 6 (`train`)."""
 
 AGENT_INSTRUCTIONS = """You are a customer service agent. Help the user within the policy below, \
 which you must follow exactly. Each of your replies either writes to the user or calls tools, \
@@ -124,12 +121,13 @@ class Tau2Task:
 
     def __init__(self, spec: TaskSpec) -> None:
         _quiet()
-        if spec.domain not in DOMAINS:
-            raise ValueError(f"task.domain {spec.domain!r}: τ² domains Tandem runs are {', '.join(DOMAINS)}")
+        if spec.domain not in TAU2_DOMAINS:
+            raise ValueError(f"task.domain {spec.domain!r}: τ² domains Tandem runs are {', '.join(TAU2_DOMAINS)}")
         self.domain = spec.domain
         self.name = f"tau2-{spec.domain}"
         self._module = importlib.import_module(f"tau2.domains.{spec.domain}.environment")
-        self.tasks = split_tasks(self._module, spec.domain, spec.split)[:spec.num_examples]
+        ids = set(task_ids(spec.domain, spec.split))
+        self.tasks = [task for task in self._module.get_tasks() if task.id in ids][:spec.num_examples]
         for task in self.tasks:
             basis = {b.value for b in task.evaluation_criteria.reward_basis} if task.evaluation_criteria else set()
             if "NL_ASSERTION" in basis:
@@ -229,23 +227,32 @@ class Tau2Task:
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         return {}
 
+    def demonstration(self, example: int) -> list[dict]:
+        """The oracle's conversation, as warm-start data: the context, the user's request
+        (the scenario's instructions), one reply making the task's expected calls with the
+        environment's answers, then one saying what the task expects to be said."""
+        task = self.tasks[example]
+        messages = self.context(example)
+        if messages[-1]["role"] == "assistant":
+            instructions = task.user_scenario.instructions
+            messages.append({"role": "user", "content": str(getattr(instructions, "reason_for_call", instructions))})
+        criteria = task.evaluation_criteria
+        actions = (criteria.actions or []) if criteria else []
+        if actions:
+            world = self.world(example)
+            messages.append({"role": "assistant", "content": hermes_calls([(a.name, a.arguments) for a in actions])})
+            for action in actions:
+                answer = world.call(action.name, action.arguments)
+                content = f"error: {answer.content.removeprefix('Error: ')}" if answer.error else answer.content
+                messages.append({"role": "tool", "name": action.name, "content": content})
+        said = (criteria.communicate_info or []) if criteria else []
+        messages.append({"role": "assistant", "content": " ".join(f"{info}." for info in said) or
+                         "That is taken care of. Is there anything else I can help you with?"})
+        return messages
+
     def _history(self, example: int) -> list:
         state = self.tasks[example].initial_state
         return list(state.message_history) if state is not None and state.message_history else []
-
-
-def split_tasks(module, domain: str, split: str) -> list:
-    """The domain's tasks in `split` (the mock domain's by `MOCK_SPLIT`), in the file's order."""
-    if domain != "mock":
-        splits = module.get_tasks_split()
-        if split not in splits:
-            raise ValueError(f"task.split {split!r}: the {domain} domain has splits {', '.join(sorted(splits))}")
-        return module.get_tasks(split)
-    tasks = module.get_tasks()
-    test = set(MOCK_SPLIT["test"])
-    if split not in ("train", "test", "base"):
-        raise ValueError(f"task.split {split!r}: the mock domain has splits base, test, train")
-    return [t for t in tasks if split == "base" or (t.id in test) == (split == "test")]
 
 
 def termination(episode: Episode) -> str:
@@ -292,12 +299,14 @@ def evaluate(environment_constructor, task, trajectory: list, how_it_ended: str)
 def chat_message(message) -> dict:
     """A message of a task's history as a chat message the policy's template renders (a
     call as the hermes `<tool_call>` block the policy itself would write)."""
-    import json
-
     if message.role == "tool":
         return {"role": "tool", "content": message.content}
     if message.role == "assistant" and message.tool_calls:
-        calls = "\n".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}</tool_call>'
-                          for c in message.tool_calls)
-        return {"role": "assistant", "content": calls}
+        return {"role": "assistant", "content": hermes_calls([(c.name, c.arguments) for c in message.tool_calls])}
     return {"role": message.role, "content": message.content or ""}
+
+
+def hermes_calls(calls: list[tuple[str, dict]]) -> str:
+    """Calls as the hermes parser reads them, one `<tool_call>` block per line."""
+    return "\n".join(f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+                     for name, arguments in calls)

@@ -18,8 +18,10 @@ import sys
 
 import httpx
 import pytest
+import redis
 
 from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
+from services.queues import Keys
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
 
@@ -57,6 +59,8 @@ def test_a_tau2_job_trains_a_step_and_its_history_shows_passes_calls_and_failure
     record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
                       ("SUCCEEDED", "FAILED") and r, 600, "the tau2 job", interval_s=1)
     assert record["status"] == "SUCCEEDED", record.get("error")
+    # Every task drew an example of the split (num_examples is its size): none dead-lettered.
+    assert redis.Redis.from_url(stack.redis_url).xlen(Keys.dead(job_id)) == 0
     [step] = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
     assert step["reward_mean"] == 0.0 and step["simulator_tokens"] > 0
     for key in ("tool_calls", "tool_success_ratio", "tool_failed_malformed", "tool_failed_unknown_tool",

@@ -138,3 +138,11 @@ def test_pass_hat_k_is_the_chance_that_k_trials_all_succeed_averaged_over_tasks(
     assert pass_hat_k([2, 4], 4, 4) == pytest.approx(0.5)
     low, high = interval([0, 4, 4], 4, 1)
     assert low < pass_hat_k([0, 4, 4], 4, 1) < high and (low, high) == (0.0, 1.0)
+
+
+def test_a_tau2_spec_has_as_many_examples_as_its_split_has_tasks_and_no_more():
+    assert TaskSpec(name="tau2", domain="airline", split="test").num_examples == 20
+    assert TaskSpec(name="tau2", domain="mock").num_examples == 6 == len(mock("train"))
+    assert TaskSpec(name="tau2", domain="retail", split="test", num_examples=5).num_examples == 5
+    with pytest.raises(ValidationError, match="test split has 3 tasks"):
+        TaskSpec(name="tau2", domain="mock", split="test", num_examples=4)
