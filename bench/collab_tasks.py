@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from rollout.tasks.contexts import turn_contexts  # noqa: E402
 from tandem.cli import count  # noqa: E402
 from tandem.client import ApiClient, follow  # noqa: E402
-from tandem.launcher import Ports, Stack, served_model  # noqa: E402
+from tandem.launcher import Ports, Stack, local_upstream_file, served_model  # noqa: E402
 from tandem.models import get  # noqa: E402
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -165,10 +164,7 @@ def main() -> None:
     # (bench/shared_cpu_engines.py).
     threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096, threads=args.threads) as url:
-        upstreams.write_text(yaml.safe_dump({"upstreams": [{
-            "name": "smollm2-local", "model": SERVED, "base_url": f"{url}/v1", "tpm": 10_000_000, "rpm": 100_000,
-            "max_concurrency": 16, "timeout_s": 600, "structured_output": True,
-            "tokenizer": str(MODEL / "tokenizer.json")}]}))
+        local_upstream_file(upstreams, "smollm2-local", SERVED, url, MODEL / "tokenizer.json", structured_output=True)
         env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")} | threads
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)

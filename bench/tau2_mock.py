@@ -20,7 +20,8 @@ the test split over seeds (min, mean, max), and each RL step's pass rate on the 
 
 Two vLLM engines share this machine's 2 cores (the policy's and the simulator's): one OpenMP
 thread each (bench/shared_cpu_engines.py). Needs the model (fetched here if missing).
-Run: python bench/tau2_mock.py [--seeds 0,1,2] [--steps 8] [--trials 4]
+Run: python bench/tau2_mock.py [--seeds 0,1,2] [--steps 6] [--warm-steps 12] [--trials 4]
+(about 20 minutes a seed here: a warm-start step takes about a minute on 2 cores).
 Writes docs/results/tau2_mock.json and docs/img/tau2_mock.png.
 """
 
@@ -36,13 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tandem.client import ApiClient, follow  # noqa: E402
-from tandem.launcher import Ports, Stack, served_model  # noqa: E402
+from tandem.launcher import Ports, Stack, local_upstream_file, served_model  # noqa: E402
 from tandem.models import get  # noqa: E402
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -124,7 +124,8 @@ def plot(record: dict, path: Path) -> None:
     for run in record["seeds"]:
         steps = [h["step"] for h in run["history"]]
         left.plot(steps, [h["reward_mean"] for h in run["history"]], marker="o", label=f"seed {run['seed']}")
-    left.set(xlabel="RL step", ylabel="pass rate (train split, sampled)", title="GRPO on the verdict", ylim=(-0.05, 1.05))
+    left.set(xlabel="RL step", ylabel="pass rate (train split, sampled)", title="GRPO on the verdict",
+             ylim=(-0.05, 1.05))
     left.legend()
     stages = ["untrained", "warm start", "after RL"]
     values = [[record["untrained"]["pass^1"]["value"]], [r["warm_start"]["pass^1"]["value"] for r in record["seeds"]],
@@ -158,15 +159,16 @@ def table(record: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2, help="groups per RL step")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--warm-steps", type=int, default=30)
+    parser.add_argument("--warm-steps", type=int, default=12)
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--simulator", choices=["scripted", "smollm2"], default="scripted")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "tau2_mock"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "tau2_mock.json"))
+    parser.add_argument("--plot", default=str(REPO / "docs" / "img" / "tau2_mock.png"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,10 +179,7 @@ def main() -> None:
     one_thread = {"OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     with simulator(args.simulator, out) as url:
-        upstreams = out / "upstreams.yaml"
-        upstreams.write_text(yaml.safe_dump({"upstreams": [{
-            "name": args.simulator, "model": SERVED, "base_url": f"{url}/v1", "tpm": 10_000_000, "rpm": 100_000,
-            "max_concurrency": 16, "timeout_s": 600, "tokenizer": str(MODEL / "tokenizer.json")}]}))
+        upstreams = local_upstream_file(out / "upstreams.yaml", args.simulator, SERVED, url, MODEL / "tokenizer.json")
         env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")} | one_thread
         # The learner computes while the engines mostly wait on each other: it gets both cores
         # (its warm start of 1,500-token rows took a minute a step on one).
@@ -206,7 +205,7 @@ def main() -> None:
                 record["seconds"] = time.monotonic() - started
                 Path(args.results).write_text(json.dumps(record, indent=1) + "\n")
     print(table(record))
-    plot(record, REPO / "docs" / "img" / "tau2_mock.png")
+    plot(record, Path(args.plot))
 
 
 if __name__ == "__main__":

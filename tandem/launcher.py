@@ -189,6 +189,17 @@ def rendezvous_args(nodes: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
     return [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
 
 
+def local_upstream_file(path: Path, name: str, model: str, base_url: str, tokenizer: Path, **extra) -> Path:
+    """A judge-proxy upstreams file with one local provider at `base_url` (no /v1) serving
+    `model`, under a budget no local run reaches; `extra` adds upstream fields."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({"upstreams": [{
+        "name": name, "model": model, "base_url": f"{base_url}/v1", "tpm": 10_000_000, "rpm": 100_000,
+        "max_concurrency": 16, "timeout_s": 600, "tokenizer": str(tokenizer), **extra}]}))
+    return path
+
+
 @contextlib.contextmanager
 def served_model(folder: Path, name: str, log_path: Path, max_model_len: int = 2048, timeout_s: float = 240,
                  threads: int = 0, env: dict[str, str] | None = None):

@@ -37,9 +37,10 @@ class RolePlayUser:
         return None if any(marker in text for marker in self.stop_markers) else text
 
     async def _ask(self, prompt: list[dict], call_id: str) -> str:
+        seed = call_seed(self.seed, call_id) if call_id else None
         result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
                                         temperature=self.temperature, job=self.job, priority="simulator",
-                                        idempotency_key=call_id, seed=call_seed(self.seed, call_id) if call_id else None)
+                                        idempotency_key=call_id, seed=seed)
         return (result.content or "").strip()
 
 

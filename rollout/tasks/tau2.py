@@ -141,7 +141,8 @@ class Tau2Task:
         return len(self.tasks)
 
     def context(self, example: int) -> list[dict]:
-        system = {"role": "system", "content": f"{AGENT_INSTRUCTIONS}\n\n<policy>\n{self.environment.policy}\n</policy>"}
+        policy = self.environment.policy
+        system = {"role": "system", "content": f"{AGENT_INSTRUCTIONS}\n\n<policy>\n{policy}\n</policy>"}
         history = self._history(example)
         return [system, *(chat_message(m) for m in history)] if history else \
             [system, {"role": "assistant", "content": GREETING}]
