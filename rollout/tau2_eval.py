@@ -25,6 +25,9 @@ from pathlib import Path
 from services.config import JobSpec, ModelSpec, RewardSpec, RolloutSpec, TaskSpec
 
 BOOTSTRAP_RESAMPLES = 2000
+VERDICT = ("the benchmark's evaluation `all` (database, actions, communication; the default, as its leaderboard "
+           "reports); natural-language assertions are not graded")
+"""What the results say a success is."""
 
 
 def pass_hat_k(successes: list[int], trials: int, k: int) -> float:
@@ -134,7 +137,7 @@ async def run(args) -> list[dict]:
 
 def main(args) -> None:
     results = asyncio.run(run(args))
-    record = {"model": args.model, "user_model": args.user_model, "settings": {
+    record = {"model": args.model, "user_model": args.user_model, "verdict": VERDICT, "settings": {
         k: v for k, v in vars(args).items() if k not in ("run", "judge_token")}, "results": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
