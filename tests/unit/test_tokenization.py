@@ -239,3 +239,27 @@ def test_with_tools_renders_the_schemas_and_keeps_the_tokenizer_and_mode():
     assert (tooled.tokenizer, tooled.check_mode, tooled.tools) == (plain.tokenizer, "ignore_strippable", TOOLS)
     shown = tooled.tokenizer.decode(tooled.prompt([{"role": "user", "content": "hi"}]))
     assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in shown
+
+
+def test_a_template_that_ignores_tools_gets_them_in_its_system_turn_in_every_rendering(real_model):
+    """SmolLM2's template drops the `tools` argument: the schemas and how to call them go
+    into the system turn instead, the same in the prompt, the deltas and the check."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Find an order.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    plain = ChatTokenizer(tokenizer)
+    chat = plain.with_tools([schema])
+    context = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my order?"}]
+    shown = tokenizer.decode(chat.prompt(context))
+    assert shown.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools")
+    assert '"name": "lookup"' in shown and "<tool_call>" in shown
+    assert '"name": "lookup"' not in tokenizer.decode(plain.prompt(context))
+    reply = tokenizer.encode('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>', add_special_tokens=False)
+    result = [{"role": "tool", "name": "lookup", "content": "shipped"}]
+    answer = tokenizer.encode("It shipped.", add_special_tokens=False)
+    tokens = chat.prompt(context) + reply + [chat.eot_id] + chat.delta(result) + answer + [chat.eot_id]
+    messages = context + [{"role": "assistant", "content": tokenizer.decode(reply)}, *result,
+                          {"role": "assistant", "content": "It shipped."}]
+    chat.check(tokens, messages)   # raises on a mismatch
