@@ -146,3 +146,23 @@ def test_a_tau2_spec_has_as_many_examples_as_its_split_has_tasks_and_no_more():
     assert TaskSpec(name="tau2", domain="retail", split="test", num_examples=5).num_examples == 5
     with pytest.raises(ValidationError, match="test split has 3 tasks"):
         TaskSpec(name="tau2", domain="mock", split="test", num_examples=4)
+
+
+async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that_leave_the_world_as_it_was():
+    from rollout.server import TASK_TOOLS
+    from rollout.tools.base import ToolCall
+    from rollout.tools.box import ToolBox
+    from rollout.tools.parsers import Parsed
+
+    task = mock()
+    box = ToolBox.of_task(TASK_TOOLS, task.tools())
+    usage = ToolUsage(world=task.world(0))
+    before = usage.world.environment.get_db_hash()
+    results = await box.run(Parsed(calls=[
+        ToolCall("update_task_status", {"task_id": "task_999", "status": "completed"}),   # no such task
+        ToolCall("create_task", {"user_id": 5, "title": ["not", "a", "title"]}),          # wrong types
+        ToolCall("drop_database", {}),                                                      # no such tool
+    ]), usage)
+    assert [r.failure for r in results] == ["tool_error", "bad_arguments", "unknown_tool"]
+    assert results[0].content.startswith("error: ") and "task_999" in results[0].content
+    assert len(usage.world.calls) == 1 and usage.world.environment.get_db_hash() == before
