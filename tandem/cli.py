@@ -264,6 +264,24 @@ def count(text: str) -> int:
     return value
 
 
+def positive(text: str) -> int:
+    """A whole number of at least 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
+    return value
+
+
+def tau2_domains(text: str) -> str:
+    """Comma-separated τ²-bench domains Tandem plays (argparse type)."""
+    from services.config import TAU2_DOMAINS
+
+    unknown = [d for d in text.split(",") if d not in TAU2_DOMAINS]
+    if unknown or not text:
+        raise argparse.ArgumentTypeError(f"{text!r}: domains are a comma-separated list of {', '.join(TAU2_DOMAINS)}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -325,9 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95% intervals")
     p.add_argument("model", help="the policy: an HF folder (tandem model get, or a job's through tandem export)")
-    p.add_argument("--domains", default="mock", help="comma-separated: mock, airline, retail")
+    p.add_argument("--domains", type=tau2_domains, default="mock", help="comma-separated: mock, airline, retail")
     p.add_argument("--split", default="test", choices=["train", "test", "base"])
-    p.add_argument("--trials", type=int, default=4, help="conversations per task (k of pass^k goes up to it)")
+    p.add_argument("--trials", type=positive, default=4, help="conversations per task (k of pass^k goes up to it)")
     p.add_argument("--num-tasks", type=count, default=0, help="the split's first N tasks (0: all of them)")
     p.add_argument("--judge-url", default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
                    help="the judge proxy that serves the user simulator (default $TANDEM_JUDGE_URL)")
@@ -337,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=512, help="per policy reply")
     p.add_argument("--max-turns", type=int, default=10, help="assistant turns before a conversation is cut")
     p.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
-    p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
+    p.add_argument("--concurrency", type=positive, default=8, help="conversations at once")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write the results (per-episode rows included) to this JSON file")

@@ -41,7 +41,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from rollout.tools.base import ToolError
-from services.config import TAU2_DOMAINS
 from services.tau2_splits import task_ids
 
 if TYPE_CHECKING:
@@ -113,7 +112,7 @@ class Tau2Tool:
 class Tau2Task:
     """A domain's tasks in one split. Beyond a `TaskSet`, it brings its own tools (`tools`),
     a world per episode (`world`) and a brief for a role-played user (`brief`, ending on
-    `stop_markers`); the rollout server wires them up (`rollout.server.task_parts`)."""
+    `stop_markers`); the rollout server wires them up (`rollout.server.task_user`, `task_tools`)."""
 
     rule_user = None
     stop_markers = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
@@ -121,8 +120,6 @@ class Tau2Task:
 
     def __init__(self, spec: TaskSpec) -> None:
         _quiet()
-        if spec.domain not in TAU2_DOMAINS:
-            raise ValueError(f"task.domain {spec.domain!r}: τ² domains Tandem runs are {', '.join(TAU2_DOMAINS)}")
         self.domain = spec.domain
         self.name = f"tau2-{spec.domain}"
         self._module = importlib.import_module(f"tau2.domains.{spec.domain}.environment")

@@ -166,3 +166,15 @@ async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that
     assert [r.failure for r in results] == ["tool_error", "bad_arguments", "unknown_tool"]
     assert results[0].content.startswith("error: ") and "task_999" in results[0].content
     assert len(usage.world.calls) == 1 and usage.world.environment.get_db_hash() == before
+
+
+@pytest.mark.parametrize("argv", [
+    ["--trials", "0"], ["--concurrency", "0"], ["--domains", "telecom"], ["--domains", "mock,../etc"],
+    ["--num-tasks", "-1"],
+])
+def test_tandem_eval_refuses_arguments_it_cannot_run_with(argv, capsys):
+    from tandem.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["eval", "/models/m", *argv])
+    assert exited.value.code == 2 and argv[0] in capsys.readouterr().err
