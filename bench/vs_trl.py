@@ -265,7 +265,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict)
                 row["to_target_s"] = reward_reached_s(row, reward_target, args.window)
             ratio = lambda key: (trl[key] / tandem[key] if trl[key] and tandem[key] else None)  # noqa: E731
             tandem["ratio"] = {key: ratio(key) for key in ("to_target_s", "to_heldout_target_s", "wall_s")}
-            tandem["ratio"]["provider_tokens"] = tandem["provider_tokens"] / max(trl["provider_tokens"], 1)
+            tandem["ratio"]["provider_tokens"] = trl["provider_tokens"] / max(tandem["provider_tokens"], 1)
         summary[workload] = {
             system: {key: spread([by_seed[s][key] for s in seeds]) for key in
                      ("to_target_s", "to_heldout_target_s", "wall_s", "held_out", "provider_tokens", "final_reward_ma")}
@@ -275,14 +275,16 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict)
     return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds,
             "window": args.window, "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "max_staleness": args.max_staleness, "tpm": args.tpm, "rpm": args.rpm, "eval_conversations": args.eval,
-            "cpu_cores": os.cpu_count(), "total_seconds": total_s, "trl": {"versions": trl_versions,
+            "cpu_cores": os.cpu_count(), "total_seconds": total_s,
+            "runs_seconds": sum(run["total_s"] for systems in runs.values() for by_seed in systems.values()
+                                for run in by_seed.values()), "trl": {"versions": trl_versions,
             "generation": "transformers", "tried": TRIED}, "held_out_warm_start": held_out["warm"]["success"],
             "summary": summary, "runs": rows}
 
 
 def print_report(r: dict) -> None:
     print(f"\nTandem vs TRL, judge-bound clarify, {r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}, "
-          f"{r['cpu_cores']} cores, {r['total_seconds'] / 60:.0f} min in all; TRL {r['trl']['versions']['trl']} "
+          f"{r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs ({r['total_seconds'] / 60:.0f} in all); TRL {r['trl']['versions']['trl']} "
           f"(transformers generation); warm start held-out {r['held_out_warm_start']:.3f}")
     print("each cell: min / mean / max over seeds; ratio = TRL / Tandem (above 1: Tandem faster or thriftier)")
     columns = (("to target reward", "to_target_s", ".0f", " s"), ("to held-out target", "to_heldout_target_s", ".0f", " s"),
