@@ -245,7 +245,7 @@ def reward_reached_s(row: dict, target: float, window: int) -> float | None:
                  if i + 1 >= window and v >= target), None)
 
 
-def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict) -> dict:
+def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict, job_spec: dict) -> dict:
     rows: dict = {}
     for workload, systems in runs.items():
         for system, by_seed in systems.items():
@@ -275,7 +275,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict)
     return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds,
             "window": args.window, "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "max_staleness": args.max_staleness, "tpm": args.tpm, "rpm": args.rpm, "eval_conversations": args.eval,
-            "cpu_cores": os.cpu_count(), "total_seconds": total_s,
+            "cpu_cores": os.cpu_count(), "total_seconds": total_s, "job_spec": job_spec, "workloads": WORKLOADS,
             "runs_seconds": sum(run["total_s"] for systems in runs.values() for by_seed in systems.values()
                                 for run in by_seed.values()), "trl": {"versions": trl_versions,
             "generation": "transformers", "tried": TRIED}, "held_out_warm_start": held_out["warm"]["success"],
@@ -357,7 +357,8 @@ def main() -> None:
     trl_versions = versions(python)
     warm, runs = train(out, args, python)
     held_out = evaluate(out, warm, runs, args.eval)
-    result = report(args, runs, held_out, time.monotonic() - started, trl_versions)
+    job_spec = workload_spec(base_spec(out, args.steps, args.lr), "multiturn", "tandem", args.seeds[0], warm, args)
+    result = report(args, runs, held_out, time.monotonic() - started, trl_versions, job_spec)
     print_report(result)
     Path(args.results).write_text(json.dumps(result, indent=2))
     plot(result, Path(args.plot))
