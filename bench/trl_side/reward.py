@@ -81,17 +81,21 @@ class ClarifyReward:
         every = [f for group in futures.values() for f in group]
         for turn in range(self.reward.window):
             await self.user_turns(turn, every, example)
-            live = [f for f in every if f.live]
-            for future, (count, text, ended) in zip(live, self.policy.sample([f.messages for f in live]) if live else []):
-                future.messages.append({"role": "assistant", "content": text})
-                future.policy_tokens += count
-                if not ended or not text.strip():
-                    future.live = future.finished = False
+            self.policy_turns([f for f in every if f.live])
         scored = await asyncio.gather(*(self.conversation_rewards(i, example[i], group)
                                         for i, group in futures.items()))
         for i, values in zip(futures, scored):
             rewards[i] = sum(values) / len(values)
         return rewards
+
+    def policy_turns(self, live: list[Future]) -> None:
+        """The policy's next turn in every live future, in one batch."""
+        turns = self.policy.sample([f.messages for f in live]) if live else []
+        for future, (count, text, ended) in zip(live, turns):
+            future.messages.append({"role": "assistant", "content": text})
+            future.policy_tokens += count
+            if not ended or not text.strip():
+                future.live = future.finished = False
 
     async def user_turns(self, turn: int, futures: list[Future], example: list[int]) -> None:
         live = [(k, f) for k, f in enumerate(futures) if f.live]
@@ -116,7 +120,8 @@ class ClarifyReward:
         if finished and spec.judge_rubric and spec.judge_weight:
             judged = [[m for m in futures[i].messages if m["role"] != "system"] for i in finished]
             call_id = f"{self.job_id}/s{self.step}/r{response}/judge"
-            scores = await self.judge.score_all(spec.judge_rubric, judged, None, call_id)
+            reference = self.task.reference(example) if spec.judge_reference else None
+            scores = await self.judge.score_all(spec.judge_rubric, judged, reference, call_id)
             self.calls["judge"] += len(judged)
             for i, score in zip(finished, scores):
                 rewards[i] += spec.judge_weight * score
