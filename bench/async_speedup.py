@@ -143,12 +143,17 @@ def scrape(url: str, metric: str, job_id: str) -> float:
                  if sample.name == metric and sample.labels.get("job") == job_id), 0.0)
 
 
-def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
-    """Submit `spec` with the provider and the shared budget fresh; its record and figures."""
+def fresh_budget(stack: Stack, stand_in: StandIn) -> None:
+    """The provider's bucket and the proxy's shared budget back to full."""
     import redis
 
     stand_in.reset()
     redis.Redis.from_url(stack.redis_url).delete(Keys.judge_budget(UPSTREAM), Keys.judge_budget(UPSTREAM) + ":leases")
+
+
+def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
+    """Submit `spec` with the provider and the shared budget fresh; its record and figures."""
+    fresh_budget(stack, stand_in)
     before, cpu_before = stand_in.stats(), cpu_seconds(stack, stand_in)
     job_id = client.submit(spec)["id"]
     record = follow(client, job_id)

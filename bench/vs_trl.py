@@ -54,11 +54,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_speedup import (StandIn, UPSTREAM, base_spec, cpu_seconds, fmt_spread, moving_average,  # noqa: E402
-                           run_job, spread, warm_start)
+from async_speedup import (StandIn, base_spec, cpu_seconds, fmt_spread, fresh_budget,  # noqa: E402
+                           moving_average, run_job, spread, warm_start)
 from collab_clarify import evaluate_policies  # noqa: E402
 
-from services.queues import Keys  # noqa: E402
 from tandem.client import ApiClient  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
 
@@ -107,13 +106,6 @@ def versions(python: Path) -> dict[str, str]:
     code = ("import importlib.metadata as m; import json; print(json.dumps({p: m.version(p) for p in "
             "('trl', 'torch', 'transformers', 'accelerate', 'datasets')}))")
     return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
-
-
-def fresh_budget(stack: Stack, stand_in: StandIn) -> None:
-    import redis
-
-    stand_in.reset()
-    redis.Redis.from_url(stack.redis_url).delete(Keys.judge_budget(UPSTREAM), Keys.judge_budget(UPSTREAM) + ":leases")
 
 
 def run_tandem(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
