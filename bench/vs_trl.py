@@ -39,7 +39,6 @@ Run: python bench/vs_trl.py [--workloads single,multiturn] [--seeds 0,1,2] [--st
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import hashlib
 import json
@@ -54,9 +53,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_speedup import (StandIn, base_spec, cpu_seconds, fmt_spread, fresh_budget,  # noqa: E402
-                           moving_average, run_job, spread, warm_start)
-from collab_clarify import evaluate_policies  # noqa: E402
+from async_speedup import (StandIn, base_spec, cpu_seconds, evaluate_once, fmt_spread,  # noqa: E402
+                           fresh_budget, moving_average, run_job, spread, warm_start)
 
 from tandem.client import ApiClient  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
@@ -156,7 +154,7 @@ def train(out: Path, args, python: Path) -> tuple[Path, dict]:
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
     runs_file = out / "training.json"
-    runs = json.loads(runs_file.read_text()) if args.add and runs_file.exists() else {}
+    runs = kept_runs(runs_file, args)
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
             client = ApiClient(stack.api_url)
@@ -175,12 +173,28 @@ def train(out: Path, args, python: Path) -> tuple[Path, dict]:
                             run = run_tandem(client, stack, stand_in, spec)
                         else:
                             run = run_trl(python, stack, stand_in, spec, out / "trl" / spec["name"])
-                        run["total_s"] = time.monotonic() - started
+                        run["total_s"], run["lr"] = time.monotonic() - started, args.lr
                         runs.setdefault(workload, {}).setdefault(system, {})[key] = run
                         runs_file.write_text(json.dumps(runs))
     finally:
         stand_in.stop()
     return policy, runs
+
+
+def kept_runs(runs_file: Path, args) -> dict:
+    """With `--add`, the runs an earlier invocation recorded; they must have this one's
+    steps and step size, or the systems' figures would not compare."""
+    if not (args.add and runs_file.exists()):
+        return {}
+    runs = json.loads(runs_file.read_text())
+    for workload, systems in runs.items():
+        for system, by_seed in systems.items():
+            for seed, run in by_seed.items():
+                if (len(run["history"]), run.get("lr")) != (args.steps, args.lr):
+                    raise SystemExit(f"--add: {workload} {system} seed {seed} in {runs_file} ran "
+                                     f"{len(run['history'])} steps at lr {run.get('lr')}; run again with its "
+                                     "--steps and --lr, or into another --out")
+    return runs
 
 
 def policy_folders(out: Path, system: str, run: dict, name: str) -> dict[int, Path]:
@@ -192,9 +206,8 @@ def policy_folders(out: Path, system: str, run: dict, name: str) -> dict[int, Pa
 
 
 def evaluate(out: Path, warm: Path, runs: dict, conversations: int) -> dict:
-    """Held-out success of every exported policy (cached in OUT/held_out.json by path)."""
-    cache_file = out / "held_out.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    """Held-out success of every exported policy, keyed `workload/system/seed/step` (and
+    `warm`); each folder evaluated once (async_speedup.evaluate_once keeps OUT/held_out.json)."""
     wanted = {"warm": warm}
     for workload, systems in runs.items():
         for system, by_seed in systems.items():
@@ -202,13 +215,8 @@ def evaluate(out: Path, warm: Path, runs: dict, conversations: int) -> dict:
                 name = f"vs-trl-{workload}-{system}-seed{seed}"
                 for step, folder in policy_folders(out, system, run, name).items():
                     wanted[f"{workload}/{system}/{seed}/{step}"] = folder
-    todo = {key: path for key, path in wanted.items() if f"{path}:{conversations}" not in cache}
-    if todo:
-        print(f"\nevaluating {len(todo)} policies on {conversations} held-out conversations each")
-        for key, result in asyncio.run(evaluate_policies(todo, conversations, seed=10_000)).items():
-            cache[f"{todo[key]}:{conversations}"] = result
-        cache_file.write_text(json.dumps(cache))
-    return {key: cache[f"{path}:{conversations}"] for key, path in wanted.items()}
+    print(f"\nheld-out success of {len(wanted)} policies on {conversations} conversations each")
+    return evaluate_once(out, wanted, conversations)
 
 
 def summarize(run: dict, held_out: dict, prefix: str, args) -> dict:
@@ -267,7 +275,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
     return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds,
             "window": args.window, "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "max_staleness": args.max_staleness, "tpm": args.tpm, "rpm": args.rpm, "eval_conversations": args.eval,
-            "cpu_cores": os.cpu_count(), "total_seconds": total_s, "job_spec": job_spec, "workloads": WORKLOADS,
+            "cpu_cores": os.cpu_count(), "invocation_seconds": total_s, "job_spec": job_spec, "workloads": WORKLOADS,
             "runs_seconds": sum(run["total_s"] for systems in runs.values() for by_seed in systems.values()
                                 for run in by_seed.values()), "trl": {"versions": trl_versions,
             "generation": "transformers", "tried": TRIED}, "held_out_warm_start": held_out["warm"]["success"],
@@ -276,7 +284,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
 
 def print_report(r: dict) -> None:
     print(f"\nTandem vs TRL, judge-bound clarify, {r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}, "
-          f"{r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs ({r['total_seconds'] / 60:.0f} in all); TRL {r['trl']['versions']['trl']} "
+          f"{r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs ({r['invocation_seconds'] / 60:.0f} in this invocation); TRL {r['trl']['versions']['trl']} "
           f"(transformers generation); warm start held-out {r['held_out_warm_start']:.3f}")
     print("each cell: min / mean / max over seeds; ratio = TRL / Tandem (above 1: Tandem faster or thriftier)")
     columns = (("to target reward", "to_target_s", ".0f", " s"), ("to held-out target", "to_heldout_target_s", ".0f", " s"),

@@ -106,6 +106,9 @@ class History(TrainerCallback):
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self.file.close()
+
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if self.export_every and state.global_step % self.export_every == 0 and state.global_step < state.max_steps:
             export(model, processing_class, self.out / "policies" / f"step-{state.global_step}")
