@@ -241,7 +241,7 @@ def warm_start(client: ApiClient, stack: Stack, stand_in: StandIn, base: dict, o
     """The warm-start policy every run starts from: SFT in a job of one RL step."""
     warm = copy.deepcopy(base) | {"name": "warm-start"}
     warm["train"] |= {"num_steps": 1, "max_staleness": 0}
-    print(f"warm start ({WARM_START_STEPS} SFT steps)")
+    print(f"warm start ({base['warm_start']['steps']} SFT steps)")
     warm_run = run_job(client, stack, stand_in, warm)
     return out / "runs" / warm_run["job_id"] / "policy-warm-start"
 
@@ -446,15 +446,16 @@ def policies_to_evaluate(out: Path, runs: dict[str, dict[int, dict]]) -> tuple[d
     return during, final
 
 
-def evaluate_once(out: Path, policies: dict, conversations: int) -> dict:
-    """Held-out results of `policies` on `conversations` conversations, each policy folder
-    evaluated once in this output folder (`held_out.json` keeps the results)."""
+def evaluate_once(out: Path, policies: dict, conversations: int, job: dict | None = None) -> dict:
+    """Held-out results of `policies` on `conversations` conversations (played with `job`'s
+    rollout settings; default the demo's), each policy folder evaluated once in this output
+    folder (`held_out.json` keeps the results)."""
     cache_file = out / "held_out.json"
     cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     key = lambda path: f"{path}:{conversations}"  # noqa: E731
     todo = {name: path for name, path in policies.items() if key(path) not in cache}
     if todo:
-        for name, result in asyncio.run(evaluate_policies(todo, conversations, seed=10_000)).items():
+        for name, result in asyncio.run(evaluate_policies(todo, conversations, seed=10_000, job=job)).items():
             cache[key(todo[name])] = result
         cache_file.write_text(json.dumps(cache))
     return {name: cache[key(path)] for name, path in policies.items()}

