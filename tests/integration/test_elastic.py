@@ -50,6 +50,17 @@ def plan_version_naming(client: redis.Redis, job_id: str, server: str) -> int | 
     return plan.version if server in plan.ranks else None
 
 
+def frozen_holding_tasks(client: redis.Redis, job_id: str, server: str, pid: int) -> list[dict]:
+    """Stop `server` (SIGSTOP) and return the tasks it holds, or resume it and return [] if
+    it holds none. Frozen, it cannot finish a task between this look and its drain, so the
+    drain must hand back what the look saw (tiny-model episodes end within milliseconds)."""
+    os.kill(pid, signal.SIGSTOP)
+    held = client.xpending_range(Keys.tasks(job_id), "rollout", "-", "+", 100, consumername=server)
+    if not held:
+        os.kill(pid, signal.SIGCONT)
+    return held
+
+
 def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path, tiny_model):
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=1), learner_ranks=1,
                extra_env=ENV | {"TANDEM_RUNS_DIR": str(tmp_path / "runs")}) as stack:
@@ -80,12 +91,12 @@ def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path,
 
         # SIGTERM the other joiner while it holds tasks, as Kubernetes stops a pod: it drains
         # and exits by itself. A drain timeout of 0 makes it hand back every task it holds.
-        held = wait_for(lambda: client.xpending_range(Keys.tasks(job_id), "rollout", "-", "+", 100,
-                                                      consumername=drained), 120, "the server to hold tasks",
-                        interval_s=0.05)
-        step_at_drain = steps()
         draining = stack.processes.pop(drained)
-        os.kill(draining.pid, signal.SIGTERM)
+        step_at_drain = steps()
+        held = wait_for(lambda: frozen_holding_tasks(client, job_id, drained, draining.pid), 120,
+                        "the server to hold tasks", interval_s=0.05)
+        os.kill(draining.pid, signal.SIGTERM)  # delivered, with the drain, once it runs again
+        os.kill(draining.pid, signal.SIGCONT)
         drain_started = time.monotonic()
         exit_code = draining.wait(timeout=180)
         drain_seconds = time.monotonic() - drain_started
