@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about missing local index folders; hide that noise only.
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-unit test-compose bench clean
+.PHONY: install demo lint test test-unit test-compose bench clean
 
 $(STAMP): pyproject.toml $(wildcard requirements/*.lock) scripts/install.sh
 	./scripts/install.sh $(VENV) 2>&1 | { $(QUIET); }
@@ -17,7 +17,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo
 
-test: $(STAMP)
+# ruff's lint and format checks first: seconds, and a failure there names the line.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(VENV)/bin/python -m pytest tests
 
 test-unit: $(STAMP)
@@ -32,4 +37,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do $(VENV)/bin/python $$b; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -34,24 +34,28 @@ def describe(records: list[dict]) -> dict:
     reward and mean success of `records`."""
     asked = [r["metrics"]["asked"] for r in records if "asked" in r["metrics"]]
     success = [r["metrics"]["success"] for r in records if "success" in r["metrics"]]
-    return {"groups": len(records), "elapsed_s": mean([r["elapsed_s"] for r in records]),
-            "asked": mean(asked), "asked_groups": len(asked), "reward": mean([r["reward_mean"] for r in records]),
-            "success": mean(success)}
+    return {
+        "groups": len(records),
+        "elapsed_s": mean([r["elapsed_s"] for r in records]),
+        "asked": mean(asked),
+        "asked_groups": len(asked),
+        "reward": mean([r["reward_mean"] for r in records]),
+        "success": mean(success),
+    }
 
 
 def summarize(records: list[dict]) -> dict:
     """Dropped against trained, late against fresh, and asked share by rollout-time quartile."""
     trained = [r for r in records if r["decision"] == "trained"]
     ordered = sorted(records, key=lambda r: r["elapsed_s"])
-    quartiles = [ordered[i * len(ordered) // 4:(i + 1) * len(ordered) // 4] for i in range(4)]
+    quartiles = [ordered[i * len(ordered) // 4 : (i + 1) * len(ordered) // 4] for i in range(4)]
     return {
         "decisions": {d: sum(r["decision"] == d for r in records) for d in sorted({r["decision"] for r in records})},
         "trained": describe(trained),
         "dropped": describe([r for r in records if r["decision"] == "stale"]),
         "trained_fresh": describe([r for r in trained if r["staleness"] == 0]),
         "trained_late": describe([r for r in trained if (r["staleness"] or 0) >= 1]),
-        "by_rollout_quartile": [describe(q) | {"elapsed_max_s": q[-1]["elapsed_s"] if q else None}
-                                for q in quartiles],
+        "by_rollout_quartile": [describe(q) | {"elapsed_max_s": q[-1]["elapsed_s"] if q else None} for q in quartiles],
     }
 
 
@@ -62,18 +66,24 @@ def fmt(value: float | None, spec: str) -> str:
 def print_summary(label: str, summary: dict) -> None:
     print(f"\n{label}: {summary['decisions']}")
     print(f"{'groups':>22} {'n':>5} {'rollout s':>10} {'asked':>6} {'reward':>7} {'success':>8}")
-    rows = [("trained", summary["trained"]), ("dropped as stale", summary["dropped"]),
-            ("trained fresh (0)", summary["trained_fresh"]), ("trained late (>=1)", summary["trained_late"])]
+    rows = [
+        ("trained", summary["trained"]),
+        ("dropped as stale", summary["dropped"]),
+        ("trained fresh (0)", summary["trained_fresh"]),
+        ("trained late (>=1)", summary["trained_late"]),
+    ]
     rows += [(f"rollout quartile {i + 1}", q) for i, q in enumerate(summary["by_rollout_quartile"])]
     for name, d in rows:
-        print(f"{name:>22} {d['groups']:>5} {fmt(d['elapsed_s'], '10.1f')} {fmt(d['asked'], '6.2f')} "
-              f"{fmt(d['reward'], '7.3f')} {fmt(d['success'], '8.3f')}")
+        print(
+            f"{name:>22} {d['groups']:>5} {fmt(d['elapsed_s'], '10.1f')} {fmt(d['asked'], '6.2f')} "
+            f"{fmt(d['reward'], '7.3f')} {fmt(d['success'], '8.3f')}"
+        )
 
 
 def by_tenth(records: list[dict], value) -> list[tuple[float, float]]:
     """(mean rollout seconds, mean value) of each tenth of `records` ordered by rollout time."""
     ordered = sorted(records, key=lambda r: r["elapsed_s"])
-    tenths = [ordered[i * len(ordered) // 10:(i + 1) * len(ordered) // 10] for i in range(10)]
+    tenths = [ordered[i * len(ordered) // 10 : (i + 1) * len(ordered) // 10] for i in range(10)]
     return [(statistics.fmean(r["elapsed_s"] for r in t), statistics.fmean(value(r) for r in t)) for t in tenths if t]
 
 
@@ -91,14 +101,27 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         for decision, style in (("trained", "-"), ("stale", ":")):
             times = [min(r["elapsed_s"], 24.0) for r in records if r["decision"] == decision]
             if times:
-                times_ax.hist(times, bins=bins, histtype="step", ls=style, lw=1.6, color=f"C{colour}",
-                              label=f"{label}: {'dropped as stale' if decision == 'stale' else decision}")
-        reward_ax.plot(*zip(*by_tenth(records, lambda r: r["reward_mean"])), marker="o", lw=1.2,
-                       color=f"C{colour}", label=label)
+                times_ax.hist(
+                    times,
+                    bins=bins,
+                    histtype="step",
+                    ls=style,
+                    lw=1.6,
+                    color=f"C{colour}",
+                    label=f"{label}: {'dropped as stale' if decision == 'stale' else decision}",
+                )
+        reward_ax.plot(
+            *zip(*by_tenth(records, lambda r: r["reward_mean"])), marker="o", lw=1.2, color=f"C{colour}", label=label
+        )
         first_turn = [r for r in records if "asked" in r["metrics"]]
         if first_turn:
-            asked_ax.plot(*zip(*by_tenth(first_turn, lambda r: r["metrics"]["asked"])), marker="o", lw=1.2,
-                          color=f"C{colour}", label=label)
+            asked_ax.plot(
+                *zip(*by_tenth(first_turn, lambda r: r["metrics"]["asked"])),
+                marker="o",
+                lw=1.2,
+                color=f"C{colour}",
+                label=label,
+            )
     times_ax.set_xlabel("group rollout time (s, capped at 24)")
     times_ax.set_ylabel("groups")
     reward_ax.set_ylabel("mean reward of the group")

@@ -55,11 +55,10 @@ import async_groups  # noqa: E402  (bench/ is on sys.path as the script's folder
 from collab_clarify import evaluate_policies  # noqa: E402
 
 from learner import group_log  # noqa: E402
-
+from services.queues import Keys  # noqa: E402
 from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
 from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
-from services.queues import Keys  # noqa: E402
 from tandem.redis_embed import free_port  # noqa: E402
 
 UPSTREAM = "stand-in"
@@ -74,9 +73,18 @@ SETTINGS = (  # label, max_staleness, pause mode, stragglers (train.stragglers)
     ("eta4", 4, "abort", "drop"),
     ("eta4-wait", 4, "abort", "wait"),
 )
-REWARD = {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5e-4,
-          "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 0.5,
-          "judge_model": "judge", "user_model": "judge", "scale_advantage_by_std": False}
+REWARD = {
+    "mode": "multiturn",
+    "window": 2,
+    "num_futures": 3,
+    "token_penalty": 5e-4,
+    "extrinsic_weight": 1.0,
+    "judge_rubric": "interactivity",
+    "judge_weight": 0.5,
+    "judge_model": "judge",
+    "user_model": "judge",
+    "scale_advantage_by_std": False,
+}
 WARM_START_STEPS = 400
 FIRST_LR = 5e-4
 """The step size of the first measurements (runs kept from before `--lr` were made at it),
@@ -105,13 +113,31 @@ class StandIn:
         self.upstreams_file.write_text(
             f"upstreams:\n  - name: {UPSTREAM}\n    model: judge\n    base_url: {self.url}/v1\n"
             f"    tpm: {tpm}\n    rpm: {rpm}\n    max_concurrency: 256\n    timeout_s: 60\n"
-            "    limit_model: bucket\n")  # the stand-in's own rule
+            "    limit_model: bucket\n"
+        )  # the stand-in's own rule
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.log = open(out / "logs" / "stand-in.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "judge_proxy.local_upstream", "--port", str(self.port), "--tpm", str(tpm),
-             "--rpm", str(rpm), "--model", "judge", "--latency", "--seed", str(seed)],
-            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "judge_proxy.local_upstream",
+                "--port",
+                str(self.port),
+                "--tpm",
+                str(tpm),
+                "--rpm",
+                str(rpm),
+                "--model",
+                "judge",
+                "--latency",
+                "--seed",
+                str(seed),
+            ],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -139,8 +165,15 @@ def scrape(url: str, metric: str, job_id: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     families = text_string_to_metric_families(httpx.get(url, timeout=5).text)
-    return next((sample.value for family in families for sample in family.samples
-                 if sample.name == metric and sample.labels.get("job") == job_id), 0.0)
+    return next(
+        (
+            sample.value
+            for family in families
+            for sample in family.samples
+            if sample.name == metric and sample.labels.get("job") == job_id
+        ),
+        0.0,
+    )
 
 
 def fresh_budget(stack: Stack, stand_in: StandIn) -> None:
@@ -161,11 +194,16 @@ def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> d
         raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {stack.log_dir})")
     after, cpu_after = stand_in.stats(), cpu_seconds(stack, stand_in)
     rollout_metrics = f"http://127.0.0.1:{stack.ports.rollout[0]}/metrics"
-    return {"job_id": job_id, "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
-            "provider": {k: after[k] - before[k] for k in ("requests", "accepted", "rejected_429", "recognised",
-                                                            "tokens_accepted", "latency_s_total")},
-            "engine_busy_s": scrape(rollout_metrics, "tandem_rollout_engine_busy_seconds_total", job_id),
-            "cpu_s": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}}
+    return {
+        "job_id": job_id,
+        "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
+        "provider": {
+            k: after[k] - before[k]
+            for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
+        },
+        "engine_busy_s": scrape(rollout_metrics, "tandem_rollout_engine_busy_seconds_total", job_id),
+        "cpu_s": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
+    }
 
 
 def cpu_seconds(stack: Stack, stand_in: StandIn) -> dict[str, float]:
@@ -195,8 +233,11 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     base = base_spec(out, args.steps, args.lr)
     base["train"]["export_every"] = args.export_every
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-           "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
+    env = {
+        "TANDEM_RUNS_DIR": str(out / "runs"),
+        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
+        "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
+    }
     runs = kept_runs(out, args)
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
@@ -213,7 +254,11 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
                     spec["rollout"]["pause_mode"] = pause
                     print(f"\n{label}, seed {seed}")
                     runs.setdefault(label, {})[seed] = run_job(client, stack, stand_in, spec) | {
-                        "max_staleness": eta, "pause_mode": pause, "stragglers": stragglers, "lr": args.lr}
+                        "max_staleness": eta,
+                        "pause_mode": pause,
+                        "stragglers": stragglers,
+                        "lr": args.lr,
+                    }
                     (out / "training.json").write_text(json.dumps(runs))
     finally:
         stand_in.stop()
@@ -226,14 +271,18 @@ def kept_runs(out: Path, args: argparse.Namespace) -> dict[str, dict[int, dict]]
     path = out / "training.json"
     if not (args.add and path.exists()):
         return {}
-    runs = {label: {int(seed): run for seed, run in by_seed.items()}
-            for label, by_seed in json.loads(path.read_text()).items()}
+    runs = {
+        label: {int(seed): run for seed, run in by_seed.items()}
+        for label, by_seed in json.loads(path.read_text()).items()
+    }
     for label, by_seed in runs.items():
         for seed, run in by_seed.items():
             steps, lr = len(run["history"]), run.get("lr", FIRST_LR)
             if (steps, lr) != (args.steps, args.lr):
-                raise SystemExit(f"--add: {label} seed {seed} in {path} ran {steps} steps at lr {lr:g}; "
-                                 f"run again with --steps {steps} --lr {lr:g}")
+                raise SystemExit(
+                    f"--add: {label} seed {seed} in {path} ran {steps} steps at lr {lr:g}; "
+                    f"run again with --steps {steps} --lr {lr:g}"
+                )
     return runs
 
 
@@ -247,8 +296,10 @@ def warm_start(client: ApiClient, stack: Stack, stand_in: StandIn, base: dict, o
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
@@ -263,15 +314,21 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         for value, count in h["staleness_counts"].items():
             staleness[value] = staleness.get(value, 0) + count
     return {
-        "max_staleness": run["max_staleness"], "pause_mode": run["pause_mode"], "stragglers": run["stragglers"],
-        "job_id": run["job_id"], "steps": len(history), "wall_s": wall, "steps_per_min": len(history) / wall * 60,
+        "max_staleness": run["max_staleness"],
+        "pause_mode": run["pause_mode"],
+        "stragglers": run["stragglers"],
+        "job_id": run["job_id"],
+        "steps": len(history),
+        "wall_s": wall,
+        "steps_per_min": len(history) / wall * 60,
         "target_step": None if reached is None else reached + 1,
         "to_target_s": None if reached is None else seconds[reached],
         "final_reward_ma": average[-1],
         "learner_idle_ratio": history[-1]["idle_ratio"],
         "engine_busy_ratio": run["engine_busy_s"] / wall,
         "budget_use": run["provider"]["tokens_accepted"] / (tpm * wall / 60),
-        "provider_calls": run["provider"]["accepted"], "upstream_429": run["provider"]["rejected_429"],
+        "provider_calls": run["provider"]["accepted"],
+        "upstream_429": run["provider"]["rejected_429"],
         "stale_dropped": history[-1].get("stale_dropped", 0),
         "cpu_s": run["cpu_s"],
         "provider_latency_mean_s": run["provider"]["latency_s_total"] / max(run["provider"]["accepted"], 1),
@@ -302,12 +359,17 @@ def spread(values: list[float | None]) -> dict:
     present = [v for v in values if v is not None]
     if not present:
         return {"min": None, "mean": None, "max": None, "missing": len(values)}
-    return {"min": min(present), "mean": sum(present) / len(present), "max": max(present),
-            "missing": len(values) - len(present)}
+    return {
+        "min": min(present),
+        "mean": sum(present) / len(present),
+        "max": max(present),
+        "missing": len(values) - len(present),
+    }
 
 
-def make_report(args: argparse.Namespace, out: Path, runs: dict[str, dict[int, dict]], held_out: dict,
-                total_s: float) -> dict:
+def make_report(
+    args: argparse.Namespace, out: Path, runs: dict[str, dict[int, dict]], held_out: dict, total_s: float
+) -> dict:
     """Per run: its figures, its held-out curve and its groups; per setting: the spread over
     seeds. The held-out target of a seed is sync's final held-out success on that seed less
     `--heldout-slack` (about one standard error of the evaluation)."""
@@ -321,17 +383,19 @@ def make_report(args: argparse.Namespace, out: Path, runs: dict[str, dict[int, d
             row["groups"] = async_groups.summarize(group_log.read(groups_file)) if groups_file.exists() else None
             rows.setdefault(label, {})[seed] = row
     sync_label = SETTINGS[0][0]
-    for label, by_seed in rows.items():
+    for by_seed in rows.values():
         for seed, row in by_seed.items():
             sync = rows[sync_label][seed]
             heldout_target = sync["held_out"]["success"] - args.heldout_slack
             row["heldout_target"] = heldout_target
             row["to_heldout_target_s"] = first_reaching(row["held_out_curve"], heldout_target)
             sync_time = first_reaching(sync["held_out_curve"], heldout_target)
-            row["speedup_to_heldout_target"] = (sync_time / row["to_heldout_target_s"]
-                                                if sync_time and row["to_heldout_target_s"] else None)
-            row["speedup_to_target"] = (sync["to_target_s"] / row["to_target_s"]
-                                        if sync["to_target_s"] and row["to_target_s"] else None)
+            row["speedup_to_heldout_target"] = (
+                sync_time / row["to_heldout_target_s"] if sync_time and row["to_heldout_target_s"] else None
+            )
+            row["speedup_to_target"] = (
+                sync["to_target_s"] / row["to_target_s"] if sync["to_target_s"] and row["to_target_s"] else None
+            )
             row["speedup_to_end"] = sync["wall_s"] / row["wall_s"]
             row["held_out_vs_sync"] = row["held_out"]["success"] - sync["held_out"]["success"]
     settings = {}
@@ -340,22 +404,43 @@ def make_report(args: argparse.Namespace, out: Path, runs: dict[str, dict[int, d
         sync_times = [rows[sync_label][seed]["to_heldout_target_s"] for seed in by_seed]
         times = [row["to_heldout_target_s"] for row in by_seed.values()]
         settings[label] = {
-            "seeds": sorted(by_seed), "held_out": spread([row["held_out"]["success"] for row in by_seed.values()]),
+            "seeds": sorted(by_seed),
+            "held_out": spread([row["held_out"]["success"] for row in by_seed.values()]),
             "asked": spread([row["held_out"].get("asked") for row in by_seed.values()]),
-            "held_out_vs_sync": pick("held_out_vs_sync"), "to_heldout_target_s": pick("to_heldout_target_s"),
+            "held_out_vs_sync": pick("held_out_vs_sync"),
+            "to_heldout_target_s": pick("to_heldout_target_s"),
             "speedup_to_heldout_target": pick("speedup_to_heldout_target"),
-            "speedup_to_heldout_target_of_means": (sum(sync_times) / sum(times)
-                                                   if None not in sync_times + times else None),
-            "wall_s": pick("wall_s"), "speedup_to_end": pick("speedup_to_end"),
-            "to_target_s": pick("to_target_s"), "speedup_to_target": pick("speedup_to_target"),
-            "stale_dropped": pick("stale_dropped"), "mismatch_kl_mean": pick("mismatch_kl_mean"),
-            "learner_idle_ratio": pick("learner_idle_ratio"), "budget_use": pick("budget_use"),
+            "speedup_to_heldout_target_of_means": (
+                sum(sync_times) / sum(times) if None not in sync_times + times else None
+            ),
+            "wall_s": pick("wall_s"),
+            "speedup_to_end": pick("speedup_to_end"),
+            "to_target_s": pick("to_target_s"),
+            "speedup_to_target": pick("speedup_to_target"),
+            "stale_dropped": pick("stale_dropped"),
+            "mismatch_kl_mean": pick("mismatch_kl_mean"),
+            "learner_idle_ratio": pick("learner_idle_ratio"),
+            "budget_use": pick("budget_use"),
         }
-    return {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "target_reward": args.target, "window": args.window,
-            "heldout_slack": args.heldout_slack, "export_every": args.export_every,
-            "tpm": args.tpm, "rpm": args.rpm, "max_concurrent_tasks": args.max_tasks,
-            "eval_conversations": args.eval, "eval_final_conversations": args.eval_final, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
-            "held_out_warm_start": held_out[("warm start", 0, 0)], "settings": settings, "runs": rows}
+    return {
+        "steps": args.steps,
+        "lr": args.lr,
+        "seeds": args.seeds,
+        "target_reward": args.target,
+        "window": args.window,
+        "heldout_slack": args.heldout_slack,
+        "export_every": args.export_every,
+        "tpm": args.tpm,
+        "rpm": args.rpm,
+        "max_concurrent_tasks": args.max_tasks,
+        "eval_conversations": args.eval,
+        "eval_final_conversations": args.eval_final,
+        "cpu_cores": os.cpu_count(),
+        "total_seconds": total_s,
+        "held_out_warm_start": held_out[("warm start", 0, 0)],
+        "settings": settings,
+        "runs": rows,
+    }
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -369,35 +454,53 @@ def fmt_spread(s: dict, spec: str, suffix: str = "") -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report['lr']:g}, seeds {report['seeds']}, "
-          f"held-out every {report['export_every']} steps ({report['eval_conversations']} conversations; the final "
-          f"policy {report['eval_final_conversations']}), "
-          f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all")
-    print(f"warm start held-out success {report['held_out_warm_start']['success']:.3f}; held-out target per seed: "
-          f"sync's final less {report['heldout_slack']}. Each cell: min / mean / max over seeds.")
-    columns = (("final held-out", "held_out", ".3f", ""), ("vs sync", "held_out_vs_sync", "+.3f", ""),
-               ("to held-out target", "to_heldout_target_s", ".0f", " s"),
-               ("speedup to it", "speedup_to_heldout_target", ".2f", "x"), ("to end", "wall_s", ".0f", " s"),
-               ("speedup to end", "speedup_to_end", ".2f", "x"), ("dropped", "stale_dropped", ".0f", ""),
-               ("mismatch KL", "mismatch_kl_mean", ".1e", ""))
+    print(
+        f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report['lr']:g}, seeds {report['seeds']}, "
+        f"held-out every {report['export_every']} steps ({report['eval_conversations']} conversations; the final "
+        f"policy {report['eval_final_conversations']}), "
+        f"TPM {report['tpm']}, {report['cpu_cores']} CPU cores, {report['total_seconds'] / 60:.1f} min in all"
+    )
+    print(
+        f"warm start held-out success {report['held_out_warm_start']['success']:.3f}; held-out target per seed: "
+        f"sync's final less {report['heldout_slack']}. Each cell: min / mean / max over seeds."
+    )
+    columns = (
+        ("final held-out", "held_out", ".3f", ""),
+        ("vs sync", "held_out_vs_sync", "+.3f", ""),
+        ("to held-out target", "to_heldout_target_s", ".0f", " s"),
+        ("speedup to it", "speedup_to_heldout_target", ".2f", "x"),
+        ("to end", "wall_s", ".0f", " s"),
+        ("speedup to end", "speedup_to_end", ".2f", "x"),
+        ("dropped", "stale_dropped", ".0f", ""),
+        ("mismatch KL", "mismatch_kl_mean", ".1e", ""),
+    )
     for label, s in report["settings"].items():
-        print(f"\n{label} (seeds {s['seeds']}); speedup to the held-out target, mean time over mean time: "
-              f"{fmt(s['speedup_to_heldout_target_of_means'], '.2f', 'x')}")
+        print(
+            f"\n{label} (seeds {s['seeds']}); speedup to the held-out target, mean time over mean time: "
+            f"{fmt(s['speedup_to_heldout_target_of_means'], '.2f', 'x')}"
+        )
         for name, key, spec, suffix in columns:
             print(f"  {name:>20}: {fmt_spread(s[key], spec, suffix)}")
-    print("\nper run: final held-out (asked), reached the held-out target at, to end, dropped, "
-          "dropped groups' asked share vs trained")
+    print(
+        "\nper run: final held-out (asked), reached the held-out target at, to end, dropped, "
+        "dropped groups' asked share vs trained"
+    )
     for label, by_seed in report["runs"].items():
         for seed, r in by_seed.items():
             g = r["groups"] or {}
-            asked = (f"{fmt(g['dropped']['asked'], '.2f')} vs {fmt(g['trained']['asked'], '.2f')}" if g else "-")
-            print(f"{label:>10} seed {seed}: {r['held_out']['success']:.3f} ({fmt(r['held_out'].get('asked'), '.2f')}), "
-                  f"{fmt(r['to_heldout_target_s'], '.0f', ' s')}, {r['wall_s']:.0f} s, {r['stale_dropped']}, {asked}")
+            asked = f"{fmt(g['dropped']['asked'], '.2f')} vs {fmt(g['trained']['asked'], '.2f')}" if g else "-"
+            print(
+                f"{label:>10} seed {seed}: {r['held_out']['success']:.3f} ({fmt(r['held_out'].get('asked'), '.2f')}), "
+                f"{fmt(r['to_heldout_target_s'], '.0f', ' s')}, {r['wall_s']:.0f} s, {r['stale_dropped']}, {asked}"
+            )
     print("\nCPU seconds per RL step, by process (2 cores), first seed:")
     for label, by_seed in report["runs"].items():
         r = next(iter(by_seed.values()))
-        parts = ", ".join(f"{name} {seconds / r['steps']:.2f}" for name, seconds in
-                          sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]) if seconds >= 0.005 * r["steps"])
+        parts = ", ".join(
+            f"{name} {seconds / r['steps']:.2f}"
+            for name, seconds in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1])
+            if seconds >= 0.005 * r["steps"]
+        )
         print(f"{label:>13}: {parts}")
 
 
@@ -413,8 +516,13 @@ def plot(report: dict, path: Path) -> None:
     first = report["window"] - 1  # from the first full window on
     for colour, (label, by_seed) in enumerate(report["runs"].items()):
         for n, run in enumerate(by_seed.values()):
-            style = dict(color=f"C{colour}", lw=1.2, alpha=0.8, ls="--" if run["max_staleness"] == 0 else "-",
-                         label=label if n == 0 else None)
+            style = dict(
+                color=f"C{colour}",
+                lw=1.2,
+                alpha=0.8,
+                ls="--" if run["max_staleness"] == 0 else "-",
+                label=label if n == 0 else None,
+            )
             train_ax.plot(run["curve"]["seconds"][first:], run["curve"]["reward_ma"][first:], **style)
             curve = run["held_out_curve"]
             held_ax.plot([p["seconds"] for p in curve], [p["success"] for p in curve], marker=".", **style)
@@ -469,18 +577,32 @@ def main() -> None:
     parser.add_argument("--tpm", type=int, default=1_500_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
-    parser.add_argument("--target", type=float, default=1.2,
-                        help="training reward (moving average) to reach; R* is at most about 1.41 here")
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=1.2,
+        help="training reward (moving average) to reach; R* is at most about 1.41 here",
+    )
     parser.add_argument("--window", type=int, default=5, help="moving average window in steps")
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
     parser.add_argument("--eval-final", type=int, default=1024, help="held-out conversations per final policy")
     parser.add_argument("--export-every", type=int, default=5, help="steps between held-out evaluations")
-    parser.add_argument("--heldout-slack", type=float, default=0.02,
-                        help="the held-out target is sync's final held-out success less this")
-    parser.add_argument("--settings", default="sync,eta2,eta2-wait",
-                        help=f"which runs, comma-separated, sync first (of {', '.join(s[0] for s in SETTINGS)})")
-    parser.add_argument("--add", action="store_true",
-                        help="keep the runs already in --out (training.json) and run only the missing ones")
+    parser.add_argument(
+        "--heldout-slack",
+        type=float,
+        default=0.02,
+        help="the held-out target is sync's final held-out success less this",
+    )
+    parser.add_argument(
+        "--settings",
+        default="sync,eta2,eta2-wait",
+        help=f"which runs, comma-separated, sync first (of {', '.join(s[0] for s in SETTINGS)})",
+    )
+    parser.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the runs already in --out (training.json) and run only the missing ones",
+    )
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/async_speedup")
     args = parser.parse_args()
@@ -493,8 +615,10 @@ def main() -> None:
     started = time.monotonic()
     warm_policy, runs = train(out, args)
     during, final = policies_to_evaluate(out, runs)
-    print(f"\nevaluating {len(during) + 1} policies on {args.eval} held-out conversations each "
-          f"and {len(final)} final ones on {args.eval_final}")
+    print(
+        f"\nevaluating {len(during) + 1} policies on {args.eval} held-out conversations each "
+        f"and {len(final)} final ones on {args.eval_final}"
+    )
     held_out = evaluate_once(out, {("warm start", 0, 0): warm_policy} | during, args.eval)
     held_out |= evaluate_once(out, final, args.eval_final)
     report = make_report(args, out, runs, held_out, time.monotonic() - started)

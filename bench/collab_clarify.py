@@ -66,7 +66,7 @@ def train(out: Path, steps: int, seeds: list[int], rewards: dict[str, dict]) -> 
     base = prepare(out, load_spec_file(DEMO_SPEC))
     base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
     base["task"]["followup_share"] = FOLLOWUP_SHARE
-    base["task"]["system_prompt"] = None   # the preset's departure, see the docstring
+    base["task"]["system_prompt"] = None  # the preset's departure, see the docstring
     base["warm_start"]["steps"] = WARM_START_STEPS
     runs: dict[str, list[dict]] = {label: [] for label in rewards}
     from async_speedup import StandIn  # here: async_speedup imports this module
@@ -85,10 +85,17 @@ def train(out: Path, steps: int, seeds: list[int], rewards: dict[str, dict]) -> 
                     started = time.monotonic()
                     record = follow(client, job_id)
                     if record["status"] != "SUCCEEDED":
-                        raise RuntimeError(f"{label} seed {seed}: {record['status']} {record.get('error')} "
-                                           f"(logs in {out / 'logs'})")
-                    runs[label].append({"seed": seed, "job_id": job_id, "seconds": time.monotonic() - started,
-                                        "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]})
+                        raise RuntimeError(
+                            f"{label} seed {seed}: {record['status']} {record.get('error')} (logs in {out / 'logs'})"
+                        )
+                    runs[label].append(
+                        {
+                            "seed": seed,
+                            "job_id": job_id,
+                            "seconds": time.monotonic() - started,
+                            "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
+                        }
+                    )
     finally:
         stand_in.stop()
     return runs
@@ -107,8 +114,9 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
-async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int, seed: int,
-                            job: dict | None = None) -> dict:
+async def evaluate_policies(
+    policies: dict[tuple[str, int], Path], examples: int, seed: int, job: dict | None = None
+) -> dict:
     """Each policy ((label, seed) -> folder) on the same held-out conversations, one engine,
     played with the model length and rollout settings of `job` (a job spec; default the demo's)."""
     from transformers import AutoTokenizer
@@ -124,8 +132,9 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], examples: int
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=spec["model"]["max_model_len"]), kv_cache_gib=1.0)
     task = ClarifyTask(TaskSpec(num_examples=examples), seed=seed)
-    runner = EpisodeRunner(engine, ChatTokenizer(AutoTokenizer.from_pretrained(first)), task.rule_user,
-                           RolloutSpec(**spec["rollout"]))
+    runner = EpisodeRunner(
+        engine, ChatTokenizer(AutoTokenizer.from_pretrained(first)), task.rule_user, RolloutSpec(**spec["rollout"])
+    )
     results = {}
     try:
         for key, path in policies.items():
@@ -143,8 +152,11 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--out", default="bench/results/collab_clarify")
     parser.add_argument("--preset", action="store_true", help="train only MR under the collabllm preset")
-    parser.add_argument("--evaluate-only", action="store_true",
-                        help="evaluate the runs recorded in OUT/training.json instead of training")
+    parser.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="evaluate the runs recorded in OUT/training.json instead of training",
+    )
     args = parser.parse_args()
     rewards = PRESET if args.preset else REWARDS
     out = Path(args.out).resolve()
@@ -173,25 +185,56 @@ def main() -> None:
 WARM = "warm start (SFT)"
 
 
-def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total: float,
-                rewards: dict[str, dict]) -> dict:
+def make_report(
+    args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total: float, rewards: dict[str, dict]
+) -> dict:
     """Every run (policy x seed) with its held-out results and training curve, and per
     policy the spread over seeds."""
     rows = []
     for (label, seed), result in results.items():
         run = next((r for r in runs.get(label, []) if r["seed"] == seed), None)
         step_rewards = [h["reward_mean"] for h in run["history"]] if run else []
-        rows.append({"policy": label, "seed": seed, **result,
-                     "train_seconds": run["seconds"] if run else None, "job_id": run["job_id"] if run else None,
-                     "floor_stretch": floor_stretch(step_rewards) if run else None,
-                     "curve": {key: [h.get(key) for h in run["history"]]
-                               for key in ("reward_mean", "asked", "zero_spread_share", "well_formed",
-                                           "futures_malformed", "entropy", "is_capped_tokens")} if run else {}})
-    summary = {label: {"success": spread([r["success"] for r in rows if r["policy"] == label]),
-                       "asked": spread([r.get("asked", 0.0) for r in rows if r["policy"] == label])}
-               for label in [WARM, *rewards]}
-    report = {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
-              "total_seconds": total, "rewards": rewards, "summary": summary, "runs": rows}
+        rows.append(
+            {
+                "policy": label,
+                "seed": seed,
+                **result,
+                "train_seconds": run["seconds"] if run else None,
+                "job_id": run["job_id"] if run else None,
+                "floor_stretch": floor_stretch(step_rewards) if run else None,
+                "curve": {
+                    key: [h.get(key) for h in run["history"]]
+                    for key in (
+                        "reward_mean",
+                        "asked",
+                        "zero_spread_share",
+                        "well_formed",
+                        "futures_malformed",
+                        "entropy",
+                        "is_capped_tokens",
+                    )
+                }
+                if run
+                else {},
+            }
+        )
+    summary = {
+        label: {
+            "success": spread([r["success"] for r in rows if r["policy"] == label]),
+            "asked": spread([r.get("asked", 0.0) for r in rows if r["policy"] == label]),
+        }
+        for label in [WARM, *rewards]
+    }
+    report = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "eval_conversations": args.eval,
+        "cpu_cores": os.cpu_count(),
+        "total_seconds": total,
+        "rewards": rewards,
+        "summary": summary,
+        "runs": rows,
+    }
     if rewards is REWARDS:
         mr, nt = (summary[label]["success"]["mean"] for label in REWARDS)
         report["mr_minus_next_turn_mean"] = mr - nt
@@ -199,16 +242,22 @@ def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: 
 
 
 def print_report(report: dict) -> None:
-    print(f"\nclarify task, {report['steps']} RL steps per run, {report['seeds']} seed(s) per reward, "
-          f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
-          f"{report['total_seconds'] / 60:.1f} min in all")
-    print(f"{'policy':>22} {'seed':>4} {'success':>8} {'tokens/conv':>12} {'first turn asks':>16} "
-          f"{'floor stretch':>14} {'train min':>10}")
+    print(
+        f"\nclarify task, {report['steps']} RL steps per run, {report['seeds']} seed(s) per reward, "
+        f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
+        f"{report['total_seconds'] / 60:.1f} min in all"
+    )
+    print(
+        f"{'policy':>22} {'seed':>4} {'success':>8} {'tokens/conv':>12} {'first turn asks':>16} "
+        f"{'floor stretch':>14} {'train min':>10}"
+    )
     for r in report["runs"]:
         minutes = f"{r['train_seconds'] / 60:.1f}" if r["train_seconds"] else "-"
         stretch = "-" if r["floor_stretch"] is None else str(r["floor_stretch"])
-        print(f"{r['policy']:>22} {r['seed']:>4} {r['success']:>8.3f} {r['tokens']:>12.1f} "
-              f"{r.get('asked', 0.0):>16.3f} {stretch:>14} {minutes:>10}")
+        print(
+            f"{r['policy']:>22} {r['seed']:>4} {r['success']:>8.3f} {r['tokens']:>12.1f} "
+            f"{r.get('asked', 0.0):>16.3f} {stretch:>14} {minutes:>10}"
+        )
     print(f"\n{'policy':>22} {'success mean':>13} {'min':>6} {'max':>6}")
     for label, s in report["summary"].items():
         print(f"{label:>22} {s['success']['mean']:>13.3f} {s['success']['min']:>6.3f} {s['success']['max']:>6.3f}")
@@ -231,17 +280,22 @@ def plot(report: dict, path: Path, rewards: dict[str, dict]) -> None:
         label = run["policy"] if run["seed"] == 0 else None
         for ax, key in ((asks, "asked"), (reward, "reward_mean")):
             values = run["curve"][key]
-            ax.plot(range(1, len(values) + 1), [float("nan") if v is None else v for v in values],
-                    color=colours[run["policy"]], alpha=0.6, lw=1.2, label=label)
+            ax.plot(
+                range(1, len(values) + 1),
+                [float("nan") if v is None else v for v in values],
+                color=colours[run["policy"]],
+                alpha=0.6,
+                lw=1.2,
+                label=label,
+            )
     asks.set_title("share of first turns that ask")
     reward.set_title("mean training reward (R* floor = -1)")
     for ax in (asks, reward):
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
     asks.set_ylim(-0.05, 1.05)
-    top = max((v for run in report["runs"] for v in run["curve"].get("reward_mean", []) if v is not None),
-              default=1.0)
-    reward.set_ylim(-1.05, max(1.05, top + 0.05))   # a judged reward reaches 2 (R_ext + R_llm)
+    top = max((v for run in report["runs"] for v in run["curve"].get("reward_mean", []) if v is not None), default=1.0)
+    reward.set_ylim(-1.05, max(1.05, top + 0.05))  # a judged reward reaches 2 (R_ext + R_llm)
     asks.legend(loc="center right", fontsize=8)
     fig.suptitle(f"Clarify task: {report['seeds']} seed(s) per reward, one line per run")
     fig.tight_layout()

@@ -14,7 +14,8 @@ four recipes from it, each through the whole system (REST API, rollout server, l
 Same budget: the RL recipes sample steps x batch x group responses; the generate job plays
 half as many conversations, which rank about as many responses, since a conversation runs
 to a second turn whenever the best of its first responses asks, most of the time (the
-table gives each recipe's count). Futures are sampled on top in every MR recipe. Then every policy plays the same held-out conversations from the bare request:
+table gives each recipe's count). Futures are sampled on top in every MR recipe. Then every policy plays the same
+held-out conversations from the bare request:
 task success, policy tokens per conversation, share of first turns that ask.
 
 Run: python bench/collab_recipes.py [--seeds 3] [--steps 60] [--eval 512] [--recipes ...]
@@ -34,8 +35,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from collab_clarify import (FOLLOWUP_SHARE, KL_COEF, LR, REWARDS, WARM_START_STEPS,  # noqa: E402
-                            evaluate_policies, spread)
+from collab_clarify import (  # noqa: E402
+    FOLLOWUP_SHARE,
+    KL_COEF,
+    LR,
+    REWARDS,
+    WARM_START_STEPS,  # noqa: E402
+    evaluate_policies,
+    spread,
+)
 from tool_use import run_job  # noqa: E402
 
 from tandem.client import ApiClient, load_spec_file  # noqa: E402
@@ -88,8 +96,12 @@ def run_recipe(client: ApiClient, base: dict, recipe: str, warm: Path, seed: int
     first = run_job(client, recipe_spec(base, recipe, warm, seed), out)
     if recipe != "offline DPO":
         steps = [h for h in first["history"] if h.get("phase") == "rl"]
-        return {"job_id": first["job_id"], "seconds": first["seconds"], "curve": curve(steps),
-                "responses": sum(h["samples"] for h in steps)}
+        return {
+            "job_id": first["job_id"],
+            "seconds": first["seconds"],
+            "curve": curve(steps),
+            "responses": sum(h["samples"] for h in steps),
+        }
     data = {d["name"]: d for d in client.datasets(first["job_id"])}
     pairs = data["pairs"]
     spec = copy.deepcopy(base) | {"name": f"offline-dpo-s{seed}", "kind": "offline"}
@@ -99,9 +111,14 @@ def run_recipe(client: ApiClient, base: dict, recipe: str, warm: Path, seed: int
     second = run_job(client, spec, out)
     generated = [h for h in first["history"] if h.get("phase") == "generate"]
     offline = [h for h in second["history"] if h.get("phase") == "offline"]
-    return {"job_id": second["job_id"], "generate_job_id": first["job_id"],
-            "seconds": first["seconds"] + second["seconds"], "pairs": pairs["rows"],
-            "responses": sum(h["responses"] for h in generated), "curve": curve(offline)}
+    return {
+        "job_id": second["job_id"],
+        "generate_job_id": first["job_id"],
+        "seconds": first["seconds"] + second["seconds"],
+        "pairs": pairs["rows"],
+        "responses": sum(h["responses"] for h in generated),
+        "curve": curve(offline),
+    }
 
 
 def curve(steps: list[dict]) -> dict[str, list]:
@@ -130,8 +147,10 @@ FIGURES = ("success", "tokens", "asked")
 
 
 def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: dict, total_s: float) -> dict:
-    rows = [{"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
-            for (label, seed), result in results.items()]
+    rows = [
+        {"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
+        for (label, seed), result in results.items()
+    ]
     summary = {}
     for label in (WARM, *args.recipes):
         mine = [r for r in rows if r["policy"] == label]
@@ -147,25 +166,40 @@ def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: 
             checks["online_dpo_beats_next_turn_by_0.3"] = success["online DPO"] - success["next-turn GRPO"] >= 0.3
     if "offline DPO" in success:
         checks["offline_dpo_beats_warm_start"] = success["offline DPO"] > success[WARM]
-    return {"steps": args.steps, "seeds": args.seeds, "eval_conversations": args.eval, "cpu_cores": os.cpu_count(),
-            "total_seconds": total_s, "summary": summary, "checks": checks, "runs": rows,
-            "curves": {recipe: [{"seed": run["seed"], **run["curve"]} for run in recipe_runs]
-                       for recipe, recipe_runs in runs.items()},
-            "pairs": {"offline DPO": [run["pairs"] for run in runs.get("offline DPO", [])]}}
+    return {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "eval_conversations": args.eval,
+        "cpu_cores": os.cpu_count(),
+        "total_seconds": total_s,
+        "summary": summary,
+        "checks": checks,
+        "runs": rows,
+        "curves": {
+            recipe: [{"seed": run["seed"], **run["curve"]} for run in recipe_runs]
+            for recipe, recipe_runs in runs.items()
+        },
+        "pairs": {"offline DPO": [run["pairs"] for run in runs.get("offline DPO", [])]},
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"\nclarify task, {report['steps']} steps per recipe, {report['seeds']} seed(s), "
-          f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
-          f"{report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds")
-    print(f"{'policy':>18} {'success':>22} {'tokens/conv':>12} {'first turn asks':>16} {'responses':>10} "
-          f"{'minutes':>8}")
+    print(
+        f"\nclarify task, {report['steps']} steps per recipe, {report['seeds']} seed(s), "
+        f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
+        f"{report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds"
+    )
+    print(
+        f"{'policy':>18} {'success':>22} {'tokens/conv':>12} {'first turn asks':>16} {'responses':>10} {'minutes':>8}"
+    )
     for label, s in report["summary"].items():
         cell = f"{s['success']['min']:.3f} / {s['success']['mean']:.3f} / {s['success']['max']:.3f}"
         responses = f"{s['responses']['mean']:.0f}" if "responses" in s else "-"
         minutes = f"{s['minutes']['mean']:.1f}" if "minutes" in s else "-"
-        print(f"{label:>18} {cell:>22} {s['tokens']['mean']:>12.1f} {s['asked']['mean']:>16.3f} {responses:>10} "
-              f"{minutes:>8}")
+        print(
+            f"{label:>18} {cell:>22} {s['tokens']['mean']:>12.1f} {s['asked']['mean']:>16.3f} {responses:>10} "
+            f"{minutes:>8}"
+        )
     print("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["checks"].items()))
 
 
@@ -190,8 +224,14 @@ def plot(report: dict, path: Path) -> None:
         for run in runs:
             values = run.get("asked")
             if values:
-                asks.plot(range(1, len(values) + 1), [float("nan") if v is None else v for v in values],
-                          color=colours[recipe], alpha=0.7, lw=1.2, label=recipe if run["seed"] == 0 else None)
+                asks.plot(
+                    range(1, len(values) + 1),
+                    [float("nan") if v is None else v for v in values],
+                    color=colours[recipe],
+                    alpha=0.7,
+                    lw=1.2,
+                    label=recipe if run["seed"] == 0 else None,
+                )
     asks.set_title("share of training responses that ask (online recipes)")
     asks.set_xlabel("learner step")
     asks.set_ylim(-0.05, 1.05)

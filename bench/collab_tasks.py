@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -55,13 +54,13 @@ def spec(task: str, kind: str, args, contexts: Path | None = None, num_examples:
     temperature = collabllm({"name": task})["reward"]["future_temperature"]
     task_section = {"name": task} | ({"contexts": str(contexts), "num_examples": num_examples} if contexts else {})
     job = {
-        "name": f"collab-{task}-{kind}", "kind": kind,
+        "name": f"collab-{task}-{kind}",
+        "kind": kind,
         "model": {"path": str(MODEL), "max_model_len": 4096},
         "task": task_section,
         "rollout": ROLLOUT | {"group_size": args.group_size, "temperature": temperature},
         "reward": {"preset": "collabllm", "judge_model": SERVED, "user_model": SERVED, "judge_mode": "group"},
-        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": 2e-5, "max_staleness": 2,
-                  "seed": args.seed},
+        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": 2e-5, "max_staleness": 2, "seed": args.seed},
     }
     if kind == "generate":
         job["generate"] = {"conversations": args.conversations}
@@ -81,16 +80,25 @@ def run_task(client: ApiClient, task: str, args, runs_dir: Path) -> dict:
     sft = runs_dir / generated / "dataset" / "sft.jsonl"
     try:
         contexts = turn_contexts(sft, limit=10_000)
-    except ValueError as err:   # no well-formed ranked conversation: nothing to train on
+    except ValueError as err:  # no well-formed ranked conversation: nothing to train on
         return {"task": task, "status": f"generate gave no contexts: {err}", "generate_job": generated}
     generate_s = time.monotonic() - started
     job_id = client.submit(spec(task, "rl", args, sft, len(contexts)))["id"]
     record = follow(client, job_id)
     history = [h for h in client.history(job_id) if h.get("phase") == "rl"]
-    return {"task": task, "status": record["status"], "error": record.get("error"), "generate_job": generated,
-            "rl_job": job_id, "contexts": len(contexts), "turns": sorted({c.turn for c in contexts}),
-            "generate_seconds": generate_s, "seconds": time.monotonic() - started,
-            "spec": spec(task, "rl", args, sft, len(contexts)), "history": history}
+    return {
+        "task": task,
+        "status": record["status"],
+        "error": record.get("error"),
+        "generate_job": generated,
+        "rl_job": job_id,
+        "contexts": len(contexts),
+        "turns": sorted({c.turn for c in contexts}),
+        "generate_seconds": generate_s,
+        "seconds": time.monotonic() - started,
+        "spec": spec(task, "rl", args, sft, len(contexts)),
+        "history": history,
+    }
 
 
 def recorded(path: Path, replaced: str) -> list[dict]:
@@ -101,8 +109,11 @@ def recorded(path: Path, replaced: str) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| task | contexts (turns) | steps | MR first 3 -> last 3 steps | task metric | turn trained | "
-            "well-formed | LLM tokens / step | wall time |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| task | contexts (turns) | steps | MR first 3 -> last 3 steps | task metric | turn trained | "
+        "well-formed | LLM tokens / step | wall time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         h = r.get("history", [])
         if not h:
@@ -114,7 +125,8 @@ def table(results: list[dict]) -> str:
             f"| {r['task']} | {r['contexts']} ({', '.join(map(str, r['turns']))}) | {len(h)} | "
             f"{mean('reward_mean', h[:3]):.3f} -> {mean('reward_mean', h[-3:]):.3f} | "
             f"{metric} {mean(metric, h[:3]):.2f} -> {mean(metric, h[-3:]):.2f} | {mean('turn', h):.2f} | "
-            f"{mean('well_formed', h):.2f} | {mean('llm_tokens_step', h) / 1000:.1f}k | {r['seconds'] / 60:.1f} min |")
+            f"{mean('well_formed', h):.2f} | {mean('llm_tokens_step', h) / 1000:.1f}k | {r['seconds'] / 60:.1f} min |"
+        )
     return "\n".join(rows)
 
 
@@ -148,8 +160,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=count, default=1,
-                        help="CPU threads of each process (the served model, the policy engine, the learner); 0: all")
+    parser.add_argument(
+        "--threads",
+        type=count,
+        default=1,
+        help="CPU threads of each process (the served model, the policy engine, the learner); 0: all",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "collab_tasks"))
     parser.add_argument("--results", default=str(REPO / "docs" / "results" / "collab_tasks.json"))
     args = parser.parse_args()

@@ -70,8 +70,11 @@ class Watch:
     def measure(self, label: str, seconds: float) -> dict:
         """Tokens per second summed over the servers alive through the phase (each one's own
         counter difference, so a server that leaves takes only its own count with it)."""
-        ports = {name: self.stack.ports.rollout[int(name.rsplit("-", 1)[1])]
-                 for name in self.stack.processes if name.startswith("rollout-")}
+        ports = {
+            name: self.stack.ports.rollout[int(name.rsplit("-", 1)[1])]
+            for name in self.stack.processes
+            if name.startswith("rollout-")
+        }
         first = {name: generated_tokens(port, self.job_id) for name, port in ports.items()}
         step0, started = self.step(), time.monotonic()
         while time.monotonic() - started < seconds:
@@ -82,8 +85,13 @@ class Watch:
         tokens = sum(last[n] - first[n] for n in ports if first[n] is not None and last[n] is not None)
         steps = self.step() - step0
         print(f"\r  {label}: {tokens / elapsed:.0f} tokens/s, {steps} steps")
-        return {"phase": label, "servers": len(self.servers_on_job()), "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed, "steps_per_min": 60 * steps / elapsed}
+        return {
+            "phase": label,
+            "servers": len(self.servers_on_job()),
+            "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "steps_per_min": 60 * steps / elapsed,
+        }
 
     def wait_servers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -115,10 +123,16 @@ def kill_in_update(stack: Stack, job_id: str, victim: str, timeout_s: float = 30
 
 def run(args: argparse.Namespace, out: Path) -> dict:
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seed)
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-           "TANDEM_MAX_CONCURRENT_TASKS": str(args.tasks_per_server), "TANDEM_MIN_ROLLOUT_SERVERS": "1",
-           "TANDEM_SERVER_TIMEOUT_S": "6", "TANDEM_WEIGHT_TIMEOUT_S": "15", "TANDEM_TASK_RECLAIM_IDLE_S": "5",
-           "TANDEM_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
+    env = {
+        "TANDEM_RUNS_DIR": str(out / "runs"),
+        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
+        "TANDEM_MAX_CONCURRENT_TASKS": str(args.tasks_per_server),
+        "TANDEM_MIN_ROLLOUT_SERVERS": "1",
+        "TANDEM_SERVER_TIMEOUT_S": "6",
+        "TANDEM_WEIGHT_TIMEOUT_S": "15",
+        "TANDEM_TASK_RECLAIM_IDLE_S": "5",
+        "TANDEM_DRAIN_TIMEOUT_S": str(args.drain_timeout_s),
+    }
     spec = base_spec(out, steps=100_000)  # cancelled after the last phase
     spec["warm_start"]["steps"] = 20  # throughput, not learning: a short warm start
     spec["train"]["max_staleness"] = 4
@@ -159,28 +173,43 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     rl = [r for r in history if r["phase"] == "rl"]
     trained = [task_id for r in rl for task_id in r["task_ids"]]
     handed = [line for line in drain_log.splitlines() if "tasks handed back" in line]
-    return {"phases": phases, "events": events, "steps": len(rl), "groups_trained": len(trained),
-            "groups_trained_twice": len(trained) - len(set(trained)),
-            "sync_failures": rl[-1].get("sync_failures", 0) if rl else 0,
-            "max_sync_s": max((r["sync_seconds"] for r in rl), default=0.0),
-            "drain_line": handed[-1].split("rollout.server: ")[-1] if handed else "",
-            "tasks_per_server": args.tasks_per_server, "phase_s": args.phase_s,
-            "cpu_cores": os.cpu_count(), "total_s": time.monotonic() - started}
+    return {
+        "phases": phases,
+        "events": events,
+        "steps": len(rl),
+        "groups_trained": len(trained),
+        "groups_trained_twice": len(trained) - len(set(trained)),
+        "sync_failures": rl[-1].get("sync_failures", 0) if rl else 0,
+        "max_sync_s": max((r["sync_seconds"] for r in rl), default=0.0),
+        "drain_line": handed[-1].split("rollout.server: ")[-1] if handed else "",
+        "tasks_per_server": args.tasks_per_server,
+        "phase_s": args.phase_s,
+        "cpu_cores": os.cpu_count(),
+        "total_s": time.monotonic() - started,
+    }
 
 
 def print_report(report: dict) -> None:
     base = report["phases"][0]["tokens_per_s"]
-    print(f"\nelastic rollout servers: judge-bound clarify job, {report['tasks_per_server']} tasks per server, "
-          f"{report['phase_s']:.0f} s per phase, {report['cpu_cores']} CPU cores")
+    print(
+        f"\nelastic rollout servers: judge-bound clarify job, {report['tasks_per_server']} tasks per server, "
+        f"{report['phase_s']:.0f} s per phase, {report['cpu_cores']} CPU cores"
+    )
     print(f"{'phase':>26} {'servers':>8} {'tokens/s':>9} {'vs 1 server':>12} {'steps/min':>10}")
     for phase in report["phases"]:
-        print(f"{phase['phase']:>26} {phase['servers']:>8} {phase['tokens_per_s']:>9.0f} "
-              f"{phase['tokens_per_s'] / base:>11.2f}x {phase['steps_per_min']:>10.1f}")
-    print(f"membership: {len(report['events']['membership'])} changes; broadcasts failed: {report['sync_failures']}; "
-          f"longest publish: {report['max_sync_s']:.1f} s")
-    print(f"drain: exit {report['events']['drain_exit_code']} after {report['events']['drain_s']:.1f} s "
-          f"({report['drain_line']}); groups trained: {report['groups_trained']}, "
-          f"twice: {report['groups_trained_twice']}")
+        print(
+            f"{phase['phase']:>26} {phase['servers']:>8} {phase['tokens_per_s']:>9.0f} "
+            f"{phase['tokens_per_s'] / base:>11.2f}x {phase['steps_per_min']:>10.1f}"
+        )
+    print(
+        f"membership: {len(report['events']['membership'])} changes; broadcasts failed: {report['sync_failures']}; "
+        f"longest publish: {report['max_sync_s']:.1f} s"
+    )
+    print(
+        f"drain: exit {report['events']['drain_exit_code']} after {report['events']['drain_s']:.1f} s "
+        f"({report['drain_line']}); groups trained: {report['groups_trained']}, "
+        f"twice: {report['groups_trained_twice']}"
+    )
 
 
 def main() -> None:

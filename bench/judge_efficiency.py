@@ -46,8 +46,16 @@ SETTINGS = {
     "baseline": {"judge_mode": "single", "judge_cache": False, "futures": "fixed", "num_futures": 3},
     # The recorded runs used the `own` rule (a response's own futures decide its count), which
     # reallocates futures within a group but biases MR (docs/DESIGN.md, "Adaptive futures").
-    "efficient": {"judge_mode": "group", "judge_cache": True, "futures": "adaptive", "adaptive_rule": "own",
-                  "num_futures": 3, "min_futures": 2, "max_futures": 6, "futures_se_threshold": 0.05},
+    "efficient": {
+        "judge_mode": "group",
+        "judge_cache": True,
+        "futures": "adaptive",
+        "adaptive_rule": "own",
+        "num_futures": 3,
+        "min_futures": 2,
+        "max_futures": 6,
+        "futures_se_threshold": 0.05,
+    },
     # The ablation: group judging and the cache alone, S = 3 futures as the baseline.
     "group-cache": {"judge_mode": "group", "judge_cache": True, "futures": "fixed", "num_futures": 3},
 }
@@ -60,8 +68,11 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict]]:
     base = base_spec(out, args.steps)
     base["train"]["max_staleness"] = MAX_STALENESS
     stand_in = StandIn(out, args.tpm, args.rpm, seed=0)
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-           "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
+    env = {
+        "TANDEM_RUNS_DIR": str(out / "runs"),
+        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
+        "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
+    }
     runs: dict[str, dict] = {}
     try:
         with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
@@ -92,8 +103,12 @@ def summarize(run: dict, target: float, window: int) -> dict:
     reached = next((i for i, value in enumerate(average) if i + 1 >= window and value >= target), None)
     llm = [h.get("llm_tokens_step", 0.0) for h in history]
     return {
-        "setting": run["setting"], "seed": run["seed"], "job_id": run["job_id"], "steps": steps,
-        "wall_s": seconds[-1], "to_target_s": None if reached is None else seconds[reached],
+        "setting": run["setting"],
+        "seed": run["seed"],
+        "job_id": run["job_id"],
+        "steps": steps,
+        "wall_s": seconds[-1],
+        "to_target_s": None if reached is None else seconds[reached],
         "judge_tokens_per_step": sum(h.get("judge_tokens_step", 0.0) for h in history) / steps,
         "llm_tokens_per_step": sum(llm) / steps,
         "provider_tokens_per_step": run["provider"]["tokens_accepted"] / steps,
@@ -115,8 +130,16 @@ def cumulative(values: list[float]) -> list[float]:
     return out
 
 
-FIGURES = ("to_target_s", "wall_s", "held_out_success", "judge_tokens_per_step", "llm_tokens_per_step",
-           "provider_tokens_per_step", "provider_calls_per_step", "futures_per_turn")
+FIGURES = (
+    "to_target_s",
+    "wall_s",
+    "held_out_success",
+    "judge_tokens_per_step",
+    "llm_tokens_per_step",
+    "provider_tokens_per_step",
+    "provider_calls_per_step",
+    "futures_per_turn",
+)
 
 
 def spread(rows: list[dict], figure: str) -> dict | None:
@@ -128,45 +151,71 @@ def spread(rows: list[dict], figure: str) -> dict | None:
 
 
 def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict, total_s: float) -> dict:
-    rows = {key: summarize(run, args.target, args.window) | {"held_out_success": held_out[key]["success"]}
-            for key, run in runs.items()}
-    settings = {label: {figure: spread([r for r in rows.values() if r["setting"] == label], figure)
-                        for figure in FIGURES} for label in args.settings}
+    rows = {
+        key: summarize(run, args.target, args.window) | {"held_out_success": held_out[key]["success"]}
+        for key, run in runs.items()
+    }
+    settings = {
+        label: {figure: spread([r for r in rows.values() if r["setting"] == label], figure) for figure in FIGURES}
+        for label in args.settings
+    }
     ratios, checks = {}, {}
     if {"baseline", "efficient"} <= settings.keys():
         base, eff = settings["baseline"], settings["efficient"]
-        ratios = {figure: eff[figure]["mean"] / base[figure]["mean"] for figure in FIGURES
-                  if base[figure] and eff[figure] and base[figure]["mean"] and figure != "held_out_success"}
+        ratios = {
+            figure: eff[figure]["mean"] / base[figure]["mean"]
+            for figure in FIGURES
+            if base[figure] and eff[figure] and base[figure]["mean"] and figure != "held_out_success"
+        }
         checks = {
             # the quality bar is one-sided: spending less may not cost more than 0.05 of held-out success
             "held_out_at_most_0.05_below": eff["held_out_success"]["mean"] >= base["held_out_success"]["mean"] - 0.05,
             "judge_tokens_per_step_at_most_half": ratios.get("judge_tokens_per_step", 1.0) <= 0.5,
             "to_target_at_most_0.6x": ratios.get("to_target_s", 1.0) <= 0.6,
         }
-    return {"steps": args.steps, "seeds": args.seeds, "tpm": args.tpm, "rpm": args.rpm,
-            "max_staleness": MAX_STALENESS, "target_reward": args.target, "window": args.window,
-            "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
-            "held_out_warm_start": held_out["warm start"]["success"],
-            "settings": {label: SETTINGS[label] for label in args.settings},
-            "spread": settings, "ratios_efficient_to_baseline": ratios, "checks": checks, "runs": rows}
+    return {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "tpm": args.tpm,
+        "rpm": args.rpm,
+        "max_staleness": MAX_STALENESS,
+        "target_reward": args.target,
+        "window": args.window,
+        "eval_conversations": args.eval,
+        "cpu_cores": os.cpu_count(),
+        "total_seconds": total_s,
+        "held_out_warm_start": held_out["warm start"]["success"],
+        "settings": {label: SETTINGS[label] for label in args.settings},
+        "spread": settings,
+        "ratios_efficient_to_baseline": ratios,
+        "checks": checks,
+        "runs": rows,
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"\njudge-bound clarify, eta {report['max_staleness']}, {report['steps']} RL steps, "
-          f"{report['seeds']} seeds, TPM {report['tpm']}, {report['total_seconds'] / 60:.1f} min in all; "
-          f"min / mean / max over seeds")
-    names = {"to_target_s": "to target (s)", "wall_s": "to the end (s)", "held_out_success": "held-out success",
-             "judge_tokens_per_step": "judge tokens/step", "llm_tokens_per_step": "LLM tokens/step",
-             "provider_tokens_per_step": "provider tokens/step", "provider_calls_per_step": "provider calls/step",
-             "futures_per_turn": "futures per turn"}
+    print(
+        f"\njudge-bound clarify, eta {report['max_staleness']}, {report['steps']} RL steps, "
+        f"{report['seeds']} seeds, TPM {report['tpm']}, {report['total_seconds'] / 60:.1f} min in all; "
+        f"min / mean / max over seeds"
+    )
+    names = {
+        "to_target_s": "to target (s)",
+        "wall_s": "to the end (s)",
+        "held_out_success": "held-out success",
+        "judge_tokens_per_step": "judge tokens/step",
+        "llm_tokens_per_step": "LLM tokens/step",
+        "provider_tokens_per_step": "provider tokens/step",
+        "provider_calls_per_step": "provider calls/step",
+        "futures_per_turn": "futures per turn",
+    }
     labels = list(report["spread"])
     print(f"{'':>22} " + " ".join(f"{label:>26}" for label in labels) + f" {'ratio':>7}")
     for figure, name in names.items():
         cells = []
         for label in labels:
             s = report["spread"][label][figure]
-            cells.append("never (some seed)" if s is None else
-                         f"{s['min']:.3g} / {s['mean']:.3g} / {s['max']:.3g}")
+            cells.append("never (some seed)" if s is None else f"{s['min']:.3g} / {s['mean']:.3g} / {s['max']:.3g}")
         ratio = report["ratios_efficient_to_baseline"].get(figure)
         print(f"{name:>22} " + " ".join(f"{c:>26}" for c in cells) + f" {'' if ratio is None else f'{ratio:.2f}x':>7}")
     print(f"warm start held-out success {report['held_out_warm_start']:.3f}")
@@ -183,11 +232,16 @@ def plot(report: dict, path: Path) -> None:
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     colours = {"baseline": "tab:grey", "efficient": "tab:blue", "group-cache": "tab:green"}
     first = report["window"] - 1
-    for key, row in report["runs"].items():
+    for row in report["runs"].values():
         curve, colour = row["curve"], colours[row["setting"]]
         label = row["setting"] if row["seed"] == 0 else None
-        by_tokens.plot([t / 1e6 for t in curve["llm_tokens_cumulative"][first:]], curve["reward_ma"][first:],
-                       color=colour, lw=1.4, label=label)
+        by_tokens.plot(
+            [t / 1e6 for t in curve["llm_tokens_cumulative"][first:]],
+            curve["reward_ma"][first:],
+            color=colour,
+            lw=1.4,
+            label=label,
+        )
         by_time.plot(curve["seconds"][first:], curve["reward_ma"][first:], color=colour, lw=1.4, label=label)
     for ax in (by_tokens, by_time):
         ax.axhline(report["target_reward"], color="grey", lw=0.8, ls=":")
@@ -212,8 +266,11 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.2, help="training reward (moving average) to reach")
     parser.add_argument("--window", type=int, default=5, help="moving average window in steps")
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
-    parser.add_argument("--settings", default="baseline,efficient",
-                        help=f"comma-separated, of {list(SETTINGS)}; ratios need baseline and efficient")
+    parser.add_argument(
+        "--settings",
+        default="baseline,efficient",
+        help=f"comma-separated, of {list(SETTINGS)}; ratios need baseline and efficient",
+    )
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
     parser.add_argument("--out", default="bench/results/judge_efficiency")
     args = parser.parse_args()

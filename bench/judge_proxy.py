@@ -65,8 +65,10 @@ MAX_TOKENS = 256
 DRAINED_TOKENS = TPM // 50
 """The upstream's bucket counts as spent below 2% of a minute's tokens."""
 LATENCY_RATE = 200
-WORDS = ("budget token minute replica upstream judge rubric verdict score queue deadline "
-         "refill reserve settle window limit provider request answer conversation").split()
+WORDS = (
+    "budget token minute replica upstream judge rubric verdict score queue deadline "
+    "refill reserve settle window limit provider request answer conversation"
+).split()
 
 
 @dataclass
@@ -95,12 +97,19 @@ class Scenario:
 
 STRICT_PROVIDER = ("--limit-model", "window", "--window-s", "60", "--prompt-chars-per-token", "3")
 SCENARIOS = {
-    "bucket": Scenario("bucket", 2, ("--limit-model", "bucket"), {"limit_model": "bucket"},
-                       "bucket upstream, proxy told bucket"),
-    "strict": Scenario("strict", 3, STRICT_PROVIDER, {"limit_model": "window"},
-                       "trailing 60 s window, prompts 1/3 denser; proxy told window"),
-    "mismatch": Scenario("mismatch", 3, STRICT_PROVIDER, {"limit_model": "bucket"},
-                         "the strict upstream; proxy told bucket"),
+    "bucket": Scenario(
+        "bucket", 2, ("--limit-model", "bucket"), {"limit_model": "bucket"}, "bucket upstream, proxy told bucket"
+    ),
+    "strict": Scenario(
+        "strict",
+        3,
+        STRICT_PROVIDER,
+        {"limit_model": "window"},
+        "trailing 60 s window, prompts 1/3 denser; proxy told window",
+    ),
+    "mismatch": Scenario(
+        "mismatch", 3, STRICT_PROVIDER, {"limit_model": "bucket"}, "the strict upstream; proxy told bucket"
+    ),
 }
 
 
@@ -113,31 +122,64 @@ def processes(log_dir: Path, queue_deadline_s: float, scenario: Scenario):
         limited, fast = free_port(), free_port()
         proxy_ports = [free_port() for _ in range(scenario.replicas)]
         upstream = [sys.executable, "-m", "judge_proxy.local_upstream", "--service-ms", "2"]
-        stack.enter_context(spawn(log_dir / "upstream-limited.log",
-                                  upstream + ["--port", str(limited), "--tpm", str(TPM), "--rpm", str(RPM),
-                                              *scenario.provider]))
-        stack.enter_context(spawn(log_dir / "upstream-fast.log",
-                                  upstream + ["--port", str(fast), "--tpm", str(10**10), "--rpm", str(10**8)]))
+        stack.enter_context(
+            spawn(
+                log_dir / "upstream-limited.log",
+                upstream + ["--port", str(limited), "--tpm", str(TPM), "--rpm", str(RPM), *scenario.provider],
+            )
+        )
+        stack.enter_context(
+            spawn(
+                log_dir / "upstream-fast.log",
+                upstream + ["--port", str(fast), "--tpm", str(10**10), "--rpm", str(10**8)],
+            )
+        )
         config = log_dir / "upstreams.json"
-        config.write_text(json.dumps({"upstreams": [
-            {**upstream_entry("limited", "judge", limited, TPM, RPM, max_concurrency=64), **scenario.told},
-            upstream_entry("fast", "fast", fast, 10**10, 10**8, max_concurrency=512)]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "upstreams": [
+                        {**upstream_entry("limited", "judge", limited, TPM, RPM, max_concurrency=64), **scenario.told},
+                        upstream_entry("fast", "fast", fast, 10**10, 10**8, max_concurrency=512),
+                    ]
+                }
+            )
+        )
         for i, port in enumerate(proxy_ports):
-            env = {"TANDEM_REDIS_URL": redis.url, "TANDEM_PORT": str(port), "TANDEM_UPSTREAMS": str(config),
-                   "TANDEM_QUEUE_DEADLINE_S": str(queue_deadline_s), "TANDEM_LOG_LEVEL": "WARNING"}
-            stack.enter_context(spawn(log_dir / f"proxy-{i}.log",
-                                      [sys.executable, "-m", "tandem.cli", "judge-proxy"], env))
-        urls = {"limited": f"http://127.0.0.1:{limited}", "fast": f"http://127.0.0.1:{fast}",
-                "proxies": [f"http://127.0.0.1:{p}" for p in proxy_ports]}
-        for url in [urls["limited"] + "/admin/stats", urls["fast"] + "/admin/stats",
-                    *(p + "/healthz" for p in urls["proxies"])]:
+            env = {
+                "TANDEM_REDIS_URL": redis.url,
+                "TANDEM_PORT": str(port),
+                "TANDEM_UPSTREAMS": str(config),
+                "TANDEM_QUEUE_DEADLINE_S": str(queue_deadline_s),
+                "TANDEM_LOG_LEVEL": "WARNING",
+            }
+            stack.enter_context(
+                spawn(log_dir / f"proxy-{i}.log", [sys.executable, "-m", "tandem.cli", "judge-proxy"], env)
+            )
+        urls = {
+            "limited": f"http://127.0.0.1:{limited}",
+            "fast": f"http://127.0.0.1:{fast}",
+            "proxies": [f"http://127.0.0.1:{p}" for p in proxy_ports],
+        }
+        for url in [
+            urls["limited"] + "/admin/stats",
+            urls["fast"] + "/admin/stats",
+            *(p + "/healthz" for p in urls["proxies"]),
+        ]:
             wait_until_up(url)
         yield urls
 
 
 def upstream_entry(name: str, model: str, port: int, tpm: int, rpm: int, max_concurrency: int) -> dict:
-    return {"name": name, "model": model, "upstream_model": "local-model", "base_url": f"http://127.0.0.1:{port}/v1",
-            "tpm": tpm, "rpm": rpm, "max_concurrency": max_concurrency}
+    return {
+        "name": name,
+        "model": model,
+        "upstream_model": "local-model",
+        "base_url": f"http://127.0.0.1:{port}/v1",
+        "tpm": tpm,
+        "rpm": rpm,
+        "max_concurrency": max_concurrency,
+    }
 
 
 @contextlib.contextmanager
@@ -178,8 +220,9 @@ class Answer:
 def session(max_connections: int) -> aiohttp.ClientSession:
     # The load generator must cost less than what it measures: on this machine aiohttp
     # spends about 0.2 ms of CPU per request where httpx spends 0.7 ms.
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
-                                 timeout=aiohttp.ClientTimeout(total=120))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections), timeout=aiohttp.ClientTimeout(total=120)
+    )
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> Answer:
@@ -198,8 +241,9 @@ def server_timing(answer: Answer) -> dict[str, float]:
     return timings
 
 
-async def saturating_client(http: aiohttp.ClientSession, url: str, index: int, stop: asyncio.Event,
-                            tally: Tally) -> None:
+async def saturating_client(
+    http: aiohttp.ClientSession, url: str, index: int, stop: asyncio.Event, tally: Tally
+) -> None:
     rng = random.Random(index)
     priority = "judge" if index % 4 == 0 else "simulator"
     headers = {"x-tandem-job": f"job-{index % NUM_JOBS}", "x-tandem-priority": priority}
@@ -228,8 +272,10 @@ async def saturate(urls: dict, seconds: float, warmup: float, name: str) -> dict
     proxies = urls["proxies"]
     async with session(2 * NUM_CLIENTS) as http:
         start = await upstream_stats(http, urls["limited"])
-        clients = [asyncio.create_task(saturating_client(http, proxies[i % len(proxies)], i, stop, tally))
-                   for i in range(NUM_CLIENTS)]
+        clients = [
+            asyncio.create_task(saturating_client(http, proxies[i % len(proxies)], i, stop, tally))
+            for i in range(NUM_CLIENTS)
+        ]
         with tqdm(total=round(warmup + seconds), desc=name, unit="s") as bar:
             first = await drained(http, urls["limited"], warmup, bar)
             for second in range(round(seconds)):
@@ -270,24 +316,33 @@ def saturation_report(tally: Tally, start: dict, first: dict, last: dict, final:
     whole_run_accepted = final["tokens_accepted"] - start["tokens_accepted"]
     answered = sum(tally.answered.values())
     return {
-        "tpm": TPM, "rpm": RPM, "clients": NUM_CLIENTS, "window_s": round(window_s, 1),
+        "tpm": TPM,
+        "rpm": RPM,
+        "clients": NUM_CLIENTS,
+        "window_s": round(window_s, 1),
         "warmup_s": round(first["at"] - start["at"], 1),
-        "budget_tokens": round(budget), "accepted_tokens": accepted, "utilization": accepted / budget,
+        "budget_tokens": round(budget),
+        "accepted_tokens": accepted,
+        "utilization": accepted / budget,
         "upstream_level_at_window_start": round(first["tokens_level"]),
         "whole_run_utilization": whole_run_accepted / whole_run_budget,
         "upstream_requests_per_s": (last["accepted"] - first["accepted"]) / window_s,
         "upstream_429": final["rejected_429"] - first["rejected_429"],
         "upstream_429_in_warmup": first["rejected_429"] - start["rejected_429"],
-        "requests_sent": tally.sent, "answered": answered, "answered_by_priority": dict(tally.answered),
-        "refused_with_retry_after": tally.refused, "errors": dict(tally.errors),
+        "requests_sent": tally.sent,
+        "answered": answered,
+        "answered_by_priority": dict(tally.answered),
+        "refused_with_retry_after": tally.refused,
+        "errors": dict(tally.errors),
         "lost": tally.sent - answered - tally.refused,
         "upstream_accepted_matches_answered": final["accepted"] - start["accepted"] == answered,
         "queue_wait_ms_in_window": percentiles([ms for at, ms in tally.queue_ms if first["at"] <= at <= last["at"]]),
     }
 
 
-async def open_loop(http: aiohttp.ClientSession, targets: list[str], body: dict, seconds: float,
-                    rate: float = LATENCY_RATE) -> tuple[list[dict], int]:
+async def open_loop(
+    http: aiohttp.ClientSession, targets: list[str], body: dict, seconds: float, rate: float = LATENCY_RATE
+) -> tuple[list[dict], int]:
     """Requests at a fixed rate whatever the replies do; returns timings and the error count."""
     samples: list[dict] = []
     errors = 0
@@ -319,8 +374,10 @@ async def open_loop(http: aiohttp.ClientSession, targets: list[str], body: dict,
 async def latency(urls: dict, seconds: float, block_s: float = 5.0) -> dict:
     """Direct and proxied calls in alternating blocks, so both meet the same machine load."""
     body = {"messages": [{"role": "user", "content": "Rate this reply."}], "max_tokens": 16}
-    phases = {"direct": ([f"{urls['fast']}/v1/chat/completions"], {**body, "model": "local-model"}),
-              "proxied": ([f"{p}/v1/chat/completions" for p in urls["proxies"]], {**body, "model": "fast"})}
+    phases = {
+        "direct": ([f"{urls['fast']}/v1/chat/completions"], {**body, "model": "local-model"}),
+        "proxied": ([f"{p}/v1/chat/completions" for p in urls["proxies"]], {**body, "model": "fast"}),
+    }
     samples: dict[str, list[dict]] = {"direct": [], "proxied": []}
     errors = Counter()
     async with session(256) as http:
@@ -337,13 +394,18 @@ async def latency(urls: dict, seconds: float, block_s: float = 5.0) -> dict:
     direct_rt = percentiles([s["round_trip"] for s in samples["direct"]])
     proxied_rt = percentiles([s["round_trip"] for s in proxied])
     return {
-        "rate_per_s": LATENCY_RATE, "seconds_each": seconds, "block_s": seconds / blocks,
-        "direct_round_trip_ms": direct_rt, "proxied_round_trip_ms": proxied_rt,
+        "rate_per_s": LATENCY_RATE,
+        "seconds_each": seconds,
+        "block_s": seconds / blocks,
+        "direct_round_trip_ms": direct_rt,
+        "proxied_round_trip_ms": proxied_rt,
         "proxy_added_ms": percentiles([s["round_trip"] - s["queue"] - s["upstream"] for s in proxied]),
         "proxy_queue_wait_ms": percentiles([s["queue"] for s in proxied]),
         "upstream_call_ms": percentiles([s["upstream"] for s in proxied]),
-        "ratio_p50": proxied_rt["p50"] / direct_rt["p50"], "ratio_p99": proxied_rt["p99"] / direct_rt["p99"],
-        "errors": dict(errors), "upstream_429": upstream_429,
+        "ratio_p50": proxied_rt["p50"] / direct_rt["p50"],
+        "ratio_p99": proxied_rt["p99"] / direct_rt["p99"],
+        "errors": dict(errors),
+        "upstream_429": upstream_429,
     }
 
 
@@ -352,8 +414,13 @@ def percentiles(values: list[float]) -> dict:
         return {"n": 0}
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"n": len(ordered), "p50": pick(0.5), "p99": pick(0.99), "max": ordered[-1],
-            "mean": statistics.fmean(ordered)}
+    return {
+        "n": len(ordered),
+        "p50": pick(0.5),
+        "p99": pick(0.99),
+        "max": ordered[-1],
+        "mean": statistics.fmean(ordered),
+    }
 
 
 def p50_p99(stats: dict) -> str:
@@ -370,29 +437,44 @@ def table(results: dict) -> str:
     rows = [
         row("proxy replicas", lambda s: str(s["replicas"])),
         row("warm-up before measuring (s)", lambda s: f"{s['warmup_s']:.0f}"),
-        row("budget utilization (accepted / TPM x minutes)", lambda s: f"{s['utilization']:.1%}",
-            ">= 95% matched, >= 90% strict"),
+        row(
+            "budget utilization (accepted / TPM x minutes)",
+            lambda s: f"{s['utilization']:.1%}",
+            ">= 95% matched, >= 90% strict",
+        ),
         row("  whole run incl. first full budget", lambda s: f"{s['whole_run_utilization']:.1%}"),
         row("upstream 429s, measured window", lambda s: str(s["upstream_429"]), "0"),
         row("upstream 429s, warm-up", lambda s: str(s["upstream_429_in_warmup"])),
         row("learned prompt ratio (upstream / chars/4)", lambda s: f"{s['prompt_ratio']:.3f}"),
-        row("requests sent / answered / refused",
-            lambda s: f"{s['requests_sent']} / {s['answered']} / {s['refused_with_retry_after']}"),
+        row(
+            "requests sent / answered / refused",
+            lambda s: f"{s['requests_sent']} / {s['answered']} / {s['refused_with_retry_after']}",
+        ),
         row("lost / errored", lambda s: f"{s['lost']} / {sum(s['errors'].values())}", "0 / 0"),
         row("queue wait of answered p50 / p99 (ms)", lambda s: p50_p99(s["queue_wait_ms_in_window"])),
     ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'':{width}}  " + "  ".join(f"{n:>18}" for n in names) + "  target",
-             "-" * (width + 20 * len(names) + 30)]
+    lines = [
+        f"{'':{width}}  " + "  ".join(f"{n:>18}" for n in names) + "  target",
+        "-" * (width + 20 * len(names) + 30),
+    ]
     lines += [f"{r[0]:{width}}  " + "  ".join(f"{c:>18}" for c in r[1:-1]) + f"  {r[-1]}" for r in rows]
     latency_rows = [
-        (f"direct round trip p50 / p99 at {lat['rate_per_s']}/s (ms)",
-         f"{lat['direct_round_trip_ms']['p50']:.2f} / {lat['direct_round_trip_ms']['p99']:.2f}", "baseline"),
-        ("proxied round trip p50 / p99 (ms)",
-         f"{lat['proxied_round_trip_ms']['p50']:.2f} / {lat['proxied_round_trip_ms']['p99']:.2f}",
-         f"x{lat['ratio_p50']:.2f} / x{lat['ratio_p99']:.2f}"),
-        ("proxy added latency p50 / p99 (ms, excl. queue)",
-         f"{lat['proxy_added_ms']['p50']:.2f} / {lat['proxy_added_ms']['p99']:.2f}", "p99 <= 5"),
+        (
+            f"direct round trip p50 / p99 at {lat['rate_per_s']}/s (ms)",
+            f"{lat['direct_round_trip_ms']['p50']:.2f} / {lat['direct_round_trip_ms']['p99']:.2f}",
+            "baseline",
+        ),
+        (
+            "proxied round trip p50 / p99 (ms)",
+            f"{lat['proxied_round_trip_ms']['p50']:.2f} / {lat['proxied_round_trip_ms']['p99']:.2f}",
+            f"x{lat['ratio_p50']:.2f} / x{lat['ratio_p99']:.2f}",
+        ),
+        (
+            "proxy added latency p50 / p99 (ms, excl. queue)",
+            f"{lat['proxy_added_ms']['p50']:.2f} / {lat['proxy_added_ms']['p99']:.2f}",
+            "p99 <= 5",
+        ),
     ]
     lines += ["", *(f"{name:{width}}  {value:>18}  {target}" for name, value, target in latency_rows)]
     return "\n".join(lines)
@@ -408,20 +490,35 @@ def run_scenario(scenario: Scenario, log_dir: Path, args: argparse.Namespace) ->
     with processes(log_dir, args.queue_deadline_s, scenario) as urls:
         report = asyncio.run(saturate(urls, args.seconds, warmup, scenario.name))
         view = asyncio.run(proxy_view(urls["proxies"][0]))
-    return {"scenario": scenario.about, "replicas": scenario.replicas, "provider": list(scenario.provider),
-            "proxy_told": scenario.told, "prompt_ratio": view["prompt_ratio"], **report}
+    return {
+        "scenario": scenario.about,
+        "replicas": scenario.replicas,
+        "provider": list(scenario.provider),
+        "proxy_told": scenario.told,
+        "prompt_ratio": view["prompt_ratio"],
+        **report,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=180.0, help="measured saturation window")
     parser.add_argument("--warmup", type=float, default=10.0, help="saturation before measuring (bucket)")
-    parser.add_argument("--strict-warmup", type=float, default=60.0,
-                        help="saturation before measuring (strict, mismatch): the first minute")
+    parser.add_argument(
+        "--strict-warmup",
+        type=float,
+        default=60.0,
+        help="saturation before measuring (strict, mismatch): the first minute",
+    )
     parser.add_argument("--latency-seconds", type=float, default=30.0, help="per latency phase")
     parser.add_argument("--queue-deadline-s", type=float, default=5.0)
-    parser.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS), default=["bucket", "strict"],
-                        help="saturation scenarios to run (none: the latency phase only)")
+    parser.add_argument(
+        "--scenarios",
+        nargs="*",
+        choices=list(SCENARIOS),
+        default=["bucket", "strict"],
+        help="saturation scenarios to run (none: the latency phase only)",
+    )
     parser.add_argument("--out", default="bench/results/judge_proxy.json")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-judge-bench-"))
@@ -435,14 +532,21 @@ def main() -> None:
         saturation[name] = run_scenario(SCENARIOS[name], log_dir, args)
         load[f"after_{name}"] = os.getloadavg()
     results = {
-        "machine": {"cpu_count": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
-                    "load_average_1_5_15m": load,
-                    "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "cores_available": len(os.sched_getaffinity(0)),
+            "load_average_1_5_15m": load,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "settings": {**vars(args), "max_tokens": MAX_TOKENS, "upstream_service_ms": 2, "logs": str(log_dir)},
-        "saturation": saturation, "latency": latency_results,
+        "saturation": saturation,
+        "latency": latency_results,
     }
-    targets = {"added p99 <= 5 ms": latency_results["proxy_added_ms"]["p99"] <= 5.0,
-               "latency phase without errors": not any(latency_results["errors"].values())}
+    targets = {
+        "added p99 <= 5 ms": latency_results["proxy_added_ms"]["p99"] <= 5.0,
+        "latency phase without errors": not any(latency_results["errors"].values()),
+    }
     for name, run in saturation.items():
         floor = 0.95 if name == "bucket" else 0.90
         targets[f"{name}: utilization >= {floor:.2f}"] = run["utilization"] >= floor
@@ -452,9 +556,11 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\njudge proxy: 1 Redis, local upstream at {TPM} TPM / {RPM} RPM, "
-          f"{results['machine']['cores_available']} cores available, 1-minute load average "
-          + ", ".join(f"{k.removeprefix('after_')} {v[0]:.1f}" for k, v in load.items() if k != "before"))
+    print(
+        f"\njudge proxy: 1 Redis, local upstream at {TPM} TPM / {RPM} RPM, "
+        f"{results['machine']['cores_available']} cores available, 1-minute load average "
+        + ", ".join(f"{k.removeprefix('after_')} {v[0]:.1f}" for k, v in load.items() if k != "before")
+    )
     print(table(results))
     print(f"targets met: {results['targets_met']}\nwritten to {out}")
 

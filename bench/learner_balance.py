@@ -51,9 +51,25 @@ def throughput(steps: int, batch: int, model_dir: Path) -> dict:
     results = {}
     for split in ("round_robin", "balanced"):
         out = Path(tempfile.mkdtemp()) / "result.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        __file__, "--worker", split, str(model_dir), str(out), str(steps), str(batch)],
-                       check=True, capture_output=True, cwd=REPO)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                __file__,
+                "--worker",
+                split,
+                str(model_dir),
+                str(out),
+                str(steps),
+                str(batch),
+            ],
+            check=True,
+            capture_output=True,
+            cwd=REPO,
+        )
         results[split] = json.loads(out.read_text())
     results["speedup"] = results["balanced"]["tokens_per_s"] / results["round_robin"]["tokens_per_s"]
     return results
@@ -69,17 +85,25 @@ def worker(split: str, model_dir: str, out: str, steps: int, batch: int) -> None
     from services.protocol import Sample
 
     dist.init_process_group("gloo")
-    spec = JobSpec(model=ModelSpec(path=model_dir, max_model_len=1024),
-                   rollout={"max_total_tokens": 1024},
-                   # One micro-batch per rank for both splits: with a tighter cap the unbalanced
-                   # split would need more, shorter rows, and on CPU a packed row's attention
-                   # (dense block-diagonal mask) costs the square of its length.
-                   train=TrainSpec(max_tokens_per_rank=65536, lr=1e-4))
+    spec = JobSpec(
+        model=ModelSpec(path=model_dir, max_model_len=1024),
+        rollout={"max_total_tokens": 1024},
+        # One micro-batch per rank for both splits: with a tighter cap the unbalanced
+        # split would need more, shorter rows, and on CPU a packed row's attention
+        # (dense block-diagonal mask) costs the square of its length.
+        train=TrainSpec(max_tokens_per_rank=65536, lr=1e-4),
+    )
 
     trainer = Trainer(spec, torch.device("cpu"))
     if split == "round_robin":  # the baseline: sequences dealt to ranks and micro-batches round-robin
-        trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank,
-                                   trainer.can_pack, trainer.device, split=batching.round_robin)
+        trainer.batches = Collator(
+            trainer.rank,
+            trainer.world_size,
+            spec.train.max_tokens_per_rank,
+            trainer.can_pack,
+            trainer.device,
+            split=batching.round_robin,
+        )
     rng = random.Random(0)
     vocab = trainer.model.config.vocab_size
     batches = []
@@ -87,10 +111,18 @@ def worker(split: str, model_dir: str, out: str, steps: int, batch: int) -> None
         samples = []
         for i, length in enumerate(lognormal_lengths(batch, rng)):
             prompt = max(1, length // 4)
-            samples.append(Sample(sample_id=str(i), tokens=[rng.randrange(vocab) for _ in range(length)],
-                                  mask=[0] * prompt + [1] * (length - prompt),
-                                  logprobs=[-2.0] * length, versions=[0] * length, reward=0.0,
-                                  advantage=rng.choice([-1.0, 1.0]), num_turns=1))
+            samples.append(
+                Sample(
+                    sample_id=str(i),
+                    tokens=[rng.randrange(vocab) for _ in range(length)],
+                    mask=[0] * prompt + [1] * (length - prompt),
+                    logprobs=[-2.0] * length,
+                    versions=[0] * length,
+                    reward=0.0,
+                    advantage=rng.choice([-1.0, 1.0]),
+                    num_turns=1,
+                )
+            )
         batches.append(samples)
     trainer.rl_step(batches[0])  # warm-up, not timed
     dist.barrier()
@@ -119,18 +151,26 @@ def main() -> None:
     balance = balance_table(args.balance_batches, args.batch)
     speed = throughput(args.steps, args.batch, model_dir)
     print(f"\nlognormal(mu={MU}, sigma={SIGMA}) lengths in [{MIN_LEN}, {MAX_LEN}], {args.batch} sequences per batch")
-    print(f"{'ranks':>5} {'round-robin max/mean':>21} {'balanced max/mean':>18} {'(worst of ' + str(args.balance_batches) + ')':>16}")
+    print(
+        f"{'ranks':>5} {'round-robin max/mean':>21} {'balanced max/mean':>18} "
+        f"{'(worst of ' + str(args.balance_batches) + ')':>16}"
+    )
     for row in balance:
-        print(f"{row['dp']:>5} {row['round_robin']['mean']:>21.3f} {row['balanced']['mean']:>18.3f} "
-              f"{row['round_robin']['max']:>8.3f} / {row['balanced']['max']:.3f}")
-    print(f"\nlearner throughput, 2 ranks (FSDP2 + gloo, tiny model, {os.cpu_count()} CPU cores), {args.steps} RL steps")
+        print(
+            f"{row['dp']:>5} {row['round_robin']['mean']:>21.3f} {row['balanced']['mean']:>18.3f} "
+            f"{row['round_robin']['max']:>8.3f} / {row['balanced']['max']:.3f}"
+        )
+    print(
+        f"\nlearner throughput, 2 ranks (FSDP2 + gloo, tiny model, {os.cpu_count()} CPU cores), {args.steps} RL steps"
+    )
     for split in ("round_robin", "balanced"):
         r = speed[split]
         print(f"{split:>12}: {r['tokens_per_s']:>9.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s)")
     print(f"{'speed-up':>12}: {speed['speedup']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"balance": balance, "throughput": speed, "cpu_cores": os.cpu_count()},
-                                         indent=2))
+    Path(args.out).write_text(
+        json.dumps({"balance": balance, "throughput": speed, "cpu_cores": os.cpu_count()}, indent=2)
+    )
     print(f"wrote {args.out}")
 
 

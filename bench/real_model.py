@@ -52,6 +52,7 @@ ROLLOUT = {"group_size": 8, "temperature": 1.0, "max_new_tokens": 48, "max_turns
 
 # ---- (a) learner ---------------------------------------------------------------------
 
+
 def matmul_flops(n: int = 2048, repeats: int = 10) -> float:
     """FLOP/s of an n x n fp32 matmul on this machine's cores: best of three rounds."""
     import torch
@@ -65,6 +66,23 @@ def matmul_flops(n: int = 2048, repeats: int = 10) -> float:
             a @ b
         best = max(best, 2 * n**3 * repeats / (time.perf_counter() - started))
     return best
+
+
+def plain_step_seconds(token_batches: list) -> tuple[float, int]:
+    """`timed` on plain transformers (forward, backward, AdamW), and the model's parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-5)
+
+    def step(batch: list[list[int]]) -> None:
+        ids = torch.tensor(batch)
+        plain(input_ids=ids, labels=ids).loss.backward()
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+
+    return timed(step, token_batches), sum(p.numel() for p in plain.parameters())
 
 
 def timed(step, batches: list) -> float:
@@ -81,7 +99,6 @@ def learner_speed(steps: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from learner.micro_batch import Collator
     from learner.trainer import Trainer
@@ -91,31 +108,32 @@ def learner_speed(steps: int) -> dict:
     peak = matmul_flops()
     rng = random.Random(0)
     vocab = 49152
-    token_batches = [[[rng.randrange(vocab) for _ in range(SEQUENCE_TOKENS)] for _ in range(SEQUENCES)]
-                     for _ in range(steps + 1)]
+    token_batches = [
+        [[rng.randrange(vocab) for _ in range(SEQUENCE_TOKENS)] for _ in range(SEQUENCES)] for _ in range(steps + 1)
+    ]
     trained = SEQUENCES * (SEQUENCE_TOKENS - 1)
 
-    plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    params = sum(p.numel() for p in plain.parameters())
-    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-5)
-
-    def plain_step(batch: list[list[int]]) -> None:
-        ids = torch.tensor(batch)
-        plain(input_ids=ids, labels=ids).loss.backward()
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
-
-    rows = {"plain transformers step": timed(plain_step, token_batches)}
-    del plain, adamw
+    seconds, params = plain_step_seconds(token_batches)  # its model is freed before the learner's loads
+    rows = {"plain transformers step": seconds}
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     spec = JobSpec.model_validate({"model": {"path": str(MODEL)}, "train": {"lr": 1e-5, "max_tokens_per_rank": 4096}})
     trainer = Trainer(spec, torch.device("cpu"))
 
     def samples(batch: list[list[int]]) -> list[Sample]:
-        return [Sample(sample_id=str(i), tokens=t, mask=[0] + [1] * (len(t) - 1), logprobs=[-3.0] * len(t),
-                       versions=[0] * len(t), reward=0.0, advantage=rng.choice([-1.0, 1.0]), num_turns=1)
-                for i, t in enumerate(batch)]
+        return [
+            Sample(
+                sample_id=str(i),
+                tokens=t,
+                mask=[0] + [1] * (len(t) - 1),
+                logprobs=[-3.0] * len(t),
+                versions=[0] * len(t),
+                reward=0.0,
+                advantage=rng.choice([-1.0, 1.0]),
+                num_turns=1,
+            )
+            for i, t in enumerate(batch)
+        ]
 
     sample_batches = [samples(b) for b in token_batches]
     rows["Tandem SFT step"] = timed(trainer.sft_step, sample_batches)
@@ -123,21 +141,33 @@ def learner_speed(steps: int) -> dict:
     # The same steps with each sequence in a padded row of its own instead of all of them
     # packed into one: what packing's attention over one long row costs on CPU, where the
     # packed path is a dense block-diagonal mask over the whole row.
-    trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank, False,
-                               trainer.device)
+    trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank, False, trainer.device)
     rows["Tandem SFT step, padded rows"] = timed(trainer.sft_step, sample_batches)
     rows["Tandem RL step, padded rows"] = timed(trainer.rl_step, sample_batches)
     dist.destroy_process_group()
-    table = {name: {"seconds": s, "tokens_per_s": trained / s, "flops_6n": 6 * params * trained / s,
-                    "share_of_matmul": 6 * params * trained / s / peak} for name, s in rows.items()}
-    return {"parameters": params, "sequences": SEQUENCES, "sequence_tokens": SEQUENCE_TOKENS, "timed_steps": steps,
-            "matmul_flops": peak, "steps": table,
-            "rl_over_plain": table["Tandem RL step"]["tokens_per_s"] / table["plain transformers step"]["tokens_per_s"],
-            "sft_over_plain": table["Tandem SFT step"]["tokens_per_s"]
-            / table["plain transformers step"]["tokens_per_s"]}
+    table = {
+        name: {
+            "seconds": s,
+            "tokens_per_s": trained / s,
+            "flops_6n": 6 * params * trained / s,
+            "share_of_matmul": 6 * params * trained / s / peak,
+        }
+        for name, s in rows.items()
+    }
+    return {
+        "parameters": params,
+        "sequences": SEQUENCES,
+        "sequence_tokens": SEQUENCE_TOKENS,
+        "timed_steps": steps,
+        "matmul_flops": peak,
+        "steps": table,
+        "rl_over_plain": table["Tandem RL step"]["tokens_per_s"] / table["plain transformers step"]["tokens_per_s"],
+        "sft_over_plain": table["Tandem SFT step"]["tokens_per_s"] / table["plain transformers step"]["tokens_per_s"],
+    }
 
 
 # ---- (b) rollout ---------------------------------------------------------------------
+
 
 def clarify_prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
@@ -147,8 +177,12 @@ def clarify_prompts() -> list[list[int]]:
 
     task = ClarifyTask(TaskSpec(num_examples=PROMPTS), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    return [list(tokenizer.apply_chat_template(task.context(i), add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)) for i in range(PROMPTS)]
+    return [
+        list(
+            tokenizer.apply_chat_template(task.context(i), add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for i in range(PROMPTS)
+    ]
 
 
 def generation_worker(kind: str, prompts_file: str, out: str) -> None:
@@ -167,8 +201,7 @@ async def tandem_generation(prompts: list[list[int]]) -> tuple[int, float]:
     engine = Engine.start(ModelSpec(path=str(MODEL), max_model_len=1024), kv_cache_gib=1.0)
 
     async def run(batch: list[list[int]], new_tokens: int) -> int:
-        outs = await asyncio.gather(*(engine.generate(p, new_tokens, 1.0, stop_ids=[], ignore_eos=True)
-                                      for p in batch))
+        outs = await asyncio.gather(*(engine.generate(p, new_tokens, 1.0, stop_ids=[], ignore_eos=True) for p in batch))
         return sum(len(o.tokens) for o in outs)
 
     await run(prompts[:4], 8)
@@ -187,8 +220,11 @@ def vllm_generation(prompts: list[list[int]]) -> tuple[int, float]:
     llm = LLM(**engine_options(ModelSpec(path=str(MODEL), max_model_len=1024), kv_cache_gib=1.0))
 
     def run(batch: list[list[int]], new_tokens: int) -> int:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
-                            SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in batch],
+            SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True),
+            use_tqdm=False,
+        )
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     run(prompts[:4], 8)
@@ -204,25 +240,40 @@ def rollout_speed(out: Path, rounds: int) -> dict:
     for index in range(rounds):
         for kind in runs:
             result = out / f"generation-{kind}-{index}.json"
-            subprocess.run([sys.executable, __file__, "--generation-worker", kind, str(prompts_file), str(result)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, __file__, "--generation-worker", kind, str(prompts_file), str(result)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             runs[kind].append(json.loads(result.read_text()))
             print(f"  {kind} round {index + 1}: {runs[kind][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
     ratios = [t["tokens_per_s"] / v["tokens_per_s"] for t, v in zip(runs["tandem"], runs["vllm"])]
-    return {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "runs": runs, "ratios": ratios,
-            "ratio_mean": statistics.mean(ratios)}
+    return {
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "runs": runs,
+        "ratios": ratios,
+        "ratio_mean": statistics.mean(ratios),
+    }
 
 
 # ---- (c) clarify RL ------------------------------------------------------------------
+
 
 def clarify_spec(out: Path, seed: int, steps: int) -> dict:
     data = out / "warm_start.jsonl"
     if not data.exists():
         write_demonstrations(data, share=0.3)
-    return {"name": f"smollm2-clarify-s{seed}", "model": {"path": str(MODEL), "max_model_len": 1024},
-            "task": {"name": "clarify", "num_examples": 512, "ask_share": 0.3}, "rollout": ROLLOUT,
-            "reward": {"mode": "episode"}, "train": TRAIN | {"num_steps": steps, "seed": seed},
-            "warm_start": WARM_START | {"data": str(data)}}
+    return {
+        "name": f"smollm2-clarify-s{seed}",
+        "model": {"path": str(MODEL), "max_model_len": 1024},
+        "task": {"name": "clarify", "num_examples": 512, "ask_share": 0.3},
+        "rollout": ROLLOUT,
+        "reward": {"mode": "episode"},
+        "train": TRAIN | {"num_steps": steps, "seed": seed},
+        "warm_start": WARM_START | {"data": str(data)},
+    }
 
 
 def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
@@ -234,8 +285,15 @@ def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
             job_id = client.submit(clarify_spec(out, seed, steps))["id"]
             record = follow(client, job_id)
             history = [h for h in client.history(job_id) if h.get("phase") == "rl"]
-            runs.append({"seed": seed, "job_id": job_id, "status": record["status"],
-                         "seconds": time.monotonic() - started, "history": history})
+            runs.append(
+                {
+                    "seed": seed,
+                    "job_id": job_id,
+                    "status": record["status"],
+                    "seconds": time.monotonic() - started,
+                    "history": history,
+                }
+            )
             (out / "training.json").write_text(json.dumps(runs))
     policies = {}
     for run in runs:
@@ -247,11 +305,19 @@ def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
         run["warm_start"] = results[("warm start", run["seed"])]
         run["after_rl"] = results[("after RL", run["seed"])]
         run["gain"] = run["after_rl"]["success"] - run["warm_start"]["success"]
-    return {"settings": {"warm_start": WARM_START, "train": TRAIN | {"num_steps": steps}, "rollout": ROLLOUT,
-                         "eval_conversations": conversations}, "runs": runs,
-            "warm_start_success": spread([r["warm_start"]["success"] for r in runs]),
-            "after_rl_success": spread([r["after_rl"]["success"] for r in runs]),
-            "gain": spread([r["gain"] for r in runs]), "seconds": spread([r["seconds"] for r in runs])}
+    return {
+        "settings": {
+            "warm_start": WARM_START,
+            "train": TRAIN | {"num_steps": steps},
+            "rollout": ROLLOUT,
+            "eval_conversations": conversations,
+        },
+        "runs": runs,
+        "warm_start_success": spread([r["warm_start"]["success"] for r in runs]),
+        "after_rl_success": spread([r["after_rl"]["success"] for r in runs]),
+        "gain": spread([r["gain"] for r in runs]),
+        "seconds": spread([r["seconds"] for r in runs]),
+    }
 
 
 async def evaluate_policies(policies: dict, conversations: int) -> dict:
@@ -268,8 +334,9 @@ async def evaluate_policies(policies: dict, conversations: int) -> dict:
 
     engine = Engine.start(ModelSpec(path=str(MODEL), max_model_len=1024), kv_cache_gib=1.0)
     task = ClarifyTask(TaskSpec(num_examples=conversations), seed=10_000)
-    runner = EpisodeRunner(engine, ChatTokenizer(AutoTokenizer.from_pretrained(MODEL)), task.rule_user,
-                           RolloutSpec(**ROLLOUT))
+    runner = EpisodeRunner(
+        engine, ChatTokenizer(AutoTokenizer.from_pretrained(MODEL)), task.rule_user, RolloutSpec(**ROLLOUT)
+    )
     results = {}
     try:
         for key, path in policies.items():
@@ -287,15 +354,20 @@ def spread(values: list[float]) -> dict:
 
 # ---- report --------------------------------------------------------------------------
 
+
 def print_report(report: dict) -> None:
     if "learner" in report:
         a = report["learner"]
-        print(f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, {a['sequences']} x {a['sequence_tokens']} "
-              f"tokens, fp32, {os.cpu_count()} cores; matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s")
+        print(
+            f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, {a['sequences']} x {a['sequence_tokens']} "
+            f"tokens, fp32, {os.cpu_count()} cores; matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s"
+        )
         print(f"{'step':>30} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s (6N)':>13} {'of matmul':>10}")
         for name, row in a["steps"].items():
-            print(f"{name:>30} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_6n'] / 1e9:>13.0f} "
-                  f"{row['share_of_matmul']:>10.0%}")
+            print(
+                f"{name:>30} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_6n'] / 1e9:>13.0f} "
+                f"{row['share_of_matmul']:>10.0%}"
+            )
         print(f"Tandem/plain tokens/s: RL step {a['rl_over_plain']:.2f}, SFT step {a['sft_over_plain']:.2f}")
     if "rollout" in report:
         b = report["rollout"]
@@ -305,12 +377,17 @@ def print_report(report: dict) -> None:
         print(f"Tandem/vLLM: {', '.join(f'{r:.2f}' for r in b['ratios'])} (mean {b['ratio_mean']:.2f})")
     if "clarify" in report:
         c = report["clarify"]
-        print(f"\n(c) clarify, {c['settings']['train']['num_steps']} RL steps after {c['settings']['warm_start']['steps']} "
-              f"SFT steps, {c['settings']['eval_conversations']} held-out conversations")
+        print(
+            f"\n(c) clarify, {c['settings']['train']['num_steps']} RL steps after "
+            f"{c['settings']['warm_start']['steps']} SFT steps, "
+            f"{c['settings']['eval_conversations']} held-out conversations"
+        )
         print(f"{'seed':>4} {'warm start':>11} {'after RL':>9} {'gain':>7} {'asks (after)':>13} {'minutes':>8}")
         for r in c["runs"]:
-            print(f"{r['seed']:>4} {r['warm_start']['success']:>11.3f} {r['after_rl']['success']:>9.3f} "
-                  f"{r['gain']:>+7.3f} {r['after_rl'].get('asked', 0.0):>13.3f} {r['seconds'] / 60:>8.1f}")
+            print(
+                f"{r['seed']:>4} {r['warm_start']['success']:>11.3f} {r['after_rl']['success']:>9.3f} "
+                f"{r['gain']:>+7.3f} {r['after_rl'].get('asked', 0.0):>13.3f} {r['seconds'] / 60:>8.1f}"
+            )
         for key in ("warm_start_success", "after_rl_success", "gain"):
             s = c[key]
             print(f"{key:>20}: min {s['min']:.3f} mean {s['mean']:.3f} max {s['max']:.3f}")
@@ -331,7 +408,9 @@ def plot(report: dict, path: Path) -> None:
     bars.set(xlabel="seed", ylabel="held-out success", xticks=seeds, title="SmolLM2-135M on clarify")
     bars.legend()
     for r in runs:
-        curves.plot([h["step"] for h in r["history"]], [h["reward_mean"] for h in r["history"]], label=f"seed {r['seed']}")
+        curves.plot(
+            [h["step"] for h in r["history"]], [h["reward_mean"] for h in r["history"]], label=f"seed {r['seed']}"
+        )
     curves.set(xlabel="RL step", ylabel="mean training reward", title="RL through Tandem")
     curves.legend()
     fig.tight_layout()

@@ -47,9 +47,17 @@ SETTINGS = {"all-cores": ({}, 0), "threads=1": ({}, 1), "passive": ({"OMP_WAIT_P
 def tokens_per_s(url: str, tokens: int) -> float:
     """One completion of exactly `tokens` sampled tokens (end-of-text ignored)."""
     started = time.monotonic()
-    reply = httpx.post(f"{url}/v1/completions", timeout=600, json={
-        "model": "m", "prompt": "Tell me a long story about a lighthouse keeper.", "max_tokens": tokens,
-        "ignore_eos": True, "temperature": 1.0})
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        timeout=600,
+        json={
+            "model": "m",
+            "prompt": "Tell me a long story about a lighthouse keeper.",
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "temperature": 1.0,
+        },
+    )
     reply.raise_for_status()
     return tokens / (time.monotonic() - started)
 
@@ -72,8 +80,10 @@ def together(urls: list[str], tokens: int) -> list[float]:
 @contextlib.contextmanager
 def two_engines(environment: dict, threads: int, logs: Path):
     """Two servers of the model under `environment`, started one after the other."""
-    with served_model(MODEL, "m", logs / "a.log", threads=threads, env=environment) as a, \
-            served_model(MODEL, "m", logs / "b.log", threads=threads, env=environment) as b:
+    with (
+        served_model(MODEL, "m", logs / "a.log", threads=threads, env=environment) as a,
+        served_model(MODEL, "m", logs / "b.log", threads=threads, env=environment) as b,
+    ):
         yield [a, b]
 
 
@@ -82,22 +92,26 @@ def measure(name: str, args, logs: Path) -> dict:
     alone, both = [], []
     with two_engines(environment, threads, logs) as urls:
         for url in urls:
-            tokens_per_s(url, 8)   # first request: warm-up
+            tokens_per_s(url, 8)  # first request: warm-up
         for _ in range(args.repeats):
             alone += [tokens_per_s(url, args.tokens) for url in urls]
             both += together(urls, args.tokens)
-    return {"setting": name, "threads": threads, "environment": environment,
-            "alone": alone, "together": both}
+    return {"setting": name, "threads": threads, "environment": environment, "alone": alone, "together": both}
 
 
 def table(rows: list[dict], baseline: float) -> str:
-    lines = [f"baseline: one all-cores engine alone, {baseline:.1f} tokens/s", "",
-             "| setting | one engine alone | each of two at once | two at once, together |",
-             "|---|---|---|---|"]
+    lines = [
+        f"baseline: one all-cores engine alone, {baseline:.1f} tokens/s",
+        "",
+        "| setting | one engine alone | each of two at once | two at once, together |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         alone, each = statistics.median(r["alone"]), statistics.median(r["together"])
-        lines.append(f"| {r['setting']} | {alone / baseline:.2f} ({alone:.1f} tok/s) | "
-                     f"{each / baseline:.2f} ({each:.1f} tok/s) | {2 * each / baseline:.2f} |")
+        lines.append(
+            f"| {r['setting']} | {alone / baseline:.2f} ({alone:.1f} tok/s) | "
+            f"{each / baseline:.2f} ({each:.1f} tok/s) | {2 * each / baseline:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,8 +133,11 @@ def main() -> None:
         rows.append(measure(name, args, logs))
     baseline = statistics.median(rows[0]["alone"])
     print(table(rows, baseline))
-    Path(args.out).write_text(json.dumps({"settings": vars(args), "cpus": os.cpu_count(),
-                                          "baseline_tokens_per_s": baseline, "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {"settings": vars(args), "cpus": os.cpu_count(), "baseline_tokens_per_s": baseline, "rows": rows}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

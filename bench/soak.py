@@ -59,14 +59,26 @@ BOUND = 1.2
 def families(job_id: str) -> dict[str, str]:
     """Key families measured by MEMORY USAGE: a key, or a SCAN pattern (ending in `*`). The
     judge proxy's memory is matched for every job: the bench's stack runs this one only."""
-    return {"tasks": Keys.tasks(job_id), "trajectories": Keys.trajectories(job_id), "dead": Keys.dead(job_id),
-            "history": Keys.history(job_id), "checkpoints": Keys.checkpoints(job_id),
-            "journals": Keys.journal(job_id, "*"), "judge cache": Keys.judge_memory("cache", "*", "*"),
-            "judge replay": Keys.judge_memory("replay", "*", "*")}
+    return {
+        "tasks": Keys.tasks(job_id),
+        "trajectories": Keys.trajectories(job_id),
+        "dead": Keys.dead(job_id),
+        "history": Keys.history(job_id),
+        "checkpoints": Keys.checkpoints(job_id),
+        "journals": Keys.journal(job_id, "*"),
+        "judge cache": Keys.judge_memory("cache", "*", "*"),
+        "judge replay": Keys.judge_memory("replay", "*", "*"),
+    }
 
 
-INFO_FIELDS = ("used_memory_overhead", "used_memory_startup", "mem_clients_normal", "used_memory_scripts",
-               "used_memory_lua", "db0")
+INFO_FIELDS = (
+    "used_memory_overhead",
+    "used_memory_startup",
+    "mem_clients_normal",
+    "used_memory_scripts",
+    "used_memory_lua",
+    "db0",
+)
 """More of INFO, kept per sample to tell what moves the memory no key family holds."""
 
 
@@ -90,10 +102,16 @@ class Sampler:
             keys = list(self.client.scan_iter(match=key, count=1000)) if key.endswith("*") else [key]
             sizes[name], counts[name] = self.usage(keys), len(keys)
         self.note_checkpoints()
-        row = {"t_s": time.time() - self.started, "step": int(self.client.hget(Keys.job(self.job_id), "step") or 0),
-               "used_memory": info["used_memory"], "used_memory_dataset": info["used_memory_dataset"],
-               "info": {name: info[name] for name in INFO_FIELDS},
-               "bytes": sizes, "keys": counts, "history_records": self.client.llen(Keys.history(self.job_id))}
+        row = {
+            "t_s": time.time() - self.started,
+            "step": int(self.client.hget(Keys.job(self.job_id), "step") or 0),
+            "used_memory": info["used_memory"],
+            "used_memory_dataset": info["used_memory_dataset"],
+            "info": {name: info[name] for name in INFO_FIELDS},
+            "bytes": sizes,
+            "keys": counts,
+            "history_records": self.client.llen(Keys.history(self.job_id)),
+        }
         self.samples.append(row)
         return row
 
@@ -123,9 +141,11 @@ def progress(row: dict, total_steps: int, batch_size: int, elapsed_s: float) -> 
     """A tqdm-style line: groups trained / total, bar, elapsed, memory now."""
     share = row["step"] / total_steps
     bar = "#" * int(30 * share)
-    return (f"\r  groups {row['step'] * batch_size:>5}/{total_steps * batch_size} |{bar:<30}| {100 * share:3.0f}% "
-            f"{elapsed_s / 60:5.1f} min  redis {row['used_memory'] / MIB:6.2f} MiB  "
-            f"judge memory {row['keys']['judge cache'] + row['keys']['judge replay']:>5} keys")
+    return (
+        f"\r  groups {row['step'] * batch_size:>5}/{total_steps * batch_size} |{bar:<30}| {100 * share:3.0f}% "
+        f"{elapsed_s / 60:5.1f} min  redis {row['used_memory'] / MIB:6.2f} MiB  "
+        f"judge memory {row['keys']['judge cache'] + row['keys']['judge replay']:>5} keys"
+    )
 
 
 def soak_spec(out: Path, args: argparse.Namespace) -> dict:
@@ -133,16 +153,24 @@ def soak_spec(out: Path, args: argparse.Namespace) -> dict:
     spec["name"] = "soak"
     spec["warm_start"]["steps"] = 20  # memory, not learning: a short warm start
     spec["rollout"]["group_size"] = args.group_size
-    spec["train"] |= {"batch_size": args.batch_size, "checkpoint_every": args.checkpoint_every,
-                      "max_staleness": 4, "seed": args.seed}
+    spec["train"] |= {
+        "batch_size": args.batch_size,
+        "checkpoint_every": args.checkpoint_every,
+        "max_staleness": 4,
+        "seed": args.seed,
+    }
     return spec
 
 
 def run(args: argparse.Namespace, out: Path) -> dict:
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seed)
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-           "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks), "TANDEM_CACHE_TTL_S": str(args.memory_ttl_s),
-           "TANDEM_IDEMPOTENCY_TTL_S": str(args.memory_ttl_s)}
+    env = {
+        "TANDEM_RUNS_DIR": str(out / "runs"),
+        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
+        "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
+        "TANDEM_CACHE_TTL_S": str(args.memory_ttl_s),
+        "TANDEM_IDEMPOTENCY_TTL_S": str(args.memory_ttl_s),
+    }
     spec = soak_spec(out, args)
     total_steps = spec["train"]["num_steps"]
     started = time.monotonic()
@@ -150,8 +178,10 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         with Stack(out / "logs", ports=Ports.free(rollout_servers=1), learner_ranks=1, extra_env=env) as stack:
             api = httpx.Client(base_url=stack.api_url, timeout=10)
             job_id = api.post("/v1/jobs", json=spec).json()["id"]
-            print(f"job {job_id}: {total_steps} steps x {args.batch_size} groups of {args.group_size}; "
-                  f"judge proxy memory TTL {args.memory_ttl_s:.0f} s; logs in {out / 'logs'}")
+            print(
+                f"job {job_id}: {total_steps} steps x {args.batch_size} groups of {args.group_size}; "
+                f"judge proxy memory TTL {args.memory_ttl_s:.0f} s; logs in {out / 'logs'}"
+            )
             sampler = Sampler(stack.redis_url, job_id)
             status = watch(api, stack, sampler, job_id, total_steps, args)
             record = api.get(f"/v1/jobs/{job_id}").json()
@@ -159,13 +189,22 @@ def run(args: argparse.Namespace, out: Path) -> dict:
             books = {"dispatched": sampler.dispatched(), "dead_letters": sampler.dead_letters()}
     finally:
         stand_in.stop()
-    return {"job_id": job_id, "status": status, "error": record.get("error"), "spec": spec,
-            "samples": sampler.samples, "checkpoints": sampler.checkpoints, "history": history, "books": books,
-            "wall_s": time.monotonic() - started}
+    return {
+        "job_id": job_id,
+        "status": status,
+        "error": record.get("error"),
+        "spec": spec,
+        "samples": sampler.samples,
+        "checkpoints": sampler.checkpoints,
+        "history": history,
+        "books": books,
+        "wall_s": time.monotonic() - started,
+    }
 
 
-def watch(api: httpx.Client, stack: Stack, sampler: Sampler, job_id: str, total_steps: int,
-          args: argparse.Namespace) -> str:
+def watch(
+    api: httpx.Client, stack: Stack, sampler: Sampler, job_id: str, total_steps: int, args: argparse.Namespace
+) -> str:
     """Sample every `interval_s` until the job ends; its final status."""
     while True:
         tick = time.monotonic()
@@ -189,8 +228,10 @@ def fit_slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
-REST = {"unattributed": lambda s: s["used_memory_dataset"] - sum(s["bytes"].values()),
-        "overhead": lambda s: s["used_memory"] - s["used_memory_dataset"]}
+REST = {
+    "unattributed": lambda s: s["used_memory_dataset"] - sum(s["bytes"].values()),
+    "overhead": lambda s: s["used_memory"] - s["used_memory_dataset"],
+}
 """What the families leave of used_memory. Overhead: Redis's start-up memory, key tables and
 the client buffers it has counted. Unattributed: the other keys (job and fleet records, the
 judge budget: what is left when the system is idle) and client buffers Redis has not counted
@@ -205,9 +246,14 @@ def parts(sample: dict) -> dict[str, Callable[[dict], int]]:
 
 def figures(values: list[int], at_mark: int, level: int, after: list[dict]) -> dict:
     """One part's size at the 10% mark and level, after the first checkpoint, its growth."""
-    return {"at_mark_bytes": at_mark, "level_bytes": level, "max_after_bytes": max(values), "end_bytes": values[-1],
-            "bytes_per_step": fit_slope([(s["step"], v) for s, v in zip(after, values)]),
-            "share_of_used_mean": sum(v / s["used_memory"] for s, v in zip(after, values)) / len(after)}
+    return {
+        "at_mark_bytes": at_mark,
+        "level_bytes": level,
+        "max_after_bytes": max(values),
+        "end_bytes": values[-1],
+        "bytes_per_step": fit_slope([(s["step"], v) for s, v in zip(after, values)]),
+        "share_of_used_mean": sum(v / s["used_memory"] for s, v in zip(after, values)) / len(after),
+    }
 
 
 def analyse(result: dict) -> dict:
@@ -222,19 +268,29 @@ def analyse(result: dict) -> dict:
     after = [s for s in samples if s["t_s"] >= first_checkpoint_s]
     peak = max(after, key=lambda s: s["used_memory"])
     end = samples[-1]
-    by_family = {name: figures([part(s) for s in after], part(mark), part(level), after)
-                 for name, part in parts(end).items()}
-    return {"mark_step": mark_step, "mark_t_s": mark["t_s"], "first_checkpoint_s": first_checkpoint_s,
-            "first_checkpoint_step": min(result["checkpoints"], key=int),
-            "used_at_mark": mark["used_memory"], "level_at_10pct": level["used_memory"],
-            "level_interval_steps": [min(s["step"] for s in interval), max(s["step"] for s in interval)],
-            "used_after_first_checkpoint": after[0]["used_memory"], "max_after_first_checkpoint": peak["used_memory"],
-            "max_after_t_s": peak["t_s"], "max_after_step": peak["step"], "used_at_end": end["used_memory"],
-            "ratio": peak["used_memory"] / level["used_memory"],
-            "ratio_to_sample_at_mark": peak["used_memory"] / mark["used_memory"],
-            "used_bytes_per_step": fit_slope([(s["step"], s["used_memory"]) for s in after]),
-            "families": by_family, "history_bytes_per_record": end["bytes"]["history"] / max(end["history_records"], 1),
-            "books": books(result)}
+    by_family = {
+        name: figures([part(s) for s in after], part(mark), part(level), after) for name, part in parts(end).items()
+    }
+    return {
+        "mark_step": mark_step,
+        "mark_t_s": mark["t_s"],
+        "first_checkpoint_s": first_checkpoint_s,
+        "first_checkpoint_step": min(result["checkpoints"], key=int),
+        "used_at_mark": mark["used_memory"],
+        "level_at_10pct": level["used_memory"],
+        "level_interval_steps": [min(s["step"] for s in interval), max(s["step"] for s in interval)],
+        "used_after_first_checkpoint": after[0]["used_memory"],
+        "max_after_first_checkpoint": peak["used_memory"],
+        "max_after_t_s": peak["t_s"],
+        "max_after_step": peak["step"],
+        "used_at_end": end["used_memory"],
+        "ratio": peak["used_memory"] / level["used_memory"],
+        "ratio_to_sample_at_mark": peak["used_memory"] / mark["used_memory"],
+        "used_bytes_per_step": fit_slope([(s["step"], s["used_memory"]) for s in after]),
+        "families": by_family,
+        "history_bytes_per_record": end["bytes"]["history"] / max(end["history_records"], 1),
+        "books": books(result),
+    }
 
 
 def books(result: dict) -> dict:
@@ -244,52 +300,90 @@ def books(result: dict) -> dict:
     last = rl[-1] if rl else {}
     dispatched = result["books"]["dispatched"]
     replaced = last.get("stale_dropped", 0) + result["books"]["dead_letters"]
-    return {"steps": len(rl), "groups_trained": len(trained), "groups_trained_twice": len(trained) - len(set(trained)),
-            "dispatched": dispatched, "stale_dropped": last.get("stale_dropped", 0),
-            "duplicates_refused": last.get("duplicates", 0), "dead_letters": result["books"]["dead_letters"],
-            "trained_outside_dispatched": sum(not 0 <= t < dispatched for t in trained),
-            "unaccounted": dispatched - len(set(trained)) - replaced}
+    return {
+        "steps": len(rl),
+        "groups_trained": len(trained),
+        "groups_trained_twice": len(trained) - len(set(trained)),
+        "dispatched": dispatched,
+        "stale_dropped": last.get("stale_dropped", 0),
+        "duplicates_refused": last.get("duplicates", 0),
+        "dead_letters": result["books"]["dead_letters"],
+        "trained_outside_dispatched": sum(not 0 <= t < dispatched for t in trained),
+        "unaccounted": dispatched - len(set(trained)) - replaced,
+    }
 
 
 def make_report(result: dict, figures: dict, args: argparse.Namespace) -> dict:
     b = figures["books"]
-    passed = {"bounded": figures["ratio"] <= BOUND, "succeeded": result["status"] == "SUCCEEDED",
-              "none_trained_twice": b["groups_trained_twice"] == 0, "none_lost": b["unaccounted"] == 0,
-              "enough_groups": b["groups_trained"] >= args.groups}
-    return {"job_id": result["job_id"], "status": result["status"], "error": result["error"],
-            "groups": args.groups, "group_size": args.group_size, "batch_size": args.batch_size,
-            "num_steps": result["spec"]["train"]["num_steps"], "checkpoint_every": args.checkpoint_every,
-            "judge_memory_ttl_s": args.memory_ttl_s, "interval_s": args.interval_s, "max_tasks": args.max_tasks,
-            "cpu_cores": os.cpu_count(), "wall_s": result["wall_s"], "bound": BOUND, "passed": passed,
-            "pass": all(passed.values()), **figures, "checkpoints": result["checkpoints"],
-            "samples": result["samples"]}
+    passed = {
+        "bounded": figures["ratio"] <= BOUND,
+        "succeeded": result["status"] == "SUCCEEDED",
+        "none_trained_twice": b["groups_trained_twice"] == 0,
+        "none_lost": b["unaccounted"] == 0,
+        "enough_groups": b["groups_trained"] >= args.groups,
+    }
+    return {
+        "job_id": result["job_id"],
+        "status": result["status"],
+        "error": result["error"],
+        "groups": args.groups,
+        "group_size": args.group_size,
+        "batch_size": args.batch_size,
+        "num_steps": result["spec"]["train"]["num_steps"],
+        "checkpoint_every": args.checkpoint_every,
+        "judge_memory_ttl_s": args.memory_ttl_s,
+        "interval_s": args.interval_s,
+        "max_tasks": args.max_tasks,
+        "cpu_cores": os.cpu_count(),
+        "wall_s": result["wall_s"],
+        "bound": BOUND,
+        "passed": passed,
+        "pass": all(passed.values()),
+        **figures,
+        "checkpoints": result["checkpoints"],
+        "samples": result["samples"],
+    }
 
 
 def print_report(report: dict) -> None:
     b = report["books"]
-    print(f"\nsoak: judge-bound clarify, {b['groups_trained']} groups of {report['group_size']} in "
-          f"{b['steps']} steps of {report['batch_size']}, checkpoint every {report['checkpoint_every']} steps, "
-          f"judge proxy memory TTL {report['judge_memory_ttl_s']:.0f} s, {report['cpu_cores']} CPU cores, "
-          f"{report['wall_s'] / 60:.1f} min")
-    print(f"used_memory: at 10% (step {report['mark_step']}) {report['used_at_mark'] / MIB:.2f} MiB, level "
-          f"(peak of steps {report['level_interval_steps'][0]}-{report['level_interval_steps'][1]}) "
-          f"{report['level_at_10pct'] / MIB:.2f} MiB; after the first checkpoint (step "
-          f"{report['first_checkpoint_step']}) {report['used_after_first_checkpoint'] / MIB:.2f} MiB, max "
-          f"{report['max_after_first_checkpoint'] / MIB:.2f} MiB (step {report['max_after_step']}), end "
-          f"{report['used_at_end'] / MIB:.2f} MiB")
-    print(f"ratio max / level at 10%: {report['ratio']:.3f} (bound {report['bound']}; to the single sample "
-          f"at the mark: {report['ratio_to_sample_at_mark']:.3f}); growth {report['used_bytes_per_step']:+.0f} B/step")
-    print(f"{'family':>14} {'at 10% KiB':>11} {'level KiB':>10} {'max after KiB':>14} {'end KiB':>9} "
-          f"{'B/step':>8} {'share':>6}")
+    print(
+        f"\nsoak: judge-bound clarify, {b['groups_trained']} groups of {report['group_size']} in "
+        f"{b['steps']} steps of {report['batch_size']}, checkpoint every {report['checkpoint_every']} steps, "
+        f"judge proxy memory TTL {report['judge_memory_ttl_s']:.0f} s, {report['cpu_cores']} CPU cores, "
+        f"{report['wall_s'] / 60:.1f} min"
+    )
+    print(
+        f"used_memory: at 10% (step {report['mark_step']}) {report['used_at_mark'] / MIB:.2f} MiB, level "
+        f"(peak of steps {report['level_interval_steps'][0]}-{report['level_interval_steps'][1]}) "
+        f"{report['level_at_10pct'] / MIB:.2f} MiB; after the first checkpoint (step "
+        f"{report['first_checkpoint_step']}) {report['used_after_first_checkpoint'] / MIB:.2f} MiB, max "
+        f"{report['max_after_first_checkpoint'] / MIB:.2f} MiB (step {report['max_after_step']}), end "
+        f"{report['used_at_end'] / MIB:.2f} MiB"
+    )
+    print(
+        f"ratio max / level at 10%: {report['ratio']:.3f} (bound {report['bound']}; to the single sample "
+        f"at the mark: {report['ratio_to_sample_at_mark']:.3f}); growth {report['used_bytes_per_step']:+.0f} B/step"
+    )
+    print(
+        f"{'family':>14} {'at 10% KiB':>11} {'level KiB':>10} {'max after KiB':>14} {'end KiB':>9} "
+        f"{'B/step':>8} {'share':>6}"
+    )
     for name, f in report["families"].items():
-        print(f"{name:>14} {f['at_mark_bytes'] / 1024:>11.1f} {f['level_bytes'] / 1024:>10.1f} "
-              f"{f['max_after_bytes'] / 1024:>14.1f} {f['end_bytes'] / 1024:>9.1f} {f['bytes_per_step']:>+8.0f} "
-              f"{100 * f['share_of_used_mean']:>5.1f}%")
-    print(f"history: {report['history_bytes_per_record']:.0f} B per record (one per step, kept until the job "
-          f"expires): {report['history_bytes_per_record'] * 100_000 / MIB:.0f} MiB per 100,000 steps")
-    print(f"books: status {report['status']}; dispatched {b['dispatched']}, trained {b['groups_trained']}, twice "
-          f"{b['groups_trained_twice']}, over-stale {b['stale_dropped']}, dead {b['dead_letters']}, "
-          f"duplicates refused {b['duplicates_refused']}, unaccounted {b['unaccounted']}")
+        print(
+            f"{name:>14} {f['at_mark_bytes'] / 1024:>11.1f} {f['level_bytes'] / 1024:>10.1f} "
+            f"{f['max_after_bytes'] / 1024:>14.1f} {f['end_bytes'] / 1024:>9.1f} {f['bytes_per_step']:>+8.0f} "
+            f"{100 * f['share_of_used_mean']:>5.1f}%"
+        )
+    print(
+        f"history: {report['history_bytes_per_record']:.0f} B per record (one per step, kept until the job "
+        f"expires): {report['history_bytes_per_record'] * 100_000 / MIB:.0f} MiB per 100,000 steps"
+    )
+    print(
+        f"books: status {report['status']}; dispatched {b['dispatched']}, trained {b['groups_trained']}, twice "
+        f"{b['groups_trained_twice']}, over-stale {b['stale_dropped']}, dead {b['dead_letters']}, "
+        f"duplicates refused {b['duplicates_refused']}, unaccounted {b['unaccounted']}"
+    )
     print("PASS" if report["pass"] else f"FAIL: {[name for name, ok in report['passed'].items() if not ok]}")
 
 
@@ -304,25 +398,34 @@ def plot(report: dict, path: Path) -> None:
     minutes = [s["t_s"] / 60 for s in samples]
     fig, ax = plt.subplots(figsize=(11, 5))
     ax.plot(minutes, [s["used_memory"] / MIB for s in samples], color="black", lw=1.8, label="used_memory")
-    ax.plot(minutes, [s["used_memory_dataset"] / MIB for s in samples], color="grey", lw=1.0,
-            label="used_memory_dataset")
+    ax.plot(
+        minutes, [s["used_memory_dataset"] / MIB for s in samples], color="grey", lw=1.0, label="used_memory_dataset"
+    )
     for name, part in parts(samples[-1]).items():
         values = [part(s) / MIB for s in samples]
         if max(values) >= 0.01 * max(s["used_memory"] for s in samples) / MIB:
             ax.plot(minutes, values, lw=1.0, label=name)
     level = report["level_at_10pct"] / MIB
-    ax.axhspan(level, report["bound"] * level, color="tab:green", alpha=0.12,
-               label=f"level at 10% .. {report['bound']}x")
+    ax.axhspan(
+        level, report["bound"] * level, color="tab:green", alpha=0.12, label=f"level at 10% .. {report['bound']}x"
+    )
     ax.axvline(report["mark_t_s"] / 60, color="tab:green", ls="--", lw=1, label=f"10% (step {report['mark_step']})")
-    ax.axvline(report["first_checkpoint_s"] / 60, color="tab:red", ls=":", lw=1,
-               label=f"first checkpoint (step {report['first_checkpoint_step']})")
+    ax.axvline(
+        report["first_checkpoint_s"] / 60,
+        color="tab:red",
+        ls=":",
+        lw=1,
+        label=f"first checkpoint (step {report['first_checkpoint_step']})",
+    )
     ax.set_xlabel("minutes since the job was submitted")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"Redis memory, judge-bound soak: {report['books']['groups_trained']} groups, "
-                 f"max/level {report['ratio']:.2f} (judge memory TTL {report['judge_memory_ttl_s']:.0f} s)")
+    ax.set_title(
+        f"Redis memory, judge-bound soak: {report['books']['groups_trained']} groups, "
+        f"max/level {report['ratio']:.2f} (judge memory TTL {report['judge_memory_ttl_s']:.0f} s)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -334,8 +437,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--memory-ttl-s", type=float, default=60.0,
-                        help="the judge proxy's cache_ttl_s and idempotency_ttl_s")
+    parser.add_argument(
+        "--memory-ttl-s", type=float, default=60.0, help="the judge proxy's cache_ttl_s and idempotency_ttl_s"
+    )
     parser.add_argument("--interval-s", type=float, default=2.0, help="between Redis samples")
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
     parser.add_argument("--tpm", type=int, default=1_500_000)

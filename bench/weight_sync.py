@@ -57,8 +57,12 @@ def model_shapes(target_bytes: int) -> list[tuple[str, list[int]]]:
     while sum(_numel(s) for _, s in shapes) * 4 < target_bytes:
         prefix = f"layers.{layer}."
         shapes += [(prefix + n, [hidden, hidden]) for n in ("q.weight", "k.weight", "v.weight", "o.weight")]
-        shapes += [(prefix + "gate.weight", [inner, hidden]), (prefix + "up.weight", [inner, hidden]),
-                   (prefix + "down.weight", [hidden, inner]), (prefix + "norm.weight", [hidden])]
+        shapes += [
+            (prefix + "gate.weight", [inner, hidden]),
+            (prefix + "up.weight", [inner, hidden]),
+            (prefix + "down.weight", [hidden, inner]),
+            (prefix + "norm.weight", [hidden]),
+        ]
         layer += 1
     return shapes
 
@@ -70,10 +74,22 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def worker(rank: int, world: int, port: int, size_bytes: int, repeats: int, bucket_mib: int, out: str,
-           methods: tuple[str, ...] = METHODS) -> None:
+def worker(
+    rank: int,
+    world: int,
+    port: int,
+    size_bytes: int,
+    repeats: int,
+    bucket_mib: int,
+    out: str,
+    methods: tuple[str, ...] = METHODS,
+) -> None:
     torch.set_num_threads(1)
-    store = weight_group.host_store(port, TIMEOUT_S) if rank == 0 else weight_group.connect_store("127.0.0.1", port, TIMEOUT_S)
+    store = (
+        weight_group.host_store(port, TIMEOUT_S)
+        if rank == 0
+        else weight_group.connect_store("127.0.0.1", port, TIMEOUT_S)
+    )
     group = weight_group.open_group(store, "gloo", 1, rank, world, TIMEOUT_S)
     shapes = model_shapes(size_bytes)
     buckets = weight_group.plan_buckets([(n, s, "float32") for n, s in shapes], bucket_mib << 20)
@@ -102,17 +118,23 @@ def worker(rank: int, world: int, port: int, size_bytes: int, repeats: int, buck
             if repeat:
                 timings[method].append(time.perf_counter() - started)
     if rank == 0:
-        Path(out).write_text(json.dumps({"bytes": total, "tensors": len(shapes), "buckets": len(buckets),
-                                         "seconds": timings}))
+        Path(out).write_text(
+            json.dumps({"bytes": total, "tensors": len(shapes), "buckets": len(buckets), "seconds": timings})
+        )
 
 
-def measure(size_mb: int, receivers: int, repeats: int, bucket_mib: int, tmp: Path,
-            methods: tuple[str, ...] = METHODS) -> dict:
+def measure(
+    size_mb: int, receivers: int, repeats: int, bucket_mib: int, tmp: Path, methods: tuple[str, ...] = METHODS
+) -> dict:
     out = tmp / f"weight_sync_{size_mb}_{receivers}.json"
     port = free_port()
     world = receivers + 1
-    mp.start_processes(worker, args=(world, port, size_mb * 10**6, repeats, bucket_mib, str(out), methods),
-                       nprocs=world, start_method="spawn")
+    mp.start_processes(
+        worker,
+        args=(world, port, size_mb * 10**6, repeats, bucket_mib, str(out), methods),
+        nprocs=world,
+        start_method="spawn",
+    )
     result = json.loads(out.read_text())
     seconds = result["seconds"]
     rows = {}
@@ -121,10 +143,19 @@ def measure(size_mb: int, receivers: int, repeats: int, bucket_mib: int, tmp: Pa
         # Paired: each round times every method back to back, so the ratio to the raw
         # broadcast of the same round cancels most of the machine's noise.
         ratios = [raw / t for raw, t in zip(seconds["raw"], times)]
-        rows[method] = {"seconds": median, "gb_per_s": result["bytes"] / median / 1e9,
-                        "ratio_to_raw": statistics.median(ratios), "rounds": times}
-    return {"size_mb": size_mb, "bytes": result["bytes"], "tensors": result["tensors"],
-            "buckets": result["buckets"], "methods": rows}
+        rows[method] = {
+            "seconds": median,
+            "gb_per_s": result["bytes"] / median / 1e9,
+            "ratio_to_raw": statistics.median(ratios),
+            "rounds": times,
+        }
+    return {
+        "size_mb": size_mb,
+        "bytes": result["bytes"],
+        "tensors": result["tensors"],
+        "buckets": result["buckets"],
+        "methods": rows,
+    }
 
 
 def fit(xs: list[float], ys: list[float]) -> dict:
@@ -141,12 +172,21 @@ def scaling(size_mb: int, receivers: list[int], repeats: int, bucket_mib: int, t
     bucketed medians, and the better one's projection to 64 receivers."""
     runs = [measure(size_mb, n, repeats, bucket_mib, tmp, methods=("raw", "bucketed")) for n in receivers]
     times = [run["methods"]["bucketed"]["seconds"] for run in runs]
-    models = {"linear in N": fit([float(n) for n in receivers], times),
-              "linear in log2 N": fit([math.log2(n) for n in receivers], times)}
+    models = {
+        "linear in N": fit([float(n) for n in receivers], times),
+        "linear in log2 N": fit([math.log2(n) for n in receivers], times),
+    }
     best = min(models, key=lambda name: models[name]["rms_residual"])
     x64 = 64.0 if best == "linear in N" else 6.0
-    return {"size_mb": size_mb, "bytes": runs[0]["bytes"], "receivers": receivers, "runs": runs,
-            "models": models, "best": best, "projected_64_s": models[best]["a"] + models[best]["b"] * x64}
+    return {
+        "size_mb": size_mb,
+        "bytes": runs[0]["bytes"],
+        "receivers": receivers,
+        "runs": runs,
+        "models": models,
+        "best": best,
+        "projected_64_s": models[best]["a"] + models[best]["b"] * x64,
+    }
 
 
 def print_scaling(result: dict, cores: int) -> None:
@@ -155,10 +195,14 @@ def print_scaling(result: dict, cores: int) -> None:
     print(f"{'receivers':>9} {'raw s':>8} {'bucketed s':>11} {'vs 1 receiver':>14} {'GB/s per receiver':>18}")
     for n, run in zip(result["receivers"], result["runs"]):
         raw, bucketed = run["methods"]["raw"]["seconds"], run["methods"]["bucketed"]["seconds"]
-        print(f"{n:>9} {raw:>8.3f} {bucketed:>11.3f} {bucketed / base:>13.2f}x {result['bytes'] / bucketed / 1e9:>18.2f}")
+        print(
+            f"{n:>9} {raw:>8.3f} {bucketed:>11.3f} {bucketed / base:>13.2f}x {result['bytes'] / bucketed / 1e9:>18.2f}"
+        )
     for name, model in result["models"].items():
         print(f"  {name:>16}: t = {model['a']:.3f} + {model['b']:.3f} x  (rms residual {model['rms_residual']:.3f} s)")
-    print(f"  best fit: {result['best']}; projected to 64 receivers on this transport: {result['projected_64_s']:.2f} s")
+    print(
+        f"  best fit: {result['best']}; projected to 64 receivers on this transport: {result['projected_64_s']:.2f} s"
+    )
 
 
 def main() -> None:
@@ -167,29 +211,49 @@ def main() -> None:
     parser.add_argument("--receivers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--scaling-receivers", type=int, nargs="*", default=[1, 2, 4, 8],
-                        help="receiver counts of the scaling table (none: skip it)")
+    parser.add_argument(
+        "--scaling-receivers",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4, 8],
+        help="receiver counts of the scaling table (none: skip it)",
+    )
     parser.add_argument("--scaling-size-mb", type=int, default=200)
     parser.add_argument("--out", default="bench/results/weight_sync.json")
     args = parser.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = [measure(size, args.receivers, args.repeats, args.bucket_mib, Path(args.out).parent)
-               for size in args.sizes_mb]
-    print(f"\nweight sync, gloo over loopback, 1 sender -> {args.receivers} receivers, "
-          f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds")
+    results = [
+        measure(size, args.receivers, args.repeats, args.bucket_mib, Path(args.out).parent) for size in args.sizes_mb
+    ]
+    print(
+        f"\nweight sync, gloo over loopback, 1 sender -> {args.receivers} receivers, "
+        f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds"
+    )
     print(f"{'size':>8} {'tensors':>8} {'method':>11} {'seconds':>9} {'GB/s':>7} {'vs raw':>7}")
     for r in results:
         for method, row in r["methods"].items():
-            print(f"{r['size_mb']:>6}MB {r['tensors']:>8} {method:>11} {row['seconds']:>9.3f} "
-                  f"{row['gb_per_s']:>7.2f} {row['ratio_to_raw']:>6.0%}")
+            print(
+                f"{r['size_mb']:>6}MB {r['tensors']:>8} {method:>11} {row['seconds']:>9.3f} "
+                f"{row['gb_per_s']:>7.2f} {row['ratio_to_raw']:>6.0%}"
+            )
     scaled = None
     if args.scaling_receivers:
-        scaled = scaling(args.scaling_size_mb, args.scaling_receivers, args.repeats, args.bucket_mib,
-                         Path(args.out).parent)
+        scaled = scaling(
+            args.scaling_size_mb, args.scaling_receivers, args.repeats, args.bucket_mib, Path(args.out).parent
+        )
         print_scaling(scaled, os.cpu_count())
-    Path(args.out).write_text(json.dumps({"receivers": args.receivers, "bucket_mib": args.bucket_mib,
-                                          "cpu_cores": os.cpu_count(), "results": results,
-                                          "scaling": scaled}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "receivers": args.receivers,
+                "bucket_mib": args.bucket_mib,
+                "cpu_cores": os.cpu_count(),
+                "results": results,
+                "scaling": scaled,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -15,7 +15,8 @@
 Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set: one of
 them, or a job's credential made with one, which is how the proxy knows the job a call is
 charged to), `X-Tandem-Job` (jobs share a model's budget by their `judge_weight` and take
-turns in the queue; with tokens it may only repeat the credential's job), `X-Tandem-Priority: judge|simulator` (default simulator for chat; /v1/judge is
+turns in the queue; with tokens it may only repeat the credential's job), `X-Tandem-Priority: judge|simulator`
+(default simulator for chat; /v1/judge is
 always judge), `X-Request-Id` (optional) and `Idempotency-Key` (optional: a retry with the
 same key and body gets the stored reply, and no second upstream call; `judge_proxy.memory`).
 Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
@@ -42,11 +43,11 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from redis.exceptions import RedisError
 
 from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
 from judge_proxy.queue import PRIORITIES
@@ -133,8 +134,11 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int = 0
     owned_by: str = "tandem-judge-proxy"
-    structured_output: bool = Field(False, description="Its upstreams keep a reply to a JSON schema given as "
-                                                       "`response_format` (Tandem's extension of OpenAI's object).")
+    structured_output: bool = Field(
+        False,
+        description="Its upstreams keep a reply to a JSON schema given as "
+        "`response_format` (Tandem's extension of OpenAI's object).",
+    )
 
 
 class ModelList(BaseModel):
@@ -175,7 +179,8 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             completion = await proxy.complete(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
             return await completion_response(proxy, completion, chat.model)
         content, remembered = await proxy.memory.once(
-            key, job, lambda: proxy.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag))
+            key, job, lambda: proxy.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
+        )
         headers = await proxy.limit_headers(proxy.group(chat.model))
         if remembered:
             headers["x-tandem-remembered"] = "true"
@@ -186,9 +191,15 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         job = authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
-        return await proxy.judge(rubric, [t.model_dump() for t in ask.messages], ask.reference,
-                                 ask.model or settings.judge_model, job, cache=ask.cache,
-                                 idempotency_key=request.headers.get("idempotency-key"))
+        return await proxy.judge(
+            rubric,
+            [t.model_dump() for t in ask.messages],
+            ask.reference,
+            ask.model or settings.judge_model,
+            job,
+            cache=ask.cache,
+            idempotency_key=request.headers.get("idempotency-key"),
+        )
 
     @app.post("/v1/judge/group", response_model=GroupJudgeResult)
     async def judge_group(request: Request) -> GroupJudgeResult:
@@ -196,9 +207,15 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         ask = validated(GroupJudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
         candidates = [[t.model_dump() for t in c] for c in ask.candidates]
-        return await proxy.judge_group(rubric, candidates, ask.reference, ask.model or settings.judge_model,
-                                       job, cache=ask.cache,
-                                       idempotency_key=request.headers.get("idempotency-key"))
+        return await proxy.judge_group(
+            rubric,
+            candidates,
+            ask.reference,
+            ask.model or settings.judge_model,
+            job,
+            cache=ask.cache,
+            idempotency_key=request.headers.get("idempotency-key"),
+        )
 
     app.include_router(info_router(proxy, authorize))
     return app
@@ -207,11 +224,9 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 def rubric_for(name: str, reference: str | None) -> Rubric:
     rubric = RUBRICS.get(name)
     if rubric is None:
-        raise ProxyError(404, f"unknown rubric {name!r}; known: {sorted(RUBRICS)}", "rubric_not_found",
-                         param="rubric")
+        raise ProxyError(404, f"unknown rubric {name!r}; known: {sorted(RUBRICS)}", "rubric_not_found", param="rubric")
     if rubric.needs_reference and reference is None:
-        raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error",
-                         param="reference")
+        raise ProxyError(400, f"rubric {rubric.name!r} needs a reference", "invalid_request_error", param="reference")
     return rubric
 
 
@@ -225,8 +240,9 @@ async def completion_response(proxy: Proxy, completion: Completion, model: str) 
         raise
     if completion.stream is not None:
         return StreamingResponse(completion.stream, media_type="text/event-stream", headers=headers)
-    return Response(completion.body, media_type="application/json", headers=headers,
-                    background=BackgroundTask(completion.settle))
+    return Response(
+        completion.body, media_type="application/json", headers=headers, background=BackgroundTask(completion.settle)
+    )
 
 
 def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter:
@@ -236,8 +252,11 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
     @router.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> ModelList:
         authorize(request)
-        return ModelList(data=[ModelCard(id=name, structured_output=group.structured)
-                               for name, group in sorted(proxy.groups.items())])
+        return ModelList(
+            data=[
+                ModelCard(id=name, structured_output=group.structured) for name, group in sorted(proxy.groups.items())
+            ]
+        )
 
     @router.get("/v1/models/{model:path}", response_model=ModelCard)
     async def model(model: str, request: Request) -> ModelCard:
@@ -249,12 +268,21 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
     async def budget(request: Request) -> BudgetResponse:
         authorize(request)
         views = await asyncio.gather(*(u.budget.view() for u in proxy.upstreams))
-        return BudgetResponse(upstreams=[
-            UpstreamBudget(name=u.name, model=u.config.model, tpm=u.config.tpm, rpm=u.config.rpm,
-                           max_concurrency=u.config.max_concurrency, weight=u.config.weight,
-                           limit_model=u.config.limit_model, **vars(view))
-            for u, view in zip(proxy.upstreams, views)
-        ])
+        return BudgetResponse(
+            upstreams=[
+                UpstreamBudget(
+                    name=u.name,
+                    model=u.config.model,
+                    tpm=u.config.tpm,
+                    rpm=u.config.rpm,
+                    max_concurrency=u.config.max_concurrency,
+                    weight=u.config.weight,
+                    limit_model=u.config.limit_model,
+                    **vars(view),
+                )
+                for u, view in zip(proxy.upstreams, views)
+            ]
+        )
 
     return router
 
@@ -277,8 +305,11 @@ def client_auth(tokens: str) -> Callable[[Request], str]:
             raise ProxyError(401, "missing or unknown bearer token", "unauthorized")
         job = job or ""
         if claimed and claimed != job:
-            raise ProxyError(403, f"X-Tandem-Job {claimed!r} is not the job this credential was issued for "
-                                  f"({job or 'none'})", "permission_denied")
+            raise ProxyError(
+                403,
+                f"X-Tandem-Job {claimed!r} is not the job this credential was issued for ({job or 'none'})",
+                "permission_denied",
+            )
         return job
 
     return check
@@ -310,14 +341,17 @@ def describe(err: ValidationError) -> str:
 def priority_of(request: Request) -> str:
     priority = request.headers.get("x-tandem-priority", "simulator").lower()
     if priority not in PRIORITIES:
-        raise ProxyError(400, f"X-Tandem-Priority must be one of {list(PRIORITIES)}, not {priority!r}",
-                         "invalid_request_error")
+        raise ProxyError(
+            400, f"X-Tandem-Priority must be one of {list(PRIORITIES)}, not {priority!r}", "invalid_request_error"
+        )
     return priority
 
 
 def timing_headers(completion: Completion) -> dict[str, str]:
-    return {"x-tandem-upstream": completion.upstream,
-            "server-timing": f"queue;dur={completion.queue_s * 1e3:.3f}, upstream;dur={completion.upstream_s * 1e3:.3f}"}
+    return {
+        "x-tandem-upstream": completion.upstream,
+        "server-timing": f"queue;dur={completion.queue_s * 1e3:.3f}, upstream;dur={completion.upstream_s * 1e3:.3f}",
+    }
 
 
 async def proxy_error(request: Request, error: ProxyError) -> JSONResponse:
@@ -330,16 +364,20 @@ async def budget_store_error(request: Request, error: RedisError) -> JSONRespons
     client may retry (no upstream call was made without its reservation)."""
     log.warning("budget store error: %s: %s", type(error).__name__, error)
     message = f"the shared budget store is unavailable ({type(error).__name__}: {error})"
-    return JSONResponse(ProxyError(503, message, "budget_store_unavailable").body(), status_code=503,
-                        headers={"retry-after": "1"})
+    return JSONResponse(
+        ProxyError(503, message, "budget_store_unavailable").body(), status_code=503, headers={"retry-after": "1"}
+    )
 
 
 async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     """The framework's own errors (no such route, method not allowed) in OpenAI's shape."""
     kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_request_error")
     message = f"{request.method} {request.url.path}: {error.detail}"
-    return JSONResponse(ProxyError(error.status_code, message, kind).body(), status_code=error.status_code,
-                        headers=getattr(error, "headers", None))
+    return JSONResponse(
+        ProxyError(error.status_code, message, kind).body(),
+        status_code=error.status_code,
+        headers=getattr(error, "headers", None),
+    )
 
 
 REQUEST_ID_FORM = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

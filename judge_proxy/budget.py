@@ -84,7 +84,9 @@ end
 """
 """Seconds on the Redis server's clock, which every replica's scripts share."""
 
-_COMMON = NOW_S_LUA + """
+_COMMON = (
+    NOW_S_LUA
+    + """
 local function num(key, field, default)
   return tonumber(redis.call('HGET', key, field)) or default
 end
@@ -132,8 +134,11 @@ local function finish_settle(state, leases, now, lease_id, used_tokens, used_req
   end
 end
 """
+)
 
-_BUCKET = _COMMON + """
+_BUCKET = (
+    _COMMON
+    + """
 local function refilled(key, tpm, rpm, now)
   local s = redis.call('HMGET', key, 'tokens', 'requests', 'ts', 'paused_until')
   local dt = math.max(now - (tonumber(s[3]) or now), 0)
@@ -146,8 +151,11 @@ local function store(key, tokens, requests, now)
              'requests', string.format('%.6f', requests), 'ts', string.format('%.6f', now))
 end
 """
+)
 
-_BUCKET_RESERVE = _BUCKET + """
+_BUCKET_RESERVE = (
+    _BUCKET
+    + """
 -- KEYS: state, leases. ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s,
 --   ratio_low, ratio_high
 local tpm, rpm, max_concurrency = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -162,8 +170,11 @@ store(KEYS[1], tokens - cost, requests - 1, now)
 return {1, '0', cost, tostring(tokens - cost), tostring(requests - 1),
         tostring((tpm - tokens + cost) * 60 / tpm), tostring((rpm - requests + 1) * 60 / rpm)}
 """
+)
 
-_BUCKET_SETTLE = _BUCKET + """
+_BUCKET_SETTLE = (
+    _BUCKET
+    + """
 -- KEYS: state, leases. ARGV: tpm, rpm, reserved, used_tokens, used_requests, lease_id,
 --   remaining_tokens, remaining_requests ('' = unknown), reset_tokens_s, reset_requests_s (unused here),
 --   pause_s, prompt_estimate, prompt_counted, ratio_min_weight, ratio_low, ratio_high
@@ -180,8 +191,11 @@ finish_settle(KEYS[1], KEYS[2], now, ARGV[6], used_tokens, used_requests, tonumb
               tonumber(ARGV[12]), tonumber(ARGV[13]))
 return tostring(tokens)
 """
+)
 
-_BUCKET_PEEK = _BUCKET + """
+_BUCKET_PEEK = (
+    _BUCKET
+    + """
 -- KEYS: state, leases. ARGV: tpm, rpm, ratio_low, ratio_high. Reads only.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
@@ -192,8 +206,11 @@ return {tostring(tokens), tostring(requests), tostring(math.max(paused_until - n
         tostring((tpm - tokens) * 60 / tpm), tostring((rpm - requests) * 60 / rpm), tostring(ratio_of(KEYS[1])),
         num(KEYS[1], 'prompt_outliers', 0)}
 """
+)
 
-_WINDOW = _COMMON + """
+_WINDOW = (
+    _COMMON
+    + """
 -- KEYS[3]: zset entry -> time it leaves the window; KEYS[4]: hash 't:'..entry, 'r:'..entry.
 local function add(state, field, amount)
   redis.call('HINCRBYFLOAT', state, field, amount)
@@ -248,8 +265,11 @@ local function enter(state, window, entries, entry, leaves_at, tokens, requests)
   add(state, 'window_requests', requests)
 end
 """
+)
 
-_WINDOW_RESERVE = _WINDOW + """
+_WINDOW_RESERVE = (
+    _WINDOW
+    + """
 -- KEYS: state, leases, window, entries.
 -- ARGV: tpm, rpm, max_concurrency, prompt, fixed, margin, lease_id, lease_ttl_s, window_s,
 --   pace_s (0 = no pacing), ratio_low, ratio_high
@@ -272,8 +292,11 @@ enter(KEYS[1], KEYS[3], KEYS[4], ARGV[7], now + tonumber(ARGV[9]), cost, 1)
 if pace_s > 0 then store_pace(KEYS[1], pace_tokens - cost, pace_requests - 1, now) end
 return {1, '0', cost, tostring(tpm - used_tokens - cost), tostring(rpm - used_requests - 1), ARGV[9], ARGV[9]}
 """
+)
 
-_WINDOW_SETTLE = _WINDOW + """
+_WINDOW_SETTLE = (
+    _WINDOW
+    + """
 -- KEYS: state, leases, window, entries. ARGV: tpm, rpm, reserved, used_tokens, used_requests,
 --   lease_id, remaining_tokens, remaining_requests, reset_tokens_s, reset_requests_s ('' = unknown),
 --   pause_s, prompt_estimate, prompt_counted, window_s, pace_s, ratio_min_weight, ratio_low, ratio_high
@@ -317,6 +340,7 @@ finish_settle(KEYS[1], KEYS[2], now, entry, used_tokens, used_requests, tonumber
               tonumber(ARGV[12]), tonumber(ARGV[13]))
 return tostring(tpm - in_tokens)
 """
+)
 
 _WINDOW_SENT = """
 -- KEYS: window. ARGV: lease_id, window_s. Only an entry still in the window moves.
@@ -325,7 +349,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 return redis.call('ZADD', KEYS[1], 'XX', 'GT', now + tonumber(ARGV[2]), ARGV[1])
 """
 
-_WINDOW_PEEK = _WINDOW + """
+_WINDOW_PEEK = (
+    _WINDOW
+    + """
 -- KEYS: state, leases, window, entries. ARGV: tpm, rpm, ratio_low, ratio_high. Drops expired
 -- entries, changes nothing else.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -340,6 +366,7 @@ return {tostring(tpm - used_tokens), tostring(rpm - used_requests),
         tonumber(s[2]) or 0, tonumber(s[3]) or 0, tostring(reset), tostring(reset), tostring(ratio_of(KEYS[1])),
         num(KEYS[1], 'prompt_outliers', 0)}
 """
+)
 
 
 LimitModel = Literal["bucket", "window"]
@@ -427,8 +454,10 @@ class Budget:
         self.keys = [state, state + ":leases"]
         if limits.model == "window":
             self.keys += [state + ":window", state + ":entries"]
-        scripts = {"bucket": (_BUCKET_RESERVE, _BUCKET_SETTLE, _BUCKET_PEEK),
-                   "window": (_WINDOW_RESERVE, _WINDOW_SETTLE, _WINDOW_PEEK)}[limits.model]
+        scripts = {
+            "bucket": (_BUCKET_RESERVE, _BUCKET_SETTLE, _BUCKET_PEEK),
+            "window": (_WINDOW_RESERVE, _WINDOW_SETTLE, _WINDOW_PEEK),
+        }[limits.model]
         self._reserve, self._settle, self._peek = (client.register_script(s) for s in scripts)
         self._sent = client.register_script(_WINDOW_SENT)
         self.prompt_ratio = 1.0
@@ -448,8 +477,16 @@ class Budget:
         learned ratio, one request and one concurrency slot; or learn how long to wait."""
         lease_id = uuid.uuid4().hex
         limits = self.limits
-        args = [limits.tpm, limits.rpm, limits.max_concurrency, prompt_estimate, fixed_tokens,
-                limits.prompt_margin, lease_id, limits.lease_ttl_s]
+        args = [
+            limits.tpm,
+            limits.rpm,
+            limits.max_concurrency,
+            prompt_estimate,
+            fixed_tokens,
+            limits.prompt_margin,
+            lease_id,
+            limits.lease_ttl_s,
+        ]
         if limits.model == "window":
             args += [self._window_s, limits.pace_s]
         ok, wait, cost, *left = await self._reserve(self.keys, [*args, *limits.prompt_ratio_band])
@@ -466,28 +503,68 @@ class Budget:
         if self.limits.model == "window" and time.monotonic() - lease.reserved_at > RESTAMP_AFTER_S:
             await self._sent([self.keys[2]], [lease.lease_id, self._window_s])
 
-    async def settle(self, lease: Lease, used_tokens: int, *, used_request: bool = True,
-                     prompt_tokens: int | None = None, remaining_tokens: float | None = None,
-                     remaining_requests: float | None = None, reset_tokens_s: float | None = None,
-                     reset_requests_s: float | None = None, pause_s: float = 0.0) -> float:
+    async def settle(
+        self,
+        lease: Lease,
+        used_tokens: int,
+        *,
+        used_request: bool = True,
+        prompt_tokens: int | None = None,
+        remaining_tokens: float | None = None,
+        remaining_requests: float | None = None,
+        reset_tokens_s: float | None = None,
+        reset_requests_s: float | None = None,
+        pause_s: float = 0.0,
+    ) -> float:
         """Reconcile a lease with what the upstream charged (`prompt_tokens`: its count of
         the prompt, from `usage`); returns the tokens left."""
-        args = [self.limits.tpm, self.limits.rpm, lease.tokens, used_tokens, int(used_request), lease.lease_id,
-                _optional(remaining_tokens), _optional(remaining_requests), _optional(reset_tokens_s),
-                _optional(reset_requests_s), pause_s, lease.prompt_estimate, prompt_tokens or 0]
+        args = [
+            self.limits.tpm,
+            self.limits.rpm,
+            lease.tokens,
+            used_tokens,
+            int(used_request),
+            lease.lease_id,
+            _optional(remaining_tokens),
+            _optional(remaining_requests),
+            _optional(reset_tokens_s),
+            _optional(reset_requests_s),
+            pause_s,
+            lease.prompt_estimate,
+            prompt_tokens or 0,
+        ]
         if self.limits.model == "window":
             args += [self._window_s, self.limits.pace_s]
         args += [RATIO_MIN_WEIGHT, *self.limits.prompt_ratio_band]
         return float(await self._settle(self.keys, args))
 
     async def view(self) -> BudgetView:
-        (tokens, requests, paused, inflight, used_tokens, used_requests, tokens_reset, requests_reset,
-         ratio, outliers) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm,
-                                                         *self.limits.prompt_ratio_band])
+        (
+            tokens,
+            requests,
+            paused,
+            inflight,
+            used_tokens,
+            used_requests,
+            tokens_reset,
+            requests_reset,
+            ratio,
+            outliers,
+        ) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm, *self.limits.prompt_ratio_band])
         self.prompt_ratio = float(ratio)
         self.seen = Seen(float(tokens), float(requests), float(tokens_reset), float(requests_reset), time.monotonic())
-        return BudgetView(float(tokens), float(requests), float(paused), int(inflight), int(used_tokens),
-                          int(used_requests), float(tokens_reset), float(requests_reset), float(ratio), int(outliers))
+        return BudgetView(
+            float(tokens),
+            float(requests),
+            float(paused),
+            int(inflight),
+            int(used_tokens),
+            int(used_requests),
+            float(tokens_reset),
+            float(requests_reset),
+            float(ratio),
+            int(outliers),
+        )
 
 
 def _optional(value: float | None) -> str:

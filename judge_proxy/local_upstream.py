@@ -72,7 +72,11 @@ from pydantic import BaseModel, Field, model_validator
 
 from judge_proxy.stand_in import reply_for
 from judge_proxy.upstream import (
-    BILLED_REQUEST_FIELDS, MESSAGE_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, format_duration, message_text,
+    BILLED_REQUEST_FIELDS,
+    MESSAGE_OVERHEAD_TOKENS,
+    REPLY_PRIMING_TOKENS,
+    format_duration,
+    message_text,
 )
 
 WORD = re.compile(r"\w+|[^\w\s]")
@@ -90,7 +94,7 @@ class Latency(BaseModel):
     tokens_per_s: float = Field(80.0, gt=0, description="Decoding speed after the first token.")
 
     @model_validator(mode="after")
-    def _tail_above_median(self) -> "Latency":
+    def _tail_above_median(self) -> Latency:
         if self.p99_s < self.median_s:
             raise ValueError("latency.p99_s must be at least latency.median_s")
         return self
@@ -113,8 +117,9 @@ class LocalUpstreamConfig(BaseModel):
     rpm: int = Field(600, gt=0)
     limit_model: Literal["bucket", "window"] = "bucket"
     window_s: float = Field(60.0, gt=0, description="The trailing window of the 'window' model.")
-    prompt_chars_per_token: float | None = Field(None, gt=0, description="Count prompts at this many characters "
-                                                                          "a token (words when unset).")
+    prompt_chars_per_token: float | None = Field(
+        None, gt=0, description="Count prompts at this many characters a token (words when unset)."
+    )
     models: list[str] = ["local-model"]
     service_ms: float = Field(2.0, ge=0, description="Fixed time to produce a reply (when `latency` is unset).")
     latency: Latency | None = None
@@ -213,20 +218,27 @@ def count_prompt_tokens(messages: list[dict], chars_per_token: float | None = No
     its other fields (`name`, `tool_calls`, `tool_call_id`, ...) and the request's billed
     fields beside the messages (`request`: the whole body; its tools, functions, response
     format), plus the chat format's overheads."""
+
     def count(text: str) -> int:
         return count_tokens(text) if chars_per_token is None else math.ceil(len(text) / chars_per_token)
 
     def hidden(fields: dict, names: Iterable[str]) -> int:
         return sum(count(json.dumps(fields[name])) for name in names if fields.get(name) is not None)
 
-    per_message = (count(message_text(m.get("content"))) + hidden(m, m.keys() - {"role", "content"})
-                   + MESSAGE_OVERHEAD_TOKENS for m in messages)
+    per_message = (
+        count(message_text(m.get("content"))) + hidden(m, m.keys() - {"role", "content"}) + MESSAGE_OVERHEAD_TOKENS
+        for m in messages
+    )
     return sum(per_message) + hidden(request or {}, BILLED_REQUEST_FIELDS) + REPLY_PRIMING_TOKENS
 
 
 class LocalUpstream:
-    def __init__(self, config: LocalUpstreamConfig, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        config: LocalUpstreamConfig,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.config = config
         self.clock = clock
         """Seconds, monotonic; the buckets refill by it (tests pass a clock they move)."""
@@ -246,9 +258,18 @@ class LocalUpstream:
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
         self.request_tags: Counter[str] = Counter()
-        self.stats = {"requests": 0, "accepted": 0, "rejected_429": 0, "scripted_errors": 0, "streams_cut": 0,
-                      "prompt_tokens": 0, "completion_tokens": 0, "tokens_accepted": 0,
-                      "recognised": 0, "latency_s_total": 0.0}
+        self.stats = {
+            "requests": 0,
+            "accepted": 0,
+            "rejected_429": 0,
+            "scripted_errors": 0,
+            "streams_cut": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "tokens_accepted": 0,
+            "recognised": 0,
+            "latency_s_total": 0.0,
+        }
         self.started = now
 
     def limit_headers(self) -> dict[str, str]:
@@ -316,12 +337,20 @@ class LocalUpstream:
             if count_tokens(text) > max_tokens:
                 text, finish = " ".join(WORD.findall(text)[:max_tokens]), "length"
             completion_tokens += count_tokens(text)
-            choices.append({"index": index, "finish_reason": finish,
-                            "message": {"role": "assistant", "content": text}})
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-        return {"id": f"local-{self.stats['requests']}", "object": "chat.completion", "created": int(time.time()),
-                "model": body["model"], "choices": choices, "usage": usage}
+            choices.append({"index": index, "finish_reason": finish, "message": {"role": "assistant", "content": text}})
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return {
+            "id": f"local-{self.stats['requests']}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": choices,
+            "usage": usage,
+        }
 
     async def chat(self, request: Request) -> JSONResponse:
         self.stats["requests"] += 1
@@ -347,8 +376,11 @@ class LocalUpstream:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         reserved = prompt_tokens + body.get("n", 1) * max_tokens
         if reserved > self.config.tpm:
-            return self.error(400, f"request needs {reserved} tokens, more than the {self.config.tpm} TPM limit",
-                              "invalid_request_error")
+            return self.error(
+                400,
+                f"request needs {reserved} tokens, more than the {self.config.tpm} TPM limit",
+                "invalid_request_error",
+            )
         charge, wait_s = self.admit(reserved)
         if charge is None:
             return self.rate_limited(wait_s)
@@ -357,8 +389,9 @@ class LocalUpstream:
         reply = self.completion(body, prompt_tokens, max_tokens, script.get("content"))
         reply["model"] = script.get("model", reply["model"])
         if body.get("stream"):
-            return StreamingResponse(self.stream(body, reply, charge, script),
-                                     media_type="text/event-stream", headers=self.limit_headers())
+            return StreamingResponse(
+                self.stream(body, reply, charge, script), media_type="text/event-stream", headers=self.limit_headers()
+            )
         latency_s = self.latency_s(reply["usage"]["completion_tokens"])
         if latency_s:
             await self.sleep(latency_s)
@@ -376,8 +409,12 @@ class LocalUpstream:
 
     async def stream(self, body: dict, reply: dict, charge: Charge, script: dict) -> AsyncIterator[bytes]:
         """The reply as server-sent events, a word per chunk, paced like the plain reply."""
-        base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
-                "model": reply["model"]}
+        base = {
+            "id": reply["id"],
+            "object": "chat.completion.chunk",
+            "created": reply["created"],
+            "model": reply["model"],
+        }
         include_usage = (body.get("stream_options") or {}).get("include_usage") is True
 
         def event(choices: list, **extra) -> bytes:
@@ -416,9 +453,14 @@ class LocalUpstream:
 
     def snapshot(self) -> dict:
         self.limit_headers()  # refills both buckets to now
-        return {**self.stats, "tpm": self.config.tpm, "rpm": self.config.rpm,
-                "tokens_level": self.tokens.level, "requests_level": self.requests.level,
-                "uptime_s": self.clock() - self.started}
+        return {
+            **self.stats,
+            "tpm": self.config.tpm,
+            "rpm": self.config.rpm,
+            "tokens_level": self.tokens.level,
+            "requests_level": self.requests.level,
+            "uptime_s": self.clock() - self.started,
+        }
 
 
 def create_app(config: LocalUpstreamConfig) -> FastAPI:
@@ -482,11 +524,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--tpm", type=int, default=60_000)
     parser.add_argument("--rpm", type=int, default=600)
-    parser.add_argument("--limit-model", choices=["bucket", "window"], default="bucket",
-                        help="continuous refill, or a strict trailing window of --window-s")
+    parser.add_argument(
+        "--limit-model",
+        choices=["bucket", "window"],
+        default="bucket",
+        help="continuous refill, or a strict trailing window of --window-s",
+    )
     parser.add_argument("--window-s", type=float, default=60.0)
-    parser.add_argument("--prompt-chars-per-token", type=float,
-                        help="count prompts at this many characters a token (default: words)")
+    parser.add_argument(
+        "--prompt-chars-per-token", type=float, help="count prompts at this many characters a token (default: words)"
+    )
     parser.add_argument("--model", action="append", dest="models", help="a model it serves (repeatable)")
     parser.add_argument("--service-ms", type=float, default=2.0, help="fixed reply time without --latency")
     parser.add_argument("--latency", action="store_true", help="a hosted API's latency: the three options below")
@@ -496,12 +543,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key-env", help="environment variable holding the key clients must send")
     args = parser.parse_args(argv)
-    latency = Latency(median_s=args.latency_median_s, p99_s=args.latency_p99_s,
-                      tokens_per_s=args.tokens_per_s) if args.latency else None
-    config = LocalUpstreamConfig(tpm=args.tpm, rpm=args.rpm, limit_model=args.limit_model, window_s=args.window_s,
-                                 prompt_chars_per_token=args.prompt_chars_per_token, models=args.models or ["local-model"],
-                                 service_ms=args.service_ms, latency=latency, seed=args.seed,
-                                 api_key=os.environ[args.api_key_env] if args.api_key_env else None)
+    latency = (
+        Latency(median_s=args.latency_median_s, p99_s=args.latency_p99_s, tokens_per_s=args.tokens_per_s)
+        if args.latency
+        else None
+    )
+    config = LocalUpstreamConfig(
+        tpm=args.tpm,
+        rpm=args.rpm,
+        limit_model=args.limit_model,
+        window_s=args.window_s,
+        prompt_chars_per_token=args.prompt_chars_per_token,
+        models=args.models or ["local-model"],
+        service_ms=args.service_ms,
+        latency=latency,
+        seed=args.seed,
+        api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+    )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
 
 

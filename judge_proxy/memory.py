@@ -51,8 +51,9 @@ class Slot(NamedTuple):
 
 
 class Memory:
-    def __init__(self, client: aioredis.Redis, cache_ttl_s: float, idempotency_ttl_s: float,
-                 pending_ttl_s: float) -> None:
+    def __init__(
+        self, client: aioredis.Redis, cache_ttl_s: float, idempotency_ttl_s: float, pending_ttl_s: float
+    ) -> None:
         self.redis = client
         self.ttl_s = {"cache": cache_ttl_s, "replay": idempotency_ttl_s}
         self.pending_ms = int(pending_ttl_s * 1000)

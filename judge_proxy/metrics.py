@@ -20,30 +20,37 @@ TOKENS = Counter(
 )
 REQUESTS = Counter(
     "tandem_judge_upstream_requests_total",
-    "Calls made upstream by outcome (ok, rate_limited, client_error, auth_error, server_error, timeout, "
-    "connect_error)",
+    "Calls made upstream by outcome (ok, rate_limited, client_error, auth_error, server_error, timeout, connect_error)",
     ["upstream", "outcome"],
 )
 UPSTREAM_429 = Counter("tandem_judge_upstream_429_total", "429 answers received from an upstream", ["upstream"])
 REJECTED = Counter("tandem_judge_rejected_total", "429 answers returned to clients", ["priority"])
 QUEUE_WAIT = Histogram(
-    "tandem_judge_queue_wait_seconds", "Time from arrival to admission (0 when budget was free)", ["priority"],
+    "tandem_judge_queue_wait_seconds",
+    "Time from arrival to admission (0 when budget was free)",
+    ["priority"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 UPSTREAM_LATENCY = Histogram(
-    "tandem_judge_upstream_latency_seconds", "Duration of one upstream call", ["upstream"],
+    "tandem_judge_upstream_latency_seconds",
+    "Duration of one upstream call",
+    ["upstream"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 # Negative buckets: prometheus_client then exports _bucket and _count but no _sum, so the
 # mean error comes from the summary beside it.
 RECONCILIATION_ERROR = Histogram(
-    "tandem_judge_reconciliation_error_tokens", "Reserved estimate minus usage.total_tokens", ["upstream"],
+    "tandem_judge_reconciliation_error_tokens",
+    "Reserved estimate minus usage.total_tokens",
+    ["upstream"],
     buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384),
 )
 RECONCILIATION_MEAN = Summary(
-    "tandem_judge_reconciliation_tokens", "Reserved estimate minus usage.total_tokens, for its mean", ["upstream"])
+    "tandem_judge_reconciliation_tokens", "Reserved estimate minus usage.total_tokens, for its mean", ["upstream"]
+)
 VERDICTS = Counter(
-    "tandem_judge_verdicts_total", "Judge verdicts by outcome (parsed, parsed_on_retry, unparseable)",
+    "tandem_judge_verdicts_total",
+    "Judge verdicts by outcome (parsed, parsed_on_retry, unparseable)",
     ["rubric", "outcome"],
 )
 STREAMS = Counter(
@@ -83,7 +90,8 @@ GROUP_FALLBACKS = Counter(
     ["rubric", "reason"],
 )
 JOB_TOKENS = Counter(
-    "tandem_judge_job_tokens_total", "Tokens upstreams charged (usage.total_tokens), per job and priority",
+    "tandem_judge_job_tokens_total",
+    "Tokens upstreams charged (usage.total_tokens), per job and priority",
     ["job", "priority"],
 )
 JOB_SHARE = Gauge(

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import anyio
 import msgspec
-from multidict import CIMultiDict
 import redis.asyncio as aioredis
+from multidict import CIMultiDict
 from redis.exceptions import RedisError
 
 from judge_proxy import metrics
@@ -50,12 +50,27 @@ from judge_proxy.budget import Budget, Lease, Limits
 from judge_proxy.memory import Memory, Slot, digest
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.rubrics import (
-    GroupParseError, Rubric, group_schema, parse_group_verdicts, parse_verdict, prompt_sha256, render, render_group,
-    response_format, verdict_schema,
+    GroupParseError,
+    Rubric,
+    group_schema,
+    parse_group_verdicts,
+    parse_verdict,
+    prompt_sha256,
+    render,
+    render_group,
+    response_format,
+    verdict_schema,
 )
 from judge_proxy.share import Share, Weights
 from judge_proxy.upstream import (
-    Reply, Upstream, UpstreamConfig, format_duration, load_upstreams, remaining, reset_s, retry_after_s,
+    Reply,
+    Upstream,
+    UpstreamConfig,
+    format_duration,
+    load_upstreams,
+    remaining,
+    reset_s,
+    retry_after_s,
     weighted_order,
 )
 from services.config import JudgeProxySettings
@@ -79,16 +94,26 @@ class ProxyError(Exception):
     """An error answered to the client in OpenAI's shape, `{"error": {"message", "type",
     "param", "code"}, **extra}`: `param` names the field at fault, `code` repeats `kind`."""
 
-    def __init__(self, status: int, message: str, kind: str, *, retry_after_s: int | None = None,
-                 param: str | None = None, extra: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        *,
+        retry_after_s: int | None = None,
+        param: str | None = None,
+        extra: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.retry_after_s = retry_after_s
         self.extra = extra or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.kind},
-                **self.extra}
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.kind},
+            **self.extra,
+        }
 
 
 class UpstreamClientError(Exception):
@@ -193,27 +218,42 @@ class Proxy:
         self.weights = Weights(redis)
         self.setup_groups(configs)
         longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
-        self.memory = Memory(redis, settings.cache_ttl_s, settings.idempotency_ttl_s,
-                             pending_ttl_s=settings.queue_deadline_s + longest_call_s + LEASE_MARGIN_S)
+        self.memory = Memory(
+            redis,
+            settings.cache_ttl_s,
+            settings.idempotency_ttl_s,
+            pending_ttl_s=settings.queue_deadline_s + longest_call_s + LEASE_MARGIN_S,
+        )
 
     @classmethod
-    def from_settings(cls, settings: JudgeProxySettings) -> "Proxy":
+    def from_settings(cls, settings: JudgeProxySettings) -> Proxy:
         # A blocking pool: a burst of requests waits for a free Redis connection instead of
         # failing with "Too many connections" (500s to clients) once all are in use.
-        return cls(settings, load_upstreams(settings.upstreams),
-                   connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S,
-                           outage_s=settings.redis_outage_s))
+        return cls(
+            settings,
+            load_upstreams(settings.upstreams),
+            connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S, outage_s=settings.redis_outage_s),
+        )
 
     def setup_groups(self, configs: list[UpstreamConfig]) -> None:
         for config in configs:
-            limits = Limits(config.tpm, config.rpm, config.max_concurrency, config.timeout_s + LEASE_MARGIN_S,
-                            model=config.limit_model, window_s=config.window_s, pace_s=config.pace_s,
-                            prompt_margin=config.prompt_margin, prompt_ratio_band=config.prompt_ratio_band)
+            limits = Limits(
+                config.tpm,
+                config.rpm,
+                config.max_concurrency,
+                config.timeout_s + LEASE_MARGIN_S,
+                model=config.limit_model,
+                window_s=config.window_s,
+                pace_s=config.pace_s,
+                prompt_margin=config.prompt_margin,
+                prompt_ratio_band=config.prompt_ratio_band,
+            )
             upstream = Upstream(config, Budget(self.redis, config.name, limits))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
-                self.groups[config.model] = Group(config.model, [], admitter, Share(self.redis, config.model),
-                                                  config.structured_output)
+                self.groups[config.model] = Group(
+                    config.model, [], admitter, Share(self.redis, config.model), config.structured_output
+                )
             group = self.groups[config.model]
             group.upstreams.append(upstream)
             group.admitter.tokens_per_s += config.tpm / 60
@@ -224,16 +264,18 @@ class Proxy:
     def group(self, model: str) -> Group:
         group = self.groups.get(model)
         if group is None:
-            raise ProxyError(404, f"unknown model {model!r}; this proxy serves {sorted(self.groups)}",
-                             "model_not_found")
+            raise ProxyError(
+                404, f"unknown model {model!r}; this proxy serves {sorted(self.groups)}", "model_not_found"
+            )
         return group
 
     @property
     def upstreams(self) -> list[Upstream]:
         return [u for g in self.groups.values() for u in g.upstreams]
 
-    async def complete(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str,
-                       tag: str = "") -> Completion:
+    async def complete(
+        self, body: dict, max_tokens: int, n: int, *, job: str, priority: str, tag: str = ""
+    ) -> Completion:
         """Send one chat request (`body`, already validated) through the budget."""
         group = self.group(body["model"])
         need = Need(n * max_tokens, {u.name: u.prompt_estimate(body["messages"], body) for u in group.upstreams})
@@ -243,41 +285,55 @@ class Proxy:
         attempts = Attempts(job, priority, tag)
         for attempt in range(self.settings.max_attempts):
             grant = await self.admit(group, need, attempts, deadline, job, priority)
-            upstream_payload = msgspec.json.encode({**payload, "model": grant.upstream.config.upstream_model
-                                                    or group.model})
-            completion = await self.call(group, grant, upstream_payload, attempt, attempts,
-                                         stream=bool(body.get("stream")), client_wants_usage=wants_usage(body))
+            upstream_payload = msgspec.json.encode(
+                {**payload, "model": grant.upstream.config.upstream_model or group.model}
+            )
+            completion = await self.call(
+                group,
+                grant,
+                upstream_payload,
+                attempt,
+                attempts,
+                stream=bool(body.get("stream")),
+                client_wants_usage=wants_usage(body),
+            )
             if completion is not None:
                 completion.queue_s = attempts.queue_s
                 return completion
         raise self.exhausted(group, attempts, priority)
 
-    def check_fits(self, group: Group, need: "Need") -> None:
+    def check_fits(self, group: Group, need: Need) -> None:
         """Refuse, before it touches any shared state, a request larger than every upstream's
         limit at the ratio this replica last saw."""
         if all(need.cost(u) > u.config.tpm for u in group.upstreams):
             raise too_large(group.model, min(need.cost(u) for u in group.upstreams))
 
-    async def admit(self, group: Group, need: "Need", attempts: Attempts, deadline: float,
-                    job: str, priority: str) -> Grant:
+    async def admit(
+        self, group: Group, need: Need, attempts: Attempts, deadline: float, job: str, priority: str
+    ) -> Grant:
         """A grant from the job's share and an upstream's budget, waiting in the queue for it."""
-        candidates = [u for u in group.upstreams
-                      if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
+        candidates = [u for u in group.upstreams if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise self.exhausted(group, attempts, priority)
         try_admit = self.admission(group, candidates, need, job, await self.weights.of(job))
         try:
-            grant, waited_s = await group.admitter.admit(job, priority, min(need.cost(u) for u in candidates),
-                                                         deadline - time.monotonic(), try_admit)
+            grant, waited_s = await group.admitter.admit(
+                job, priority, min(need.cost(u) for u in candidates), deadline - time.monotonic(), try_admit
+            )
         except QueueTimeout as timeout:
             metrics.REJECTED.labels(priority).inc()
-            raise ProxyError(429, f"no budget for model {group.model!r} within the queue deadline",
-                             "rate_limited", retry_after_s=timeout.retry_after_s) from None
+            raise ProxyError(
+                429,
+                f"no budget for model {group.model!r} within the queue deadline",
+                "rate_limited",
+                retry_after_s=timeout.retry_after_s,
+            ) from None
         attempts.queue_s += waited_s
         return grant
 
-    def admission(self, group: Group, candidates: list[Upstream], need: "Need", job: str,
-                  weight: float) -> Callable[[], Awaitable[Tried[Grant]]]:
+    def admission(
+        self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float
+    ) -> Callable[[], Awaitable[Tried[Grant]]]:
         """One request's reservation attempt: its cost from the job's share first (a refusal
         there lets other jobs go first), then from an upstream's budget; the share is
         refunded at once when no upstream has room."""
@@ -303,8 +359,9 @@ class Proxy:
 
         return try_admit
 
-    async def reserve_upstream(self, candidates: list[Upstream],
-                               need: "Need") -> tuple[Upstream | None, Lease | None, float]:
+    async def reserve_upstream(
+        self, candidates: list[Upstream], need: Need
+    ) -> tuple[Upstream | None, Lease | None, float]:
         """A lease from the first upstream, in order of preference, with room for `need`;
         else no lease and the seconds until the soonest could have room. A request that no
         upstream could ever admit at the ratio learned by now (`check_fits` read an older
@@ -330,8 +387,17 @@ class Proxy:
         ordered = weighted_order(candidates, self.rng)
         return sorted(ordered, key=lambda u: self.cooldown_until.get(u.name, 0.0) > now)
 
-    async def call(self, group: Group, grant: Grant, payload: bytes, attempt: int,
-                   attempts: Attempts, *, stream: bool = False, client_wants_usage: bool = False) -> Completion | None:
+    async def call(
+        self,
+        group: Group,
+        grant: Grant,
+        payload: bytes,
+        attempt: int,
+        attempts: Attempts,
+        *,
+        stream: bool = False,
+        client_wants_usage: bool = False,
+    ) -> Completion | None:
         """One upstream call; None when another attempt should follow. A failure settles the
         budget here, a success once its reply has been sent (`Completion.settle`)."""
         upstream = grant.upstream
@@ -378,8 +444,9 @@ class Proxy:
         settle = functools.partial(self.settle, group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
         return Completion(upstream.name, reply.body, data, settle, upstream_s=attempts.upstream_s)
 
-    def relay(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts,
-              client_wants_usage: bool) -> Completion:
+    def relay(
+        self, group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
+    ) -> Completion:
         """A stream's completion: its events pass through as they arrive; the budget is
         settled when it ends, however it ends."""
         upstream, lease = grant.upstream, grant.lease
@@ -423,8 +490,10 @@ class Proxy:
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
         upstream = grant.upstream
         requested = retry_after_s(reply.headers)
-        pause_s = min(self.settings.max_backoff_s,
-                      backoff_s(attempt, self.settings.max_backoff_s, self.rng) if requested is None else requested)
+        pause_s = min(
+            self.settings.max_backoff_s,
+            backoff_s(attempt, self.settings.max_backoff_s, self.rng) if requested is None else requested,
+        )
         attempts.rate_limited_last, attempts.last_pause_s = True, pause_s
         metrics.UPSTREAM_429.labels(upstream.name).inc()
         metrics.REQUESTS.labels(upstream.name, "rate_limited").inc()
@@ -440,19 +509,34 @@ class Proxy:
         self.cooldown_until[upstream.name] = time.monotonic() + self.settings.failure_cooldown_s
         await self.settle(group, grant, grant.lease.tokens, None)
 
-    async def settle(self, group: Group, grant: Grant, used_tokens: int, reply: Reply | None,
-                     *, used_request: bool = True, pause_s: float = 0.0, prompt_tokens: int | None = None) -> None:
+    async def settle(
+        self,
+        group: Group,
+        grant: Grant,
+        used_tokens: int,
+        reply: Reply | None,
+        *,
+        used_request: bool = True,
+        pause_s: float = 0.0,
+        prompt_tokens: int | None = None,
+    ) -> None:
         """Charge what the upstream charged (`used_tokens`), in its budget and in the job's
         share (whatever either reserved beyond it goes back), and let the queue try again."""
         headers = reply.headers if reply is not None else CIMultiDict()
         await asyncio.gather(
-            grant.upstream.budget.settle(grant.lease, used_tokens, used_request=used_request, pause_s=pause_s,
-                                         prompt_tokens=prompt_tokens,
-                                         remaining_tokens=remaining(headers, "tokens"),
-                                         remaining_requests=remaining(headers, "requests"),
-                                         reset_tokens_s=reset_s(headers, "tokens"),
-                                         reset_requests_s=reset_s(headers, "requests")),
-            group.share.refund(grant.job, grant.share_tokens - used_tokens))
+            grant.upstream.budget.settle(
+                grant.lease,
+                used_tokens,
+                used_request=used_request,
+                pause_s=pause_s,
+                prompt_tokens=prompt_tokens,
+                remaining_tokens=remaining(headers, "tokens"),
+                remaining_requests=remaining(headers, "requests"),
+                reset_tokens_s=reset_s(headers, "tokens"),
+                reset_requests_s=reset_s(headers, "requests"),
+            ),
+            group.share.refund(grant.job, grant.share_tokens - used_tokens),
+        )
         group.admitter.wake()
 
     async def limit_headers(self, group: Group) -> dict[str, str]:
@@ -470,8 +554,9 @@ class Proxy:
             "x-ratelimit-limit-tokens": str(sum(c.tpm for c in configs)),
             "x-ratelimit-remaining-requests": str(sum(max(0, math.floor(s.requests)) for s in seen)),
             "x-ratelimit-remaining-tokens": str(sum(max(0, math.floor(s.tokens)) for s in seen)),
-            "x-ratelimit-reset-requests": format_duration(max(max(0.0, s.requests_reset_s - (now - s.at))
-                                                              for s in seen)),
+            "x-ratelimit-reset-requests": format_duration(
+                max(max(0.0, s.requests_reset_s - (now - s.at)) for s in seen)
+            ),
             "x-ratelimit-reset-tokens": format_duration(max(max(0.0, s.tokens_reset_s - (now - s.at)) for s in seen)),
         }
 
@@ -479,8 +564,12 @@ class Proxy:
         """The error once no attempt is left: the last upstream's 429, or every failure."""
         if attempts.rate_limited_last:
             metrics.REJECTED.labels(priority).inc()
-            return ProxyError(429, f"upstreams of {group.model!r} kept answering 429", "rate_limited",
-                              retry_after_s=max(1, math.ceil(attempts.last_pause_s)))
+            return ProxyError(
+                429,
+                f"upstreams of {group.model!r} kept answering 429",
+                "rate_limited",
+                retry_after_s=max(1, math.ceil(attempts.last_pause_s)),
+            )
         reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
         return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
 
@@ -496,53 +585,90 @@ class Proxy:
             return self.memory.key("cache", job, body)
         return self.replay_key(job, idempotency_key, body)
 
-    async def complete_whole(self, body: dict, max_tokens: int, n: int, *, job: str, priority: str,
-                             tag: str = "") -> bytes:
+    async def complete_whole(
+        self, body: dict, max_tokens: int, n: int, *, job: str, priority: str, tag: str = ""
+    ) -> bytes:
         """A chat reply as bytes, its budget settled (for a reply to be remembered)."""
         completion = await self.complete(body, max_tokens, n, job=job, priority=priority, tag=tag)
         await completion.settle()
         return completion.body
 
-    async def judge(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str, job: str, *,
-                    cache: bool = True, idempotency_key: str | None = None) -> JudgeResult:
+    async def judge(
+        self,
+        rubric: Rubric,
+        messages: list[dict],
+        reference: str | None,
+        model: str,
+        job: str,
+        *,
+        cache: bool = True,
+        idempotency_key: str | None = None,
+    ) -> JudgeResult:
         """A verdict: the job's earlier one on the same conversation (`cache`), the one
         stored under `idempotency_key`, or a new one."""
         parts = (model, rubric.name, messages, reference)
         key = self.memory.key("cache", job, *parts) if cache else None
         key = key or self.replay_key(job, idempotency_key, *parts)
         raw, remembered = await self.memory.once(
-            key, job, lambda: self.verdict(rubric, messages, reference, model, job, idempotency_key or ""))
+            key, job, lambda: self.verdict(rubric, messages, reference, model, job, idempotency_key or "")
+        )
         return JudgeResult.model_validate_json(raw).model_copy(update={"remembered": remembered})
 
-    async def verdict(self, rubric: Rubric, messages: list[dict], reference: str | None, model: str,
-                      job: str, tag: str = "") -> bytes:
+    async def verdict(
+        self, rubric: Rubric, messages: list[dict], reference: str | None, model: str, job: str, tag: str = ""
+    ) -> bytes:
         """Ask for a verdict; ask once more, strictly, when the first cannot be read."""
         raws: list[str] = []
         usage: dict[str, int] = {}
         structured = self.group(model).structured
         for strict in (False, True):
-            prompt = render(rubric, messages, reference, strict=strict, previous_reply=raws[-1] if raws else "",
-                            structured=structured)
+            prompt = render(
+                rubric,
+                messages,
+                reference,
+                strict=strict,
+                previous_reply=raws[-1] if raws else "",
+                structured=structured,
+            )
             body = {"model": model, "messages": prompt, "temperature": 0.0}
             if structured:
                 body["response_format"] = response_format(rubric, verdict_schema(rubric))
-            completion = await self.complete(body, rubric.max_tokens, 1, job=job, priority="judge",
-                                             tag=tag and tag + "/strict" * strict)
+            completion = await self.complete(
+                body, rubric.max_tokens, 1, job=job, priority="judge", tag=tag and tag + "/strict" * strict
+            )
             await completion.settle()
             raws.append(content_of(completion.data))
             add_usage(usage, completion.data.get("usage"))
             verdict = parse_verdict(rubric, raws[-1])
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
-                return JudgeResult(score=verdict.score, criteria=verdict.criteria, verdict=verdict.verdict,
-                                   raw=raws[-1], usage=usage, model=reply_model(completion.data),
-                                   rubric_sha256=prompt_sha256(rubric, structured=structured)
-                                   ).model_dump_json().encode()
+                return (
+                    JudgeResult(
+                        score=verdict.score,
+                        criteria=verdict.criteria,
+                        verdict=verdict.verdict,
+                        raw=raws[-1],
+                        usage=usage,
+                        model=reply_model(completion.data),
+                        rubric_sha256=prompt_sha256(rubric, structured=structured),
+                    )
+                    .model_dump_json()
+                    .encode()
+                )
         metrics.VERDICTS.labels(rubric.name, "unparseable").inc()
         raise ProxyError(502, "unparseable verdict", "unparseable_verdict", extra={"raw": raws, "usage": usage})
 
-    async def judge_group(self, rubric: Rubric, candidates: list[list[dict]], reference: str | None, model: str,
-                          job: str, *, cache: bool = True, idempotency_key: str | None = None) -> GroupJudgeResult:
+    async def judge_group(
+        self,
+        rubric: Rubric,
+        candidates: list[list[dict]],
+        reference: str | None,
+        model: str,
+        job: str,
+        *,
+        cache: bool = True,
+        idempotency_key: str | None = None,
+    ) -> GroupJudgeResult:
         """One verdict per candidate, from as few judge calls as possible: candidates the
         job's cache knows cost nothing, identical ones are judged once, the rest together
         in one call (`GroupVerdicts`)."""
@@ -608,15 +734,17 @@ class GroupVerdicts:
         fallback = None
         if todo:
             firsts = [same[0] for same in todo.values()]
-            verdicts, fallback = await self.judge([self.candidates[i] for i in firsts], [slots[i] for i in firsts],
-                                                  usage)
+            verdicts, fallback = await self.judge(
+                [self.candidates[i] for i in firsts], [slots[i] for i in firsts], usage
+            )
             for same, verdict in zip(todo.values(), verdicts):
                 for index in same:
                     results[index] = verdict
         return GroupJudgeResult(results=results, usage=usage, fallback=fallback).model_dump_json().encode()
 
-    async def judge(self, distinct: list[list[dict]], slots: list[Slot | None],
-                    usage: dict[str, int]) -> tuple[list[JudgeResult], str | None]:
+    async def judge(
+        self, distinct: list[list[dict]], slots: list[Slot | None], usage: dict[str, int]
+    ) -> tuple[list[JudgeResult], str | None]:
         """Verdicts on distinct candidates (`slots`: where each is cached, if it is)."""
         if len(distinct) > 1:
             try:
@@ -629,31 +757,47 @@ class GroupVerdicts:
                 log.warning("group verdict unusable (%s); judging %d candidates one by one", err, len(distinct))
         else:
             reason = None
-        singles = await asyncio.gather(*(
-            self.proxy.judge(self.rubric, c, self.reference, self.model, self.job, cache=self.cache,
-                             idempotency_key=self.tag and f"{self.tag}/c{index}")
-            for index, c in enumerate(distinct)))
+        singles = await asyncio.gather(
+            *(
+                self.proxy.judge(
+                    self.rubric,
+                    c,
+                    self.reference,
+                    self.model,
+                    self.job,
+                    cache=self.cache,
+                    idempotency_key=self.tag and f"{self.tag}/c{index}",
+                )
+                for index, c in enumerate(distinct)
+            )
+        )
         for single in singles:
             add_usage(usage, single.usage if not single.remembered else {})
         self.count("fallback" if reason else "alone", len(distinct))
         return list(singles), reason
 
-    async def group_call(self, distinct: list[list[dict]], slots: list[Slot | None],
-                         usage: dict[str, int]) -> list[JudgeResult]:
+    async def group_call(
+        self, distinct: list[list[dict]], slots: list[Slot | None], usage: dict[str, int]
+    ) -> list[JudgeResult]:
         structured = self.proxy.group(self.model).structured
         prompt = render_group(self.rubric, distinct, self.reference, structured=structured)
         body = {"model": self.model, "messages": prompt, "temperature": 0.0}
         if structured:
             body["response_format"] = response_format(self.rubric, group_schema(self.rubric, len(distinct)))
-        completion = await self.proxy.complete(body, self.rubric.group_max_tokens(len(distinct)), 1,
-                                               job=self.job, priority="judge", tag=self.tag)
+        completion = await self.proxy.complete(
+            body, self.rubric.group_max_tokens(len(distinct)), 1, job=self.job, priority="judge", tag=self.tag
+        )
         await completion.settle()
         add_usage(usage, completion.data.get("usage"))
         text = content_of(completion.data)
-        provenance = {"model": reply_model(completion.data),
-                      "rubric_sha256": prompt_sha256(self.rubric, group=True, structured=structured)}
-        verdicts = [JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={}, **provenance)
-                    for v in parse_group_verdicts(self.rubric, text, len(distinct))]
+        provenance = {
+            "model": reply_model(completion.data),
+            "rubric_sha256": prompt_sha256(self.rubric, group=True, structured=structured),
+        }
+        verdicts = [
+            JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={}, **provenance)
+            for v in parse_group_verdicts(self.rubric, text, len(distinct))
+        ]
         await self.proxy.memory.store({slot: v.model_dump_json().encode() for slot, v in zip(slots, verdicts) if slot})
         return verdicts
 
@@ -669,9 +813,13 @@ class GroupVerdicts:
 
 
 def too_large(model: str, cost_tokens: int) -> ProxyError:
-    return ProxyError(400, f"the request needs {cost_tokens} tokens (estimated prompt + n * max_tokens), more "
-                           f"than any upstream of {model!r} allows per minute", "request_too_large",
-                      param="max_tokens")
+    return ProxyError(
+        400,
+        f"the request needs {cost_tokens} tokens (estimated prompt + n * max_tokens), more "
+        f"than any upstream of {model!r} allows per minute",
+        "request_too_large",
+        param="max_tokens",
+    )
 
 
 def add_usage(total: dict[str, int], usage: object) -> None:

@@ -129,8 +129,9 @@ class Admitter(Generic[T]):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def admit(self, job: str, priority: str, cost_tokens: int, timeout_s: float,
-                    try_admit: TryAdmit) -> tuple[T, float]:
+    async def admit(
+        self, job: str, priority: str, cost_tokens: int, timeout_s: float, try_admit: TryAdmit
+    ) -> tuple[T, float]:
         """A grant and the seconds spent queued for it (0 when the budget was free at once)."""
         loop = asyncio.get_running_loop()
         started = loop.time()

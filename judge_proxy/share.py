@@ -58,7 +58,9 @@ WEIGHT_TTL_S = 10.0
 LENDER_KEEPS = 0.5
 """A bucket lends only what it holds above this share of its capacity."""
 
-_SHARE = NOW_S_LUA + """
+_SHARE = (
+    NOW_S_LUA
+    + """
 -- The active jobs (asked within active_s), each bucket and the group's level refilled to now.
 local function load(state, asked, now, capacity, rate, active_s)
   local horizon = '(' .. string.format('%.6f', now - active_s)
@@ -88,8 +90,11 @@ local function store(state, group, now)
   redis.call('HSET', state, unpack(fields))
 end
 """
+)
 
-_RESERVE = _SHARE + """
+_RESERVE = (
+    _SHARE
+    + """
 -- KEYS: state, asked. ARGV: capacity, rate, active_s, job, weight, cost, lender_keeps
 local capacity, rate, active_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local job, cost, keeps = ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -130,8 +135,11 @@ group.g = group.g - cost
 store(KEYS[1], group, now)
 return {1, '0', tostring(share), tostring(group.fill[job] * cap(job)), tostring(borrowed)}
 """
+)
 
-_REFUND = _SHARE + """
+_REFUND = (
+    _SHARE
+    + """
 -- KEYS: state, asked. ARGV: capacity, rate, active_s, job, tokens (negative: a further charge)
 local capacity, rate, active_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local job, tokens = ARGV[4], tonumber(ARGV[5])
@@ -147,6 +155,7 @@ end
 store(KEYS[1], group, now)
 return tostring(left)
 """
+)
 
 
 def burst_tokens(config: UpstreamConfig) -> float:
@@ -199,7 +208,8 @@ class Share:
         or take nothing and say how long its own refill needs; either way `job` counts as
         active, with `weight`, from now."""
         admitted, wait, share, left, borrowed = await self._reserve(
-            self.keys, [*self._limits, job, weight, tokens, LENDER_KEEPS])
+            self.keys, [*self._limits, job, weight, tokens, LENDER_KEEPS]
+        )
         return Held(bool(admitted), float(wait), float(share), float(left), float(borrowed))
 
     async def refund(self, job: str, tokens: float) -> float:

@@ -75,8 +75,9 @@ def user_reply(system: str, transcript: str) -> str | None:
         thought, response = f"It asked which {category}; I say which.", f"I mean {target}."
     else:
         thought, response = "It gave its answer; nothing more to ask for.", END_MARKER
-    return json.dumps({"current_answer": "" if response != END_MARKER else last_assistant,
-                       "thought": thought, "response": response})
+    return json.dumps(
+        {"current_answer": "" if response != END_MARKER else last_assistant, "thought": thought, "response": response}
+    )
 
 
 def role_play_reply(system: str, messages: list[dict]) -> str:
@@ -90,6 +91,7 @@ def role_play_reply(system: str, messages: list[dict]) -> str:
 
 
 # ---- extraction ----------------------------------------------------------------------
+
 
 def extraction_reply(request: str) -> str:
     """{"final": the last fenced block of the assistant's turns, or ""}."""
@@ -154,8 +156,11 @@ def verdict_reply(system: str, case: str) -> str | None:
     read = read_case(case)
     reference = read.reference or ""
     if read.candidates:
-        objects = [{"candidate": number} | scored for number, turns in read.candidates.items()
-                   if (scored := verdict_of(system, stripped(turns), reference)) is not None]
+        objects = [
+            {"candidate": number} | scored
+            for number, turns in read.candidates.items()
+            if (scored := verdict_of(system, stripped(turns), reference)) is not None
+        ]
         if len(objects) < len(read.candidates):
             return None
         return f"Scoring each candidate against the anchors.\n{json.dumps(objects)}"

@@ -46,22 +46,33 @@ class UpstreamConfig(BaseModel):
     timeout_s: float = Field(60.0, gt=0)
     tokenizer: str | None = Field(None, description="Local tokenizer.json for prompt estimates; chars/4 when unset.")
     structured_output: bool = Field(
-        False, description="The upstream constrains a reply to a JSON schema given as `response_format` (vLLM's "
-                           "structured outputs, OpenAI's json_schema): verdicts are asked for that way. Upstreams "
-                           "of one `model` must agree.")
+        False,
+        description="The upstream constrains a reply to a JSON schema given as `response_format` (vLLM's "
+        "structured outputs, OpenAI's json_schema): verdicts are asked for that way. Upstreams "
+        "of one `model` must agree.",
+    )
     limit_model: LimitModel = Field(
-        "window", description="How the provider enforces tpm/rpm: 'window' (a strict trailing window; "
-                              "the safe choice, a bucket accepts whatever a window does) or 'bucket' "
-                              "(continuous refill, a minute's burst allowed).")
+        "window",
+        description="How the provider enforces tpm/rpm: 'window' (a strict trailing window; "
+        "the safe choice, a bucket accepts whatever a window does) or 'bucket' "
+        "(continuous refill, a minute's burst allowed).",
+    )
     window_s: float = Field(60.0, gt=0, description="The provider's trailing window ('window' only).")
-    pace_s: float = Field(6.0, ge=0, description="'window' only: admissions paced at tpm/60 a second, at most "
-                                                 "this many seconds' worth at once (0: no pacing).")
-    prompt_margin: float = Field(0.05, ge=0, le=1, description="Reserve this share above the learned prompt "
-                                                              "token count.")
+    pace_s: float = Field(
+        6.0,
+        ge=0,
+        description="'window' only: admissions paced at tpm/60 a second, at most "
+        "this many seconds' worth at once (0: no pacing).",
+    )
+    prompt_margin: float = Field(
+        0.05, ge=0, le=1, description="Reserve this share above the learned prompt token count."
+    )
     prompt_ratio_band: tuple[float, float] = Field(
-        PROMPT_RATIO_BAND, description="[low, high] around 1: the learned ratio of the upstream's prompt count "
-                                       "to the local estimate stays inside; a call whose own ratio lies outside "
-                                       "teaches nothing and is counted as an outlier.")
+        PROMPT_RATIO_BAND,
+        description="[low, high] around 1: the learned ratio of the upstream's prompt count "
+        "to the local estimate stays inside; a call whose own ratio lies outside "
+        "teaches nothing and is counted as an outlier.",
+    )
 
     @field_validator("prompt_ratio_band")
     @classmethod
@@ -168,8 +179,9 @@ def request_texts(request: Mapping) -> Iterator[str]:
         yield from json_texts(request.get(field))
 
 
-def estimate_prompt_tokens(messages: list[dict], count_tokens: Callable[[str], int] = chars_over_4,
-                           request: Mapping | None = None) -> int:
+def estimate_prompt_tokens(
+    messages: list[dict], count_tokens: Callable[[str], int] = chars_over_4, request: Mapping | None = None
+) -> int:
     """The prompt tokens of `messages` (and of `request`'s billed fields, `request` being
     the whole body) by `count_tokens`: each text counted on its own, plus the chat format's
     overheads."""
@@ -222,7 +234,8 @@ class Upstream:
         if self.http is None or self.http.closed:
             self.http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
-                connector=aiohttp.TCPConnector(limit=self.config.max_concurrency))
+                connector=aiohttp.TCPConnector(limit=self.config.max_concurrency),
+            )
         try:
             return await self._post_once(payload, headers, stream)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:

@@ -22,8 +22,11 @@ def main() -> None:
     from services.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m learner")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue a job left RUNNING from its newest checkpoint (else it is failed)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a job left RUNNING from its newest checkpoint (else it is failed)",
+    )
     args = parser.parse_args()
     settings = LearnerSettings()
     if args.resume:

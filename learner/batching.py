@@ -46,8 +46,9 @@ def round_robin(lengths: list[int], k: int) -> list[list[int]]:
     return [list(range(len(lengths)))[r::k] for r in range(k)]
 
 
-def partition(lengths: list[int], dp_size: int, max_tokens_per_rank: int,
-              split=karmarkar_karp) -> list[list[list[int]]]:
+def partition(
+    lengths: list[int], dp_size: int, max_tokens_per_rank: int, split=karmarkar_karp
+) -> list[list[list[int]]]:
     """Per rank, its micro-batches (lists of sequence indices).
 
     k grows in steps of `dp_size` until every partition `split` makes fits under

@@ -95,8 +95,7 @@ def load(trainer: Trainer, path: Path) -> dict:
     """All ranks: restore shards, optimizer, reference, RNG and scheduler; returns the meta."""
     state = _state(trainer)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if trainer.reference is not None:
         set_state_dict(trainer.reference, [], model_state_dict=state["reference"], optim_state_dict={})
     # Resumed on more ranks than wrote the checkpoint (a learner on more nodes): the new
@@ -120,8 +119,9 @@ def export(runs_dir: str | Path, job_id: str, step: int, out_dir: Path) -> Path:
     path = checkpoint_dir(runs_dir, job_id, step)
     if not (path / META).exists():
         have = ", ".join(map(str, steps(runs_dir, job_id))) or "none"
-        raise FileNotFoundError(f"job {job_id} has no complete checkpoint at step {step} under {runs_dir} "
-                                f"(complete checkpoints: {have})")
+        raise FileNotFoundError(
+            f"job {job_id} has no complete checkpoint at step {step} under {runs_dir} (complete checkpoints: {have})"
+        )
     spec = JobSpec.model_validate_json((Path(runs_dir) / job_id / SPEC).read_text())
     model = AutoModelForCausalLM.from_pretrained(spec.model.local_folder(), dtype=torch.float32)
     state = {"model": model.state_dict()}

@@ -58,7 +58,11 @@ class Control:
         data = msgspec.msgpack.encode(command) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         dist.broadcast(buf, src=0, group=self.group)
         return msgspec.msgpack.decode(buf.numpy().tobytes(), type=Command)
 
@@ -112,8 +116,11 @@ class Worker:
                 spec = JobSpec.model_validate_json(command.spec_json)
                 self.trainer = Trainer(spec, self.device)
                 self.sender = WeightSender(
-                    self.trainer, command.job_id, self.settings.weight_bucket_mib,
-                    self.settings.weight_timeout_s, self.settings.advertise_host,
+                    self.trainer,
+                    command.job_id,
+                    self.settings.weight_bucket_mib,
+                    self.settings.weight_timeout_s,
+                    self.settings.advertise_host,
                     self.settings.weight_store_port,
                 )
                 return {"can_pack": self.trainer.can_pack}

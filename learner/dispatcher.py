@@ -100,8 +100,11 @@ class Dispatcher:
             async with self.client.pipeline(transaction=False) as pipe:
                 for task_id in range(self.next_task_id, self.next_task_id + count):
                     task = protocol.Task(
-                        job_id=self.job_id, task_id=task_id, example=self.example(task_id),
-                        group_size=self.spec.rollout.group_size, dispatched_version=version,
+                        job_id=self.job_id,
+                        task_id=task_id,
+                        example=self.example(task_id),
+                        group_size=self.spec.rollout.group_size,
+                        dispatched_version=version,
                     )
                     pipe.xadd(Keys.tasks(self.job_id), {FIELD: protocol.encode(task)})
                 await pipe.execute()
@@ -140,8 +143,13 @@ class Dispatcher:
         return None
 
     def state(self) -> dict:
-        return {"next_task_id": self.next_task_id, "replaced": self.replaced, "dead_cursor": self.dead_cursor,
-                "admitted_at": self.admitted_at, "lost": sorted(self.lost)}
+        return {
+            "next_task_id": self.next_task_id,
+            "replaced": self.replaced,
+            "dead_cursor": self.dead_cursor,
+            "admitted_at": self.admitted_at,
+            "lost": sorted(self.lost),
+        }
 
     def load_state(self, state: dict) -> None:
         self.next_task_id = state["next_task_id"]

@@ -59,8 +59,9 @@ class Driver:
     async def serve(self, once: bool = False) -> None:
         """Claim and run jobs one at a time (a job left pending by a crash comes first)."""
         serve_metrics(self.settings.metrics_port, self.health)
-        queue = await StreamConsumer(self.redis, Keys.jobs_pending, "learners", "learner",
-                                     protocol.JobRef, Keys.jobs_pending + ":dead").setup()
+        queue = await StreamConsumer(
+            self.redis, Keys.jobs_pending, "learners", "learner", protocol.JobRef, Keys.jobs_pending + ":dead"
+        ).setup()
         backlog = await queue.read_own_pending(1)
         while True:
             deliveries = backlog or await queue.read(1, block_ms=1000)
@@ -116,9 +117,13 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
     spec = JobSpec.model_validate(record["spec"])
     resuming = record["status"] == jobs.JobStatus.RUNNING.value
     if resuming and not settings.resume:
-        await jobs.set_status(client, job_id, jobs.JobStatus.FAILED,
-                              "the learner restarted during this job; start it with --resume to continue "
-                              "from the last checkpoint", settings.job_retention_s)
+        await jobs.set_status(
+            client,
+            job_id,
+            jobs.JobStatus.FAILED,
+            "the learner restarted during this job; start it with --resume to continue from the last checkpoint",
+            settings.job_retention_s,
+        )
         return None
     if not await jobs.set_status(client, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
         log.info("job %s was cancelled before it started", job_id)
@@ -126,7 +131,7 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
     return spec, resuming
 
 
-def job_run(driver: Driver, job_id: str, spec: JobSpec) -> "JobRun":
+def job_run(driver: Driver, job_id: str, spec: JobSpec) -> JobRun:
     """The loop a job's kind runs."""
     from learner.generate import GenerateRun  # they build on JobRun, defined below
     from learner.offline import OfflineRun
@@ -163,14 +168,24 @@ class JobRun:
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()
         trajectories = await StreamConsumer(
-            self.redis, Keys.trajectories(self.job_id), "learner", "learner",
-            protocol.TrajectoryGroup, Keys.dead(self.job_id),
+            self.redis,
+            Keys.trajectories(self.job_id),
+            "learner",
+            "learner",
+            protocol.TrajectoryGroup,
+            Keys.dead(self.job_id),
         ).setup()
         every = self.spec.train.checkpoint_every
-        self.intake = BatchIntake(self.job_id, self.spec.train, trajectories, self.dispatcher,
-                                  Acks(trajectories, deferred=every > 0),
-                                  policy.vocab_size(self.spec.model.local_folder()), GroupLog(self.run_dir),
-                                  self.spec.train.stragglers)
+        self.intake = BatchIntake(
+            self.job_id,
+            self.spec.train,
+            trajectories,
+            self.dispatcher,
+            Acks(trajectories, deferred=every > 0),
+            policy.vocab_size(self.spec.model.local_folder()),
+            GroupLog(self.run_dir),
+            self.spec.train.stragglers,
+        )
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_cancel)
@@ -208,7 +223,9 @@ class JobRun:
         if train.algorithm == "dpo":  # online DPO: each group's best and worst response
             pairs, too_long = preference.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
             metrics = self.worker.run(Command(kind="dpo", samples=pairs)) | {
-                "pairs_too_long": float(too_long), "trained_tokens": sum(sum(s.mask) for s in pairs)}
+                "pairs_too_long": float(too_long),
+                "trained_tokens": sum(sum(s.mask) for s in pairs),
+            }
         else:
             metrics = self.worker.run(Command(kind="rl", samples=[s for g in groups for s in g.samples]))
         step_seconds = time.perf_counter() - started
@@ -216,8 +233,16 @@ class JobRun:
         self.step += 1
         sync = await self.publisher.publish(self.version)
         await self.intake.trained_on(batch)
-        record = rl_record(self.step, self.version, groups, metrics, step_seconds, sync["seconds"],
-                           self.steps.waited(wait_s), self.counts())
+        record = rl_record(
+            self.step,
+            self.version,
+            groups,
+            metrics,
+            step_seconds,
+            sync["seconds"],
+            self.steps.waited(wait_s),
+            self.counts(),
+        )
         self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)
         await self.steps.write(record, self.step, self.version)
@@ -243,17 +268,23 @@ class JobRun:
         only a stop (SIGTERM, `stopping`) writes one: the job resumes from it."""
         path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
         if (self.spec.train.checkpoint_every == 0 and not stopping) or (
-                path == checkpoint.latest(self.settings.runs_dir, self.job_id) and not self.intake.acks.unacked):
+            path == checkpoint.latest(self.settings.runs_dir, self.job_id) and not self.intake.acks.unacked
+        ):
             return
         meta = {
-            "step": self.step, "version": self.version, "trained": sorted(self.intake.trained),
-            "counts": self.counts(), "dispatcher": self.dispatcher.state(),
+            "step": self.step,
+            "version": self.version,
+            "trained": sorted(self.intake.trained),
+            "counts": self.counts(),
+            "dispatcher": self.dispatcher.state(),
             "history_length": await self.steps.length(),
         }
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
         await self.intake.acks.flush()
-        await self.redis.rpush(Keys.checkpoints(self.job_id), json.dumps(
-            {"step": self.step, "version": self.version, "path": str(path), "time": time.time()}))
+        await self.redis.rpush(
+            Keys.checkpoints(self.job_id),
+            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
+        )
         keep = self.settings.keep_checkpoints
         for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
             log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
@@ -266,8 +297,9 @@ class JobRun:
         path = checkpoint.latest(self.settings.runs_dir, self.job_id)
         if path is None:
             if await self.redis.xlen(Keys.tasks(self.job_id)):
-                raise RuntimeError("cannot resume: tasks were dispatched but there is no checkpoint "
-                                   "(train.checkpoint_every = 0?)")
+                raise RuntimeError(
+                    "cannot resume: tasks were dispatched but there is no checkpoint (train.checkpoint_every = 0?)"
+                )
             log.info("no checkpoint yet and nothing dispatched: starting job %s over", self.job_id)
             await self.steps.trim(0)
             return False

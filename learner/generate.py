@@ -34,7 +34,7 @@ GENERATED = Counter("tandem_learner_generated_rows_total", "Rows a generate job 
 DATASETS = {
     "sft": "conversations of the best responses: {messages, example, task_id, task metrics}",
     "pairs": "per turn, the best and the worst response by MR: {context_ids, chosen_ids, rejected_ids, "
-             "chosen_score, rejected_score, turn, example, task_id, context, chosen_text, rejected_text}",
+    "chosen_score, rejected_score, turn, example, task_id, context, chosen_text, rejected_text}",
 }
 
 
@@ -53,14 +53,28 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
             continue
         chosen, rejected = picked
         start = chosen.mask.index(1)
-        context = group.conversation[:int(chosen.metrics.get("context_messages", 0))]
-        pairs.append(preference.pair_row(
-            chosen.tokens[:start], chosen, rejected, turn=turn, example=example, task_id=group.task_id,
-            context=context, chosen_text=text.get(chosen.sample_id, ""), rejected_text=text.get(rejected.sample_id, "")))
+        context = group.conversation[: int(chosen.metrics.get("context_messages", 0))]
+        pairs.append(
+            preference.pair_row(
+                chosen.tokens[:start],
+                chosen,
+                rejected,
+                turn=turn,
+                example=example,
+                task_id=group.task_id,
+                context=context,
+                chosen_text=text.get(chosen.sample_id, ""),
+                rejected_text=text.get(rejected.sample_id, ""),
+            )
+        )
     sft = None
     if group.conversation_metrics.get("well_formed", 0.0) == 1.0:
-        sft = {"messages": group.conversation, "example": example, "task_id": group.task_id,
-               **{k: v for k, v in group.conversation_metrics.items() if k != "well_formed"}}
+        sft = {
+            "messages": group.conversation,
+            "example": example,
+            "task_id": group.task_id,
+            **{k: v for k, v in group.conversation_metrics.items() if k != "well_formed"},
+        }
     return sft, pairs, without
 
 
@@ -69,8 +83,10 @@ class GenerateRun(JobRun):
 
     async def run(self, resuming: bool = False) -> None:
         if resuming:
-            raise RuntimeError(f"a generate job does not resume; submit it again (the rows written so far are in "
-                               f"{self.run_dir / 'dataset'})")
+            raise RuntimeError(
+                f"a generate job does not resume; submit it again (the rows written so far are in "
+                f"{self.run_dir / 'dataset'})"
+            )
         folder = self.run_dir / "dataset"
         folder.mkdir(parents=True, exist_ok=True)
         self.files = {name: folder / f"{name}.jsonl" for name in DATASETS}
@@ -78,11 +94,16 @@ class GenerateRun(JobRun):
             path.write_text("")
         self.counts_written = dict.fromkeys(DATASETS, 0)
         trajectories = await StreamConsumer(
-            self.redis, Keys.trajectories(self.job_id), "learner", "learner",
-            protocol.TrajectoryGroup, Keys.dead(self.job_id),
+            self.redis,
+            Keys.trajectories(self.job_id),
+            "learner",
+            "learner",
+            protocol.TrajectoryGroup,
+            Keys.dead(self.job_id),
         ).setup()
-        self.intake = BatchIntake(self.job_id, self.spec.train, trajectories, self.dispatcher,
-                                  Acks(trajectories, deferred=False))
+        self.intake = BatchIntake(
+            self.job_id, self.spec.train, trajectories, self.dispatcher, Acks(trajectories, deferred=False)
+        )
         await self.warm_start()
         await self.publish_datasets()
         await self.publisher.wait_for_servers(self.check_cancel)
@@ -92,8 +113,9 @@ class GenerateRun(JobRun):
         while done < total:
             await self.check_cancel()
             waited = time.monotonic()
-            batch = await self.intake.collect(self.version, self.while_waiting,
-                                              size=min(self.spec.train.batch_size, total - done))
+            batch = await self.intake.collect(
+                self.version, self.while_waiting, size=min(self.spec.train.batch_size, total - done)
+            )
             done += len(batch)
             await self.write(batch, done, time.monotonic() - waited)
 
@@ -102,8 +124,9 @@ class GenerateRun(JobRun):
         groups: list[protocol.TrajectoryGroup] = [d.message for d in batch]
         sft_rows, pair_rows, without = [], [], 0
         for group in groups:
-            sft, pairs, missing = group_rows(group, self.dispatcher.example(group.task_id),
-                                             self.spec.generate.pair_margin)
+            sft, pairs, missing = group_rows(
+                group, self.dispatcher.example(group.task_id), self.spec.generate.pair_margin
+            )
             sft_rows += [sft] if sft else []
             pair_rows += pairs
             without += missing
@@ -116,12 +139,18 @@ class GenerateRun(JobRun):
         await self.intake.trained_on(batch)
         spreads = [p["chosen_score"] - p["rejected_score"] for p in pair_rows]
         record = {
-            "phase": "generate", "step": done, "version": self.version, "conversations": done,
-            "sft_rows": self.counts_written["sft"], "pairs": self.counts_written["pairs"],
-            "turns_without_pair": without, "pair_score_gap_mean": sum(spreads) / max(len(spreads), 1),
+            "phase": "generate",
+            "step": done,
+            "version": self.version,
+            "conversations": done,
+            "sft_rows": self.counts_written["sft"],
+            "pairs": self.counts_written["pairs"],
+            "turns_without_pair": without,
+            "pair_score_gap_mean": sum(spreads) / max(len(spreads), 1),
             "responses": sum(len(g.samples) for g in groups),
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
-            **mean_by_key([g.conversation_metrics for g in groups]), **self.steps.waited(wait_s),
+            **mean_by_key([g.conversation_metrics for g in groups]),
+            **self.steps.waited(wait_s),
         }
         await self.steps.write(record, done, self.version)
 
@@ -130,7 +159,16 @@ class GenerateRun(JobRun):
         job does not resume."""
 
     async def publish_datasets(self) -> None:
-        await self.redis.hset(Keys.datasets(self.job_id), mapping={
-            name: json.dumps({"path": str(Path(path).resolve()), "rows": self.counts_written[name],
-                              "description": DATASETS[name]})
-            for name, path in self.files.items()})
+        await self.redis.hset(
+            Keys.datasets(self.job_id),
+            mapping={
+                name: json.dumps(
+                    {
+                        "path": str(Path(path).resolve()),
+                        "rows": self.counts_written[name],
+                        "description": DATASETS[name],
+                    }
+                )
+                for name, path in self.files.items()
+            },
+        )

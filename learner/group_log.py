@@ -29,11 +29,17 @@ def group_record(group: protocol.TrajectoryGroup, decision: str, version: int, a
     rewards = [s.reward for s in group.samples] or [0.0]
     oldest = group.min_version()
     return {
-        "task_id": group.task_id, "decision": decision, "learner_version": version,
-        "dispatched_version": group.dispatched_version, "behaviour_version": oldest,
+        "task_id": group.task_id,
+        "decision": decision,
+        "learner_version": version,
+        "dispatched_version": group.dispatched_version,
+        "behaviour_version": oldest,
         "staleness": None if oldest is None else version - oldest,
-        "elapsed_s": group.elapsed_s, "arrived_s": arrived_s, "server_id": group.server_id,
-        "samples": len(group.samples), "reward_mean": sum(rewards) / len(rewards),
+        "elapsed_s": group.elapsed_s,
+        "arrived_s": arrived_s,
+        "server_id": group.server_id,
+        "samples": len(group.samples),
+        "reward_mean": sum(rewards) / len(rewards),
         "reward_spread": max(rewards) - min(rewards),
         "metrics": mean_by_key([s.metrics for s in group.samples]),
         **reward_sources(group.samples),

@@ -42,7 +42,7 @@ def alerts(rules: list[HealthRule], recent: list[dict]) -> list[Alert]:
     so a long stretch warns once, when it reaches `steps`."""
     fired = []
     for rule in rules:
-        stretch = recent[-rule.steps:]
+        stretch = recent[-rule.steps :]
         if len(stretch) < rule.steps or not all(holds(rule, r) for r in stretch):
             continue
         before = recent[-rule.steps - 1] if len(recent) > rule.steps else None

@@ -23,9 +23,11 @@ from services.queues import Delivery, StreamConsumer
 
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
-HELD_OVER = Counter("tandem_learner_held_over_total",
-                    "Groups held over to a later batch, once each (stragglers: wait kept the places for older tasks)",
-                    ["job"])
+HELD_OVER = Counter(
+    "tandem_learner_held_over_total",
+    "Groups held over to a later batch, once each (stragglers: wait kept the places for older tasks)",
+    ["job"],
+)
 
 
 LOGPROB_SLACK = 1e-4
@@ -118,9 +120,17 @@ def latest_fitting(owed: list[int], places: int, batch_size: int) -> int | None:
 class BatchIntake:
     COUNTS = ("stale_dropped", "duplicates", "held_over")
 
-    def __init__(self, job_id: str, train: TrainSpec, trajectories: StreamConsumer, dispatcher: Dispatcher,
-                 acks: Acks, vocab_size: int | None = None, log: GroupLog | None = None,
-                 stragglers: str = "drop") -> None:
+    def __init__(
+        self,
+        job_id: str,
+        train: TrainSpec,
+        trajectories: StreamConsumer,
+        dispatcher: Dispatcher,
+        acks: Acks,
+        vocab_size: int | None = None,
+        log: GroupLog | None = None,
+        stragglers: str = "drop",
+    ) -> None:
         self.job_id = job_id
         self.train = train
         self.stragglers = stragglers
@@ -152,8 +162,9 @@ class BatchIntake:
         pending = sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == consumer.consumer)
         self.backlog = await consumer.read_own_pending(pending) if pending else []
 
-    async def collect(self, version: int, when_idle: Callable[[], Awaitable[None]],
-                      size: int | None = None) -> list[Delivery]:
+    async def collect(
+        self, version: int, when_idle: Callable[[], Awaitable[None]], size: int | None = None
+    ) -> list[Delivery]:
         """`size` (default `batch_size`) fresh groups of distinct, untrained tasks for the
         step after `version`, keeping the dispatcher topped up; `when_idle` runs whenever a
         read finds nothing. With `stragglers: wait` a group takes a place only if every task
@@ -230,18 +241,23 @@ class BatchIntake:
         """Admitted tasks neither trained nor lost, oldest first."""
         lost = self.dispatcher.lost
         while self.done_below < self.dispatcher.next_task_id and (
-                self.done_below in self.trained or self.done_below in lost):
+            self.done_below in self.trained or self.done_below in lost
+        ):
             lost.discard(self.done_below)
             self.done_below += 1
-        return [t for t in range(self.done_below, self.dispatcher.next_task_id)
-                if t not in self.trained and t not in lost]
+        return [
+            t for t in range(self.done_below, self.dispatcher.next_task_id) if t not in self.trained and t not in lost
+        ]
 
     def eligible(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """Whether `decide` would take the group into the batch (without deciding)."""
         group: protocol.TrajectoryGroup = delivery.message
-        return (group.task_id not in self.trained and group.task_id not in seen
-                and not invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
-                and not self.over_stale(group, version))
+        return (
+            group.task_id not in self.trained
+            and group.task_id not in seen
+            and not invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
+            and not self.over_stale(group, version)
+        )
 
     def over_stale(self, group: protocol.TrajectoryGroup, version: int) -> bool:
         """Older than `max_staleness` at `version` (unless late groups are admitted), or

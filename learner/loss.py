@@ -36,7 +36,6 @@ import torch
 
 from services.config import LossSpec
 
-
 MAXIMA = frozenset({"is_weight_max"})
 """Metrics of `policy_loss` that are maxima over tokens: they combine by max across
 micro-batches, ranks and minibatches."""
@@ -80,8 +79,9 @@ def ppo_ratio(theta: torch.Tensor, prox: torch.Tensor) -> torch.Tensor:
     return torch.exp(theta - prox.detach())
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """min(r A, clip(r, 1-eps_low, 1+eps_high) A) and a mask of the tokens where the clip bites."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
@@ -93,8 +93,9 @@ def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> t
     return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
 
 
-def behaviour_ratio(prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
-                    num_seqs: int, spec: LossSpec) -> torch.Tensor:
+def behaviour_ratio(
+    prox: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec: LossSpec
+) -> torch.Tensor:
     """[T] pi_prox / mu per token (detached); at sequence level the product of the
     sequence's token ratios, the same for each of its tokens."""
     log_ratio = (prox - mu).detach() * mask
@@ -149,8 +150,9 @@ def normaliser(spec: LossSpec, num_tokens: int, num_sequences: int) -> float:
     return float(max(num_tokens if spec.normalise == "token" else num_sequences, 1))
 
 
-def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec: LossSpec,
-                  normaliser: float) -> torch.Tensor:
+def token_weights(
+    mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, spec: LossSpec, normaliser: float
+) -> torch.Tensor:
     """[T] the factor each token's term gets: 1/normaliser per token (token mode) or
     1/(len(seq) * normaliser) (sequence mode: each sequence's mean counts once)."""
     if spec.normalise == "token":
@@ -189,19 +191,34 @@ def policy_loss(inputs: LossInputs, spec: LossSpec, normaliser: float) -> LossOu
     return LossOutputs(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
 
 
-DPO_METRICS = ("pairs", "preference_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
-               "logprob_chosen", "logprob_rejected")
+DPO_METRICS = (
+    "pairs",
+    "preference_accuracy",
+    "reward_margin",
+    "reward_chosen",
+    "reward_rejected",
+    "logprob_chosen",
+    "logprob_rejected",
+)
 """What `dpo_loss` reports: `pairs` is a count; the others are sums over pairs, reported per pair."""
 
 
-def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
-                      num_seqs: int) -> torch.Tensor:
+def sequence_logprobs(
+    token_logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int
+) -> torch.Tensor:
     """[T] -> [S]: each sequence's logprob of its trained tokens (the response)."""
     return segment_sum(token_logprobs * mask, seq_ids, num_seqs)
 
 
-def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             beta: float, kind: str, normaliser: float) -> LossOutputs:
+def dpo_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    kind: str,
+    normaliser: float,
+) -> LossOutputs:
     """The preference loss of a rank's pairs: [P] sequence logprobs of the chosen and the
     rejected responses under the policy (with grad) and the reference (without);
     `normaliser` is the global count of pairs. The implicit rewards are beta times the

@@ -31,8 +31,15 @@ class MicroBatch:
 
 
 class Collator:
-    def __init__(self, rank: int, world_size: int, max_tokens_per_rank: int, can_pack: bool,
-                 device: torch.device, split=batching.karmarkar_karp) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        max_tokens_per_rank: int,
+        can_pack: bool,
+        device: torch.device,
+        split=batching.karmarkar_karp,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -69,8 +76,9 @@ class Collator:
             keep = [j < len(s) for s in sequences for j in range(width)]
             seq_ids = [i for i, s in enumerate(sequences) for _ in s]
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return MicroBatch(as_long(rows), as_long(pos_rows), as_long(seq_ids),
-                          torch.tensor(keep, device=self.device), list(indices))
+        return MicroBatch(
+            as_long(rows), as_long(pos_rows), as_long(seq_ids), torch.tensor(keep, device=self.device), list(indices)
+        )
 
     def per_token(self, samples: list[Sample], micro: MicroBatch, field: str) -> torch.Tensor:
         """[T] a per-token field of the micro-batch's samples (mask, logprobs), as floats."""
@@ -81,5 +89,6 @@ class Collator:
         """[T] each sample's advantage, repeated over its tokens."""
         if not micro.samples:
             return torch.zeros(1, device=self.device)
-        return torch.cat([torch.full((len(samples[j].tokens),), samples[j].advantage, device=self.device)
-                          for j in micro.samples])
+        return torch.cat(
+            [torch.full((len(samples[j].tokens),), samples[j].advantage, device=self.device) for j in micro.samples]
+        )

@@ -44,7 +44,7 @@ class OfflineRun(JobRun):
         train = self.spec.train
         vocab = policy.vocab_size(self.spec.model.local_folder())
         samples = preference.load_pairs(train.data, vocab, max_pair_tokens=train.max_tokens_per_rank)
-        pairs = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        pairs = [samples[i : i + 2] for i in range(0, len(samples), 2)]
         if not (resuming and await self.resume()):
             await self.warm_start()
             self.worker.run(Command(kind="start_rl"))
@@ -65,10 +65,15 @@ class OfflineRun(JobRun):
         metrics = self.worker.run(Command(kind="dpo", samples=samples))
         self.step += 1
         self.version += 1
-        record = {"phase": "offline", "step": self.step, "version": self.version,
-                  "epoch": self.step * self.spec.train.batch_size / num_pairs,
-                  "trained_tokens": sum(sum(s.mask) for s in samples),
-                  "step_seconds": time.perf_counter() - started, **metrics}
+        record = {
+            "phase": "offline",
+            "step": self.step,
+            "version": self.version,
+            "epoch": self.step * self.spec.train.batch_size / num_pairs,
+            "trained_tokens": sum(sum(s.mask) for s in samples),
+            "step_seconds": time.perf_counter() - started,
+            **metrics,
+        }
         await self.steps.write(record, self.step, self.version)
 
     async def checkpoint(self, stopping: bool = False) -> None:
@@ -77,8 +82,10 @@ class OfflineRun(JobRun):
         path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
         meta = {"step": self.step, "version": self.version, "history_length": await self.steps.length()}
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
-        await self.redis.rpush(Keys.checkpoints(self.job_id), json.dumps(
-            {"step": self.step, "version": self.version, "path": str(path), "time": time.time()}))
+        await self.redis.rpush(
+            Keys.checkpoints(self.job_id),
+            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
+        )
 
     async def resume(self) -> bool:
         path = checkpoint.latest(self.settings.runs_dir, self.job_id)

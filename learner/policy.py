@@ -47,9 +47,13 @@ def optimizer(model: torch.nn.Module, lr: float, weight_decay: float, decay_step
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, decay)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float,
-                   finite_loss: bool = True) -> tuple[float, bool]:
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float,
+    finite_loss: bool = True,
+) -> tuple[float, bool]:
     """Clip the gradient and step, unless it is exactly zero or not finite, or the loss is
     not (`finite_loss`); returns (norm before clipping, stepped). Skipping leaves the
     parameters, the AdamW moments and the schedule as they were.
@@ -73,6 +77,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def separates_packed_sequences(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether this model's attention keeps packed sequences apart (transformers does so
     from restarting position ids with sdpa/eager/flash); padding is used otherwise."""
+
     def logits(input_ids: torch.Tensor, position_ids: list[int]) -> torch.Tensor:
         positions = torch.tensor([position_ids], device=device)
         return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits

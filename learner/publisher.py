@@ -31,8 +31,12 @@ from services.queues import Keys
 
 log = logging.getLogger(__name__)
 
-SYNC_SECONDS = Histogram("tandem_learner_weight_sync_seconds", "Gather + broadcast of one update",
-                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+SYNC_SECONDS = Histogram(
+    "tandem_learner_weight_sync_seconds",
+    "Gather + broadcast of one update",
+    ["job"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 SERVERS = Gauge("tandem_learner_rollout_servers", "Rollout servers on the job (live, not draining)", ["job"])
 
 
@@ -63,8 +67,11 @@ class WeightPublisher:
         `server_timeout_s`. Any change since the last call is recorded."""
         now = time.time()
         infos = {info.server_id: info for info in await self.job_servers()}
-        live = [server for server, info in infos.items()
-                if now - info.heartbeat < self.settings.server_timeout_s and not info.draining]
+        live = [
+            server
+            for server, info in infos.items()
+            if now - info.heartbeat < self.settings.server_timeout_s and not info.draining
+        ]
         if set(live) != self.members:
             await self.record_membership(live, infos, now)
         return live
@@ -117,10 +124,12 @@ class WeightPublisher:
         started = time.perf_counter()
         for attempt in range(3):
             plan = self.worker.sender.plan(version, await self.live_servers() if servers is None else servers)
-            await self.redis.hset(Keys.weights(self.job_id),
-                                  mapping={"version": version, "plan": protocol.encode(plan)})
-            await self.redis.publish(Keys.events(self.job_id),
-                                     protocol.encode(protocol.JobEvent(kind="version", version=version)))
+            await self.redis.hset(
+                Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}
+            )
+            await self.redis.publish(
+                Keys.events(self.job_id), protocol.encode(protocol.JobEvent(kind="version", version=version))
+            )
             result = self.worker.run(Command(kind="sync", plan=plan))
             SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
             self.counts["regroups" if regroup or attempt else "weight_updates"] += 1

@@ -35,85 +35,141 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
     "grad_norm": Gauge("tandem_learner_grad_norm", "Gradient norm before clipping", ["job"]),
     "entropy": Gauge("tandem_learner_entropy", "Mean policy entropy on trained tokens", ["job"]),
     "mismatch_kl": Gauge("tandem_learner_mismatch_kl", "KL(behaviour || proximal), k3, per token", ["job"]),
-    "kl_ref": Gauge("tandem_learner_kl_ref", "KL to the reference policy per token (behaviour-weighted estimate)", ["job"]),
+    "kl_ref": Gauge(
+        "tandem_learner_kl_ref", "KL to the reference policy per token (behaviour-weighted estimate)", ["job"]
+    ),
     "clip_fraction": Gauge("tandem_learner_clip_fraction", "Share of tokens where the PPO clip bites", ["job"]),
     "is_weight_mean": Gauge("tandem_learner_importance_weight_mean", "Mean behaviour importance weight", ["job"]),
     "is_weight_max": Gauge("tandem_learner_importance_weight_max", "Largest behaviour importance weight", ["job"]),
     "is_masked_fraction": Gauge("tandem_learner_importance_masked_fraction", "Share of tokens masked by MIS", ["job"]),
     "success": Gauge("tandem_learner_task_success", "Task success in the last batch", ["job"]),
-    "zero_spread_share": Gauge("tandem_learner_zero_spread_group_share",
-                               "Share of the last batch's groups whose advantages are all 0 (trained on nothing)",
-                               ["job"]),
-    "is_capped_tokens": Gauge("tandem_learner_importance_capped_tokens",
-                              "Trained tokens of the last step whose importance weight the cap C set", ["job"]),
-    "futures_malformed": Gauge("tandem_learner_futures_malformed_share",
-                               "Share of MR futures a later policy turn left malformed, last batch", ["job"]),
+    "zero_spread_share": Gauge(
+        "tandem_learner_zero_spread_group_share",
+        "Share of the last batch's groups whose advantages are all 0 (trained on nothing)",
+        ["job"],
+    ),
+    "is_capped_tokens": Gauge(
+        "tandem_learner_importance_capped_tokens",
+        "Trained tokens of the last step whose importance weight the cap C set",
+        ["job"],
+    ),
+    "futures_malformed": Gauge(
+        "tandem_learner_futures_malformed_share",
+        "Share of MR futures a later policy turn left malformed, last batch",
+        ["job"],
+    ),
     "judge_tokens_per_trained_token": Gauge(
         "tandem_learner_judge_tokens_per_trained_token",
-        "Judge (verdict) tokens the provider charged for the last batch, per token it trained", ["job"]),
+        "Judge (verdict) tokens the provider charged for the last batch, per token it trained",
+        ["job"],
+    ),
     "llm_tokens_per_trained_token": Gauge(
         "tandem_learner_llm_tokens_per_trained_token",
-        "Judge and user-simulator tokens the provider charged for the last batch, per token it trained", ["job"]),
-    "futures": Gauge("tandem_learner_futures_per_turn", "Mean futures sampled per scored response, last batch",
-                     ["job"]),
-    "futures_max": Gauge("tandem_learner_futures_per_turn_max", "Most futures one response of the last batch got",
-                         ["job"]),
-    "preference_accuracy": Gauge("tandem_learner_preference_accuracy",
-                                 "DPO: share of the last step's pairs the policy prefers as labelled", ["job"]),
-    "reward_margin": Gauge("tandem_learner_dpo_reward_margin",
-                           "DPO: mean implicit reward of chosen minus rejected, last step", ["job"]),
+        "Judge and user-simulator tokens the provider charged for the last batch, per token it trained",
+        ["job"],
+    ),
+    "futures": Gauge(
+        "tandem_learner_futures_per_turn", "Mean futures sampled per scored response, last batch", ["job"]
+    ),
+    "futures_max": Gauge(
+        "tandem_learner_futures_per_turn_max", "Most futures one response of the last batch got", ["job"]
+    ),
+    "preference_accuracy": Gauge(
+        "tandem_learner_preference_accuracy",
+        "DPO: share of the last step's pairs the policy prefers as labelled",
+        ["job"],
+    ),
+    "reward_margin": Gauge(
+        "tandem_learner_dpo_reward_margin", "DPO: mean implicit reward of chosen minus rejected, last step", ["job"]
+    ),
     "pairs": Gauge("tandem_learner_dpo_pairs", "DPO: preference pairs the last step trained", ["job"]),
-    "judge_budget_left": Gauge("tandem_learner_judge_budget_left",
-                               "Share of the judge budget left as the last batch's calls saw it", ["job"]),
-    "skipped_updates": Gauge("tandem_learner_skipped_updates",
-                             "Optimizer updates of the last step skipped for an exactly zero gradient", ["job"]),
-    "nonfinite_updates": Gauge("tandem_learner_nonfinite_updates",
-                               "Optimizer updates of the last step skipped for a NaN or infinite loss or gradient",
-                               ["job"]),
+    "judge_budget_left": Gauge(
+        "tandem_learner_judge_budget_left", "Share of the judge budget left as the last batch's calls saw it", ["job"]
+    ),
+    "skipped_updates": Gauge(
+        "tandem_learner_skipped_updates",
+        "Optimizer updates of the last step skipped for an exactly zero gradient",
+        ["job"],
+    ),
+    "nonfinite_updates": Gauge(
+        "tandem_learner_nonfinite_updates",
+        "Optimizer updates of the last step skipped for a NaN or infinite loss or gradient",
+        ["job"],
+    ),
 }
-MALFORMED = Gauge("tandem_learner_malformed_share",
-                  "Share of the last batch's trained responses the format filter rejected, by reason",
-                  ["job", "reason"])
+MALFORMED = Gauge(
+    "tandem_learner_malformed_share",
+    "Share of the last batch's trained responses the format filter rejected, by reason",
+    ["job", "reason"],
+)
 TRAINED_TOKENS = Counter("tandem_learner_trained_tokens_total", "Tokens trained on", ["job"])
-STALENESS = Histogram("tandem_learner_staleness", "Staleness of trained groups (versions)", ["job"],
-                      buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
-STEP_SECONDS = Histogram("tandem_learner_step_seconds", "Wall time of a training step", ["job"],
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
-IDLE_RATIO = Gauge("tandem_learner_idle_ratio",
-                   "Share of the last minute the learner spent waiting for a batch of groups", ["job"])
-WAIT_SECONDS = Histogram("tandem_learner_batch_wait_seconds", "Time waiting for a batch of groups",
-                         ["job"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+STALENESS = Histogram(
+    "tandem_learner_staleness", "Staleness of trained groups (versions)", ["job"], buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32)
+)
+STEP_SECONDS = Histogram(
+    "tandem_learner_step_seconds",
+    "Wall time of a training step",
+    ["job"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+IDLE_RATIO = Gauge(
+    "tandem_learner_idle_ratio", "Share of the last minute the learner spent waiting for a batch of groups", ["job"]
+)
+WAIT_SECONDS = Histogram(
+    "tandem_learner_batch_wait_seconds",
+    "Time waiting for a batch of groups",
+    ["job"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
 QUEUE_DEPTH = Gauge("tandem_queue_depth", "Entries in a job stream not yet read", ["job", "stream"])
 PENDING = Gauge("tandem_queue_pending", "Entries read but not acknowledged", ["job", "stream"])
 DEAD = Gauge("tandem_queue_dead_letters", "Entries in the job's dead stream", ["job"])
-HEALTH_ALERTS = Counter("tandem_learner_health_alerts_total", "Health rules that fired, by metric and action",
-                        ["job", "metric", "action"])
+HEALTH_ALERTS = Counter(
+    "tandem_learner_health_alerts_total", "Health rules that fired, by metric and action", ["job", "metric", "action"]
+)
 
 
 class JobUnhealthy(Exception):
     """A health rule with action `stop` fired; the message says which and why."""
 
 
-def rl_record(step: int, version: int, groups: list[protocol.TrajectoryGroup], step_metrics: dict,
-              step_seconds: float, sync_seconds: float, waited: dict, counts: dict) -> dict:
+def rl_record(
+    step: int,
+    version: int,
+    groups: list[protocol.TrajectoryGroup],
+    step_metrics: dict,
+    step_seconds: float,
+    sync_seconds: float,
+    waited: dict,
+    counts: dict,
+) -> dict:
     """The record of RL step `step`, which trained `groups` and published `version`: what
     the batch was (rewards, staleness, sizes, tasks), what the step measured, the wait for
     the batch and the job's running counts."""
     samples = [s for g in groups for s in g.samples]
     staleness = [version - 1 - g.min_version() for g in groups if g.min_version() is not None]
     return {
-        "phase": "rl", "step": step, "version": version,
+        "phase": "rl",
+        "step": step,
+        "version": version,
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
         "staleness_max": max(staleness, default=0),
-        "groups": len(groups), "samples": len(samples), "trained_tokens": sum(sum(s.mask) for s in samples),
+        "groups": len(groups),
+        "samples": len(samples),
+        "trained_tokens": sum(sum(s.mask) for s in samples),
         "zero_spread_share": sum(not g.has_spread() for g in groups) / len(groups),
         "task_ids": sorted(g.task_id for g in groups),
         "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
-        "step_seconds": step_seconds, "sync_seconds": sync_seconds,
+        "step_seconds": step_seconds,
+        "sync_seconds": sync_seconds,
         "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
         "staleness_counts": {str(v): staleness.count(v) for v in sorted(set(staleness))},
-        **waited, **mean_by_key([s.metrics for s in samples]), **llm_spend(samples), **step_metrics, **counts,
+        **waited,
+        **mean_by_key([s.metrics for s in samples]),
+        **llm_spend(samples),
+        **step_metrics,
+        **counts,
         **reward_sources(samples),
     }
 
@@ -127,9 +183,12 @@ def llm_spend(samples: list[protocol.Sample]) -> dict[str, float]:
     judge = sum(s.metrics.get("judge_tokens", 0.0) for s in samples)
     simulator = sum(s.metrics.get("simulator_tokens", 0.0) for s in samples)
     trained = max(sum(sum(s.mask) for s in samples), 1)
-    spend = {"judge_tokens_step": judge, "llm_tokens_step": judge + simulator,
-             "judge_tokens_per_trained_token": judge / trained,
-             "llm_tokens_per_trained_token": (judge + simulator) / trained}
+    spend = {
+        "judge_tokens_step": judge,
+        "llm_tokens_step": judge + simulator,
+        "judge_tokens_per_trained_token": judge / trained,
+        "llm_tokens_per_trained_token": (judge + simulator) / trained,
+    }
     futures = [s.metrics["futures"] for s in samples if "futures" in s.metrics]
     if futures:
         spend["futures_max"] = max(futures)
@@ -140,8 +199,9 @@ class StepLog:
     """One job's step records (file, Redis history, gauges), its idle-time accounting and
     its health rules."""
 
-    def __init__(self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule],
-                 keep: int = 10_000) -> None:
+    def __init__(
+        self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule], keep: int = 10_000
+    ) -> None:
         self.redis = client
         self.job_id = job_id
         self.path = run_dir / "metrics.jsonl"
@@ -186,8 +246,11 @@ class StepLog:
         now = time.monotonic()
         IDLE_RATIO.labels(self.job_id).set(self.idle_rate.add(now, self.waited_s))
         rl_seconds = now - self.rl_started
-        return {"batch_wait_seconds": wait_s, "rl_seconds": rl_seconds,
-                "idle_ratio": self.waited_s / rl_seconds if rl_seconds > 0 else 0.0}
+        return {
+            "batch_wait_seconds": wait_s,
+            "rl_seconds": rl_seconds,
+            "idle_ratio": self.waited_s / rl_seconds if rl_seconds > 0 else 0.0,
+        }
 
     def observe_step(self, record: dict) -> None:
         """The step's histograms and counters, from its record (gauges follow from the
@@ -236,8 +299,10 @@ class StepLog:
                 MALFORMED.labels(self.job_id, name.removeprefix("malformed_")).set(value)
 
     async def export_queue_gauges(self) -> None:
-        for name, stream, group in (("tasks", Keys.tasks(self.job_id), "rollout"),
-                                    ("trajectories", Keys.trajectories(self.job_id), "learner")):
+        for name, stream, group in (
+            ("tasks", Keys.tasks(self.job_id), "rollout"),
+            ("trajectories", Keys.trajectories(self.job_id), "learner"),
+        ):
             if not await self.redis.exists(stream):
                 continue
             for info in await self.redis.xinfo_groups(stream):

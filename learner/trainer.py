@@ -38,8 +38,9 @@ class Trainer:
         """DPO: sample id -> sequence logprob under the reference, so that a pair trained
         again (offline epochs) is not scored by the reference again."""
         warm = spec.warm_start
-        self.optimizer, self.scheduler = policy.optimizer(self.model, warm.lr if warm.steps else spec.train.lr,
-                                                          spec.train.weight_decay, decay_steps=warm.steps)
+        self.optimizer, self.scheduler = policy.optimizer(
+            self.model, warm.lr if warm.steps else spec.train.lr, spec.train.weight_decay, decay_steps=warm.steps
+        )
         self.can_pack = policy.separates_packed_sequences(self.model, device)
         self.batches = Collator(self.rank, self.world_size, spec.train.max_tokens_per_rank, self.can_pack, device)
 
@@ -48,13 +49,15 @@ class Trainer:
         policy frozen as the KL reference (same sharding: the shards copy over locally)."""
         self.optimizer, self.scheduler = policy.optimizer(self.model, self.spec.train.lr, self.spec.train.weight_decay)
         if self.spec.train.kl_coef > 0 or self.spec.train.algorithm == "dpo":
-            self.reference = policy.sharded_model(self.spec.model.path, self.device, self.world_size,
-                                                  self.spec.model.dtype)
+            self.reference = policy.sharded_model(
+                self.spec.model.path, self.device, self.world_size, self.spec.model.dtype
+            )
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.requires_grad_(False)
 
-    def token_logprobs(self, micro: MicroBatch, model: torch.nn.Module | None = None,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def token_logprobs(
+        self, micro: MicroBatch, model: torch.nn.Module | None = None, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[T] logprob of each token given the ones before it in its sequence (0 for a
         sequence's first token, which is always context), at the rollout temperature."""
         model = model or self.model
@@ -83,18 +86,23 @@ class Trainer:
         with torch.no_grad():
             micro = [self.batches.micro_batches(p) for p in plans]
             prox = [[self.token_logprobs(m)[0] for m in plan] for plan in micro]
-            ref = ([[self.token_logprobs(m, self.reference)[0] for m in plan] for plan in micro]
-                   if self.reference is not None else None)
+            ref = (
+                [[self.token_logprobs(m, self.reference)[0] for m in plan] for plan in micro]
+                if self.reference is not None
+                else None
+            )
         # A forward without backward leaves the root module unsharded; reshard so the
         # optimizer (which holds the sharded parameters) and the next forward agree.
         self.model.reshard()
         if self.reference is not None:
             self.reference.reshard()
-        return merge_minibatches([self._rl_minibatch(plan, prox[k], ref[k] if ref else None)
-                                  for k, plan in enumerate(plans)])
+        return merge_minibatches(
+            [self._rl_minibatch(plan, prox[k], ref[k] if ref else None) for k, plan in enumerate(plans)]
+        )
 
-    def _rl_minibatch(self, samples: list[Sample], prox: list[torch.Tensor],
-                      ref: list[torch.Tensor] | None) -> dict[str, float]:
+    def _rl_minibatch(
+        self, samples: list[Sample], prox: list[torch.Tensor], ref: list[torch.Tensor] | None
+    ) -> dict[str, float]:
         micro = self.batches.micro_batches(samples)
         num_tokens = sum(sum(s.mask) for s in samples)
         normaliser = loss.normaliser(self.spec.train, num_tokens, len(samples))
@@ -103,8 +111,13 @@ class Trainer:
             theta, entropy = self.token_logprobs(mb, with_entropy=True)
             mask = self.batches.per_token(samples, mb, "mask")
             inputs = loss.LossInputs(
-                theta=theta, prox=prox[i], mu=self.batches.per_token(samples, mb, "logprobs"),
-                advantages=self.batches.advantages(samples, mb), mask=mask, seq_ids=mb.seq_ids, num_seqs=max(len(mb.samples), 1),
+                theta=theta,
+                prox=prox[i],
+                mu=self.batches.per_token(samples, mb, "logprobs"),
+                advantages=self.batches.advantages(samples, mb),
+                mask=mask,
+                seq_ids=mb.seq_ids,
+                num_seqs=max(len(mb.samples), 1),
                 ref=ref[i] if ref else None,
             )
             out = loss.policy_loss(inputs, self.spec.train, normaliser)
@@ -113,8 +126,11 @@ class Trainer:
             totals["entropy"] += (entropy * mask).sum()
         reduced = self._reduce_over_ranks(totals)
         update = self._optimizer_step(reduced["loss"])
-        metrics = {name: value if name in COUNTS | loss.MAXIMA else value / max(num_tokens, 1)
-                   for name, value in reduced.items() if name != "loss"}
+        metrics = {
+            name: value if name in COUNTS | loss.MAXIMA else value / max(num_tokens, 1)
+            for name, value in reduced.items()
+            if name != "loss"
+        }
         return metrics | {"loss": reduced["loss"]} | update
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -145,15 +161,17 @@ class Trainer:
             mask = self.batches.per_token(samples, mb, "mask")
             policy = loss.sequence_logprobs(theta, mask, mb.seq_ids, len(mb.samples))
             ref = reference[mb.samples]
-            out = loss.dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], spec.dpo_beta, spec.dpo_loss,
-                                max(num_pairs, 1))
+            out = loss.dpo_loss(
+                policy[0::2], policy[1::2], ref[0::2], ref[1::2], spec.dpo_beta, spec.dpo_loss, max(num_pairs, 1)
+            )
             (out.loss * self.world_size).backward()
             accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
         # Every rank reduces every name, whether or not its share had pairs.
         reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in ("loss", *loss.DPO_METRICS)})
         update = self._optimizer_step(reduced["loss"])
-        metrics = {name: value if name in ("loss", "pairs") else value / max(num_pairs, 1)
-                   for name, value in reduced.items()}
+        metrics = {
+            name: value if name in ("loss", "pairs") else value / max(num_pairs, 1) for name, value in reduced.items()
+        }
         return metrics | update
 
     def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
@@ -167,8 +185,9 @@ class Trainer:
                     logprobs, _ = self.token_logprobs(mb, self.reference)
                     if mb.samples:
                         mask = self.batches.per_token(samples, mb, "mask")
-                        scored[mb.samples] = loss.sequence_logprobs(logprobs, mask, mb.seq_ids,
-                                                                    len(mb.samples)).double()
+                        scored[mb.samples] = loss.sequence_logprobs(
+                            logprobs, mask, mb.seq_ids, len(mb.samples)
+                        ).double()
             self.reference.reshard()
             dist.all_reduce(scored)  # each sample was scored on one rank, zero elsewhere
             if len(self.reference_logprobs) > 1_000_000:  # online pairs come once: forget the old
@@ -182,11 +201,15 @@ class Trainer:
         `loss_sum` is the loss summed over ranks (not finite if any rank's is not) and the
         norm is global, so every rank skips together."""
         finite_loss = math.isfinite(loss_sum)
-        grad_norm, stepped = policy.optimizer_step(self.model, self.optimizer, self.scheduler,
-                                                   self.spec.train.max_grad_norm, finite_loss)
+        grad_norm, stepped = policy.optimizer_step(
+            self.model, self.optimizer, self.scheduler, self.spec.train.max_grad_norm, finite_loss
+        )
         nonfinite = not (finite_loss and math.isfinite(grad_norm))
-        return {"grad_norm": grad_norm, "skipped_updates": float(not stepped and not nonfinite),
-                "nonfinite_updates": float(nonfinite)}
+        return {
+            "grad_norm": grad_norm,
+            "skipped_updates": float(not stepped and not nonfinite),
+            "nonfinite_updates": float(nonfinite),
+        }
 
     def _reduce_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         """All ranks' totals combined: maxima by max, the rest by sum."""
@@ -194,8 +217,9 @@ class Trainer:
         sums = {name: value for name, value in totals.items() if name not in maxima}
         return self._all_reduce(sums) | self._all_reduce(maxima, dist.ReduceOp.MAX)
 
-    def _all_reduce(self, values: dict[str, torch.Tensor],
-                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dict[str, float]:
+    def _all_reduce(
+        self, values: dict[str, torch.Tensor], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> dict[str, float]:
         names = sorted(values)
         packed = torch.stack([torch.as_tensor(values[n], dtype=torch.float64, device=self.device) for n in names])
         dist.all_reduce(packed, op=op)
@@ -221,6 +245,7 @@ def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]
 def merge_minibatches(stats: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from its minibatches': the mean of each, the max of maxima, the
     sum of counts."""
+
     def merge(name: str) -> float:
         values = [s[name] for s in stats]
         if name in loss.MAXIMA:

@@ -50,10 +50,18 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
             if spec.task.system_prompt and not (messages and messages[0].get("role") == "system"):
                 messages = [{"role": "system", "content": spec.task.system_prompt}, *messages]
             tokens, mask = by_tools[key].encode_demonstration(messages)
-            samples.append(protocol.Sample(
-                sample_id=f"sft:{line_number}", tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
-                versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0,
-            ))
+            samples.append(
+                protocol.Sample(
+                    sample_id=f"sft:{line_number}",
+                    tokens=tokens,
+                    mask=mask,
+                    logprobs=[0.0] * len(tokens),
+                    versions=[-1] * len(tokens),
+                    reward=0.0,
+                    advantage=0.0,
+                    num_turns=0,
+                )
+            )
     if not samples:
         raise ValueError(f"no demonstrations in {path}")
     return samples

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class WeightSender:
-    def __init__(self, trainer: Trainer, job_id: str, bucket_mib: int, timeout_s: float,
-                 advertise_host: str, store_port: int) -> None:
+    def __init__(
+        self, trainer: Trainer, job_id: str, bucket_mib: int, timeout_s: float, advertise_host: str, store_port: int
+    ) -> None:
         self.trainer = trainer
         self.job_id = job_id
         self.timeout_s = timeout_s
@@ -49,9 +50,16 @@ class WeightSender:
             self.ranks = {server: rank for rank, server in enumerate(sorted(members), start=1)}
             self.group = None
         return WeightPlan(
-            job_id=self.job_id, session=self.session, version=version, epoch=self.epoch, backend=self.backend,
-            store_host=self.advertise_host, store_port=self.store_port,
-            world_size=len(self.ranks) + 1, ranks=dict(self.ranks), buckets=self.buckets,
+            job_id=self.job_id,
+            session=self.session,
+            version=version,
+            epoch=self.epoch,
+            backend=self.backend,
+            store_host=self.advertise_host,
+            store_port=self.store_port,
+            world_size=len(self.ranks) + 1,
+            ranks=dict(self.ranks),
+            buckets=self.buckets,
             timeout_s=self.timeout_s,
         )
 
@@ -73,8 +81,9 @@ class WeightSender:
                     self.group = weight_group.open_group(
                         self.store, plan.backend, plan.epoch, 0, plan.world_size, plan.timeout_s
                     )
-                nbytes = weight_group.send_buckets(self.group, plan.buckets, fetch, plan.timeout_s,
-                                                   self.trainer.device, self.buffers)
+                nbytes = weight_group.send_buckets(
+                    self.group, plan.buckets, fetch, plan.timeout_s, self.trainer.device, self.buffers
+                )
             except Exception:
                 log.exception("weight broadcast v%d (epoch %d) failed", plan.version, plan.epoch)
                 self.group = None

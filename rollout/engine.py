@@ -33,8 +33,13 @@ class Generation:
     """`stop` (end-of-turn token) or `length` (hit max_tokens: truncated)."""
 
 
-def engine_options(model: ModelSpec, kv_cache_gib: float, seed: int = 0,
-                   memory_utilization: float | None = None, seeded_requests: bool = False) -> dict:
+def engine_options(
+    model: ModelSpec,
+    kv_cache_gib: float,
+    seed: int = 0,
+    memory_utilization: float | None = None,
+    seeded_requests: bool = False,
+) -> dict:
     """vLLM's settings for this machine, shared by the rollout engine and `tandem
     serve-model` (so a served judge runs as the policy does); sets the environment the CPU
     build reads. `seeded_requests`: requests carry their own sampling seed (the judge
@@ -93,8 +98,9 @@ class Engine:
         return self.llm is not None and bool(self.llm.errored)
 
     @classmethod
-    def start(cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0,
-              memory_utilization: float | None = None) -> "Engine":
+    def start(
+        cls, model: ModelSpec, kv_cache_gib: float, seed: int = 0, memory_utilization: float | None = None
+    ) -> Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -110,7 +116,11 @@ class Engine:
         return cls(AsyncLLM.from_engine_args(args), model)
 
     async def generate(
-        self, prompt: list[int], max_tokens: int, temperature: float, stop_ids: list[int],
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        stop_ids: list[int],
         ignore_eos: bool = False,
     ) -> Generation:
         """Sample up to `max_tokens` after `prompt`, stopping at `stop_ids` (and the model's
@@ -124,8 +134,12 @@ class Engine:
             await self._serving.wait()
             submitted = self.version
             params = SamplingParams(
-                max_tokens=max_tokens - len(out.tokens), temperature=temperature, logprobs=0,
-                detokenize=False, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+                max_tokens=max_tokens - len(out.tokens),
+                temperature=temperature,
+                logprobs=0,
+                detokenize=False,
+                stop_token_ids=stop_ids,
+                ignore_eos=ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
             )
             request = TokensPrompt(prompt_token_ids=prompt + out.tokens)
@@ -150,21 +164,20 @@ class Engine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         final = None
-        async for final in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, uuid.uuid4().hex):
-            pass
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, uuid.uuid4().hex):
+            final = output  # a streamed request: the last output holds the whole prompt's logprobs
         return [0.0] + [entry[token].logprob for entry, token in zip(final.prompt_logprobs[1:], tokens[1:])]
 
-    async def update_weights(self, plan: protocol.WeightPlan, plan_bytes: bytes, first_rank: int,
-                             pause_mode: str) -> dict:
+    async def update_weights(
+        self, plan: protocol.WeightPlan, plan_bytes: bytes, first_rank: int, pause_mode: str
+    ) -> dict:
         """Pause, receive the broadcast into every worker, reload, resume."""
         self._pause_mode = pause_mode
         self._serving.clear()
         await self.llm.pause_generation(mode=pause_mode, clear_cache=pause_mode == "abort")
         try:
             timeout = plan.timeout_s * (len(plan.buckets) + 1)
-            results = await self.llm.collective_rpc(
-                "tandem_receive", timeout=timeout, args=(plan_bytes, first_rank)
-            )
+            results = await self.llm.collective_rpc("tandem_receive", timeout=timeout, args=(plan_bytes, first_rank))
             # Kept requests hold KV computed by the old weights: preempting them makes the
             # engine recompute it with the new ones (the prefix cache cannot be reset while
             # any request holds blocks, and vLLM then only warns).

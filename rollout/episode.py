@@ -67,17 +67,39 @@ class Episode:
     """The tool calls made in this episode and their results."""
 
     @classmethod
-    def from_context(cls, messages: list[dict], tokens: list[int], trace: str = "",
-                     journal: Journal | None = None, world: World | None = None) -> "Episode":
+    def from_context(
+        cls,
+        messages: list[dict],
+        tokens: list[int],
+        trace: str = "",
+        journal: Journal | None = None,
+        world: World | None = None,
+    ) -> Episode:
         n = len(tokens)
-        return cls(list(messages), list(tokens), [0] * n, [0.0] * n, [-1] * n, trace=trace, journal=journal,
-                   context_len=n, tool_use=ToolUsage(world=world))
+        return cls(
+            list(messages),
+            list(tokens),
+            [0] * n,
+            [0.0] * n,
+            [-1] * n,
+            trace=trace,
+            journal=journal,
+            context_len=n,
+            tool_use=ToolUsage(world=world),
+        )
 
-    def fork(self, name: str) -> "Episode":
+    def fork(self, name: str) -> Episode:
         """An independent copy to extend with a sampled future, traced as `name` under this one."""
-        return replace(self, messages=list(self.messages), tokens=list(self.tokens), mask=list(self.mask),
-                       logprobs=list(self.logprobs), versions=list(self.versions), trace=f"{self.trace}/{name}",
-                       tool_use=self.tool_use.copy())
+        return replace(
+            self,
+            messages=list(self.messages),
+            tokens=list(self.tokens),
+            mask=list(self.mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            trace=f"{self.trace}/{name}",
+            tool_use=self.tool_use.copy(),
+        )
 
     def new_tokens(self) -> int:
         """Tokens after the context: the policy's, the user's, tools' and the template's."""
@@ -120,8 +142,9 @@ class EpisodeRunner:
     worlds: Callable[[int], World] | None = None
     """The task's fresh world for an example, when its tools act on one (`rollout.tasks.tau2`)."""
 
-    def start(self, context: list[dict], trace: str = "", journal: Journal | None = None,
-              example: int | None = None) -> Episode:
+    def start(
+        self, context: list[dict], trace: str = "", journal: Journal | None = None, example: int | None = None
+    ) -> Episode:
         """An episode at `context`, with a fresh world of `example` when the task has worlds."""
         world = self.worlds(example) if self.worlds is not None and example is not None else None
         return Episode.from_context(context, self.chat.prompt(context), trace, journal, world)
@@ -143,8 +166,9 @@ class EpisodeRunner:
                 return False
         return True
 
-    async def reply(self, episode: Episode, trained: bool, first: bool = True,
-                    temperature: float | None = None) -> bool:
+    async def reply(
+        self, episode: Episode, trained: bool, first: bool = True, temperature: float | None = None
+    ) -> bool:
         """One policy reply into `episode` (`first` of its turn, or after tool results);
         False if it ended the episode."""
         budget = min(self.spec.max_new_tokens, self.spec.max_total_tokens - len(episode.tokens))
@@ -196,8 +220,9 @@ class EpisodeRunner:
             return False
         return self.append_turn(episode, [{"role": "user", "content": reply}])
 
-    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool = True,
-                     temperature: float | None = None) -> Episode:
+    async def extend(
+        self, episode: Episode, example: int, max_turns: int, trained: bool = True, temperature: float | None = None
+    ) -> Episode:
         """Alternate user and policy turns after an assistant turn, at most `max_turns` more
         policy turns (at `temperature`, the rollout's when None), then run the tokenization
         sanity check. An episode a malformed turn ended stays as it is."""
@@ -205,8 +230,7 @@ class EpisodeRunner:
             return episode
         episode.end = "max_turns"
         for _ in range(max_turns):
-            if not await self.user_turn(episode, example) or \
-                    not await self.policy_turn(episode, trained, temperature):
+            if not await self.user_turn(episode, example) or not await self.policy_turn(episode, trained, temperature):
                 break
         if episode.end not in MALFORMED_ENDS:
             self.chat.check(episode.tokens, episode.messages)

@@ -24,8 +24,12 @@ async def evaluate(runner: EpisodeRunner, task: TaskSet, examples: list[int], co
         async with slots:
             episode = await runner.run(example, task.context(example))
         ok = episode.well_formed()
-        row = {"success": await task.score(example, episode.messages, episode) if ok else 0.0,
-               "tokens": float(episode.policy_tokens), "turns": float(episode.num_turns), "well_formed": float(ok)}
+        row = {
+            "success": await task.score(example, episode.messages, episode) if ok else 0.0,
+            "tokens": float(episode.policy_tokens),
+            "turns": float(episode.num_turns),
+            "well_formed": float(ok),
+        }
         if runner.tools is not None:
             row |= usage_metrics(episode.tool_use)
         return row | (task.metrics(example, episode.messages) if ok else {})

@@ -38,29 +38,52 @@ from services.stats import mean_by_key
 
 TOKENS = Counter("tandem_rollout_generated_tokens_total", "Tokens the policy generated", ["job"])
 EPISODE = Histogram(
-    "tandem_rollout_episode_seconds", "One sample: its conversation (or response) and its reward", ["job"],
+    "tandem_rollout_episode_seconds",
+    "One sample: its conversation (or response) and its reward",
+    ["job"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
-REWARD = Histogram("tandem_rollout_reward", "Sample rewards", ["job"],
-                   buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2))
+REWARD = Histogram(
+    "tandem_rollout_reward", "Sample rewards", ["job"], buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2)
+)
 # A histogram with a negative bucket exports no _sum (the client leaves it out, since such a
 # sum need not grow monotonically), so the mean reward comes from this summary's _sum/_count.
 REWARD_TOTAL = Summary("tandem_rollout_sample_reward", "Sample rewards, for their mean", ["job"])
-FUTURES = Histogram("tandem_rollout_futures_per_turn", "Futures sampled to score one response (multiturn mode)",
-                    ["job"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
-LLM_TOKENS = Counter("tandem_rollout_llm_tokens_total",
-                     "Tokens the provider charged for this server's judge and user-simulator calls", ["job", "kind"])
-REMEMBERED = Counter("tandem_rollout_remembered_calls_total",
-                     "Judge and simulator calls the proxy answered from memory (cache or replay)", ["job"])
+FUTURES = Histogram(
+    "tandem_rollout_futures_per_turn",
+    "Futures sampled to score one response (multiturn mode)",
+    ["job"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+LLM_TOKENS = Counter(
+    "tandem_rollout_llm_tokens_total",
+    "Tokens the provider charged for this server's judge and user-simulator calls",
+    ["job", "kind"],
+)
+REMEMBERED = Counter(
+    "tandem_rollout_remembered_calls_total",
+    "Judge and simulator calls the proxy answered from memory (cache or replay)",
+    ["job"],
+)
 
 
 class GroupRollout:
     """Everything one job's tasks are played and scored with. `reward_slots` bounds the
     rewards being computed at once (judge calls, futures), across all of a server's tasks."""
 
-    def __init__(self, runner: EpisodeRunner, task_set: TaskSet, spec: RewardSpec, judge: Judge,
-                 reward_slots: asyncio.Semaphore, server_id: str, job_id: str, generate: bool = False,
-                 seed: int = 0, openings: bool = False) -> None:
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        task_set: TaskSet,
+        spec: RewardSpec,
+        judge: Judge,
+        reward_slots: asyncio.Semaphore,
+        server_id: str,
+        job_id: str,
+        generate: bool = False,
+        seed: int = 0,
+        openings: bool = False,
+    ) -> None:
         self.runner, self.task_set, self.spec, self.judge = runner, task_set, spec, judge
         self.openings = openings
         """`task.opening: simulator`: the user simulator writes each task's first request."""
@@ -82,24 +105,32 @@ class GroupRollout:
             return await self.ranked_conversation(task, journal)
         context = await self.context(task)
         futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
-        samples = await gather_all(*(self.sample(task, index, context, journal, futures)
-                                     for index in range(task.group_size)))
+        samples = await gather_all(
+            *(self.sample(task, index, context, journal, futures) for index in range(task.group_size))
+        )
         advantages = group_advantages([s.reward for s in samples], self.spec.scale_advantage_by_std)
         for sample, advantage in zip(samples, advantages):
             sample.advantage = advantage
-        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
-                                        server_id=self.server_id, elapsed_s=0.0)
+        return protocol.TrajectoryGroup(
+            job_id=self.job_id, task_id=task.task_id, samples=samples, server_id=self.server_id, elapsed_s=0.0
+        )
 
-    async def sample(self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None,
-                     futures: GroupFutures) -> protocol.Sample:
+    async def sample(
+        self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None, futures: GroupFutures
+    ) -> protocol.Sample:
         """One sample, its advantage still 0."""
         sample, _ = await self.scored_sample(
-            task, f"{self.job_id}:{task.task_id}:{index}", futures, index,
-            self.play(task.example, context, f"task{task.task_id}/s{index}", journal))
+            task,
+            f"{self.job_id}:{task.task_id}:{index}",
+            futures,
+            index,
+            self.play(task.example, context, f"task{task.task_id}/s{index}", journal),
+        )
         return sample
 
-    async def scored_sample(self, task: protocol.Task, sample_id: str, futures: GroupFutures, index: int,
-                            play: Awaitable[Episode]) -> tuple[protocol.Sample, Episode]:
+    async def scored_sample(
+        self, task: protocol.Task, sample_id: str, futures: GroupFutures, index: int, play: Awaitable[Episode]
+    ) -> tuple[protocol.Sample, Episode]:
         """The sample `play` makes, scored as response `index` of its group, and its
         episode. Runs as a task of its own (`gather_all`), so the `Spend` set here counts
         this sample's calls only. Scoring holds one of the server's reward slots at a time
@@ -113,14 +144,22 @@ class GroupRollout:
         REWARD.labels(self.job_id).observe(reward)
         REWARD_TOTAL.labels(self.job_id).observe(reward)
         EPISODE.labels(self.job_id).observe(time.perf_counter() - started)
-        metrics = sample_metrics(self.task_set, task.example, episode, scored) | self.count_spend(spend, episode,
-                                                                                                   scored)
+        metrics = sample_metrics(self.task_set, task.example, episode, scored) | self.count_spend(
+            spend, episode, scored
+        )
         if self.runner.tools is not None:
             self.runner.tools.observe_episode(episode.tool_use)
             metrics |= usage_metrics(episode.tool_use)
         return protocol.Sample(
-            sample_id=sample_id, tokens=episode.tokens, mask=episode.mask, logprobs=episode.logprobs,
-            versions=episode.versions, reward=reward, advantage=0.0, num_turns=episode.num_turns, metrics=metrics,
+            sample_id=sample_id,
+            tokens=episode.tokens,
+            mask=episode.mask,
+            logprobs=episode.logprobs,
+            versions=episode.versions,
+            reward=reward,
+            advantage=0.0,
+            num_turns=episode.num_turns,
+            metrics=metrics,
             reward_source=(spend.source | {"seed": str(self.seed)}) if spend.source else {},
         ), episode
 
@@ -135,10 +174,18 @@ class GroupRollout:
         responses: list[str] = []
         for turn in range(self.runner.spec.max_turns):
             futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
-            candidates = await gather_all(*(
-                self.scored_sample(task, f"{self.job_id}:{task.task_id}:{turn}:{index}", futures, index,
-                                   self.candidate(base, f"j{turn}c{index}"))
-                for index in range(task.group_size)))
+            candidates = await gather_all(
+                *(
+                    self.scored_sample(
+                        task,
+                        f"{self.job_id}:{task.task_id}:{turn}:{index}",
+                        futures,
+                        index,
+                        self.candidate(base, f"j{turn}c{index}"),
+                    )
+                    for index in range(task.group_size)
+                )
+            )
             for sample, episode in candidates:
                 sample.metrics |= {"turn": float(turn), "context_messages": float(len(base.messages))}
                 samples.append(sample)
@@ -148,16 +195,28 @@ class GroupRollout:
             _, best = max(candidates, key=lambda c: (c[0].reward, c[1].well_formed()))
             # A copy (the best sample keeps its own tokens), all context from here on: the
             # next turn's rewards count only what follows it.
-            base = replace(best.fork("next"), trace=base.trace, mask=[0] * len(best.tokens),
-                           context_len=len(best.tokens), policy_tokens=0)
+            base = replace(
+                best.fork("next"),
+                trace=base.trace,
+                mask=[0] * len(best.tokens),
+                context_len=len(best.tokens),
+                policy_tokens=0,
+            )
             if not best.well_formed() or turn == self.runner.spec.max_turns - 1:
                 break
             if not await self.runner.user_turn(base, task.example):
                 break
         metrics = self.task_set.metrics(task.example, base.messages) | {"well_formed": float(base.well_formed())}
-        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
-                                        server_id=self.server_id, elapsed_s=0.0, conversation=base.messages,
-                                        conversation_metrics=metrics, responses=responses)
+        return protocol.TrajectoryGroup(
+            job_id=self.job_id,
+            task_id=task.task_id,
+            samples=samples,
+            server_id=self.server_id,
+            elapsed_s=0.0,
+            conversation=base.messages,
+            conversation_metrics=metrics,
+            responses=responses,
+        )
 
     async def context(self, task: protocol.Task) -> list[dict]:
         """The task's context; with `openings`, its request replaced by one the user
@@ -182,8 +241,12 @@ class GroupRollout:
         LLM_TOKENS.labels(self.job_id, "judge").inc(spend.judge_tokens)
         LLM_TOKENS.labels(self.job_id, "simulator").inc(spend.simulator_tokens)
         REMEMBERED.labels(self.job_id).inc(spend.remembered_calls)
-        counts = {"judge_tokens": float(spend.judge_tokens), "simulator_tokens": float(spend.simulator_tokens),
-                  "llm_calls": float(spend.calls), "remembered_calls": float(spend.remembered_calls)}
+        counts = {
+            "judge_tokens": float(spend.judge_tokens),
+            "simulator_tokens": float(spend.simulator_tokens),
+            "llm_calls": float(spend.calls),
+            "remembered_calls": float(spend.remembered_calls),
+        }
         if spend.budget_left is not None:
             counts["judge_budget_left"] = spend.budget_left
         if scored and scored[0] is not episode:
@@ -191,12 +254,14 @@ class GroupRollout:
             counts["futures"] = float(len(scored))
         return counts
 
-    async def play_conversation(self, example: int, context: list[dict], trace: str,
-                                journal: Journal | None) -> Episode:
+    async def play_conversation(
+        self, example: int, context: list[dict], trace: str, journal: Journal | None
+    ) -> Episode:
         return await self.runner.run(example, context, trace, journal)
 
-    async def score_conversation(self, example: int, episode: Episode, futures: GroupFutures,
-                                 index: int) -> tuple[float, list[Episode]]:
+    async def score_conversation(
+        self, example: int, episode: Episode, futures: GroupFutures, index: int
+    ) -> tuple[float, list[Episode]]:
         """R* of the conversation, which is also the one conversation it is scored from."""
         async with futures.slots:
             return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
@@ -206,11 +271,13 @@ class GroupRollout:
         await self.runner.policy_turn(episode)
         return episode
 
-    async def score_response(self, example: int, episode: Episode, futures: GroupFutures,
-                             index: int) -> tuple[float, list[Episode]]:
+    async def score_response(
+        self, example: int, episode: Episode, futures: GroupFutures, index: int
+    ) -> tuple[float, list[Episode]]:
         """MR of the response, and the futures it was computed from."""
-        return await multiturn.score_response(self.runner, episode, self.task_set, example, self.spec, self.judge,
-                                              futures, index)
+        return await multiturn.score_response(
+            self.runner, episode, self.task_set, example, self.spec, self.judge, futures, index
+        )
 
 
 def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:
@@ -218,8 +285,11 @@ def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: li
     futures behind MR), the response's own length and format (`malformed_<reason>`: 1.0 for
     the reason the format filter rejected it), and, when futures were sampled, the share
     of them a later policy turn left malformed."""
-    rows = [task_set.metrics(example, c.messages) | {"conversation_tokens": float(c.policy_tokens)}
-            for c in scored if c.well_formed()]
+    rows = [
+        task_set.metrics(example, c.messages) | {"conversation_tokens": float(c.policy_tokens)}
+        for c in scored
+        if c.well_formed()
+    ]
     reason = episode.malformed_reason()
     own = {"tokens": float(episode.policy_tokens), "well_formed": float(not reason)}
     own |= {f"malformed_{r}": float(reason == r) for r in MALFORMED_REASONS}

@@ -31,7 +31,7 @@ class Journal:
         self.replayed = 0
 
     @classmethod
-    async def open(cls, client: aioredis.Redis, job_id: str, task_id: int) -> "Journal":
+    async def open(cls, client: aioredis.Redis, job_id: str, task_id: int) -> Journal:
         """The task's journal, with whatever an earlier server recorded in it."""
         key = Keys.journal(job_id, task_id)
         return cls(client, key, await client.hgetall(key))

@@ -19,31 +19,41 @@ class ProxyJudge:
 
     async def __call__(self, rubric: str, messages: list[dict], reference: str | None) -> float:
         """One conversation's score (the judge a task's metric asks)."""
-        result = await self.client.judge(rubric, messages, reference, job=self.job_id, model=self.spec.judge_model,
-                                         cache=self.spec.judge_cache)
+        result = await self.client.judge(
+            rubric, messages, reference, job=self.job_id, model=self.spec.judge_model, cache=self.spec.judge_cache
+        )
         return result.score
 
     async def complete(self, messages: list[dict], max_tokens: int, response_format: dict | None) -> str:
         """A chat completion by the job's judge model at temperature 0 (an extraction,
         `rollout.tasks.extraction`), charged as a judge call."""
-        result = await self.client.chat(messages, model=self.spec.judge_model or "judge", max_tokens=max_tokens,
-                                        temperature=0.0, job=self.job_id, priority="judge",
-                                        response_format=response_format)
+        result = await self.client.chat(
+            messages,
+            model=self.spec.judge_model or "judge",
+            max_tokens=max_tokens,
+            temperature=0.0,
+            job=self.job_id,
+            priority="judge",
+            response_format=response_format,
+        )
         return result.content
 
     async def structured(self) -> bool:
         """Whether the judge model's upstreams keep to a JSON schema."""
         return await self.client.structured_output(self.spec.judge_model or "judge")
 
-    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
-                        call_id: str = "") -> list[float]:
+    async def score_all(
+        self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
+    ) -> list[float]:
         """Each conversation's score; `call_id` keys the calls (`/c<i>` per conversation)."""
         options = {"job": self.job_id, "model": self.spec.judge_model, "cache": self.spec.judge_cache}
         if self.spec.judge_mode == "group" and len(conversations) > 1:
-            group = await self.client.judge_group(rubric, conversations, reference, idempotency_key=call_id,
-                                                  **options)
+            group = await self.client.judge_group(rubric, conversations, reference, idempotency_key=call_id, **options)
             return [r.score for r in group.results]
-        results = await gather_all(*(
-            self.client.judge(rubric, c, reference, idempotency_key=call_id and f"{call_id}/c{i}", **options)
-            for i, c in enumerate(conversations)))
+        results = await gather_all(
+            *(
+                self.client.judge(rubric, c, reference, idempotency_key=call_id and f"{call_id}/c{i}", **options)
+                for i, c in enumerate(conversations)
+            )
+        )
         return [r.score for r in results]

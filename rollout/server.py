@@ -51,18 +51,24 @@ log = logging.getLogger(__name__)
 
 TASKS = Counter("tandem_rollout_tasks_total", "Tasks finished, by outcome", ["job", "outcome"])
 EPISODE_SECONDS = Histogram(
-    "tandem_rollout_task_seconds", "Wall time of one task (all episodes and rewards)",
-    ["job"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+    "tandem_rollout_task_seconds",
+    "Wall time of one task (all episodes and rewards)",
+    ["job"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 SYNC_SECONDS = Histogram(
-    "tandem_rollout_weight_sync_seconds", "Pause, receive, reload, resume", ["job"],
+    "tandem_rollout_weight_sync_seconds",
+    "Pause, receive, reload, resume",
+    ["job"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 INFLIGHT = Gauge("tandem_rollout_inflight_tasks", "Tasks being worked on", ["job"])
-ENGINE_BUSY = Counter("tandem_rollout_engine_busy_seconds_total",
-                      "Seconds the engine had at least one request generating", ["job"])
-ENGINE_BUSY_RATIO = Gauge("tandem_rollout_engine_busy_ratio",
-                          "Share of the last minute the engine had a request generating", ["job"])
+ENGINE_BUSY = Counter(
+    "tandem_rollout_engine_busy_seconds_total", "Seconds the engine had at least one request generating", ["job"]
+)
+ENGINE_BUSY_RATIO = Gauge(
+    "tandem_rollout_engine_busy_ratio", "Share of the last minute the engine had a request generating", ["job"]
+)
 VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
 
 
@@ -100,14 +106,20 @@ class RolloutServer:
         # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
         # once (journal, streams); they wait for a free connection instead of failing with
         # "Too many connections" (redis-py 8 caps a plain pool at 100).
-        self.redis = connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_REPLY_TIMEOUT_S,
-                             outage_s=settings.redis_outage_s, socket_timeout=REDIS_REPLY_TIMEOUT_S)
+        self.redis = connect(
+            settings.redis_url,
+            REDIS_CONNECTIONS,
+            REDIS_REPLY_TIMEOUT_S,
+            outage_s=settings.redis_outage_s,
+            socket_timeout=REDIS_REPLY_TIMEOUT_S,
+        )
         self.engine: Engine | None = None
         self.job: ServedJob | None = None
         self.inflight: dict[bytes, asyncio.Task] = {}
         """The job's tasks being worked on, by stream entry; the heartbeat keeps them claimed."""
-        self.judge_client = JudgeClient(settings.judge_url, token=settings.judge_token,
-                                        max_connections=settings.judge_max_connections)
+        self.judge_client = JudgeClient(
+            settings.judge_url, token=settings.judge_token, max_connections=settings.judge_max_connections
+        )
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
         self.drain_requested = asyncio.Event()
         """Set by SIGTERM or a drain request: leave the job, take no new one."""
@@ -128,9 +140,12 @@ class RolloutServer:
 
     def health(self) -> tuple[bool, dict]:
         alive = self.engine is None or not self.engine.dead
-        return alive, {"server_id": self.server_id, "job": self.job_id,
-                      "version": self.engine.version if self.engine else -1,
-                      "inflight": len(self.inflight)}
+        return alive, {
+            "server_id": self.server_id,
+            "job": self.job_id,
+            "version": self.engine.version if self.engine else -1,
+            "inflight": len(self.inflight),
+        }
 
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
@@ -150,8 +165,11 @@ class RolloutServer:
                     log.info("drained; exiting")
                     drained = True
                 except* EngineDied as errors:
-                    log.critical("%s; exiting so that a new server takes its place (its tasks stay pending "
-                                 "and are taken up again)", errors.exceptions[0])
+                    log.critical(
+                        "%s; exiting so that a new server takes its place (its tasks stay pending "
+                        "and are taken up again)",
+                        errors.exceptions[0],
+                    )
                     drained = engine_died = True
                 except* (RedisConnectionError, RedisTimeoutError) as errors:
                     # Redis restarting or a network blip: keep the loaded engine, start over
@@ -179,10 +197,14 @@ class RolloutServer:
     async def beat(self) -> None:
         """Write this server's record in `rollout:servers` now."""
         info = protocol.ServerInfo(
-            server_id=self.server_id, heartbeat=time.time(), job_id=self.job_id,
+            server_id=self.server_id,
+            heartbeat=time.time(),
+            job_id=self.job_id,
             version=self.job.synced_plan[2] if self.job and self.job.synced_plan else -1,
-            capacity=self.settings.max_concurrent_tasks, inflight=len(self.inflight),
-            engine=self.engine.model.path if self.engine else "", draining=self.drain_requested.is_set(),
+            capacity=self.settings.max_concurrent_tasks,
+            inflight=len(self.inflight),
+            engine=self.engine.model.path if self.engine else "",
+            draining=self.drain_requested.is_set(),
         )
         await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
 
@@ -230,7 +252,9 @@ class RolloutServer:
                 rollout = await self.prepare_job(job_id, spec)
             except Exception as err:  # a model that does not load, an unknown task...
                 log.exception("cannot serve job %s", job_id)
-                await self.redis.hset(Keys.job(job_id), "rollout_error", f"{self.server_id}: {type(err).__name__}: {err}")
+                await self.redis.hset(
+                    Keys.job(job_id), "rollout_error", f"{self.server_id}: {type(err).__name__}: {err}"
+                )
                 # The learner fails the job; do not retry in a loop (a drain ends the wait).
                 while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
                     await asyncio.sleep(0.5)
@@ -251,9 +275,18 @@ class RolloutServer:
         if tools is not None:
             chat = chat.with_tools(tools.schemas(), tools.spec.parser)
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools, getattr(task_set, "world", None))
-        return GroupRollout(runner, task_set, spec.reward, judge, self.reward_slots, self.server_id, job_id,
-                            generate=spec.kind == "generate", seed=spec.train.seed,
-                            openings=spec.task.opening == "simulator")
+        return GroupRollout(
+            runner,
+            task_set,
+            spec.reward,
+            judge,
+            self.reward_slots,
+            self.server_id,
+            job_id,
+            generate=spec.kind == "generate",
+            seed=spec.train.seed,
+            openings=spec.task.opening == "simulator",
+        )
 
     async def open_tools(self, task_set, spec: JobSpec, job_id: str) -> ToolBox | None:
         """The task's own tools where it brings them, else the job's (None without)."""
@@ -265,8 +298,13 @@ class RolloutServer:
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await StreamConsumer(
-            self.redis, Keys.tasks(job_id), "rollout", self.server_id, protocol.Task,
-            Keys.dead(job_id), max_deliveries=3,
+            self.redis,
+            Keys.tasks(job_id),
+            "rollout",
+            self.server_id,
+            protocol.Task,
+            Keys.dead(job_id),
+            max_deliveries=3,
         ).setup()
         self.job = ServedJob(self, job_id, spec, consumer, rollout)
         # Engine busy time counts from here, under this job (the engine may be new).
@@ -309,10 +347,18 @@ def task_user(task_set, client: JudgeClient, spec: JobSpec, job_id: str):
     if task_set.rule_user is not None:
         return task_set.rule_user
     if hasattr(task_set, "brief"):
-        return RolePlayUser(client, task_set.brief, task_set.stop_markers, spec.reward.user_model, job=job_id,
-                            temperature=0.0, seed=spec.train.seed)
-    return LLMUser(client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed,
-                   style=spec.task.simulator)
+        return RolePlayUser(
+            client,
+            task_set.brief,
+            task_set.stop_markers,
+            spec.reward.user_model,
+            job=job_id,
+            temperature=0.0,
+            seed=spec.train.seed,
+        )
+    return LLMUser(
+        client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed, style=spec.task.simulator
+    )
 
 
 async def task_tools(task_set, spec: JobSpec, job_id: str) -> ToolBox:
@@ -324,8 +370,9 @@ class ServedJob:
     """One job on a server until the job leaves `jobs:running`: the weight plans that name
     the server, and the job's tasks, each turned into a group."""
 
-    def __init__(self, server: RolloutServer, job_id: str, spec: JobSpec, consumer: StreamConsumer,
-                 rollout: GroupRollout) -> None:
+    def __init__(
+        self, server: RolloutServer, job_id: str, spec: JobSpec, consumer: StreamConsumer, rollout: GroupRollout
+    ) -> None:
         self.server, self.job_id, self.spec = server, job_id, spec
         self.consumer, self.rollout = consumer, rollout
         self.synced = asyncio.Event()
@@ -367,8 +414,9 @@ class ServedJob:
         await self.server.beat()  # the learner leaves this server out of plans from now on
         inflight = self.server.inflight
         if inflight:
-            log.info("draining: %d tasks in flight, waiting up to %.0fs", len(inflight),
-                     self.server.settings.drain_timeout_s)
+            log.info(
+                "draining: %d tasks in flight, waiting up to %.0fs", len(inflight), self.server.settings.drain_timeout_s
+            )
             await asyncio.wait(list(inflight.values()), timeout=self.server.settings.drain_timeout_s)
         unfinished = list(inflight)
         for task in list(inflight.values()):
@@ -412,7 +460,8 @@ class ServedJob:
             # lands as its inner call finishes, and a job's end then never stops this loop.
             async with asyncio.timeout(plan.timeout_s * (len(plan.buckets) + 2)):
                 result = await self.server.engine.update_weights(
-                    plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode)
+                    plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode
+                )
         except Exception:  # a missed collective: wait to be included in the next epoch
             log.exception("weight update to version %d failed", plan.version)
             self.synced_plan = key

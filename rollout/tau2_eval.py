@@ -25,8 +25,10 @@ from pathlib import Path
 from services.config import JobSpec, ModelSpec, RewardSpec, RolloutSpec, TaskSpec
 
 BOOTSTRAP_RESAMPLES = 2000
-VERDICT = ("the benchmark's evaluation `all` (database, actions, communication; the default, as its leaderboard "
-           "reports); natural-language assertions are not graded")
+VERDICT = (
+    "the benchmark's evaluation `all` (database, actions, communication; the default, as its leaderboard "
+    "reports); natural-language assertions are not graded"
+)
 """What the results say a success is."""
 
 
@@ -38,25 +40,34 @@ def pass_hat_k(successes: list[int], trials: int, k: int) -> float:
 def interval(successes: list[int], trials: int, k: int, seed: int = 0) -> tuple[float, float]:
     """The 95% percentile-bootstrap interval of pass^k, resampling tasks."""
     rng = random.Random(seed)
-    stats = sorted(pass_hat_k(rng.choices(successes, k=len(successes)), trials, k)
-                   for _ in range(BOOTSTRAP_RESAMPLES))
+    stats = sorted(pass_hat_k(rng.choices(successes, k=len(successes)), trials, k) for _ in range(BOOTSTRAP_RESAMPLES))
     return stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]
 
 
 def summary(successes: list[int], trials: int) -> dict:
     """pass^k with its interval for every k up to `trials`."""
-    return {f"pass^{k}": {"value": pass_hat_k(successes, trials, k), "ci95": interval(successes, trials, k)}
-            for k in range(1, trials + 1)}
+    return {
+        f"pass^{k}": {"value": pass_hat_k(successes, trials, k), "ci95": interval(successes, trials, k)}
+        for k in range(1, trials + 1)
+    }
 
 
 def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
     """The settings of one domain's evaluation, as the job spec a rollout server reads."""
-    return JobSpec(model=ModelSpec(path=model, max_model_len=args.max_model_len),
-                   task=TaskSpec(name="tau2", domain=domain, split=split,
-                                 **({"num_examples": args.num_tasks} if args.num_tasks else {})),
-                   rollout=RolloutSpec(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                       max_total_tokens=args.max_model_len, max_turns=args.max_turns),
-                   reward=RewardSpec(user_model=args.user_model), train={"seed": args.seed})
+    return JobSpec(
+        model=ModelSpec(path=model, max_model_len=args.max_model_len),
+        task=TaskSpec(
+            name="tau2", domain=domain, split=split, **({"num_examples": args.num_tasks} if args.num_tasks else {})
+        ),
+        rollout=RolloutSpec(
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            max_total_tokens=args.max_model_len,
+            max_turns=args.max_turns,
+        ),
+        reward=RewardSpec(user_model=args.user_model),
+        train={"seed": args.seed},
+    )
 
 
 async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrency: int) -> dict:
@@ -71,8 +82,7 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
     task_set = load_task(spec.task, spec.train.seed)
     tools = await task_tools(task_set, spec, "eval")
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model.path)).with_tools(tools.schemas(), tools.spec.parser)
-    runner = EpisodeRunner(engine, chat, task_user(task_set, client, spec, "eval"), spec.rollout, tools,
-                           task_set.world)
+    runner = EpisodeRunner(engine, chat, task_user(task_set, client, spec, "eval"), spec.rollout, tools, task_set.world)
     slots, done = asyncio.Semaphore(concurrency), Counter()
     total = len(task_set) * trials
 
@@ -83,20 +93,35 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
             verdict = await asyncio.to_thread(task_set.verdict, example, episode) if episode.well_formed() else None
         done["episodes"] += 1
         progress(done["episodes"], total, spec.task.domain)
-        return {"task": task_set.tasks[example].id, "trial": trial, "reward": verdict.reward if verdict else 0.0,
-                "end": episode.end, "malformed": episode.malformed_reason(), "turns": episode.num_turns,
-                "tool_calls": episode.tool_use.total, "tool_failures": dict(episode.tool_use.failures()),
-                "policy_tokens": episode.policy_tokens, "seconds": round(time.monotonic() - started, 2),
-                "messages": episode.messages[1:]}   # the conversation, less the system prompt every task shares
+        return {
+            "task": task_set.tasks[example].id,
+            "trial": trial,
+            "reward": verdict.reward if verdict else 0.0,
+            "end": episode.end,
+            "malformed": episode.malformed_reason(),
+            "turns": episode.num_turns,
+            "tool_calls": episode.tool_use.total,
+            "tool_failures": dict(episode.tool_use.failures()),
+            "policy_tokens": episode.policy_tokens,
+            "seconds": round(time.monotonic() - started, 2),
+            "messages": episode.messages[1:],
+        }  # the conversation, less the system prompt every task shares
 
     rows = await asyncio.gather(*(one(e, t) for e in range(len(task_set)) for t in range(trials)))
     by_task: dict[str, list[dict]] = {}
     for row in rows:
         by_task.setdefault(row["task"], []).append(row)
     successes = [sum(r["reward"] >= 1.0 for r in task_rows) for task_rows in by_task.values()]
-    return {"domain": spec.task.domain, "split": spec.task.split, "tasks": len(by_task), "trials": trials,
-            **summary(successes, trials), "ends": dict(Counter(r["end"] for r in rows)),
-            "tool_calls_per_episode": sum(r["tool_calls"] for r in rows) / len(rows), "episodes": rows}
+    return {
+        "domain": spec.task.domain,
+        "split": spec.task.split,
+        "tasks": len(by_task),
+        "trials": trials,
+        **summary(successes, trials),
+        "ends": dict(Counter(r["end"] for r in rows)),
+        "tool_calls_per_episode": sum(r["tool_calls"] for r in rows) / len(rows),
+        "episodes": rows,
+    }
 
 
 def progress(done: int, total: int, domain: str) -> None:
@@ -137,8 +162,13 @@ async def run(args) -> list[dict]:
 
 def main(args) -> None:
     results = asyncio.run(run(args))
-    record = {"model": args.model, "user_model": args.user_model, "verdict": VERDICT, "settings": {
-        k: v for k, v in vars(args).items() if k not in ("run", "judge_token")}, "results": results}
+    record = {
+        "model": args.model,
+        "user_model": args.user_model,
+        "verdict": VERDICT,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "judge_token")},
+        "results": results,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -29,8 +29,7 @@ class WeightReceiverExtension:
         started = time.perf_counter()
         try:
             group = self._tandem_join(plan, first_rank + self.rank)
-            pairs = weight_group.receive_buckets(group, plan.buckets, plan.timeout_s, self.device,
-                                                 self._tandem_buffers)
+            pairs = weight_group.receive_buckets(group, plan.buckets, plan.timeout_s, self.device, self._tandem_buffers)
         except Exception:
             self.tandem_leave()  # a failed join or collective leaves group and store unusable
             raise

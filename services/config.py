@@ -35,8 +35,10 @@ class ModelSpec(_Strict):
     def local_folder(self) -> str:
         """`path`, checked where it is used (the API may not see the same files)."""
         if not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise FileNotFoundError(f"model.path {self.path!r} is not a model folder on this machine "
-                                    "(Tandem loads local Hugging Face folders; it downloads nothing)")
+            raise FileNotFoundError(
+                f"model.path {self.path!r} is not a model folder on this machine "
+                "(Tandem loads local Hugging Face folders; it downloads nothing)"
+            )
         return self.path
 
 
@@ -46,142 +48,216 @@ TAU2_DOMAINS = ("mock", "airline", "retail")
 
 class TaskSpec(_Strict):
     name: Literal["clarify", "math_chat", "doc_edit_chat", "code_chat", "multiply", "tau2"] = Field(
-        "clarify", description="tau2: a τ²-bench domain (`domain`, `split`), its tools, user and verdict from the "
-                               "benchmark's package (`rollout.tasks.tau2`).")
+        "clarify",
+        description="tau2: a τ²-bench domain (`domain`, `split`), its tools, user and verdict from the "
+        "benchmark's package (`rollout.tasks.tau2`).",
+    )
     domain: Literal[TAU2_DOMAINS] | None = Field(
-        None, description="tau2: the benchmark's domain (telecom, whose user acts through tools of their own, is "
-                          "not supported).")
+        None,
+        description="tau2: the benchmark's domain (telecom, whose user acts through tools of their own, is "
+        "not supported).",
+    )
     split: Literal["train", "test", "base"] = Field(
-        "train", description="tau2: the domain's task split (base: all its tasks; the mock domain's train and "
-                             "test are Tandem's, 6 and 3 of its 9 tasks).")
+        "train",
+        description="tau2: the domain's task split (base: all its tasks; the mock domain's train and "
+        "test are Tandem's, 6 and 3 of its 9 tasks).",
+    )
     data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
     num_examples: int = Field(
-        512, ge=1, le=1_000_000,
+        512,
+        ge=1,
+        le=1_000_000,
         description="clarify: examples generated; data tasks: the first N rows of the file.",
     )
-    ask_share: float = Field(
-        0.3, ge=0.0, le=1.0, description="clarify: share of asking dialogues in the warm start."
-    )
+    ask_share: float = Field(0.3, ge=0.0, le=1.0, description="clarify: share of asking dialogues in the warm start.")
     followup_share: float = Field(
-        0.0, ge=0.0, le=1.0,
+        0.0,
+        ge=0.0,
+        le=1.0,
         description="clarify: share of contexts that already hold the question and the user's answer, "
-                    "so the turn after asking is trained too (CollabLLM trains every turn j).",
+        "so the turn after asking is trained too (CollabLLM trains every turn j).",
     )
     user: Literal["auto", "llm"] = Field(
-        "auto", description="Who plays the user: `auto` is the task's rule-based user where it has one (clarify) "
-                            "and the LLM user simulator otherwise; `llm` is always the simulator, through the judge "
-                            "proxy (reward.user_model).",
+        "auto",
+        description="Who plays the user: `auto` is the task's rule-based user where it has one (clarify) "
+        "and the LLM user simulator otherwise; `llm` is always the simulator, through the judge "
+        "proxy (reward.user_model).",
     )
     metric: Literal["exact_match", "judge"] = Field(
-        "exact_match", description="math_chat: exact match of the final answer, or the judge's accuracy rubric "
-                                   "(binary, as the references are)."
+        "exact_match",
+        description="math_chat: exact match of the final answer, or the judge's accuracy rubric "
+        "(binary, as the references are).",
     )
-    system_prompt: str | None = Field(None, max_length=8000, description=(
-        "A system message before every context (`reward.preset: collabllm` sets CollabLLM's collaborative "
-        "prompt); the user simulator and the judge never see it."))
-    contexts: str | None = Field(None, description=(
-        "JSONL of conversations ({messages, example}, e.g. a generate job's sft.jsonl): every prefix ending "
-        "with a user turn becomes a context, so every turn j is trained; num_examples caps how many."))
-    simulator: Literal["cooperative", "person"] = Field("cooperative", description=(
-        "How the LLM user simulator plays the goal: cooperative (truthful, forthcoming when asked) or person "
-        "(CollabLLM's: minimal effort, preferences, occasional mistakes, ends when satisfied)."))
-    opening: Literal["task", "simulator"] = Field("task", description=(
-        "Who writes a training conversation's first request: the task's data, or the LLM user simulator from "
-        "the goal (CollabLLM), once per group; the task's own material (a document to edit) is attached. "
-        "Evaluation keeps the task's openings."))
-    extraction: Literal["rule", "llm"] = Field("rule", description=(
-        "doc_edit_chat and code_chat: how R_ext finds the final document or code in a conversation: rule, the "
-        "last fenced block of any assistant reply; llm, an extraction call to reward.judge_model through the "
-        "judge proxy (CollabLLM), for replies that do not fence what they deliver."))
+    system_prompt: str | None = Field(
+        None,
+        max_length=8000,
+        description=(
+            "A system message before every context (`reward.preset: collabllm` sets CollabLLM's collaborative "
+            "prompt); the user simulator and the judge never see it."
+        ),
+    )
+    contexts: str | None = Field(
+        None,
+        description=(
+            "JSONL of conversations ({messages, example}, e.g. a generate job's sft.jsonl): every prefix ending "
+            "with a user turn becomes a context, so every turn j is trained; num_examples caps how many."
+        ),
+    )
+    simulator: Literal["cooperative", "person"] = Field(
+        "cooperative",
+        description=(
+            "How the LLM user simulator plays the goal: cooperative (truthful, forthcoming when asked) or person "
+            "(CollabLLM's: minimal effort, preferences, occasional mistakes, ends when satisfied)."
+        ),
+    )
+    opening: Literal["task", "simulator"] = Field(
+        "task",
+        description=(
+            "Who writes a training conversation's first request: the task's data, or the LLM user simulator from "
+            "the goal (CollabLLM), once per group; the task's own material (a document to edit) is attached. "
+            "Evaluation keeps the task's openings."
+        ),
+    )
+    extraction: Literal["rule", "llm"] = Field(
+        "rule",
+        description=(
+            "doc_edit_chat and code_chat: how R_ext finds the final document or code in a conversation: rule, the "
+            "last fenced block of any assistant reply; llm, an extraction call to reward.judge_model through the "
+            "judge proxy (CollabLLM), for replies that do not fence what they deliver."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _tau2_examples_are_its_split(cls, data):
         """A tau2 task's examples are its split's tasks: `num_examples` is the split's size
         unless set lower (the learner draws examples from it), and never more."""
-        if not isinstance(data, dict) or data.get("name") != "tau2" or data.get("domain") not in TAU2_DOMAINS \
-                or data.get("split", "train") not in ("train", "test", "base"):
-            return data   # field validation reports what is wrong
+        if (
+            not isinstance(data, dict)
+            or data.get("name") != "tau2"
+            or data.get("domain") not in TAU2_DOMAINS
+            or data.get("split", "train") not in ("train", "test", "base")
+        ):
+            return data  # field validation reports what is wrong
         from services.tau2_splits import task_ids
 
         size = len(task_ids(data["domain"], data.get("split", "train")))
         if data.get("num_examples", size) > size:
-            raise ValueError(f"task.num_examples {data['num_examples']}: the {data['domain']} "
-                             f"{data.get('split', 'train')} split has {size} tasks")
+            raise ValueError(
+                f"task.num_examples {data['num_examples']}: the {data['domain']} "
+                f"{data.get('split', 'train')} split has {size} tasks"
+            )
         return {"num_examples": size} | data
 
     @model_validator(mode="after")
-    def _openings_need_a_simulator(self) -> "TaskSpec":
+    def _openings_need_a_simulator(self) -> TaskSpec:
         if self.opening == "simulator" and self.user == "auto" and self.name in ("clarify", "multiply"):
-            raise ValueError(f"task.opening: simulator needs the LLM user simulator; {self.name} plays its "
-                             "rule-based user unless task.user is llm")
+            raise ValueError(
+                f"task.opening: simulator needs the LLM user simulator; {self.name} plays its "
+                "rule-based user unless task.user is llm"
+            )
         if self.opening == "simulator" and self.contexts is not None:
             raise ValueError("task.opening: simulator writes openings, task.contexts brings its own: set one")
         if (self.name == "tau2") != (self.domain is not None):
             raise ValueError("task.domain names a τ² domain, and only a tau2 task sets one")
         if self.name == "tau2" and (self.opening != "task" or self.contexts is not None or self.system_prompt):
-            raise ValueError("a tau2 task brings its own context (the domain's policy, the benchmark's greeting): "
-                             "task.opening, task.contexts and task.system_prompt are not for it")
+            raise ValueError(
+                "a tau2 task brings its own context (the domain's policy, the benchmark's greeting): "
+                "task.opening, task.contexts and task.system_prompt are not for it"
+            )
         return self
 
 
 class RewardSpec(_Strict):
     """How a sample is scored. R* = extrinsic_weight * R_ext - min(lambda * tokens, 1)
-    + judge_weight * R_llm (+ the tool terms, ARTIST's composite, when the job has tools); `multiturn` mode averages R* over the futures of at most
+    + judge_weight * R_llm (+ the tool terms, ARTIST's composite, when the job has tools); `multiturn` mode averages
+    R* over the futures of at most
     `window` more turns sampled after the response (window 0 is a next-turn reward):
     `num_futures` of them (`futures: fixed`), or, with `futures: adaptive`, `min_futures`
     first and more while their scores disagree (`rollout.rewards.multiturn.more_futures`),
     never more than `max_futures` for a response nor `num_futures` per response on average
     over its group."""
 
-    preset: Literal["none", "collabllm"] = Field("none", description=(
-        "Fill in a published recipe's settings wherever the spec does not set them (services/presets.py); "
-        "collabllm: the paper's MR (w 2, S 3, lambda by task, interactivity judge, future temperature, "
-        "system prompt, person simulator)."))
+    preset: Literal["none", "collabllm"] = Field(
+        "none",
+        description=(
+            "Fill in a published recipe's settings wherever the spec does not set them (services/presets.py); "
+            "collabllm: the paper's MR (w 2, S 3, lambda by task, interactivity judge, future temperature, "
+            "system prompt, person simulator)."
+        ),
+    )
     mode: Literal["episode", "multiturn"] = "episode"
     window: int = Field(2, ge=0, le=16, description="w: future turns per forward sample.")
-    num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response (the mean, when "
-                                                         "adaptive).")
+    num_futures: int = Field(3, ge=1, le=64, description="S: forward samples per response (the mean, when adaptive).")
     futures: Literal["fixed", "adaptive"] = Field("fixed", description="How many futures each response gets.")
     min_futures: int = Field(2, ge=1, le=64, description="Adaptive: futures every response gets.")
     max_futures: int = Field(8, ge=1, le=64, description="Adaptive: most futures for one response.")
     futures_se_threshold: float = Field(
-        0.05, ge=0.0, description="Adaptive: add futures while the standard error of a mean R* is above this.")
-    adaptive_rule: Literal["others", "own"] = Field("others", description=(
-        "Adaptive: whose futures decide a response's count. others: the other responses' first futures (MR stays "
-        "an unbiased estimate; up to num_futures each); own: its own, while they disagree (up to max_futures, "
-        "within the group's allowance), which biases MR towards 0 and 1."))
+        0.05, ge=0.0, description="Adaptive: add futures while the standard error of a mean R* is above this."
+    )
+    adaptive_rule: Literal["others", "own"] = Field(
+        "others",
+        description=(
+            "Adaptive: whose futures decide a response's count. others: the other responses' first futures (MR stays "
+            "an unbiased estimate; up to num_futures each); own: its own, while they disagree (up to max_futures, "
+            "within the group's allowance), which biases MR towards 0 and 1."
+        ),
+    )
     judge_mode: Literal["single", "group"] = Field(
-        "single", description="single: one judge call per conversation; group: one call scores all futures of "
-                              "a response (falls back to single calls when the judge's list is unusable).")
+        "single",
+        description="single: one judge call per conversation; group: one call scores all futures of "
+        "a response (falls back to single calls when the judge's list is unusable).",
+    )
     judge_cache: bool = Field(True, description="Let the judge proxy answer a verdict it gave this job before.")
     token_penalty: float = Field(0.0, ge=0.0, le=1.0, description="lambda per token.")
-    token_count: Literal["policy", "all"] = Field("policy", description=(
-        "Which tokens the penalty counts: policy, the tokens the policy generated from the scored response on; "
-        "all, every token from the scored response on, user (and tool) turns included, as CollabLLM counts."))
-    future_temperature: float | None = Field(None, gt=0.0, le=10.0, description=(
-        "The policy's sampling temperature in forward-sampled futures; rollout.temperature when unset "
-        "(CollabLLM: 0.6-0.8)."))
+    token_count: Literal["policy", "all"] = Field(
+        "policy",
+        description=(
+            "Which tokens the penalty counts: policy, the tokens the policy generated from the scored response on; "
+            "all, every token from the scored response on, user (and tool) turns included, as CollabLLM counts."
+        ),
+    )
+    future_temperature: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description=(
+            "The policy's sampling temperature in forward-sampled futures; rollout.temperature when unset "
+            "(CollabLLM: 0.6-0.8)."
+        ),
+    )
     extrinsic_weight: float = Field(1.0, ge=0.0)
     judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
     judge_weight: float = Field(1.0, ge=0.0)
     judge_model: str | None = Field(None, description="Model name at the judge proxy; its default if unset.")
-    judge_reference: bool = Field(False, description=(
-        "Show the judge the task's reference answer with judge_rubric. Off by default, as in CollabLLM: an "
-        "interactivity score that sees the answer leaks correctness into it. A rubric that needs a reference "
-        "(accuracy) needs this on."))
-    user_model: str = Field("user-simulator", min_length=1,
-                            description="Model name at the judge proxy that plays the user (LLM-user tasks).")
+    judge_reference: bool = Field(
+        False,
+        description=(
+            "Show the judge the task's reference answer with judge_rubric. Off by default, as in CollabLLM: an "
+            "interactivity score that sees the answer leaks correctness into it. A rubric that needs a reference "
+            "(accuracy) needs this on."
+        ),
+    )
+    user_model: str = Field(
+        "user-simulator",
+        min_length=1,
+        description="Model name at the judge proxy that plays the user (LLM-user tasks).",
+    )
     tool_format_weight: float = Field(
-        0.0, ge=0.0, description="ARTIST's format term: this much when every tool call of the conversation could "
-                                 "be read.")
+        0.0,
+        ge=0.0,
+        description="ARTIST's format term: this much when every tool call of the conversation could be read.",
+    )
     tool_success_weight: float = Field(
-        0.0, ge=0.0, description="ARTIST's tool-execution term: this much times the share of the conversation's "
-                                 "tool calls that ran without error (0 without calls).")
+        0.0,
+        ge=0.0,
+        description="ARTIST's tool-execution term: this much times the share of the conversation's "
+        "tool calls that ran without error (0 without calls).",
+    )
     scale_advantage_by_std: bool = True
 
     @model_validator(mode="after")
-    def _futures_bounds(self) -> "RewardSpec":
+    def _futures_bounds(self) -> RewardSpec:
         if self.min_futures > self.max_futures:
             raise ValueError("reward.min_futures must not exceed reward.max_futures")
         return self
@@ -201,9 +277,13 @@ class LossSpec(_Strict):
     """The policy loss's settings (learner/loss.py). A section of its own in code only: the
     job spec holds them flat in `train`, which inherits them."""
 
-    algorithm: Literal["grpo", "reinforce", "dpo"] = Field("grpo", description=(
-        "dpo: each group's best and worst response by reward form a preference pair (online DPO); "
-        "an `offline` job trains on a pairs file instead."))
+    algorithm: Literal["grpo", "reinforce", "dpo"] = Field(
+        "grpo",
+        description=(
+            "dpo: each group's best and worst response by reward form a preference pair (online DPO); "
+            "an `offline` job trains on a pairs file instead."
+        ),
+    )
     eps_low: float = Field(0.2, ge=0.0, le=1.0)
     eps_high: float = Field(0.28, ge=0.0, le=10.0)
     correction: Literal["tis", "mis", "none"] = "tis"
@@ -214,9 +294,14 @@ class LossSpec(_Strict):
     normalise: Literal["token", "sequence"] = "token"
     dpo_beta: float = Field(0.1, gt=0.0, le=100.0, description="DPO: the implicit reward's scale.")
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    pair_margin: float = Field(0.0, ge=0.0, description=(
-        "DPO: the least reward gap between the chosen and the rejected response for a pair; "
-        "groups without one train nothing."))
+    pair_margin: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "DPO: the least reward gap between the chosen and the rejected response for a pair; "
+            "groups without one train nothing."
+        ),
+    )
 
 
 class TrainSpec(LossSpec):
@@ -227,27 +312,43 @@ class TrainSpec(LossSpec):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
-    stragglers: Literal["drop", "wait", "admit"] = Field("drop", description=(
-        "A group older than max_staleness when the learner gets to it: `drop` it and dispatch its task again; "
-        "`wait` for it (batches keep places for groups about to pass the bound, so none passes it); or `admit` "
-        "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."))
+    stragglers: Literal["drop", "wait", "admit"] = Field(
+        "drop",
+        description=(
+            "A group older than max_staleness when the learner gets to it: `drop` it and dispatch its task again; "
+            "`wait` for it (batches keep places for groups about to pass the bound, so none passes it); or `admit` "
+            "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."
+        ),
+    )
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
-    export_every: int = Field(0, ge=0, description=(
-        "Steps between servable policy folders (runs/<job>/policies/step-<N>), to evaluate the policy as it "
-        "trains; 0 = only the final one (runs/<job>/policy)."))
+    export_every: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Steps between servable policy folders (runs/<job>/policies/step-<N>), to evaluate the policy as it "
+            "trains; 0 = only the final one (runs/<job>/policy)."
+        ),
+    )
     seed: int = 0
-    data: str | None = Field(None, description=(
-        "offline jobs: the JSONL of preference pairs to train on (a generate job's pairs.jsonl); "
-        "batch_size pairs per step, reshuffled every pass."))
+    data: str | None = Field(
+        None,
+        description=(
+            "offline jobs: the JSONL of preference pairs to train on (a generate job's pairs.jsonl); "
+            "batch_size pairs per step, reshuffled every pass."
+        ),
+    )
 
 
 class WarmStartSpec(_Strict):
     steps: int = Field(0, ge=0, le=100_000, description="SFT steps before RL; 0 = none.")
     batch_size: int = Field(32, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0.0, le=1.0)
-    data: str | None = Field(None, description="JSONL of {messages: [...]}, required when steps > 0 "
-                                               "(`tandem demonstrations` writes a built-in task's).")
+    data: str | None = Field(
+        None,
+        description="JSONL of {messages: [...]}, required when steps > 0 "
+        "(`tandem demonstrations` writes a built-in task's).",
+    )
 
 
 class GenerateSpec(_Strict):
@@ -257,8 +358,9 @@ class GenerateSpec(_Strict):
     conversations (SFT data) and, per turn, the best and the worst response as a pair."""
 
     conversations: int = Field(64, ge=1, le=1_000_000, description="Conversations to play (one task each).")
-    pair_margin: float = Field(0.0, ge=0.0, description=(
-        "The least reward gap for a turn's best and worst response to be written as a pair."))
+    pair_margin: float = Field(
+        0.0, ge=0.0, description=("The least reward gap for a turn's best and worst response to be written as a pair.")
+    )
 
 
 TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
@@ -274,7 +376,7 @@ class McpServerSpec(_Strict):
     url: str | None = Field(None, pattern=r"^https?://", description="Streamable HTTP: the endpoint's URL.")
 
     @model_validator(mode="after")
-    def _one_transport(self) -> "McpServerSpec":
+    def _one_transport(self) -> McpServerSpec:
         if (self.command is None) == (self.url is None):
             raise ValueError("an MCP server sets exactly one of command (stdio) and url (streamable HTTP)")
         return self
@@ -294,19 +396,26 @@ class ToolSpec(_Strict):
     description: str | None = Field(None, description="Replaces the built-in description shown to the model.")
     timeout_s: float = Field(10.0, gt=0, le=3600, description="A call running longer is cut and reported.")
     max_concurrency: int = Field(
-        8, ge=1, le=4096, description="Calls of this tool running at once on one rollout server, all episodes "
-                                      "together; a call waits for a free slot.")
+        8,
+        ge=1,
+        le=4096,
+        description="Calls of this tool running at once on one rollout server, all episodes "
+        "together; a call waits for a free slot.",
+    )
     max_calls: int = Field(4, ge=1, le=1024, description="Calls of this tool one episode may make.")
-    data: str | None = Field(None, description="search: JSONL of {id, title, text} documents; the built-in "
-                                               "fixture when unset.")
+    data: str | None = Field(
+        None, description="search: JSONL of {id, title, text} documents; the built-in fixture when unset."
+    )
     top_k: int = Field(3, ge=1, le=50, description="search: documents returned per query.")
     server: Annotated[str, Field(pattern=CATALOG_NAME)] | McpServerSpec | None = Field(
-        None, description="mcp: the server that serves this tool, by its name in the operator's tool catalogue "
-                          "(TANDEM_TOOL_CATALOG); a command or URL written here only where the operator allows "
-                          "inline servers (TANDEM_ALLOW_INLINE_MCP).")
+        None,
+        description="mcp: the server that serves this tool, by its name in the operator's tool catalogue "
+        "(TANDEM_TOOL_CATALOG); a command or URL written here only where the operator allows "
+        "inline servers (TANDEM_ALLOW_INLINE_MCP).",
+    )
 
     @model_validator(mode="after")
-    def _server_for_mcp(self) -> "ToolSpec":
+    def _server_for_mcp(self) -> ToolSpec:
         if (self.kind == "mcp") != (self.server is not None):
             raise ValueError("a tool of kind mcp names its server, and only it does")
         return self
@@ -316,22 +425,25 @@ class ToolsSpec(_Strict):
     """The tools of a job's episodes and how calls are read from the policy's replies."""
 
     parser: Literal["hermes", "llama3"] = Field(
-        "hermes", description="hermes: <tool_call>{json}</tool_call> blocks (Qwen, Hermes); llama3: a reply that "
-                              "is a JSON call object or list (Llama 3.x).")
+        "hermes",
+        description="hermes: <tool_call>{json}</tool_call> blocks (Qwen, Hermes); llama3: a reply that "
+        "is a JSON call object or list (Llama 3.x).",
+    )
     tools: list[ToolSpec] = Field(default_factory=list, max_length=64, description="Inline tools.")
     file: str | None = Field(None, description="YAML or JSON file with a `tools:` list, added to the inline ones.")
     max_calls_per_episode: int = Field(8, ge=1, le=4096, description="All tools together, per episode.")
     max_rounds_per_turn: int = Field(
-        4, ge=1, le=256, description="Replies with calls in one assistant turn before it must answer.")
+        4, ge=1, le=256, description="Replies with calls in one assistant turn before it must answer."
+    )
 
     @model_validator(mode="after")
-    def _some_unique_tools(self) -> "ToolsSpec":
+    def _some_unique_tools(self) -> ToolsSpec:
         names = [t.name for t in self.tools]
         if len(names) != len(set(names)):
             raise ValueError(f"tool names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         return self
 
-    def resolved(self) -> "ToolsSpec":
+    def resolved(self) -> ToolsSpec:
         """This spec with the file's tools added and checked, as a rollout server uses it;
         raises ValueError (naming `tools.file`) for a file that is missing or invalid."""
         if self.file is None:
@@ -345,17 +457,33 @@ class ToolsSpec(_Strict):
         if not isinstance(loaded, dict) or not isinstance(loaded.get("tools"), list):
             raise ValueError(f"tools.file {self.file!r}: expected a mapping with a `tools:` list")
         try:
-            return ToolsSpec.model_validate(self.model_dump() | {"file": None, "tools": [
-                *self.model_dump()["tools"], *loaded["tools"]]})
+            return ToolsSpec.model_validate(
+                self.model_dump() | {"file": None, "tools": [*self.model_dump()["tools"], *loaded["tools"]]}
+            )
         except ValueError as exc:
             raise ValueError(f"tools.file {self.file!r}: {exc}") from exc
 
 
 HEALTH_METRICS = (
-    "reward_mean", "success", "zero_spread_share", "well_formed", "futures_malformed",
-    "malformed_truncated", "malformed_wrong_stop", "malformed_special_token", "malformed_empty",
-    "entropy", "is_capped_tokens", "is_weight_max", "mismatch_kl", "clip_fraction", "grad_norm",
-    "skipped_updates", "nonfinite_updates", "kl_ref", "staleness_mean",
+    "reward_mean",
+    "success",
+    "zero_spread_share",
+    "well_formed",
+    "futures_malformed",
+    "malformed_truncated",
+    "malformed_wrong_stop",
+    "malformed_special_token",
+    "malformed_empty",
+    "entropy",
+    "is_capped_tokens",
+    "is_weight_max",
+    "mismatch_kl",
+    "clip_fraction",
+    "grad_norm",
+    "skipped_updates",
+    "nonfinite_updates",
+    "kl_ref",
+    "staleness_mean",
 )
 """Per-step history metrics a health rule can watch."""
 
@@ -371,7 +499,7 @@ class HealthRule(_Strict):
     action: Literal["warn", "stop"] = "warn"
 
     @model_validator(mode="after")
-    def _one_bound(self) -> "HealthRule":
+    def _one_bound(self) -> HealthRule:
         if (self.above is None) == (self.below is None):
             raise ValueError("a health rule sets exactly one of above and below")
         return self
@@ -381,10 +509,14 @@ class JobSpec(_Strict):
     """What a user submits: the model, the task, and how to roll out, score and train."""
 
     name: str = Field("job", min_length=1, max_length=128, pattern=rf"^{JOB_NAME}$")
-    kind: Literal["rl", "offline", "generate"] = Field("rl", description=(
-        "rl: rollout servers play episodes, the learner trains on them as they arrive (GRPO, REINFORCE or "
-        "online DPO); offline: the learner alone trains on train.data (DPO); generate: rollout servers play "
-        "simulated conversations and the learner writes MR-ranked SFT data and preference pairs."))
+    kind: Literal["rl", "offline", "generate"] = Field(
+        "rl",
+        description=(
+            "rl: rollout servers play episodes, the learner trains on them as they arrive (GRPO, REINFORCE or "
+            "online DPO); offline: the learner alone trains on train.data (DPO); generate: rollout servers play "
+            "simulated conversations and the learner writes MR-ranked SFT data and preference pairs."
+        ),
+    )
     model: ModelSpec
     task: TaskSpec = TaskSpec()
     rollout: RolloutSpec = RolloutSpec()
@@ -394,13 +526,17 @@ class JobSpec(_Strict):
     tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
     generate: GenerateSpec = GenerateSpec()
     judge_weight: float = Field(
-        1.0, gt=0.0, le=1000.0,
+        1.0,
+        gt=0.0,
+        le=1000.0,
         description="This job's share of a judge upstream's budget against other jobs using it at the same time "
-                    "(2 vs 1: two thirds). Not reward.judge_weight, which weighs R_llm in the reward.")
+        "(2 vs 1: two thirds). Not reward.judge_weight, which weighs R_llm in the reward.",
+    )
     health: list[HealthRule] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "
-                    "for 5 steps: the job trains on nothing).",
+        "for 5 steps: the job trains on nothing).",
     )
 
     @model_validator(mode="before")
@@ -417,13 +553,13 @@ class JobSpec(_Strict):
         return data | {"reward": filled["reward"] | reward, "task": filled["task"] | task}
 
     @model_validator(mode="after")
-    def _lengths_fit(self) -> "JobSpec":
+    def _lengths_fit(self) -> JobSpec:
         if self.rollout.max_total_tokens > self.model.max_model_len:
             raise ValueError("rollout.max_total_tokens must not exceed model.max_model_len")
         return self
 
     @model_validator(mode="after")
-    def _kind_has_what_it_needs(self) -> "JobSpec":
+    def _kind_has_what_it_needs(self) -> JobSpec:
         if self.kind == "offline" and (self.train.algorithm != "dpo" or not self.train.data):
             raise ValueError("an offline job trains DPO on a pairs file: set train.algorithm: dpo and train.data")
         if self.kind != "offline" and self.train.data:
@@ -449,8 +585,14 @@ def _given(section) -> dict:
     return {}
 
 
-PATH_FIELDS = (("model", "path"), ("task", "data"), ("task", "contexts"), ("warm_start", "data"),
-               ("tools", "file"), ("train", "data"))
+PATH_FIELDS = (
+    ("model", "path"),
+    ("task", "data"),
+    ("task", "contexts"),
+    ("warm_start", "data"),
+    ("tools", "file"),
+    ("train", "data"),
+)
 """(section, field) of every job-spec field that names a file or folder the learner or a
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
 
@@ -461,10 +603,11 @@ class _ProcessSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     log_level: str = "INFO"
     redis_outage_s: float = Field(
-        30.0, gt=0, description="How long a Redis call waits out an outage (a restart, a network blip) before it "
-                                "fails.")
+        30.0, gt=0, description="How long a Redis call waits out an outage (a restart, a network blip) before it fails."
+    )
     job_retention_s: float = Field(
-        7 * 86400.0, gt=0, description="How long an ended job's records, streams and history stay in Redis.")
+        7 * 86400.0, gt=0, description="How long an ended job's records, streams and history stay in Redis."
+    )
 
     SECRETS: ClassVar[frozenset[str]] = frozenset({"tokens", "client_tokens", "judge_token"})
 
@@ -482,8 +625,10 @@ def _require_tokens_off_loopback(host: str, tokens: str, variable: str) -> None:
     from services.auth import is_loopback
 
     if not tokens.strip() and not is_loopback(host):
-        raise ValueError(f"{variable} is empty, so this server has no auth and may listen only on loopback "
-                         f"(127.0.0.1, ::1), not {host!r}: set {variable} or a loopback host")
+        raise ValueError(
+            f"{variable} is empty, so this server has no auth and may listen only on loopback "
+            f"(127.0.0.1, ::1), not {host!r}: set {variable} or a loopback host"
+        )
 
 
 class _ToolSettings(_ProcessSettings):
@@ -491,33 +636,41 @@ class _ToolSettings(_ProcessSettings):
     servers (which start the servers)."""
 
     tool_catalog: str = Field(
-        "", description="YAML file of the operator's tool catalogue: `mcp_servers: {name: {command | url, env}}`; "
-                        "a job's mcp tools name its entries.")
+        "",
+        description="YAML file of the operator's tool catalogue: `mcp_servers: {name: {command | url, env}}`; "
+        "a job's mcp tools name its entries.",
+    )
     allow_inline_mcp: bool = Field(
-        False, description="Let job specs give an MCP server's command or URL themselves (the tenant then runs "
-                           "programs on rollout servers); URLs must still reach a public address.")
+        False,
+        description="Let job specs give an MCP server's command or URL themselves (the tenant then runs "
+        "programs on rollout servers); URLs must still reach a public address.",
+    )
 
 
 class ApiSettings(_ToolSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
-    tokens: str = Field("", description="'token:tenant,...'; empty: no auth, and then the API listens on "
-                                        "loopback only (local use).")
+    tokens: str = Field(
+        "", description="'token:tenant,...'; empty: no auth, and then the API listens on loopback only (local use)."
+    )
     max_judge_weight: float = Field(
-        10.0, gt=0, le=1000.0, description="The largest judge_weight a job may ask for (422 above it).")
+        10.0, gt=0, le=1000.0, description="The largest judge_weight a job may ask for (422 above it)."
+    )
     operators: str = Field(
-        "", description="Comma-separated tenants allowed the rollout-server routes (list, drain); "
-                        "without tokens everyone is.",
+        "",
+        description="Comma-separated tenants allowed the rollout-server routes (list, drain); "
+        "without tokens everyone is.",
     )
     path_roots: str = Field(
-        "/models", description="Comma-separated folders a tenant's job spec may name files under (PATH_FIELDS), "
-                               "symlinks and '..' resolved; enforced when `tokens` is set. Keep the runs folder "
-                               "(every job's checkpoints) out of it.",
+        "/models",
+        description="Comma-separated folders a tenant's job spec may name files under (PATH_FIELDS), "
+        "symlinks and '..' resolved; enforced when `tokens` is set. Keep the runs folder "
+        "(every job's checkpoints) out of it.",
     )
 
     @model_validator(mode="after")
-    def _auth_or_loopback(self) -> "ApiSettings":
+    def _auth_or_loopback(self) -> ApiSettings:
         _require_tokens_off_loopback(self.host, self.tokens, "TANDEM_TOKENS")
         return self
 
@@ -527,9 +680,11 @@ class JudgeProxySettings(_ProcessSettings):
     port: int = 8001
     upstreams: str = Field("", description="YAML/JSON file listing upstreams; empty = none.")
     client_tokens: str = Field(
-        "", description="Comma-separated tokens; a caller presents one, or a job's credential made with one "
-                        "(services.auth.job_credential). Empty: no auth, loopback only, and X-Tandem-Job is "
-                        "believed as sent.")
+        "",
+        description="Comma-separated tokens; a caller presents one, or a job's credential made with one "
+        "(services.auth.job_credential). Empty: no auth, loopback only, and X-Tandem-Job is "
+        "believed as sent.",
+    )
     queue_deadline_s: float = Field(30.0, gt=0, description="Longest wait for budget before a 429.")
     judge_model: str = Field("judge", min_length=1, description="Model /v1/judge asks when a request names none.")
     default_max_tokens: int = Field(
@@ -544,15 +699,17 @@ class JudgeProxySettings(_ProcessSettings):
         3, ge=1, le=100, description="Judge requests admitted per simulator request while both wait."
     )
     cache_ttl_s: float = Field(
-        3600.0, ge=0, description="How long a job's verdicts (and temperature-0 chat replies) are remembered for "
-                                  "identical requests; 0 = no cache."
+        3600.0,
+        ge=0,
+        description="How long a job's verdicts (and temperature-0 chat replies) are remembered for "
+        "identical requests; 0 = no cache.",
     )
     idempotency_ttl_s: float = Field(
         3600.0, ge=0, description="How long a reply is kept for a retry with the same Idempotency-Key; 0 = off."
     )
 
     @model_validator(mode="after")
-    def _auth_or_loopback(self) -> "JudgeProxySettings":
+    def _auth_or_loopback(self) -> JudgeProxySettings:
         _require_tokens_off_loopback(self.host, self.client_tokens, "TANDEM_CLIENT_TOKENS")
         return self
 
@@ -564,28 +721,30 @@ class RolloutSettings(_ToolSettings):
     judge_token: str = Field("", description="Bearer token for the judge proxy, if it requires one.")
     max_concurrent_tasks: int = Field(16, ge=1)
     max_concurrent_rewards: int = Field(
-        128, ge=1,
+        128,
+        ge=1,
         description="Samples scoring at once (their futures and judge calls). Below max_concurrent_tasks x "
-                    "group_size it throttles a judge-bound job: at 32, with 32 tasks of 4 in flight, groups "
-                    "queued here doubled their latency (bench/async_speedup.py).",
+        "group_size it throttles a judge-bound job: at 32, with 32 tasks of 4 in flight, groups "
+        "queued here doubled their latency (bench/async_speedup.py).",
     )
     judge_max_connections: int = Field(
         256, ge=1, description="Calls to the judge proxy in flight at once (user simulator and judge together)."
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     memory_utilization: float | None = Field(
-        None, gt=0, le=1,
+        None,
+        gt=0,
+        le=1,
         description="vLLM's gpu_memory_utilization (on CPU: share of RAM); default 0.85 on GPU, 0.3 on CPU. "
-                    "Lower it to share one GPU with the learner.",
+        "Lower it to share one GPU with the learner.",
     )
     heartbeat_s: float = Field(2.0, gt=0)
-    task_reclaim_idle_s: float = Field(
-        15.0, gt=0, description="Take over tasks another server left idle this long."
-    )
+    task_reclaim_idle_s: float = Field(15.0, gt=0, description="Take over tasks another server left idle this long.")
     drain_timeout_s: float = Field(
-        120.0, ge=0,
+        120.0,
+        ge=0,
         description="A draining server (SIGTERM, `tandem drain`) finishes its tasks for at most this long, "
-                    "then hands the rest back to the other servers (their journals keep the turns played).",
+        "then hands the rest back to the other servers (their journals keep the turns played).",
     )
 
 
@@ -593,11 +752,17 @@ class LearnerSettings(_ProcessSettings):
     metrics_port: int = 8003
     runs_dir: str = "runs"
     history_keep: int = Field(
-        10_000, ge=100, description="Step records a job keeps in Redis (its history endpoint), newest first; the "
-                                    "run folder's metrics.jsonl keeps them all.")
+        10_000,
+        ge=100,
+        description="Step records a job keeps in Redis (its history endpoint), newest first; the "
+        "run folder's metrics.jsonl keeps them all.",
+    )
     keep_checkpoints: int = Field(
-        3, ge=1, description="Complete checkpoints kept per job, newest first; older ones are deleted once a "
-                             "newer one is complete (a job resumes from the newest).")
+        3,
+        ge=1,
+        description="Complete checkpoints kept per job, newest first; older ones are deleted once a "
+        "newer one is complete (a job resumes from the newest).",
+    )
     weight_bucket_mib: int = Field(512, ge=1)
     weight_timeout_s: float = Field(120.0, gt=0)
     min_rollout_servers: int = Field(1, ge=0, description="0: train on whatever arrives (tests, replays).")

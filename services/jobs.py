@@ -15,8 +15,8 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from services.config import JOB_NAME, JobSpec
 from services import protocol
+from services.config import JOB_NAME, JobSpec
 from services.queues import FIELD, Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -27,7 +27,7 @@ JOB_ID = re.compile(rf"{JOB_NAME}-[0-9a-f]{{8}}")
 No ':' can occur, so an id never names a job's sub-key (`job:{id}:tasks`, ...)."""
 
 
-class JobStatus(str, enum.Enum):
+class JobStatus(str, enum.Enum):  # noqa: UP042 (StrEnum formats differently; kept as is)
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -39,8 +39,14 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") ->
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     now = time.time()
     record = {
-        "id": job_id, "name": spec.name, "tenant": tenant, "spec": spec.model_dump_json(),
-        "status": JobStatus.PENDING.value, "created": now, "version": 0, "step": 0,
+        "id": job_id,
+        "name": spec.name,
+        "tenant": tenant,
+        "spec": spec.model_dump_json(),
+        "status": JobStatus.PENDING.value,
+        "created": now,
+        "version": 0,
+        "step": 0,
     }
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(Keys.job(job_id), mapping=record)
@@ -114,7 +120,9 @@ async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never
 # changes again, so the learner's claim (PENDING -> RUNNING) and a cancel cannot both win.
 _ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"
-SET_STATUS_LUA = _ENDED + """
+SET_STATUS_LUA = (
+    _ENDED
+    + """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current or ended[current] then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
@@ -129,6 +137,7 @@ end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
 return 1
 """
+)
 CANCEL_LUA = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if current == 'PENDING' then
@@ -144,20 +153,30 @@ return current
 
 def job_keys(job_id: str) -> list[str]:
     """Every key that holds a job's state (journals and judge memories expire on their own)."""
-    return [Keys.job(job_id), Keys.tasks(job_id), Keys.trajectories(job_id), Keys.dead(job_id),
-            Keys.history(job_id), Keys.weights(job_id), Keys.checkpoints(job_id), Keys.servers(job_id),
-            Keys.datasets(job_id)]
+    return [
+        Keys.job(job_id),
+        Keys.tasks(job_id),
+        Keys.trajectories(job_id),
+        Keys.dead(job_id),
+        Keys.history(job_id),
+        Keys.weights(job_id),
+        Keys.checkpoints(job_id),
+        Keys.servers(job_id),
+        Keys.datasets(job_id),
+    ]
 
 
-async def set_status(client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "",
-                     retention_s: float = RETENTION_S) -> bool:
+async def set_status(
+    client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "", retention_s: float = RETENTION_S
+) -> bool:
     """Move the job to `status` (RUNNING joins `jobs:running`, an end leaves it) unless it
     has already ended; True when it moved. An end sets every key of the job to expire after
     `retention_s`. A learner whose claim lost to a cancel finds the job CANCELLED with
     `cancel_requested` set, so it stops at its first cancel check."""
     moved = await client.register_script(SET_STATUS_LUA)(
         keys=[Keys.job(job_id), Keys.jobs_running, *job_keys(job_id)],
-        args=[status.value, time.time(), error[:4000], job_id, int(retention_s)])
+        args=[status.value, time.time(), error[:4000], job_id, int(retention_s)],
+    )
     return moved == 1
 
 
@@ -170,11 +189,18 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
     return status.decode() if status else None
 
 
-async def record_progress(client: aioredis.Redis, job_id: str, step: int, version: int,
-                          metrics: dict[str, float]) -> None:
-    await client.hset(Keys.job(job_id), mapping={
-        "step": step, "version": version, "metrics": json.dumps(metrics), "updated": time.time(),
-    })
+async def record_progress(
+    client: aioredis.Redis, job_id: str, step: int, version: int, metrics: dict[str, float]
+) -> None:
+    await client.hset(
+        Keys.job(job_id),
+        mapping={
+            "step": step,
+            "version": version,
+            "metrics": json.dumps(metrics),
+            "updated": time.time(),
+        },
+    )
 
 
 async def add_alert(client: aioredis.Redis, job_id: str, message: str) -> None:
@@ -214,8 +240,7 @@ return {first, redis.call('LRANGE', KEYS[1], first - dropped, -1)}
 
 async def append_history(client: aioredis.Redis, job_id: str, record: str, keep: int) -> None:
     """Append a step record, keeping the newest `keep` in Redis."""
-    await client.register_script(APPEND_HISTORY_LUA)(keys=[Keys.history(job_id), Keys.job(job_id)],
-                                                     args=[record, keep])
+    await client.register_script(APPEND_HISTORY_LUA)(keys=[Keys.history(job_id), Keys.job(job_id)], args=[record, keep])
 
 
 async def history_dropped(client: aioredis.Redis, job_id: str) -> int:
@@ -243,5 +268,6 @@ async def read_history(client: aioredis.Redis, job_id: str, start: int) -> tuple
     """The records from global index `start` on, or from the oldest kept when that was
     dropped; and the global index of the first one returned."""
     first, records = await client.register_script(READ_HISTORY_LUA)(
-        keys=[Keys.history(job_id), Keys.job(job_id)], args=[start])
+        keys=[Keys.history(job_id), Keys.job(job_id)], args=[start]
+    )
     return int(first), records

@@ -41,8 +41,9 @@ class GroupJudgeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rubric: str = Field(min_length=1, description="Name of a rubric the proxy knows (judge_proxy/rubrics).")
-    candidates: list[list[Turn]] = Field(min_length=1, max_length=64,
-                                         description="The conversations to judge, each oldest first.")
+    candidates: list[list[Turn]] = Field(
+        min_length=1, max_length=64, description="The conversations to judge, each oldest first."
+    )
     reference: str | None = Field(None, description="The expected answer, for rubrics that need one.")
     model: str | None = Field(None, description="Model group to judge with; the proxy's judge_model when unset.")
     cache: bool = Field(True, description="Answer candidates from the job's earlier verdicts on them, if any.")
@@ -56,13 +57,15 @@ class JudgeResult(BaseModel):
     usage: dict[str, int] = Field(description="Token counts of every call the verdict took, summed.")
     remembered: bool = Field(False, description="Answered from the proxy's memory: no call was made for it now.")
     model: str = Field("", description="The judge model as the upstream named it in its reply (its `model`).")
-    rubric_sha256: str = Field("", description="Digest of the rubric's instructions as sent "
-                                               "(judge_proxy.rubrics.prompt_sha256).")
+    rubric_sha256: str = Field(
+        "", description="Digest of the rubric's instructions as sent (judge_proxy.rubrics.prompt_sha256)."
+    )
 
 
 class GroupJudgeResult(BaseModel):
     results: list[JudgeResult] = Field(description="One verdict per candidate, in the request's order.")
     usage: dict[str, int] = Field(description="Token counts of every call this request made, summed.")
-    fallback: str | None = Field(None, description="Why the group verdict was unusable, when the candidates were "
-                                                   "then judged one by one.")
+    fallback: str | None = Field(
+        None, description="Why the group verdict was unusable, when the candidates were then judged one by one."
+    )
     remembered: bool = Field(False, description="The whole reply was replayed (same idempotency key).")

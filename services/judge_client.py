@@ -92,8 +92,15 @@ def backoff_s(attempt: int, cap_s: float, rng: random.Random) -> float:
 
 
 class JudgeClient:
-    def __init__(self, base_url: str, token: str = "", timeout_s: float = 120.0, max_connections: int = 64,
-                 max_retries: int = 2, max_retry_wait_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str = "",
+        timeout_s: float = 120.0,
+        max_connections: int = 64,
+        max_retries: int = 2,
+        max_retry_wait_s: float = 60.0,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {token}"} if token else {})
@@ -106,9 +113,19 @@ class JudgeClient:
         self.structured: dict[str, bool] = {}
         """Per model: whether its upstreams take a JSON schema (`structured_output`)."""
 
-    async def chat(self, messages: list[dict], *, model: str, max_tokens: int, temperature: float = 1.0,
-                   job: str = "", priority: str = "simulator", idempotency_key: str = "",
-                   response_format: dict | None = None, seed: int | None = None) -> ChatResult:
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        model: str,
+        max_tokens: int,
+        temperature: float = 1.0,
+        job: str = "",
+        priority: str = "simulator",
+        idempotency_key: str = "",
+        response_format: dict | None = None,
+        seed: int | None = None,
+    ) -> ChatResult:
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         body |= {"response_format": response_format} if response_format else {}
         body |= {"seed": seed} if seed is not None else {}
@@ -131,22 +148,41 @@ class JudgeClient:
             self.structured[model] = bool(reply[0].get("structured_output", False))
         return self.structured[model]
 
-    async def judge(self, rubric: str, messages: list[dict], reference: str | None = None, *, job: str = "",
-                    model: str | None = None, cache: bool = True, idempotency_key: str = "") -> JudgeResult:
-        body = JudgeRequest(rubric=rubric, messages=messages, reference=reference, model=model,
-                            cache=cache).model_dump()
+    async def judge(
+        self,
+        rubric: str,
+        messages: list[dict],
+        reference: str | None = None,
+        *,
+        job: str = "",
+        model: str | None = None,
+        cache: bool = True,
+        idempotency_key: str = "",
+    ) -> JudgeResult:
+        body = JudgeRequest(
+            rubric=rubric, messages=messages, reference=reference, model=model, cache=cache
+        ).model_dump()
         reply, _ = await self._post("/v1/judge", body, job, "judge", idempotency_key)
         result = JudgeResult.model_validate(reply)
         self._spent("judge", result.usage, result.remembered)
         self._noted(judge_model=result.model, rubric_sha256=result.rubric_sha256)
         return result
 
-    async def judge_group(self, rubric: str, candidates: list[list[dict]], reference: str | None = None, *,
-                          job: str = "", model: str | None = None, cache: bool = True,
-                          idempotency_key: str = "") -> GroupJudgeResult:
+    async def judge_group(
+        self,
+        rubric: str,
+        candidates: list[list[dict]],
+        reference: str | None = None,
+        *,
+        job: str = "",
+        model: str | None = None,
+        cache: bool = True,
+        idempotency_key: str = "",
+    ) -> GroupJudgeResult:
         """One verdict per candidate, in order (`POST /v1/judge/group`)."""
-        body = GroupJudgeRequest(rubric=rubric, candidates=candidates, reference=reference, model=model,
-                                 cache=cache).model_dump()
+        body = GroupJudgeRequest(
+            rubric=rubric, candidates=candidates, reference=reference, model=model, cache=cache
+        ).model_dump()
         reply, _ = await self._post("/v1/judge/group", body, job, "judge", idempotency_key)
         result = GroupJudgeResult.model_validate(reply)
         self._spent("judge", result.usage, result.remembered or not result.usage)
@@ -184,8 +220,9 @@ class JudgeClient:
             self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, connector=connector)
         return self.session
 
-    async def _post(self, path: str, body: dict, job: str, priority: str,
-                    idempotency_key: str = "") -> tuple[dict, dict[str, str]]:
+    async def _post(
+        self, path: str, body: dict, job: str, priority: str, idempotency_key: str = ""
+    ) -> tuple[dict, dict[str, str]]:
         """The reply's JSON and headers, after retries."""
         headers = {"x-tandem-job": job, "x-tandem-priority": priority}
         if self.token and job:  # the proxy charges a job only for calls made with its credential
@@ -205,15 +242,15 @@ class JudgeClient:
             await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
             attempt += 1
 
-    async def _try(self, method: str, path: str, body: dict | None,
-                   headers: dict) -> tuple[dict, dict[str, str]] | JudgeError:
+    async def _try(
+        self, method: str, path: str, body: dict | None, headers: dict
+    ) -> tuple[dict, dict[str, str]] | JudgeError:
         data = None if body is None else msgspec.json.encode(body)
         try:
-            async with self._session().request(method, self.base_url + path, data=data,
-                                               headers=headers) as response:
+            async with self._session().request(method, self.base_url + path, data=data, headers=headers) as response:
                 status, content = response.status, await response.read()
                 reply_headers = {k.lower(): v for k, v in response.headers.items()}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             return JudgeError(0, f"judge proxy unreachable: {type(err).__name__}: {err}")
         if status != 200:
             return _error(status, content, reply_headers.get("retry-after", ""))

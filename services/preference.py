@@ -38,8 +38,9 @@ def pick_pair(samples: list[protocol.Sample], margin: float) -> tuple[protocol.S
     return (chosen, rejected) if gap > 0 and gap >= margin else None
 
 
-def pairs_from_groups(groups: list[protocol.TrajectoryGroup], margin: float,
-                      max_pair_tokens: int) -> tuple[list[protocol.Sample], int]:
+def pairs_from_groups(
+    groups: list[protocol.TrajectoryGroup], margin: float, max_pair_tokens: int
+) -> tuple[list[protocol.Sample], int]:
     """Every group's pair, flattened chosen, rejected, chosen, rejected..., and how many
     pairs were left out for having more tokens together than a rank takes."""
     flat, too_long = [], 0
@@ -55,8 +56,14 @@ def pairs_from_groups(groups: list[protocol.TrajectoryGroup], margin: float,
 def pair_row(context_ids: list[int], chosen: protocol.Sample, rejected: protocol.Sample, **extra) -> dict:
     """A pairs-file row for two samples that share `context_ids` and differ after it."""
     start = len(context_ids)
-    return {"context_ids": context_ids, "chosen_ids": chosen.tokens[start:], "rejected_ids": rejected.tokens[start:],
-            "chosen_score": chosen.reward, "rejected_score": rejected.reward, **extra}
+    return {
+        "context_ids": context_ids,
+        "chosen_ids": chosen.tokens[start:],
+        "rejected_ids": rejected.tokens[start:],
+        "chosen_score": chosen.reward,
+        "rejected_score": rejected.reward,
+        **extra,
+    }
 
 
 def pair_samples(row: dict, name: str) -> tuple[protocol.Sample, protocol.Sample]:
@@ -66,9 +73,16 @@ def pair_samples(row: dict, name: str) -> tuple[protocol.Sample, protocol.Sample
     def sample(side: str) -> protocol.Sample:
         response = row[f"{side}_ids"]
         tokens = context + response
-        return protocol.Sample(sample_id=f"{name}:{side}", tokens=tokens, mask=[0] * len(context) + [1] * len(response),
-                               logprobs=[0.0] * len(tokens), versions=[-1] * len(tokens),
-                               reward=float(row[f"{side}_score"]), advantage=0.0, num_turns=1)
+        return protocol.Sample(
+            sample_id=f"{name}:{side}",
+            tokens=tokens,
+            mask=[0] * len(context) + [1] * len(response),
+            logprobs=[0.0] * len(tokens),
+            versions=[-1] * len(tokens),
+            reward=float(row[f"{side}_score"]),
+            advantage=0.0,
+            num_turns=1,
+        )
 
     return sample("chosen"), sample("rejected")
 
@@ -99,12 +113,16 @@ def row_problem(row: object, vocab_size: int | None = None, max_pair_tokens: int
         return "chosen_score is below rejected_score"
     size = 2 * len(row["context_ids"]) + len(row["chosen_ids"]) + len(row["rejected_ids"])
     if max_pair_tokens is not None and size > max_pair_tokens:
-        return f"the pair has {size} tokens (context twice and both responses), over train.max_tokens_per_rank={max_pair_tokens}"
+        return (
+            f"the pair has {size} tokens (context twice and both responses), "
+            f"over train.max_tokens_per_rank={max_pair_tokens}"
+        )
     return ""
 
 
-def read_pairs(path: str | Path, vocab_size: int | None = None,
-               max_pair_tokens: int | None = None) -> Iterator[tuple[int, dict]]:
+def read_pairs(
+    path: str | Path, vocab_size: int | None = None, max_pair_tokens: int | None = None
+) -> Iterator[tuple[int, dict]]:
     """A pairs file's rows with their line numbers. A row that is not a pair, or a file
     without any, is a `ValueError` naming the file, the line and what is wrong."""
     found = False
@@ -125,8 +143,10 @@ def read_pairs(path: str | Path, vocab_size: int | None = None,
         raise ValueError(f"{path}: no preference pairs")
 
 
-def load_pairs(path: str | Path, vocab_size: int | None = None,
-               max_pair_tokens: int | None = None) -> list[protocol.Sample]:
+def load_pairs(
+    path: str | Path, vocab_size: int | None = None, max_pair_tokens: int | None = None
+) -> list[protocol.Sample]:
     """A pairs file -> samples, chosen then rejected per row (errors as `read_pairs`)."""
-    return [s for number, row in read_pairs(path, vocab_size, max_pair_tokens)
-            for s in pair_samples(row, f"pair:{number}")]
+    return [
+        s for number, row in read_pairs(path, vocab_size, max_pair_tokens) for s in pair_samples(row, f"pair:{number}")
+    ]

@@ -40,10 +40,19 @@ def collabllm(given_task: dict) -> dict[str, dict]:
     task = given_task.get("name", "clarify")
     writes_openings = task in _DATA_TASKS and given_task.get("contexts") is None
     return {
-        "reward": {"mode": "multiturn", "window": 2, "num_futures": 3, "futures": "fixed",
-                   "token_penalty": _TOKEN_PENALTY.get(task, 5e-4), "token_count": "all",
-                   "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 1.0,
-                   "judge_reference": False, "future_temperature": _FUTURE_TEMPERATURE.get(task, 0.8)},
+        "reward": {
+            "mode": "multiturn",
+            "window": 2,
+            "num_futures": 3,
+            "futures": "fixed",
+            "token_penalty": _TOKEN_PENALTY.get(task, 5e-4),
+            "token_count": "all",
+            "extrinsic_weight": 1.0,
+            "judge_rubric": "interactivity",
+            "judge_weight": 1.0,
+            "judge_reference": False,
+            "future_temperature": _FUTURE_TEMPERATURE.get(task, 0.8),
+        },
         "task": {"system_prompt": COLLABORATIVE_SYSTEM_PROMPT, "simulator": "person"}
         | ({"opening": "simulator"} if writes_openings else {}),
     }

@@ -34,7 +34,7 @@ DEAD_MAXLEN = 10_000
 """A dead stream keeps about this many newest entries: a producer that only sends garbage
 cannot grow Redis without bound (the dispatcher reads new dead entries at every wait, far
 faster than this many arrive)."""
-RELEASED_IDLE_MS = 10 ** 10
+RELEASED_IDLE_MS = 10**10
 """The idle time (ms, about four months) a released entry claims: above any reclaim threshold."""
 
 
@@ -155,17 +155,21 @@ class OutageRetry(Retry):
                 await asyncio.sleep(pause)
 
 
-def connect(url: str, max_connections: int, wait_s: float, outage_s: float = REDIS_OUTAGE_S,
-            **options) -> aioredis.Redis:
+def connect(
+    url: str, max_connections: int, wait_s: float, outage_s: float = REDIS_OUTAGE_S, **options
+) -> aioredis.Redis:
     """An asyncio Redis client whose pool blocks: a caller finding all `max_connections` in
     use waits up to `wait_s` for one, instead of failing with "Too many connections" (what a
     plain pool does, capped at 100 by redis-py 8). Its calls time out (`SOCKET_TIMEOUT_S`)
     rather than hang, and wait out an outage of up to `outage_s` (Redis restarting, a network
     blip) rather than fail. `options` go to each connection and override those defaults."""
-    options = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-               "health_check_interval": HEALTH_CHECK_INTERVAL_S, "retry": OutageRetry(outage_s)} | options
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s,
-                                                    **options)
+    options = {
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "retry": OutageRetry(outage_s),
+    } | options
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s, **options)
     return aioredis.Redis(connection_pool=pool)
 
 
@@ -210,24 +214,20 @@ class StreamConsumer(Generic[M]):
         self.reclaim_cursor = "0-0"
         """Where the next `reclaim` scan of the pending list starts."""
 
-    async def setup(self) -> "StreamConsumer[M]":
+    async def setup(self) -> StreamConsumer[M]:
         await ensure_group(self.client, self.stream, self.group)
         return self
 
     async def read(self, count: int, block_ms: int | None = None) -> list[Delivery[M]]:
         """New entries for this consumer; blocks up to `block_ms` when there are none
         (keep it well under the client's socket timeout, `SOCKET_TIMEOUT_S`)."""
-        reply = await self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
-        )
+        reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
         entries = reply[0][1] if reply else []
         return await self._decode(entries)
 
     async def read_own_pending(self, count: int) -> list[Delivery[M]]:
         """Entries delivered to this consumer name before and never acknowledged (restart)."""
-        reply = await self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: "0"}, count=count
-        )
+        reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
         entries = reply[0][1] if reply else []
         ids = [entry_id for entry_id, _ in entries]
         return await self._decode(await self._drop_overdelivered(entries, ids))
@@ -250,9 +250,7 @@ class StreamConsumer(Generic[M]):
         """Reset the idle time of entries this consumer is still working on, so `reclaim`
         elsewhere only takes work from consumers that stopped (JUSTID: no delivery count)."""
         if entry_ids:
-            await self.client.xclaim(
-                self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True
-            )
+            await self.client.xclaim(self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True)
 
     async def release(self, *entry_ids: bytes) -> None:
         """Hand entries this consumer holds back to the group: they stay pending, with an
@@ -271,10 +269,15 @@ class StreamConsumer(Generic[M]):
         await self.client.xadd(
             self.dead_stream,
             {
-                b"stream": self.stream, b"entry_id": entry_id, b"reason": reason[:2000],
-                b"consumer": self.consumer, b"time": str(time.time()), FIELD: data,
+                b"stream": self.stream,
+                b"entry_id": entry_id,
+                b"reason": reason[:2000],
+                b"consumer": self.consumer,
+                b"time": str(time.time()),
+                FIELD: data,
             },
-            maxlen=DEAD_MAXLEN, approximate=True,
+            maxlen=DEAD_MAXLEN,
+            approximate=True,
         )
         await self.ack(entry_id)
 

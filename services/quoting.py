@@ -60,7 +60,7 @@ def json_object(text: str) -> dict | None:
     if not 0 <= start < end:
         return None
     try:
-        found = json.loads(text[start:end + 1], strict=False)
+        found = json.loads(text[start : end + 1], strict=False)
     except json.JSONDecodeError:
         return None
     return found if isinstance(found, dict) else None

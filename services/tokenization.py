@@ -35,12 +35,16 @@ _SPACE = re.compile(r"\s+")
 
 
 TOOL_PROMPTS = {
-    "hermes": ("You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, write "
-               '<tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as a JSON object>}}}}</tool_call>; '
-               "several calls are several blocks. The results come back in tool messages."),
-    "llama3": ("You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, reply with "
-               'only {{"name": "<tool name>", "parameters": {{<the arguments as a JSON object>}}}}; several calls '
-               "are a JSON list of them. The results come back in tool messages."),
+    "hermes": (
+        "You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, write "
+        '<tool_call>{{"name": "<tool name>", "arguments": {{<the arguments as a JSON object>}}}}</tool_call>; '
+        "several calls are several blocks. The results come back in tool messages."
+    ),
+    "llama3": (
+        "You can call these tools, each given as its JSON schema:\n{tools}\n\nTo call one, reply with "
+        'only {{"name": "<tool name>", "parameters": {{<the arguments as a JSON object>}}}}; several calls '
+        "are a JSON list of them. The results come back in tool messages."
+    ),
 }
 """How tools are shown to a model whose chat template ignores them (by the tool parser)."""
 
@@ -50,8 +54,9 @@ class TokenizationMismatch(ValueError):
 
 
 class ChatTokenizer:
-    def __init__(self, tokenizer, check_mode: CheckMode = "strict", tools: list[dict] | None = None,
-                 parser: str = "hermes") -> None:
+    def __init__(
+        self, tokenizer, check_mode: CheckMode = "strict", tools: list[dict] | None = None, parser: str = "hermes"
+    ) -> None:
         self.tokenizer = tokenizer
         self.check_mode = check_mode
         self.tools = tools or None
@@ -64,7 +69,8 @@ class ChatTokenizer:
             self._tool_prompt = TOOL_PROMPTS[parser].format(tools=shown)
         self.eot_id: int = tokenizer.eos_token_id
         self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(
-            i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+            i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+        )
         """Tokens the template reserves (turn markers, end of text): never inside a reply.
         Added tokens not marked special (Qwen's `<tool_call>`, `<think>`) are text."""
         self._base = self.render(BASE)
@@ -79,7 +85,7 @@ class ChatTokenizer:
         )
         return list(ids)
 
-    def with_tools(self, tools: list[dict] | None, parser: str = "hermes") -> "ChatTokenizer":
+    def with_tools(self, tools: list[dict] | None, parser: str = "hermes") -> ChatTokenizer:
         """The same tokenizer and check, rendering with `tools` (read back by `parser`)."""
         if (tools or None) == self.tools and parser == self.parser:
             return self
@@ -118,8 +124,8 @@ class ChatTokenizer:
         if ours != theirs:
             at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             raise TokenizationMismatch(
-                f"{self.check_mode}: character {at} differs: episode {ours[at:at + 40]!r} "
-                f"vs rendering {theirs[at:at + 40]!r}"
+                f"{self.check_mode}: character {at} differs: episode {ours[at : at + 40]!r} "
+                f"vs rendering {theirs[at : at + 40]!r}"
             )
 
     def encode_demonstration(self, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -130,8 +136,10 @@ class ChatTokenizer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            context = self.prompt(messages[:i]) if not tokens else tokens + self.delta(
-                [m for m in messages[_last_assistant(messages, i) + 1 : i]]
+            context = (
+                self.prompt(messages[:i])
+                if not tokens
+                else tokens + self.delta([m for m in messages[_last_assistant(messages, i) + 1 : i]])
             )
             mask += [0] * (len(context) - len(tokens))
             with_reply = self.render(messages[: i + 1])

@@ -61,12 +61,16 @@ def bind_servers(tools: ToolsSpec, catalog: ToolCatalog, allow_inline: bool) -> 
         if isinstance(tool.server, str):
             if tool.server not in catalog.mcp_servers:
                 known = ", ".join(sorted(catalog.mcp_servers)) or "none"
-                raise CatalogError(index, f"no MCP server {tool.server!r} in the operator's tool catalogue "
-                                          f"(it has: {known})")
+                raise CatalogError(
+                    index, f"no MCP server {tool.server!r} in the operator's tool catalogue (it has: {known})"
+                )
             tool.server = catalog.mcp_servers[tool.server]
         elif not allow_inline:
-            raise CatalogError(index, "MCP servers are named from the operator's tool catalogue; a command or "
-                                      "URL in a job spec needs TANDEM_ALLOW_INLINE_MCP on the server")
+            raise CatalogError(
+                index,
+                "MCP servers are named from the operator's tool catalogue; a command or "
+                "URL in a job spec needs TANDEM_ALLOW_INLINE_MCP on the server",
+            )
     return bound
 
 

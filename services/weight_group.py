@@ -72,10 +72,18 @@ def host_store(port: int, timeout_s: float, host: str = "127.0.0.1"):
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         listener = socket.create_server(address, family=family)
     except OSError as error:
-        raise OSError(f"cannot listen for the weight rendezvous on {host}:{port} ({error.strerror}): "
-                      "the advertised host must be an address of this machine") from error
-    return TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+        raise OSError(
+            f"cannot listen for the weight rendezvous on {host}:{port} ({error.strerror}): "
+            "the advertised host must be an address of this machine"
+        ) from error
+    return TCPStore(
+        host,
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),
+    )
 
 
 def connect_store(host: str, port: int, timeout_s: float):
@@ -184,8 +192,7 @@ def _as_bytes(tensor):
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def receive_buckets(group, buckets: list[Bucket], timeout_s: float, device,
-                    buffers: list) -> list[tuple[str, object]]:
+def receive_buckets(group, buckets: list[Bucket], timeout_s: float, device, buffers: list) -> list[tuple[str, object]]:
     """Ranks > 0: receive every bucket segment by segment into `buffers` (one per bucket,
     kept across updates); returns (name, tensor) views into them, valid until the next update."""
     import torch

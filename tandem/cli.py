@@ -29,8 +29,11 @@ def cmd_api(args: argparse.Namespace) -> None:
     setup_logging(settings.log_level, "api")
     log.info("settings: %s", settings.loggable())
     if not settings.tokens:
-        log.warning("AUTH IS OFF: TANDEM_TOKENS is empty, so the API listens on %s only and trusts every "
-                    "caller; set tokens before opening it to anyone", settings.host)
+        log.warning(
+            "AUTH IS OFF: TANDEM_TOKENS is empty, so the API listens on %s only and trusts every "
+            "caller; set tokens before opening it to anyone",
+            settings.host,
+        )
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 
@@ -45,8 +48,11 @@ def cmd_judge_proxy(args: argparse.Namespace) -> None:
     setup_logging(settings.log_level, "judge-proxy")
     log.info("settings: %s", settings.loggable())
     if not settings.client_tokens:
-        log.warning("AUTH IS OFF: TANDEM_CLIENT_TOKENS is empty, so the judge proxy listens on %s only and "
-                    "believes every caller's X-Tandem-Job", settings.host)
+        log.warning(
+            "AUTH IS OFF: TANDEM_CLIENT_TOKENS is empty, so the judge proxy listens on %s only and "
+            "believes every caller's X-Tandem-Job",
+            settings.host,
+        )
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 
@@ -65,8 +71,9 @@ def cmd_learner(args: argparse.Namespace) -> None:
     from tandem.launcher import learner_command
 
     try:
-        command = learner_command(args.nproc, resume=args.resume, nodes=args.nnodes,
-                                  rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+        command = learner_command(
+            args.nproc, resume=args.resume, nodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id
+        )
     except ValueError as err:
         sys.exit(f"tandem learner: {err}")
     os.execv(sys.executable, command)
@@ -119,8 +126,17 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
         options = engine_options(spec, args.kv_cache_gib, args.seed, seeded_requests=True)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"tandem serve-model: {err}")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", args.name,
-               "--host", args.host, "--port", str(args.port)]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--served-model-name",
+        args.name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -245,8 +261,10 @@ def cmd_servers(args: argparse.Namespace) -> None:
 
     for server in ApiClient(args.api, args.token).servers():
         state = "draining" if server["draining"] else "drain requested" if server["drain_requested"] else "serving"
-        print(f"{server['server_id']:32} {state:16} job {server['job_id'] or '-':32} v{server['version']:<5} "
-              f"{server['inflight']}/{server['capacity']} tasks  heartbeat {server['heartbeat_age_s']}s ago")
+        print(
+            f"{server['server_id']:32} {state:16} job {server['job_id'] or '-':32} v{server['version']:<5} "
+            f"{server['inflight']}/{server['capacity']} tasks  heartbeat {server['heartbeat_age_s']}s ago"
+        )
 
 
 def cmd_drain(args: argparse.Namespace) -> None:
@@ -294,8 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learner", help="the learner under torchrun")
     p.add_argument("--nproc", type=int, default=2, help="learner ranks on this node")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (machines, pods) the learner spans")
-    p.add_argument("--rdzv-endpoint", default="",
-                   help="host:port where the nodes meet (torch c10d rendezvous); needed with --nnodes > 1")
+    p.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        help="host:port where the nodes meet (torch c10d rendezvous); needed with --nnodes > 1",
+    )
     p.add_argument("--rdzv-id", default="tandem-learner", help="the rendezvous's name, the same on every node")
     p.add_argument("--resume", action="store_true", help="continue RUNNING jobs from their checkpoints")
     p.set_defaults(run=cmd_learner)
@@ -307,9 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_make_tiny_model)
 
     model = sub.add_parser("model", help="real model weights as HF folders").add_subparsers(
-        dest="model_command", required=True)
-    p = model.add_parser("import-gguf", help="convert a GGUF file into an HF folder (fp32 safetensors, "
-                                             "tokenizer, chat template, provenance.json)")
+        dest="model_command", required=True
+    )
+    p = model.add_parser(
+        "import-gguf",
+        help="convert a GGUF file into an HF folder (fp32 safetensors, tokenizer, chat template, provenance.json)",
+    )
     p.add_argument("file")
     p.add_argument("dir", help="a new folder")
     p.set_defaults(run=cmd_model_import_gguf)
@@ -322,13 +346,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task", choices=["clarify", "multiply"])
     p.add_argument("file")
     p.add_argument("--num", type=int, default=2000)
-    p.add_argument("--share", type=float, default=0.3,
-                   help="clarify: vague requests that ask first; multiply: rows that call the calculator")
+    p.add_argument(
+        "--share",
+        type=float,
+        default=0.3,
+        help="clarify: vague requests that ask first; multiply: rows that call the calculator",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(run=cmd_demonstrations)
 
-    p = sub.add_parser("serve-model", help="serve a model folder over vLLM's OpenAI API (an upstream of the "
-                                           "judge proxy: user simulator, judge)")
+    p = sub.add_parser(
+        "serve-model",
+        help="serve a model folder over vLLM's OpenAI API (an upstream of the judge proxy: user simulator, judge)",
+    )
     p.add_argument("dir", help="an HF folder (tandem model get / export)")
     p.add_argument("--name", required=True, help="the model name clients and the proxy's upstream_model use")
     p.add_argument("--host", default="127.0.0.1")
@@ -336,9 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache on CPU (GPU: a share of its memory)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=count, default=0,
-                   help="CPU compute threads (OMP_NUM_THREADS); give each engine sharing the cores its own share. "
-                        "0: all cores")
+    p.add_argument(
+        "--threads",
+        type=count,
+        default=0,
+        help="CPU compute threads (OMP_NUM_THREADS); give each engine sharing the cores its own share. 0: all cores",
+    )
     p.set_defaults(run=cmd_serve_model)
 
     p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95% intervals")
@@ -347,8 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=["train", "test", "base"])
     p.add_argument("--trials", type=positive, default=4, help="conversations per task (k of pass^k goes up to it)")
     p.add_argument("--num-tasks", type=count, default=0, help="the split's first N tasks (0: all of them)")
-    p.add_argument("--judge-url", default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
-                   help="the judge proxy that serves the user simulator (default $TANDEM_JUDGE_URL)")
+    p.add_argument(
+        "--judge-url",
+        default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
+        help="the judge proxy that serves the user simulator (default $TANDEM_JUDGE_URL)",
+    )
     p.add_argument("--judge-token", default=os.environ.get("TANDEM_JUDGE_TOKEN", ""))
     p.add_argument("--user-model", default="user-simulator", help="the simulator's model name at the proxy")
     p.add_argument("--max-model-len", type=int, default=8192, help="the policy's context, and a conversation's")
@@ -365,8 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("dir", help="a new folder")
     p.add_argument("--step", type=int, default=None, help="the policy after this step (default: the final one)")
-    p.add_argument("--runs-dir", default=os.environ.get("TANDEM_RUNS_DIR", "runs"),
-                   help="where the learner keeps jobs (default $TANDEM_RUNS_DIR or runs)")
+    p.add_argument(
+        "--runs-dir",
+        default=os.environ.get("TANDEM_RUNS_DIR", "runs"),
+        help="where the learner keeps jobs (default $TANDEM_RUNS_DIR or runs)",
+    )
     p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("up", help="start every process locally")
@@ -382,8 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-demo", help="write the demo job (model, data, spec) for a stack started elsewhere")
     p.add_argument("dir")
-    p.add_argument("--seen-as", default=None,
-                   help="where the stack's processes see DIR, e.g. /models/demo under compose (default: DIR)")
+    p.add_argument(
+        "--seen-as",
+        default=None,
+        help="where the stack's processes see DIR, e.g. /models/demo under compose (default: DIR)",
+    )
     p.add_argument("--steps", type=int, default=None)
     p.set_defaults(run=cmd_prepare_demo)
 
@@ -399,14 +441,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     api_client_parser("list", cmd_list, "list jobs")
     api_client_parser("submit", cmd_submit, "submit a job spec (YAML or JSON)", "file")
-    for name, run, help_text in (("status", cmd_status, "show a job"),
-                                 ("follow", cmd_follow, "follow a job with a progress bar"),
-                                 ("datasets", cmd_datasets, "list the files a generate job wrote"),
-                                 ("cancel", cmd_cancel, "cancel a job")):
+    for name, run, help_text in (
+        ("status", cmd_status, "show a job"),
+        ("follow", cmd_follow, "follow a job with a progress bar"),
+        ("datasets", cmd_datasets, "list the files a generate job wrote"),
+        ("cancel", cmd_cancel, "cancel a job"),
+    ):
         api_client_parser(name, run, help_text, "job_id")
     api_client_parser("servers", cmd_servers, "list the rollout servers (operators)")
-    p = api_client_parser("drain", cmd_drain, "take a rollout server out of service: it finishes or hands back "
-                                              "its tasks and leaves its job (operators)", "server_id")
+    p = api_client_parser(
+        "drain",
+        cmd_drain,
+        "take a rollout server out of service: it finishes or hands back its tasks and leaves its job (operators)",
+        "server_id",
+    )
     p.add_argument("--lift", action="store_true", help="let it take jobs again")
     return parser
 

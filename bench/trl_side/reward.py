@@ -69,8 +69,14 @@ class ClarifyReward:
         if self.client is None:  # made on the loop TRL awaits this on
             self.client = JudgeClient(self.judge_url, max_connections=256)
             self.judge = ProxyJudge(self.client, self.job_id, self.reward)
-            self.user = LLMUser(self.client, self.task.goal, self.reward.user_model, job=self.job_id,
-                                seed=self.spec.train.seed, style=self.spec.task.simulator)
+            self.user = LLMUser(
+                self.client,
+                self.task.goal,
+                self.reward.user_model,
+                job=self.job_id,
+                seed=self.spec.train.seed,
+                style=self.spec.task.simulator,
+            )
         self.step += 1
         rewards = [self.minimum()] * len(prompts)
         futures: dict[int, list[Future]] = {}
@@ -82,8 +88,9 @@ class ClarifyReward:
         for turn in range(self.reward.window):
             await self.user_turns(turn, every, example)
             self.policy_turns([f for f in every if f.live])
-        scored = await asyncio.gather(*(self.conversation_rewards(i, example[i], group)
-                                        for i, group in futures.items()))
+        scored = await asyncio.gather(
+            *(self.conversation_rewards(i, example[i], group) for i, group in futures.items())
+        )
         for i, values in zip(futures, scored):
             rewards[i] = sum(values) / len(values)
         return rewards
@@ -99,10 +106,14 @@ class ClarifyReward:
 
     async def user_turns(self, turn: int, futures: list[Future], example: list[int]) -> None:
         live = [(k, f) for k, f in enumerate(futures) if f.live]
-        replies = await asyncio.gather(*(
-            self.user.respond(example[f.response], f.messages,
-                              call_id=f"{self.job_id}/s{self.step}/r{f.response}/f{k}/t{turn}")
-            for k, f in live))
+        replies = await asyncio.gather(
+            *(
+                self.user.respond(
+                    example[f.response], f.messages, call_id=f"{self.job_id}/s{self.step}/r{f.response}/f{k}/t{turn}"
+                )
+                for k, f in live
+            )
+        )
         self.calls["simulator"] += len(live)
         for (_, future), reply in zip(live, replies):
             if reply is None:

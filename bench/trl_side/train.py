@@ -58,8 +58,9 @@ class Policy:
         self.temperature = spec.reward.future_temperature or spec.rollout.temperature
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
 
     def sample(self, conversations: list[list[dict]]) -> list[tuple[int, str, bool]]:
         """The next assistant turn of each conversation, all in one batch: (its number of
@@ -73,13 +74,20 @@ class Policy:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         budget = min(self.rollout.max_new_tokens, max(1, self.rollout.max_total_tokens - width))
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True,
-                                 temperature=self.temperature, top_p=1.0, top_k=0, max_new_tokens=budget,
-                                 pad_token_id=pad)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=True,
+                temperature=self.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=budget,
+                pad_token_id=pad,
+            )
         turns = []
         for row in out[:, width:].tolist():
             end = next((i for i, token in enumerate(row) if token in self.eos), None)
-            tokens = row if end is None else row[:end + 1]
+            tokens = row if end is None else row[: end + 1]
             turns.append((len(tokens), self.tokenizer.decode(tokens, skip_special_tokens=True), end is not None))
         return turns
 
@@ -99,10 +107,15 @@ class History(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
-            line = {"step": state.global_step, "seconds": time.monotonic() - self.started,
-                    "reward_mean": logs["reward"], "reward_std": logs.get("reward_std"),
-                    "completion_length": logs.get("completions/mean_length"),
-                    "kl": logs.get("kl"), "calls": dict(self.reward.calls)}
+            line = {
+                "step": state.global_step,
+                "seconds": time.monotonic() - self.started,
+                "reward_mean": logs["reward"],
+                "reward_std": logs.get("reward_std"),
+                "completion_length": logs.get("completions/mean_length"),
+                "kl": logs.get("kl"),
+                "calls": dict(self.reward.calls),
+            }
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
 
@@ -126,17 +139,39 @@ def config(spec: JobSpec, out: Path) -> GRPOConfig:
     (0.2/0.28), KL (k3 to the start policy) and token-level normalisation ("dapo")."""
     train, rollout = spec.train, spec.rollout
     return GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-        seed=train.seed, data_seed=train.seed, max_steps=train.num_steps, logging_steps=1, report_to="none",
-        save_strategy="no", dataloader_num_workers=0,
-        num_generations=rollout.group_size, per_device_train_batch_size=rollout.group_size * train.batch_size,
-        gradient_accumulation_steps=1, num_iterations=1,
-        learning_rate=train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=train.weight_decay,
-        adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=train.max_grad_norm,
-        epsilon=train.eps_low, epsilon_high=train.eps_high, beta=train.kl_coef, loss_type="dapo",
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=train.seed,
+        data_seed=train.seed,
+        max_steps=train.num_steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        num_generations=rollout.group_size,
+        per_device_train_batch_size=rollout.group_size * train.batch_size,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        learning_rate=train.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=train.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        max_grad_norm=train.max_grad_norm,
+        epsilon=train.eps_low,
+        epsilon_high=train.eps_high,
+        beta=train.kl_coef,
+        loss_type="dapo",
         scale_rewards="group" if spec.reward.scale_advantage_by_std else "none",
-        temperature=rollout.temperature, top_p=1.0, top_k=0, max_completion_length=rollout.max_new_tokens,
-        use_vllm=False)
+        temperature=rollout.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=rollout.max_new_tokens,
+        use_vllm=False,
+    )
 
 
 def dataset(task, size: int) -> Dataset:
@@ -157,8 +192,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reward = ClarifyReward(spec, args.judge_url, args.job_id)
-    trainer = GRPOTrainer(model=spec.model.path, reward_funcs=reward, args=config(spec, out),
-                          train_dataset=dataset(reward.task, len(reward.task)))
+    trainer = GRPOTrainer(
+        model=spec.model.path,
+        reward_funcs=reward,
+        args=config(spec, out),
+        train_dataset=dataset(reward.task, len(reward.task)),
+    )
     reward.policy = Policy(trainer, spec)
     history = History(out, reward, spec.train.export_every)
     trainer.add_callback(history)
@@ -166,8 +205,7 @@ def main() -> None:
     export(trainer.model, trainer.processing_class, out / "policy")
     if reward.client is not None:
         asyncio.run_coroutine_threadsafe(reward.client.aclose(), trainer.async_loop).result()
-    (out / "done.json").write_text(json.dumps({"seconds": time.monotonic() - history.started,
-                                               "calls": reward.calls}))
+    (out / "done.json").write_text(json.dumps({"seconds": time.monotonic() - history.started, "calls": reward.calls}))
 
 
 if __name__ == "__main__":

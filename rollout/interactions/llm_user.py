@@ -61,9 +61,11 @@ Reply with one JSON object and nothing else:
 
 REPLY_SCHEMA = {
     "type": "object",
-    "properties": {"current_answer": {"type": "string", "maxLength": 600},
-                   "thought": {"type": "string", "maxLength": 400},
-                   "response": {"type": "string", "maxLength": 1200}},
+    "properties": {
+        "current_answer": {"type": "string", "maxLength": 600},
+        "thought": {"type": "string", "maxLength": 400},
+        "response": {"type": "string", "maxLength": 1200},
+    },
     "required": ["current_answer", "thought", "response"],
     "additionalProperties": False,
 }
@@ -74,8 +76,10 @@ REPLY_FORMAT = {"type": "json_schema", "json_schema": {"name": "user_reply", "sc
 NOT_STARTED = "The conversation has not started yet. Your JSON reply as the USER, with your first message:"
 """The transcript of an empty conversation: the simulator writes the opening request."""
 
-STRICTER = ("Your last reply was not a JSON object with a \"response\" field. Reply again with only the "
-            "JSON object, no other text.")
+STRICTER = (
+    'Your last reply was not a JSON object with a "response" field. Reply again with only the '
+    "JSON object, no other text."
+)
 
 
 class UserSimulatorError(RuntimeError):
@@ -110,20 +114,34 @@ def transcript(messages: list[dict]) -> str:
     prompt's. Tool traffic and the assistant's system prompt are the assistant's own
     business: tool results, the replies that asked for them and system messages are left
     out."""
-    names = {"user": "USER", "assistant": "ASSISTANT"}   # never the assistant's system prompt
+    names = {"user": "USER", "assistant": "ASSISTANT"}  # never the assistant's system prompt
     if not any(m["role"] in names for m in messages):
         return NOT_STARTED
-    shown = [m for i, m in enumerate(messages)
-             if m["role"] in names and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
+    shown = [
+        m
+        for i, m in enumerate(messages)
+        if m["role"] in names and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")
+    ]
     tag = quote_tag([shown])
     turns = quote_turns([(names[m["role"]], m["content"]) for m in shown], tag)
-    return (f'The conversation so far, each message quoted as <{tag} role="..."> ... </{tag}>:\n\n'
-            f"{turns}\n\nYour JSON reply as the USER:")
+    return (
+        f'The conversation so far, each message quoted as <{tag} role="..."> ... </{tag}>:\n\n'
+        f"{turns}\n\nYour JSON reply as the USER:"
+    )
 
 
 class LLMUser:
-    def __init__(self, client, goal: Callable[[int], str], model: str, job: str = "",
-                 max_tokens: int = 512, temperature: float = 1.0, seed: int = 0, style: str = "cooperative") -> None:
+    def __init__(
+        self,
+        client,
+        goal: Callable[[int], str],
+        model: str,
+        job: str = "",
+        max_tokens: int = 512,
+        temperature: float = 1.0,
+        seed: int = 0,
+        style: str = "cooperative",
+    ) -> None:
         self.client = client
         self.rules = STYLES[style]
         self.goal = goal
@@ -135,9 +153,13 @@ class LLMUser:
         """The job's; each call's sampling seed derives from it and the call's id."""
 
     async def respond(self, example: int, messages: list[dict], call_id: str = "") -> str | None:
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT.format(goal=self.goal(example), rules=self.rules,
-                                                                      end=END_MARKER)},
-                  {"role": "user", "content": transcript(messages)}]
+        prompt = [
+            {
+                "role": "system",
+                "content": SYSTEM_PROMPT.format(goal=self.goal(example), rules=self.rules, end=END_MARKER),
+            },
+            {"role": "user", "content": transcript(messages)},
+        ]
         reply = await self._ask(prompt, call_id)
         if reply is None:
             reply = await self._ask(prompt + [{"role": "user", "content": STRICTER}], call_id and f"{call_id}/strict")
@@ -155,10 +177,17 @@ class LLMUser:
 
     async def _ask(self, prompt: list[dict], call_id: str) -> UserReply | None:
         structured = await self.client.structured_output(self.model)
-        result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
-                                        temperature=self.temperature, job=self.job, priority="simulator",
-                                        idempotency_key=call_id, response_format=REPLY_FORMAT if structured else None,
-                                        seed=call_seed(self.seed, call_id) if call_id else None)
+        result = await self.client.chat(
+            prompt,
+            model=self.model,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            job=self.job,
+            priority="simulator",
+            idempotency_key=call_id,
+            response_format=REPLY_FORMAT if structured else None,
+            seed=call_seed(self.seed, call_id) if call_id else None,
+        )
         return parse_user_reply(result.content)
 
 

@@ -21,8 +21,17 @@ from rollout.interactions.llm_user import UserSimulatorError, call_seed
 
 
 class RolePlayUser:
-    def __init__(self, client, brief: Callable[[int], str], stop_markers: tuple[str, ...], model: str,
-                 job: str = "", max_tokens: int = 512, temperature: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        client,
+        brief: Callable[[int], str],
+        stop_markers: tuple[str, ...],
+        model: str,
+        job: str = "",
+        max_tokens: int = 512,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         self.client, self.brief, self.stop_markers = client, brief, stop_markers
         self.model, self.job = model, job
         self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
@@ -38,15 +47,25 @@ class RolePlayUser:
 
     async def _ask(self, prompt: list[dict], call_id: str) -> str:
         seed = call_seed(self.seed, call_id) if call_id else None
-        result = await self.client.chat(prompt, model=self.model, max_tokens=self.max_tokens,
-                                        temperature=self.temperature, job=self.job, priority="simulator",
-                                        idempotency_key=call_id, seed=seed)
+        result = await self.client.chat(
+            prompt,
+            model=self.model,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            job=self.job,
+            priority="simulator",
+            idempotency_key=call_id,
+            seed=seed,
+        )
         return (result.content or "").strip()
 
 
 def swapped(messages: list[dict]) -> list[dict]:
     """The conversation as the simulator reads it: what the user saw, roles swapped."""
-    seen = [m for i, m in enumerate(messages)
-            if m["role"] == "user" or (m["role"] == "assistant" and
-                                       not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool"))]
+    seen = [
+        m
+        for i, m in enumerate(messages)
+        if m["role"] == "user"
+        or (m["role"] == "assistant" and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool"))
+    ]
     return [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]} for m in seen]

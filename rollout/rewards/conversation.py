@@ -36,8 +36,9 @@ class Judge(Protocol):
     """R_llm: the judge's scores in [0, 1] for conversations (`rollout.judging.ProxyJudge`).
     `call_id` names the request in its task (the proxy's idempotency key)."""
 
-    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
-                        call_id: str = "") -> list[float]: ...
+    async def score_all(
+        self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
+    ) -> list[float]: ...
 
 
 def minimum_reward(spec: RewardSpec) -> float:
@@ -46,8 +47,14 @@ def minimum_reward(spec: RewardSpec) -> float:
     return -1.0 if spec.token_penalty > 0 else 0.0
 
 
-async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episode], spec: RewardSpec,
-                               judge: Judge | None = None, call_id: str = "") -> list[float]:
+async def conversation_rewards(
+    task: TaskSet,
+    example: int,
+    episodes: list[Episode],
+    spec: RewardSpec,
+    judge: Judge | None = None,
+    call_id: str = "",
+) -> list[float]:
     """R* of each conversation; one the policy left unfinished scores only its token
     penalty. The judge is asked about the finished ones together (one call in group mode)."""
     rewards = [-min(spec.token_penalty * counted_tokens(e, spec), 1.0) for e in episodes]
@@ -63,8 +70,12 @@ async def conversation_rewards(task: TaskSet, example: int, episodes: list[Episo
     if spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
-        scores = await judge.score_all(spec.judge_rubric, [judged(episodes[i].messages) for i in finished],
-                                       task.reference(example) if spec.judge_reference else None, call_id)
+        scores = await judge.score_all(
+            spec.judge_rubric,
+            [judged(episodes[i].messages) for i in finished],
+            task.reference(example) if spec.judge_reference else None,
+            call_id,
+        )
         for i, score in zip(finished, scores):
             rewards[i] += spec.judge_weight * score
     return rewards
@@ -87,14 +98,16 @@ def tool_terms(usage: ToolUsage, spec: RewardSpec) -> float:
     return spec.tool_format_weight * readable + spec.tool_success_weight * success
 
 
-async def conversation_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
-                              judge: Judge | None = None) -> float:
+async def conversation_reward(
+    task: TaskSet, example: int, episode: Episode, spec: RewardSpec, judge: Judge | None = None
+) -> float:
     """R* of one conversation."""
     return (await conversation_rewards(task, example, [episode], spec, judge, f"{episode.trace}/judge"))[0]
 
 
-async def episode_reward(task: TaskSet, example: int, episode: Episode, spec: RewardSpec,
-                         judge: Judge | None = None) -> float:
+async def episode_reward(
+    task: TaskSet, example: int, episode: Episode, spec: RewardSpec, judge: Judge | None = None
+) -> float:
     """R* of a conversation all of whose assistant turns are trained (episode mode): the
     format filter, then R*."""
     if not episode.well_formed():

@@ -108,9 +108,16 @@ class GroupFutures:
         return granted
 
 
-async def score_response(runner: EpisodeRunner, episode: Episode, task: TaskSet, example: int, spec: RewardSpec,
-                         judge: Judge | None = None, futures: GroupFutures | None = None,
-                         index: int = 0) -> tuple[float, list[Episode]]:
+async def score_response(
+    runner: EpisodeRunner,
+    episode: Episode,
+    task: TaskSet,
+    example: int,
+    spec: RewardSpec,
+    judge: Judge | None = None,
+    futures: GroupFutures | None = None,
+    index: int = 0,
+) -> tuple[float, list[Episode]]:
     """MR of the response that ends `episode`, response `index` of the group `futures`
     plans for, with the futures it was computed from."""
     futures = futures or GroupFutures(spec, 1)
@@ -127,10 +134,15 @@ async def score_response(runner: EpisodeRunner, episode: Episode, task: TaskSet,
     while wanted:
         async with futures.slots:
             forks = [episode.fork(f"f{len(sampled) + i}") for i in range(wanted)]
-            forks = await gather_all(*(runner.extend(f, example, spec.window, trained=False,
-                                                     temperature=spec.future_temperature) for f in forks))
-            rewards += await conversation_rewards(task, example, forks, spec, judge,
-                                                  f"{episode.trace}/judge{len(sampled)}")
+            forks = await gather_all(
+                *(
+                    runner.extend(f, example, spec.window, trained=False, temperature=spec.future_temperature)
+                    for f in forks
+                )
+            )
+            rewards += await conversation_rewards(
+                task, example, forks, spec, judge, f"{episode.trace}/judge{len(sampled)}"
+            )
         sampled += forks
         wanted = await futures.more(index, rewards)
     return sum(rewards) / len(rewards), sampled

@@ -29,8 +29,10 @@ def load_task(spec: TaskSpec, seed: int = 0, judge=None):
 
     turns = turn_contexts(spec.contexts, spec.num_examples)
     if len(turns) < spec.num_examples:
-        raise ValueError(f"task.contexts holds {len(turns)} contexts, fewer than task.num_examples "
-                         f"({spec.num_examples}); set num_examples to at most {len(turns)}")
+        raise ValueError(
+            f"task.contexts holds {len(turns)} contexts, fewer than task.num_examples "
+            f"({spec.num_examples}); set num_examples to at most {len(turns)}"
+        )
     # The base task's examples as far as the contexts reach (generated tasks draw the same
     # first examples whatever their number).
     needed = max(t.example for t in turns) + 1
@@ -89,7 +91,7 @@ def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
     path = checked_file(spec.data, "task.data") if spec.data else FIXTURES / fixture
     with path.open(encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
-    return rows[:spec.num_examples]
+    return rows[: spec.num_examples]
 
 
 def final_reply(messages: list[dict]) -> str:
@@ -106,4 +108,3 @@ def last_found(messages: list[dict], find):
         if message["role"] == "assistant" and (found := find(message["content"])) is not None:
             return found
     return None
-

@@ -136,6 +136,9 @@ def corpus() -> list[str]:
         for template in range(len(REQUEST_TEMPLATES)):
             lines.append(request(ClarifyExample(category, options[0], template)))
         for option in options:
-            lines += [clarification(option), answer(category, option),
-                      request(ClarifyExample(category, option, 0, explicit=True))]
+            lines += [
+                clarification(option),
+                answer(category, option),
+                request(ClarifyExample(category, option, 0, explicit=True)),
+            ]
     return lines

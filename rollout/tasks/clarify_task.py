@@ -27,8 +27,10 @@ class ClarifyTask:
         ex = self.examples[example]
         messages = [{"role": "user", "content": clarify.request(ex)}]
         if example in self.followups:
-            messages += [{"role": "assistant", "content": clarify.question(ex.category)},
-                         {"role": "user", "content": clarify.clarification(ex.target)}]
+            messages += [
+                {"role": "assistant", "content": clarify.question(ex.category)},
+                {"role": "user", "content": clarify.clarification(ex.target)},
+            ]
         return messages
 
     def attachment(self, example: int) -> str:

@@ -15,9 +15,9 @@ import asyncio
 from dataclasses import dataclass
 
 from rollout.tasks import extraction, fenced_blocks, last_found, read_examples
+from rollout.tasks.base import FixtureTask
 from rollout.tasks.clarify import is_question
 from rollout.tasks.sandbox import run_tests
-from rollout.tasks.base import FixtureTask
 from services.config import TaskSpec
 
 _PYTHON_FENCES = ("python", "py", "python3", "")
@@ -49,8 +49,11 @@ class CodeChatTask(FixtureTask):
 
     async def score(self, example: int, messages: list[dict], episode=None) -> float:
         """The pass rate of the example's tests; the sandbox blocks, so it runs in a thread."""
-        code = last_found(messages, python_code) if self.judge is None else \
-            (await extraction.extract(self.judge, "code", messages) or None)
+        code = (
+            last_found(messages, python_code)
+            if self.judge is None
+            else (await extraction.extract(self.judge, "code", messages) or None)
+        )
         if code is None:
             return 0.0
         result = await asyncio.to_thread(run_tests, code, self.examples[example].tests)

@@ -68,7 +68,8 @@ def _row(line: str, number: int) -> tuple[int, list[dict]]:
     if not isinstance(example, int) or isinstance(example, bool) or not 0 <= example < 10_000_000:
         raise ValueError(f"{where}: `example` must be the index of one of the task's examples")
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    ):
         raise ValueError(f"{where}: `messages` must be a list of {{role: system|user|assistant, content: str}}")
     return example, [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -87,12 +88,12 @@ class ContextView:
     """A task set whose contexts carry a system prompt and, with `turns`, are those
     conversation prefixes (each index one prefix); the rest is the base task's."""
 
-    def __init__(self, base: TaskSet, system_prompt: str | None = None,
-                 turns: list[TurnContext] | None = None) -> None:
+    def __init__(self, base: TaskSet, system_prompt: str | None = None, turns: list[TurnContext] | None = None) -> None:
         self.base, self.system_prompt, self.turns = base, system_prompt, turns
         self.name = base.name
-        self.rule_user = base.rule_user if base.rule_user is None or turns is None else \
-            ExampleUser(base.rule_user, self.example_of)
+        self.rule_user = (
+            base.rule_user if base.rule_user is None or turns is None else ExampleUser(base.rule_user, self.example_of)
+        )
 
     def example_of(self, index: int) -> int:
         return index if self.turns is None else self.turns[index].example

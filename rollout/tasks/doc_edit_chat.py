@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import sacrebleu
 
 from rollout.tasks import extraction, fenced_blocks, final_reply, last_found, read_examples
-from rollout.tasks.clarify import is_question
 from rollout.tasks.base import FixtureTask
+from rollout.tasks.clarify import is_question
 from services.config import TaskSpec
 
 
@@ -63,8 +63,11 @@ class DocEditChatTask(FixtureTask):
         return f"```\n{self.examples[example].document}\n```"
 
     async def score(self, example: int, messages: list[dict], episode=None) -> float:
-        document = conversation_document(messages) if self.judge is None else \
-            await extraction.extract(self.judge, "document", messages)
+        document = (
+            conversation_document(messages)
+            if self.judge is None
+            else await extraction.extract(self.judge, "document", messages)
+        )
         return document_bleu(document, self.examples[example].reference)
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:

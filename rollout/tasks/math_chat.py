@@ -14,8 +14,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from rollout.tasks import last_found, read_examples
-from rollout.tasks.clarify import is_question
 from rollout.tasks.base import FixtureTask
+from rollout.tasks.clarify import is_question
 from services.config import TaskSpec
 
 if TYPE_CHECKING:

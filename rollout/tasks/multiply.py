@@ -41,8 +41,10 @@ class Product:
 
 def make_examples(num_examples: int, seed: int) -> list[Product]:
     rng = random.Random(seed)
-    return [Product(rng.randrange(1000, 10000), rng.randrange(100, 1000), rng.randrange(len(QUESTIONS)))
-            for _ in range(num_examples)]
+    return [
+        Product(rng.randrange(1000, 10000), rng.randrange(100, 1000), rng.randrange(len(QUESTIONS)))
+        for _ in range(num_examples)
+    ]
 
 
 def question(example: Product) -> str:
@@ -68,8 +70,10 @@ def demonstration(example: Product, with_tool: bool) -> dict:
     """A warm-start row: the conversation and the tool schemas it is rendered with."""
     messages = [{"role": "user", "content": question(example)}]
     if with_tool:
-        messages += [{"role": "assistant", "content": call(example)},
-                     {"role": "tool", "name": "calculator", "content": str(example.value)}]
+        messages += [
+            {"role": "assistant", "content": call(example)},
+            {"role": "tool", "name": "calculator", "content": str(example.value)},
+        ]
     messages.append({"role": "assistant", "content": answer(example.value)})
     return {"messages": messages, "tools": [Calculator().schema()]}
 
@@ -87,10 +91,12 @@ def corpus(chat_template: str) -> list[str]:
     from jinja2 import Template
 
     template = Template(chat_template)
-    lines = [template.render(messages=row["messages"], tools=row["tools"])
-             for row in demonstrations(300, 0.5, seed=99)]
-    return lines + ["error: there is no tool named", "error: bad arguments for calculator",
-                    "error: could not read the tool call (invalid JSON)"]
+    lines = [template.render(messages=row["messages"], tools=row["tools"]) for row in demonstrations(300, 0.5, seed=99)]
+    return lines + [
+        "error: there is no tool named",
+        "error: bad arguments for calculator",
+        "error: could not read the tool call (invalid JSON)",
+    ]
 
 
 class OneAnswerUser:
@@ -128,5 +134,7 @@ class MultiplyTask:
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         """success; `called` (some reply asked for a tool)."""
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        return {"success": float(last_number(replies[-1]) == self.examples[example].value),
-                "called": float(any("<tool_call>" in r for r in replies))}
+        return {
+            "success": float(last_number(replies[-1]) == self.examples[example].value),
+            "called": float(any("<tool_call>" in r for r in replies)),
+        }

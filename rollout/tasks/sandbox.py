@@ -182,25 +182,54 @@ def _namespaces_unavailable() -> str | None:
 
 
 def _run_in(mode: str, code: str, tests: list[str], limits: SandboxLimits) -> _Run:
-    job = {"code": code, "tests": tests, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-           "output_bytes": limits.output_bytes}
-    with (tempfile.TemporaryDirectory() as workdir, tempfile.TemporaryFile() as verdicts,
-          tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err):
-        command = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--reaper", mode,
-                   str(limits.num_processes), str(out.fileno())]
+    job = {
+        "code": code,
+        "tests": tests,
+        "cpu_s": limits.cpu_s,
+        "memory_bytes": limits.memory_bytes,
+        "output_bytes": limits.output_bytes,
+    }
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        tempfile.TemporaryFile() as verdicts,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
+        command = [
+            sys.executable,
+            "-I",
+            "-S",
+            os.path.abspath(__file__),
+            "--reaper",
+            mode,
+            str(limits.num_processes),
+            str(out.fileno()),
+        ]
         returncode = _run_reaper(command, json.dumps(job).encode(), workdir, verdicts, err, out, limits.timeout_s)
         report = _read_capped(verdicts, MAX_MESSAGE_BYTES)
         output, stderr = _read_capped(out, limits.output_bytes), _read_capped(err, limits.output_bytes)
     verdict = _Verdict.parse(report, len(tests))
-    return _Run(passed=verdict.passed, timed_out=returncode is None, output=output,
-                error=verdict.describe(returncode, stderr, limits.timeout_s))
+    return _Run(
+        passed=verdict.passed,
+        timed_out=returncode is None,
+        output=output,
+        error=verdict.describe(returncode, stderr, limits.timeout_s),
+    )
 
 
 def _run_reaper(command: list[str], job: bytes, workdir: str, verdicts, err, out, timeout_s: float) -> int | None:
     """The reaper's return code, or None on timeout. Nothing of the sandbox is left running
     when it returns."""
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=verdicts, stderr=err, pass_fds=(out.fileno(),),
-                            cwd=workdir, env=_REAPER_ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=verdicts,
+        stderr=err,
+        pass_fds=(out.fileno(),),
+        cwd=workdir,
+        env=_REAPER_ENV,
+        start_new_session=True,
+    )
     try:
         proc.communicate(job, timeout=timeout_s)
         returncode = proc.returncode
@@ -387,8 +416,11 @@ def _start_init(num_processes: int, output_fd: int) -> int:
 
 def _write_id_maps(pid: str, outer_uid: int, outer_gid: int) -> None:
     """Map the sandbox's uid and gid to one host uid and gid, and refuse setgroups."""
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_UID} {outer_uid} 1"),
-                       ("gid_map", f"{SANDBOX_UID} {outer_gid} 1")):
+    for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{SANDBOX_UID} {outer_uid} 1"),
+        ("gid_map", f"{SANDBOX_UID} {outer_gid} 1"),
+    ):
         with open(f"/proc/{pid}/{name}", "w") as file:
             file.write(text)
 
@@ -408,8 +440,9 @@ def _run_unconfined(output_fd: int) -> int:
     _prctl(PR_SET_DUMPABLE, 0)  # its stdout is the verdict channel
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGTERM, _stop)
-    evaluator = subprocess.Popen(_command(os.path.abspath(__file__), "--evaluate", str(output_fd)),
-                                 pass_fds=(output_fd,))
+    evaluator = subprocess.Popen(
+        _command(os.path.abspath(__file__), "--evaluate", str(output_fd)), pass_fds=(output_fd,)
+    )
     try:
         return evaluator.wait()
     except _Stop:
@@ -524,8 +557,13 @@ def _build_root(scratch_owner: int) -> None:
     # The scratch first: a virtual env or checkout under the host's /tmp (a CI clone) is
     # then bound inside it, read-only, instead of being hidden by it.
     os.mkdir(f"{root}/tmp")
-    _mount("scratch", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=0700,size={SCRATCH_BYTES},uid={scratch_owner},gid={scratch_owner}")
+    _mount(
+        "scratch",
+        f"{root}/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"mode=0700,size={SCRATCH_BYTES},uid={scratch_owner},gid={scratch_owner}",
+    )
     for path in _host_paths():
         _bind(path, root + path, read_only=True)
     for name in ("null", "zero", "urandom"):
@@ -676,7 +714,11 @@ class _Program:
         answers_r, answers_w = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), "--program", str(requests_r), str(answers_w)],
-            stdin=subprocess.DEVNULL, stdout=output_fd, pass_fds=(requests_r, answers_w), env={})
+            stdin=subprocess.DEVNULL,
+            stdout=output_fd,
+            pass_fds=(requests_r, answers_w),
+            env={},
+        )
         for fd in (requests_r, answers_w, output_fd):
             os.close(fd)
         self.requests = open(requests_w, "wb")

@@ -73,7 +73,7 @@ class Tau2World:
         self.calls: list[tuple] = []
         """(the benchmark's ToolCall, its ToolMessage) for every call that reached it."""
 
-    def fork(self) -> "Tau2World":
+    def fork(self) -> Tau2World:
         forked = Tau2World(copy.deepcopy(self.environment))
         forked.calls = list(self.calls)
         return forked
@@ -124,12 +124,14 @@ class Tau2Task:
         self.name = f"tau2-{spec.domain}"
         self._module = importlib.import_module(f"tau2.domains.{spec.domain}.environment")
         ids = set(task_ids(spec.domain, spec.split))
-        self.tasks = [task for task in self._module.get_tasks() if task.id in ids][:spec.num_examples]
+        self.tasks = [task for task in self._module.get_tasks() if task.id in ids][: spec.num_examples]
         for task in self.tasks:
             basis = {b.value for b in task.evaluation_criteria.reward_basis} if task.evaluation_criteria else set()
             if "NL_ASSERTION" in basis:
-                raise ValueError(f"τ² task {task.id!r} is graded by natural-language assertions, which Tandem's "
-                                 "verdict (the benchmark's `all` evaluation) leaves out")
+                raise ValueError(
+                    f"τ² task {task.id!r} is graded by natural-language assertions, which Tandem's "
+                    "verdict (the benchmark's `all` evaluation) leaves out"
+                )
         self.environment = self._module.get_environment()
         """The domain as it ships: every world, and each environment the verdict builds,
         starts as a copy of it (loading the airline database takes twice as long)."""
@@ -141,8 +143,11 @@ class Tau2Task:
         policy = self.environment.policy
         system = {"role": "system", "content": f"{AGENT_INSTRUCTIONS}\n\n<policy>\n{policy}\n</policy>"}
         history = self._history(example)
-        return [system, *(chat_message(m) for m in history)] if history else \
-            [system, {"role": "assistant", "content": GREETING}]
+        return (
+            [system, *(chat_message(m) for m in history)]
+            if history
+            else [system, {"role": "assistant", "content": GREETING}]
+        )
 
     def goal(self, example: int) -> str:
         return str(self.tasks[example].user_scenario)
@@ -170,9 +175,11 @@ class Tau2Task:
         """A fresh world for the task: the shipped database with its initial state applied."""
         environment = copy.deepcopy(self.environment)
         state = self.tasks[example].initial_state
-        environment.set_state(initialization_data=state and state.initialization_data,
-                              initialization_actions=state and state.initialization_actions,
-                              message_history=self._history(example))
+        environment.set_state(
+            initialization_data=state and state.initialization_data,
+            initialization_actions=state and state.initialization_actions,
+            message_history=self._history(example),
+        )
         return Tau2World(environment)
 
     async def score(self, example: int, messages: list[dict], episode: Episode | None = None) -> float:
@@ -187,8 +194,9 @@ class Tau2Task:
         from tau2.data_model.simulation import RewardInfo
 
         try:
-            return evaluate(self._fresh_environment, self.tasks[example], self.trajectory(example, episode),
-                            termination(episode))
+            return evaluate(
+                self._fresh_environment, self.tasks[example], self.trajectory(example, episode), termination(episode)
+            )
         except Exception as exc:  # noqa: BLE001 - the benchmark's code on the policy's conversation
             return RewardInfo(reward=0.0, info={"error": f"{type(exc).__name__}: {exc}"})
 
@@ -204,7 +212,7 @@ class Tau2Task:
         out = list(self._history(example))
         world: Tau2World = episode.tool_use.world
         results, answers = iter(episode.tool_use.results), iter(world.calls)
-        messages = episode.messages[len(self.context(example)):]
+        messages = episode.messages[len(self.context(example)) :]
         for at, message in enumerate(messages):
             if message["role"] == "user":
                 out.append(UserMessage(role="user", content=message["content"]))
@@ -215,8 +223,11 @@ class Tau2Task:
                 if not asked:
                     out.append(AssistantMessage(role="assistant", content=message["content"]))
                     continue
-                reached = [next(answers) for result in (next(results) for _ in range(asked))
-                           if result.failure in ("", "tool_error")]
+                reached = [
+                    next(answers)
+                    for result in (next(results) for _ in range(asked))
+                    if result.failure in ("", "tool_error")
+                ]
                 if reached:
                     out.append(AssistantMessage(role="assistant", tool_calls=[call for call, _ in reached]))
                     out += [answer for _, answer in reached]
@@ -244,8 +255,13 @@ class Tau2Task:
                 content = f"error: {answer.content.removeprefix('Error: ')}" if answer.error else answer.content
                 messages.append({"role": "tool", "name": action.name, "content": content})
         said = (criteria.communicate_info or []) if criteria else []
-        messages.append({"role": "assistant", "content": " ".join(f"{info}." for info in said) or
-                         "That is taken care of. Is there anything else I can help you with?"})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": " ".join(f"{info}." for info in said)
+                or "That is taken care of. Is there anything else I can help you with?",
+            }
+        )
         return messages
 
     def _history(self, example: int) -> list:
@@ -277,21 +293,31 @@ def evaluate(environment_constructor, task, trajectory: list, how_it_ended: str)
     criteria = task.evaluation_criteria
     if criteria is None:
         return RewardInfo(reward=1.0, info={"note": "no evaluation criteria"})
-    env = EnvironmentEvaluator.calculate_reward(environment_constructor=environment_constructor, task=task,
-                                                full_trajectory=trajectory)
+    env = EnvironmentEvaluator.calculate_reward(
+        environment_constructor=environment_constructor, task=task, full_trajectory=trajectory
+    )
     action = ActionEvaluator.calculate_reward(task=task, full_trajectory=trajectory)
     said = CommunicateEvaluator.calculate_reward(task=task, full_trajectory=trajectory)
     basis = set(criteria.reward_basis)
-    parts = [(env, {RewardType.DB, RewardType.ENV_ASSERTION}), (action, {RewardType.ACTION}),
-             (said, {RewardType.COMMUNICATE})]
+    parts = [
+        (env, {RewardType.DB, RewardType.ENV_ASSERTION}),
+        (action, {RewardType.ACTION}),
+        (said, {RewardType.COMMUNICATE}),
+    ]
     reward, breakdown = 1.0, {}
     for info, bases in parts:
         if basis & bases:
             reward *= info.reward
             breakdown.update(info.reward_breakdown or {})
-    return RewardInfo(reward=reward, db_check=env.db_check, env_assertions=env.env_assertions,
-                      action_checks=action.action_checks, communicate_checks=said.communicate_checks,
-                      reward_basis=criteria.reward_basis, reward_breakdown=breakdown)
+    return RewardInfo(
+        reward=reward,
+        db_check=env.db_check,
+        env_assertions=env.env_assertions,
+        action_checks=action.action_checks,
+        communicate_checks=said.communicate_checks,
+        reward_basis=criteria.reward_basis,
+        reward_breakdown=breakdown,
+    )
 
 
 def chat_message(message) -> dict:
@@ -306,5 +332,6 @@ def chat_message(message) -> dict:
 
 def hermes_calls(calls: list[tuple[str, dict]]) -> str:
     """Calls as the hermes parser reads them, one `<tool_call>` block per line."""
-    return "\n".join(f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
-                     for name, arguments in calls)
+    return "\n".join(
+        f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>" for name, arguments in calls
+    )

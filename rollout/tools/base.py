@@ -63,13 +63,21 @@ class World(Protocol):
     """State that belongs to one episode and that its tools change: each episode starts
     from its own, and a forked episode (a sampled future) goes on with a copy."""
 
-    def fork(self) -> "World": ...
+    def fork(self) -> World: ...
 
 
 def function_schema(name: str, description: str, properties: dict, required: list[str]) -> dict:
     """An OpenAI function schema whose arguments are an object with exactly `properties`."""
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required,
-                       "additionalProperties": False},
-    }}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }

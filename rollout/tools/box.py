@@ -27,12 +27,21 @@ FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout
 rejects, over the episode's limits, cut at its timeout, a failure the tool explained, or
 an exception it did not."""
 
-CALLS = PromCounter("tandem_rollout_tool_calls_total", "Tool calls the policy made, by tool and outcome",
-                    ["job", "tool", "outcome"])
-LATENCY = Histogram("tandem_rollout_tool_seconds", "Tool call time, waiting for a slot included", ["job", "tool"],
-                    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
-PER_EPISODE = Histogram("tandem_rollout_tool_calls_per_episode", "Tool calls per finished episode", ["job"],
-                        buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
+CALLS = PromCounter(
+    "tandem_rollout_tool_calls_total", "Tool calls the policy made, by tool and outcome", ["job", "tool", "outcome"]
+)
+LATENCY = Histogram(
+    "tandem_rollout_tool_seconds",
+    "Tool call time, waiting for a slot included",
+    ["job", "tool"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+)
+PER_EPISODE = Histogram(
+    "tandem_rollout_tool_calls_per_episode",
+    "Tool calls per finished episode",
+    ["job"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
 
 
 class ToolLimits(Protocol):
@@ -90,28 +99,32 @@ class ToolUsage:
     def failures(self) -> Counter:
         return Counter(r.failure for r in self.results if r.failure)
 
-    def copy(self) -> "ToolUsage":
+    def copy(self) -> ToolUsage:
         return ToolUsage(Counter(self.calls), list(self.results), self.world and self.world.fork())
 
 
 class ToolBox:
-    def __init__(self, spec: ToolsSpec, tools: list[Tool | WorldTool], limits: dict[str, ToolLimits],
-                 job: str = "") -> None:
+    def __init__(
+        self, spec: ToolsSpec, tools: list[Tool | WorldTool], limits: dict[str, ToolLimits], job: str = ""
+    ) -> None:
         self.spec = spec
         self.tools = {tool.name: tool for tool in tools}
         self.limits = limits
         self.job = job
         self.parse = PARSERS[spec.parser]
         self.slots = {name: asyncio.Semaphore(limits[name].max_concurrency) for name in self.tools}
-        self.validators = {name: jsonschema.Draft202012Validator(tool.schema()["function"]["parameters"])
-                           for name, tool in self.tools.items()}
+        self.validators = {
+            name: jsonschema.Draft202012Validator(tool.schema()["function"]["parameters"])
+            for name, tool in self.tools.items()
+        }
         self.in_flight = Counter()
         """Calls running now, by tool (tests check the concurrency limit with it)."""
         self.most_in_flight = Counter()
 
     @classmethod
-    async def open(cls, spec: ToolsSpec, job: str = "", catalog: ToolCatalog = ToolCatalog(),
-                   allow_inline_mcp: bool = False) -> "ToolBox":
+    async def open(
+        cls, spec: ToolsSpec, job: str = "", catalog: ToolCatalog = ToolCatalog(), allow_inline_mcp: bool = False
+    ) -> ToolBox:
         """Build every tool the spec names (the file's included), starting MCP servers: those
         the operator's `catalog` names, or inline ones where allowed and (URLs) public.
         ValueError naming the tool for a server the catalogue does not allow."""
@@ -145,7 +158,7 @@ class ToolBox:
         return cls(spec, tools, {t.name: t for t in spec.tools}, job)
 
     @classmethod
-    def of_task(cls, spec: ToolsSpec, tools: list[Tool | WorldTool], job: str = "") -> "ToolBox":
+    def of_task(cls, spec: ToolsSpec, tools: list[Tool | WorldTool], job: str = "") -> ToolBox:
         """A box for the tools a task brings (τ²-bench's domain tools): the job's `tools`
         section sets only the parser and the per-episode limits, which bound each tool too."""
         limits = TaskToolLimits(max_calls=spec.max_calls_per_episode)
@@ -170,8 +183,9 @@ class ToolBox:
         ran = await asyncio.gather(*(self._call(call, usage.world) for _, call in admitted))
         for (index, _), result in zip(admitted, ran):
             results[index] = result
-        results += [ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed")
-                    for m in parsed.malformed]
+        results += [
+            ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed") for m in parsed.malformed
+        ]
         for result in results:
             name = result.call.name if result.call is not None and result.call.name in self.tools else "-"
             CALLS.labels(self.job, name, result.failure or "ok").inc()
@@ -186,14 +200,19 @@ class ToolBox:
         errors = sorted(self.validators[call.name].iter_errors(call.arguments), key=lambda e: list(e.path))
         if errors:
             where = "/".join(map(str, errors[0].path)) or "arguments"
-            return ToolResult(call, f"error: bad arguments for {call.name}: {where}: {errors[0].message}",
-                              "bad_arguments")
+            return ToolResult(
+                call, f"error: bad arguments for {call.name}: {where}: {errors[0].message}", "bad_arguments"
+            )
         if usage.calls[call.name] >= self.limits[call.name].max_calls:
-            return ToolResult(call, f"error: {call.name} may be called at most "
-                                    f"{self.limits[call.name].max_calls} times per conversation", "call_limit")
+            return ToolResult(
+                call,
+                f"error: {call.name} may be called at most {self.limits[call.name].max_calls} times per conversation",
+                "call_limit",
+            )
         if sum(usage.calls.values()) >= self.spec.max_calls_per_episode:
-            return ToolResult(call, f"error: at most {self.spec.max_calls_per_episode} tool calls per conversation",
-                              "call_limit")
+            return ToolResult(
+                call, f"error: at most {self.spec.max_calls_per_episode} tool calls per conversation", "call_limit"
+            )
         return None
 
     async def _call(self, call: ToolCall, world: World | None) -> ToolResult:
@@ -241,8 +260,11 @@ def usage_metrics(usage: ToolUsage) -> dict[str, float]:
     """An episode's tool use as sample metrics: calls made, whether it made at least one
     call that ran, the share that succeeded (0 without calls), and failures by reason."""
     total = usage.total
-    metrics = {"tool_calls": float(total), "tool_used": float(usage.succeeded > 0),
-               "tool_success_ratio": usage.succeeded / total if total else 0.0}
+    metrics = {
+        "tool_calls": float(total),
+        "tool_used": float(usage.succeeded > 0),
+        "tool_success_ratio": usage.succeeded / total if total else 0.0,
+    }
     failures = usage.failures()
     return metrics | {f"tool_failed_{reason}": float(failures[reason]) for reason in FAILURES}
 
@@ -253,4 +275,3 @@ def tool_message(result: ToolResult) -> dict:
     if result.call is not None:
         message["name"] = result.call.name
     return message
-

@@ -16,8 +16,15 @@ MAX_DIGITS = 4000
 """The largest integer result, in decimal digits; bigger is an error, not a slow reply."""
 MAX_BITS = int(MAX_DIGITS * 3.33)
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -72,8 +79,12 @@ class Calculator:
         self.description = description or "Evaluate an arithmetic expression (+ - * / // % ** and parentheses)."
 
     def schema(self) -> dict:
-        return function_schema(self.name, self.description, {
-            "expression": {"type": "string", "description": "For example 4821 * 397"}}, ["expression"])
+        return function_schema(
+            self.name,
+            self.description,
+            {"expression": {"type": "string", "description": "For example 4821 * 397"}},
+            ["expression"],
+        )
 
     async def call(self, arguments: dict) -> str:
         return format_number(evaluate(arguments["expression"]))

@@ -134,11 +134,14 @@ class McpTool:
     def __init__(self, connection: McpConnection, tool: types.Tool, description: str | None = None) -> None:
         self.name = tool.name
         self.connection = connection
-        self._schema = {"type": "function", "function": {
-            "name": tool.name,
-            "description": description or tool.description or "",
-            "parameters": tool.input_schema,
-        }}
+        self._schema = {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": description or tool.description or "",
+                "parameters": tool.input_schema,
+            },
+        }
         connection.hold()
 
     def schema(self) -> dict:
@@ -166,8 +169,10 @@ async def open_mcp_tools(specs: list[ToolSpec]) -> list[McpTool]:
                 await connection.start()
                 served[key] = {tool.name: tool for tool in await connection.list_tools()}
             if spec.name not in served[key]:
-                raise ValueError(f"MCP server {connections[key].label} serves no tool {spec.name!r}; "
-                                 f"it serves: {', '.join(sorted(served[key])) or 'nothing'}")
+                raise ValueError(
+                    f"MCP server {connections[key].label} serves no tool {spec.name!r}; "
+                    f"it serves: {', '.join(sorted(served[key])) or 'nothing'}"
+                )
             tools.append(McpTool(connections[key], served[key][spec.name], spec.description))
     except BaseException:
         for connection in connections.values():

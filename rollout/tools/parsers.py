@@ -61,7 +61,7 @@ def parse_hermes(text: str) -> Parsed:
         if end < 0:
             parsed.malformed.append(Malformed(text[start:], "unclosed <tool_call>"))
             break
-        _add(parsed, text[start + len(OPEN):end].strip(), "arguments")
+        _add(parsed, text[start + len(OPEN) : end].strip(), "arguments")
         at = end + len(CLOSE)
     return parsed
 

@@ -22,9 +22,12 @@ class PythonTool:
         self.limits = SandboxLimits(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
 
     def schema(self) -> dict:
-        return function_schema(self.name, self.description, {
-            "code": {"type": "string", "description": "A complete program; print what you want to see."}},
-            ["code"])
+        return function_schema(
+            self.name,
+            self.description,
+            {"code": {"type": "string", "description": "A complete program; print what you want to see."}},
+            ["code"],
+        )
 
     async def call(self, arguments: dict) -> str:
         # The sandbox blocks on its child: a thread keeps the episode loop free.

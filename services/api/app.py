@@ -28,8 +28,8 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from starlette.routing import Match
 from pydantic import BaseModel, Field
+from starlette.routing import Match
 
 from services import jobs, preference, protocol
 from services.auth import match_bearer
@@ -97,7 +97,9 @@ class Membership(BaseModel):
     time: float
     servers: list[str]
     joined: list[str]
-    left: dict[str, str] = Field(description="Server -> why: draining, exited (after a drain or a stop), or no heartbeat for N s.")
+    left: dict[str, str] = Field(
+        description="Server -> why: draining, exited (after a drain or a stop), or no heartbeat for N s."
+    )
 
 
 ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
@@ -169,8 +171,9 @@ def _resolved_tools(spec: JobSpec) -> ToolsSpec:
     try:
         return spec.tools.resolved()
     except ValueError as exc:
-        raise RequestValidationError([{"type": "value_error", "loc": ("body", "tools", "file"),
-                                       "input": spec.tools.file, "msg": str(exc)}]) from None
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("body", "tools", "file"), "input": spec.tools.file, "msg": str(exc)}]
+        ) from None
 
 
 def confined_path(path: str, roots: list[Path], loc: tuple, what: str = "") -> str:
@@ -190,17 +193,28 @@ def confine(path: str, roots: list[Path]) -> str | None:
 
 
 def outside_error(path: str, roots: list[Path], loc: tuple, what: str = "") -> dict:
-    return {"type": "value_error", "loc": loc, "input": path,
-            "msg": f"{what}must lie under {', '.join(map(str, roots))} (symlinks and '..' resolved)"}
+    return {
+        "type": "value_error",
+        "loc": loc,
+        "input": path,
+        "msg": f"{what}must lie under {', '.join(map(str, roots))} (symlinks and '..' resolved)",
+    }
 
 
 def check_judge_weight(spec: JobSpec, settings: ApiSettings) -> None:
     """A 422 naming `judge_weight` above the operator's cap: a tenant does not choose a larger
     share of the shared judge budget than the operator allows."""
     if spec.judge_weight > settings.max_judge_weight:
-        raise RequestValidationError([{"type": "less_than_equal", "loc": ("body", "judge_weight"),
-                                       "input": spec.judge_weight,
-                                       "msg": f"must be at most {settings.max_judge_weight:g} on this server"}])
+        raise RequestValidationError(
+            [
+                {
+                    "type": "less_than_equal",
+                    "loc": ("body", "judge_weight"),
+                    "input": spec.judge_weight,
+                    "msg": f"must be at most {settings.max_judge_weight:g} on this server",
+                }
+            ]
+        )
 
 
 def check_pairs_file(spec: JobSpec) -> None:
@@ -213,8 +227,9 @@ def check_pairs_file(spec: JobSpec) -> None:
         for _ in preference.read_pairs(spec.train.data, max_pair_tokens=spec.train.max_tokens_per_rank):
             pass  # every row checked; none kept
     except ValueError as exc:
-        raise RequestValidationError([{"type": "value_error", "loc": ("body", "train", "data"),
-                                       "input": spec.train.data, "msg": str(exc)}]) from None
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("body", "train", "data"), "input": spec.train.data, "msg": str(exc)}]
+        ) from None
 
 
 def resolve(path: str) -> Path | None:
@@ -253,13 +268,17 @@ class BodySizeLimit:
 
 
 def create_app(settings: ApiSettings) -> FastAPI:
-    app = FastAPI(title="Tandem job API", version="0.1.0",
-                  description="Submit asynchronous RL jobs, follow their progress, cancel them.")
+    app = FastAPI(
+        title="Tandem job API",
+        version="0.1.0",
+        description="Submit asynchronous RL jobs, follow their progress, cancel them.",
+    )
     app.state.settings = settings
     # The same client as every other process: calls time out, wait out a short Redis outage
     # (TANDEM_REDIS_OUTAGE_S) and queue for a free connection instead of failing.
-    app.state.redis = connect(settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S,
-                              outage_s=settings.redis_outage_s)
+    app.state.redis = connect(
+        settings.redis_url, REDIS_CONNECTIONS, REDIS_CONNECTION_WAIT_S, outage_s=settings.redis_outage_s
+    )
     app.state.tokens = parse_tokens(settings.tokens)
     app.state.path_roots = [Path(root.strip()).resolve() for root in settings.path_roots.split(",") if root.strip()]
     app.state.tool_catalog = load_catalog(settings.tool_catalog)
@@ -298,8 +317,12 @@ def jobs_router() -> APIRouter:
     """The job routes: submit, list, read, cancel, events."""
     router = APIRouter()
 
-    @router.post("/v1/jobs", status_code=201, response_model=JobCreated,
-                 responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}})
+    @router.post(
+        "/v1/jobs",
+        status_code=201,
+        response_model=JobCreated,
+        responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}},
+    )
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         # Without tokens the API listens on loopback only: it is the operator's own (local use).
         roots = request.app.state.path_roots if request.app.state.tokens else None
@@ -312,8 +335,9 @@ def jobs_router() -> APIRouter:
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 
     @router.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
-    async def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
-                        who: str = Depends(tenant)) -> list[JobView]:
+    async def list_jobs(
+        request: Request, limit: int = Query(100, ge=1, le=1000), who: str = Depends(tenant)
+    ) -> list[JobView]:
         return [JobView(**r) for r in await jobs.list_jobs(request.app.state.redis, who, limit)]
 
     @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
@@ -343,8 +367,9 @@ def job_records_router() -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/jobs/{job_id}/history", response_model=list[dict], responses=ERRORS)
-    async def history(request: Request, response: Response, start: int = Query(0, ge=0),
-                      record: dict = Depends(owned)) -> list[dict]:
+    async def history(
+        request: Request, response: Response, start: int = Query(0, ge=0), record: dict = Depends(owned)
+    ) -> list[dict]:
         """The step records from index `start` of the whole history on. Redis keeps a job's
         newest `TANDEM_HISTORY_KEEP` records (the learner's run folder keeps all), so the
         first one returned may come later: `X-Tandem-History-Start` gives its index."""
@@ -393,9 +418,15 @@ def servers_router() -> APIRouter:
                 await client.hdel(Keys.rollout_servers, info.server_id)
                 continue
             views[info.server_id] = RolloutServerView(
-                server_id=info.server_id, job_id=info.job_id, version=info.version, capacity=info.capacity,
-                inflight=info.inflight, engine=info.engine, heartbeat_age_s=round(now - info.heartbeat, 1),
-                draining=info.draining, drain_requested=info.server_id in drained,
+                server_id=info.server_id,
+                job_id=info.job_id,
+                version=info.version,
+                capacity=info.capacity,
+                inflight=info.inflight,
+                engine=info.engine,
+                heartbeat_age_s=round(now - info.heartbeat, 1),
+                draining=info.draining,
+                drain_requested=info.server_id in drained,
             )
         return views
 
@@ -429,8 +460,12 @@ def servers_router() -> APIRouter:
 async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     """405 whose `Allow` lists every method of the path (Starlette names only the first
     route that matched it, e.g. POST for /v1/jobs, which also has GET)."""
-    allowed = {method for route in request.app.routes if isinstance(route, APIRoute)
-               and route.matches(request.scope)[0] != Match.NONE for method in route.methods}
+    allowed = {
+        method
+        for route in request.app.routes
+        if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
+        for method in route.methods
+    }
     return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(allowed))})
 
 

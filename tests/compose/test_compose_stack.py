@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from polling import wait_for
+
 from tandem.redis_embed import free_port
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
@@ -65,8 +65,11 @@ class Stack:
         self.env_file = workdir / "compose.env"
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in variables.items()))
         self.env = os.environ | {"COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_ENV_FILES": str(self.env_file)}
-        self.api = httpx.Client(base_url=f"http://127.0.0.1:{self.ports['api']}", timeout=10,
-                                headers={"Authorization": f"Bearer {self.token}"})
+        self.api = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.ports['api']}",
+            timeout=10,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
         grafana = image_present(variables.get("GRAFANA_IMAGE", "grafana/grafana:12.1.0"))
         self.services = [s for s in SERVICES if s != "grafana" or grafana]
         self.phases: list[dict] = []
@@ -98,11 +101,14 @@ class Stack:
     # ---- commands --------------------------------------------------------------------
 
     def compose(self, *args: str, timeout_s: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(["docker", "compose", *args], cwd=ROOT, env=self.env, capture_output=True,
-                                text=True, timeout=timeout_s)
+        result = subprocess.run(
+            ["docker", "compose", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s
+        )
         if check and result.returncode:
-            pytest.fail(f"docker compose {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n"
-                        f"{result.stderr}\n{self.diagnosis()}")
+            pytest.fail(
+                f"docker compose {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n"
+                f"{result.stderr}\n{self.diagnosis()}"
+            )
         return result
 
     def cli(self, *args: str, timeout_s: float = 900) -> str:
@@ -115,8 +121,17 @@ class Stack:
     def up(self) -> None:
         """The quick start's `up`: every service started and healthy, or the logs of those
         that are not."""
-        self.compose("--profile", "cpu", "up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
-                     *self.services, timeout_s=UP_TIMEOUT_S + 60)
+        self.compose(
+            "--profile",
+            "cpu",
+            "up",
+            "-d",
+            "--wait",
+            "--wait-timeout",
+            str(UP_TIMEOUT_S),
+            *self.services,
+            timeout_s=UP_TIMEOUT_S + 60,
+        )
         states = self.states()
         unhealthy = {name: s for name, s in states.items() if s != "running/healthy"}
         assert sorted(states) == sorted(self.services) and not unhealthy, f"{states}\n{self.diagnosis()}"
@@ -131,15 +146,22 @@ class Stack:
         return self.compose("ps", "--all", "-q", service).stdout.strip()
 
     def inspect(self, container: str, template: str) -> str:
-        return subprocess.run(["docker", "inspect", "-f", template, container], check=True, capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["docker", "inspect", "-f", template, container], check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     def diagnosis(self) -> str:
         """What a person debugging a failed phase looks at first: states and recent logs."""
-        ps = subprocess.run(["docker", "compose", "ps", "--all"], cwd=ROOT, env=self.env, capture_output=True,
-                            text=True).stdout
-        logs = subprocess.run(["docker", "compose", "logs", "--no-color", "--tail", "40"], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True).stdout
+        ps = subprocess.run(
+            ["docker", "compose", "ps", "--all"], cwd=ROOT, env=self.env, capture_output=True, text=True
+        ).stdout
+        logs = subprocess.run(
+            ["docker", "compose", "logs", "--no-color", "--tail", "40"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        ).stdout
         return f"--- docker compose ps\n{ps}\n--- docker compose logs --tail 40\n{logs}"
 
     @contextmanager
@@ -162,16 +184,23 @@ class Stack:
         def reached():
             assert self.job(job_id)["status"] in ("QUEUED", "RUNNING"), f"{self.job(job_id)}\n{self.diagnosis()}"
             return (done := self.rl_steps(job_id)) >= step and done
+
         return wait_for(reached, timeout_s, f"job {job_id} to reach RL step {step}", POLL_S)
 
     def prometheus(self, query: str) -> list[dict]:
-        reply = httpx.get(f"http://127.0.0.1:{self.ports['prometheus']}/api/v1/query", params={"query": query},
-                          timeout=10).raise_for_status().json()
+        reply = (
+            httpx.get(f"http://127.0.0.1:{self.ports['prometheus']}/api/v1/query", params={"query": query}, timeout=10)
+            .raise_for_status()
+            .json()
+        )
         return reply["data"]["result"]
 
     def targets(self) -> dict[str, str]:
-        reply = httpx.get(f"http://127.0.0.1:{self.ports['prometheus']}/api/v1/targets",
-                          timeout=10).raise_for_status().json()
+        reply = (
+            httpx.get(f"http://127.0.0.1:{self.ports['prometheus']}/api/v1/targets", timeout=10)
+            .raise_for_status()
+            .json()
+        )
         return {t["labels"].get("process", t["scrapePool"]): t["health"] for t in reply["data"]["activeTargets"]}
 
     def leftovers(self) -> list[str]:
@@ -215,13 +244,21 @@ def test_compose_stack_trains_survives_faults_and_restarts_and_leaves_nothing(st
         stack.wait_for_step(job_id, 3)
 
     with stack.phase("prometheus: every Tandem target up, a training metric moving"):
-        wait_for(lambda: TARGETS <= {p for p, h in stack.targets().items() if h == "up"}, 60,
-                 f"Prometheus to scrape {sorted(TARGETS)}: {stack.targets()}", POLL_S)
+        wait_for(
+            lambda: TARGETS <= {p for p, h in stack.targets().items() if h == "up"},
+            60,
+            f"Prometheus to scrape {sorted(TARGETS)}: {stack.targets()}",
+            POLL_S,
+        )
         query = f'tandem_learner_step{{job="{job_id}"}}'
         first = wait_for(lambda: stack.prometheus(query), 60, f"{query} in Prometheus", POLL_S)
         before = float(first[0]["value"][1])
-        wait_for(lambda: float(stack.prometheus(query)[0]["value"][1]) > before, 120, f"{query} to rise past {before}",
-                 POLL_S)
+        wait_for(
+            lambda: float(stack.prometheus(query)[0]["value"][1]) > before,
+            120,
+            f"{query} to rise past {before}",
+            POLL_S,
+        )
 
     with stack.phase("rollout crashes mid-job: restarted, the job goes on"):
         # SIGKILL to the container's process, as the kernel's OOM killer sends it. (`docker
@@ -229,9 +266,15 @@ def test_compose_stack_trains_survives_faults_and_restarts_and_leaves_nothing(st
         rollout = stack.container("rollout-cpu")
         restarts = stack.inspect(rollout, "{{.RestartCount}}")
         os.kill(int(stack.inspect(rollout, "{{.State.Pid}}")), signal.SIGKILL)
-        wait_for(lambda: stack.inspect(rollout, "{{.RestartCount}}") != restarts
-                 and stack.states().get("rollout-cpu") == "running/healthy", 300,
-                 "the restart policy to start the crashed rollout container again, healthy", POLL_S)
+        wait_for(
+            lambda: (
+                stack.inspect(rollout, "{{.RestartCount}}") != restarts
+                and stack.states().get("rollout-cpu") == "running/healthy"
+            ),
+            300,
+            "the restart policy to start the crashed rollout container again, healthy",
+            POLL_S,
+        )
         stack.wait_for_step(job_id, stack.rl_steps(job_id) + 3)  # served by the new process alone
 
     with stack.phase("compose restart learner mid-job: resumed from its checkpoint"):

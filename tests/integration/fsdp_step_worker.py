@@ -30,9 +30,18 @@ def fixed_batch(model_dir: str) -> list[Sample]:
     for i, messages in enumerate(clarify.demonstrations(12, seed=3, ask_share=0.5)):
         tokens, mask = chat.encode_demonstration(messages)
         behaviour = [rng.uniform(-4.0, -0.5) if m else 0.0 for m in mask]
-        samples.append(Sample(sample_id=str(i), tokens=tokens, mask=mask, logprobs=behaviour,
-                              versions=[0 if m else -1 for m in mask], reward=0.0,
-                              advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]), num_turns=1))
+        samples.append(
+            Sample(
+                sample_id=str(i),
+                tokens=tokens,
+                mask=mask,
+                logprobs=behaviour,
+                versions=[0 if m else -1 for m in mask],
+                reward=0.0,
+                advantage=rng.choice([-1.0, -0.5, 0.5, 1.0]),
+                num_turns=1,
+            )
+        )
     return samples
 
 
@@ -40,8 +49,10 @@ def main() -> None:
     model_dir, out, cap, shuffle, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo")
     algorithm = "dpo" if kind == "dpo" else "grpo"
-    spec = JobSpec(model=ModelSpec(path=model_dir),
-                   train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5))
+    spec = JobSpec(
+        model=ModelSpec(path=model_dir),
+        train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5),
+    )
     trainer = Trainer(spec, torch.device("cpu"))
     samples = fixed_batch(model_dir)
     if kind == "dpo":
@@ -49,7 +60,7 @@ def main() -> None:
         # An SFT step first moves the policy off the reference, so that the DPO step's
         # log ratios are not all 0 and the reference's logprobs matter.
         trainer.sft_step(samples)
-        pairs = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        pairs = [samples[i : i + 2] for i in range(0, len(samples), 2)]
         if shuffle >= 0:
             random.Random(shuffle).shuffle(pairs)
         trainer.dpo_step([s for pair in pairs for s in pair])

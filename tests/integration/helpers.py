@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import redis
 import redis.asyncio as aioredis
+from polling import wait_for  # noqa: F401  (the integration tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.rewards.advantage import group_advantages
@@ -21,15 +22,14 @@ from rollout.tasks import clarify
 from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
+from services.tokenization import ChatTokenizer
 from tandem.launcher import learner_command, served_model  # noqa: F401 (tests import served_model here)
 from tandem.redis_embed import free_port
-from services.tokenization import ChatTokenizer
-
-from polling import wait_for  # noqa: F401  (the integration tests import it from here)
 
 
 def create_job(redis_url: str, spec: JobSpec) -> str:
     """Submit `spec` as the API would (a record and a `jobs:pending` entry); its id."""
+
     async def create() -> str:
         client = aioredis.from_url(redis_url)
         job_id = await jobs.create_job(client, spec)
@@ -48,8 +48,14 @@ class Producer(threading.Thread):
     """Answers tasks with groups that depend only on the task (tokens, logprobs, rewards),
     but only tasks below `gate`: the learner then provably waits at a known step."""
 
-    def __init__(self, redis_url: str, job_id: str, tokenizer, gate: int,
-                 reward: Callable[[random.Random], float] = lambda rng: float(rng.random() < 0.5)) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        job_id: str,
+        tokenizer,
+        gate: int,
+        reward: Callable[[random.Random], float] = lambda rng: float(rng.random() < 0.5),
+    ) -> None:
         super().__init__(daemon=True)
         self.redis_url, self.job_id, self.gate, self.reward = redis_url, job_id, gate, reward
         self.chat = ChatTokenizer(tokenizer)
@@ -60,8 +66,9 @@ class Producer(threading.Thread):
 
     async def serve(self) -> None:
         client = aioredis.from_url(self.redis_url)
-        tasks = await StreamConsumer(client, Keys.tasks(self.job_id), "rollout", "producer", protocol.Task,
-                                     Keys.dead(self.job_id)).setup()
+        tasks = await StreamConsumer(
+            client, Keys.tasks(self.job_id), "rollout", "producer", protocol.Task, Keys.dead(self.job_id)
+        ).setup()
         held = []
         while not self.stop.is_set():
             held += await tasks.read(16, block_ms=100)
@@ -78,28 +85,50 @@ class Producer(threading.Thread):
             rng = random.Random(task.task_id * 1000 + i)
             messages = clarify.demonstration(clarify.make_examples(1, seed=task.example)[0], rng.random() < 0.5, rng)
             tokens, mask = self.chat.encode_demonstration(messages)
-            samples.append(protocol.Sample(
-                sample_id=f"{task.task_id}:{i}", tokens=tokens, mask=mask,
-                logprobs=[rng.uniform(-3.0, -0.2) if m else 0.0 for m in mask],
-                versions=[task.dispatched_version if m else -1 for m in mask],
-                reward=self.reward(rng), advantage=0.0, num_turns=1))
+            samples.append(
+                protocol.Sample(
+                    sample_id=f"{task.task_id}:{i}",
+                    tokens=tokens,
+                    mask=mask,
+                    logprobs=[rng.uniform(-3.0, -0.2) if m else 0.0 for m in mask],
+                    versions=[task.dispatched_version if m else -1 for m in mask],
+                    reward=self.reward(rng),
+                    advantage=0.0,
+                    num_turns=1,
+                )
+            )
         for sample, advantage in zip(samples, group_advantages([s.reward for s in samples])):
             sample.advantage = advantage
-        return protocol.TrajectoryGroup(job_id=self.job_id, task_id=task.task_id, samples=samples,
-                                        server_id="producer", elapsed_s=0.0)
+        return protocol.TrajectoryGroup(
+            job_id=self.job_id, task_id=task.task_id, samples=samples, server_id="producer", elapsed_s=0.0
+        )
 
 
 def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subprocess.Popen:
-    env = os.environ | {"TANDEM_REDIS_URL": redis_url, "TANDEM_RUNS_DIR": str(runs), "TANDEM_MIN_ROLLOUT_SERVERS": "0",
-                        "TANDEM_METRICS_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(learner_command(2, resume=resume), env=env, stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    env = os.environ | {
+        "TANDEM_REDIS_URL": redis_url,
+        "TANDEM_RUNS_DIR": str(runs),
+        "TANDEM_MIN_ROLLOUT_SERVERS": "0",
+        "TANDEM_METRICS_PORT": str(free_port()),
+        "PYTHONUNBUFFERED": "1",
+    }
+    return subprocess.Popen(
+        learner_command(2, resume=resume),
+        env=env,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def metric_sum(text: str, *names: str, **labels: str) -> float:
     """The sum of the Prometheus samples called one of `names` whose labels include `labels`."""
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name in names and labels.items() <= sample.labels.items())
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in names and labels.items() <= sample.labels.items()
+    )
 
 
 def vllm_counted(vllm_url: str) -> int:
@@ -111,7 +140,20 @@ def vllm_counted(vllm_url: str) -> int:
 def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256) -> Path:
     """The judge proxy's upstreams file for one stand-in provider at `url` serving `judge`,
     with a budget no test reaches."""
-    path.write_text(json.dumps({"upstreams": [{
-        "name": "stand-in", "model": "judge", "base_url": f"{url}/v1", "tpm": 50_000_000, "rpm": 500_000,
-        "max_concurrency": max_concurrency}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": [
+                    {
+                        "name": "stand-in",
+                        "model": "judge",
+                        "base_url": f"{url}/v1",
+                        "tpm": 50_000_000,
+                        "rpm": 500_000,
+                        "max_concurrency": max_concurrency,
+                    }
+                ]
+            }
+        )
+    )
     return path

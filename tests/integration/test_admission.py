@@ -16,13 +16,16 @@ def spec(eta: int, batch: int = 4, steps: int = 10) -> JobSpec:
     return JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=steps))
 
 
-@pytest.mark.parametrize("eta, version, admitted", [
-    (0, 0, 4),    # synchronous: only the batch about to be trained
-    (0, 3, 16),
-    (2, 0, 12),   # (eta + version + 1) * batch_size
-    (2, 5, 32),
-    (8, 5, 40),   # never more than num_steps * batch_size
-])
+@pytest.mark.parametrize(
+    "eta, version, admitted",
+    [
+        (0, 0, 4),  # synchronous: only the batch about to be trained
+        (0, 3, 16),
+        (2, 0, 12),  # (eta + version + 1) * batch_size
+        (2, 5, 32),
+        (8, 5, 40),  # never more than num_steps * batch_size
+    ],
+)
 async def test_admission_follows_the_staleness_rule(redis_client, eta, version, admitted):
     dispatcher = Dispatcher(redis_client, "j", spec(eta))
     await dispatcher.top_up(version)
@@ -54,34 +57,44 @@ async def test_only_dead_letters_of_its_own_tasks_are_replaced(redis_client):
 
 
 def group(task_id: int, versions: list[int], job_id: str = "j") -> Delivery:
-    sample = protocol.Sample(sample_id="s", tokens=[1] * (len(versions) + 1), mask=[0] + [1] * len(versions),
-                             logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=1.0,
-                             advantage=0.0, num_turns=1)
-    return Delivery(b"1-0", protocol.TrajectoryGroup(job_id=job_id, task_id=task_id, samples=[sample],
-                                                     server_id="s", elapsed_s=0.0))
+    sample = protocol.Sample(
+        sample_id="s",
+        tokens=[1] * (len(versions) + 1),
+        mask=[0] + [1] * len(versions),
+        logprobs=[0.0] * (len(versions) + 1),
+        versions=[-1] + versions,
+        reward=1.0,
+        advantage=0.0,
+        num_turns=1,
+    )
+    return Delivery(
+        b"1-0", protocol.TrajectoryGroup(job_id=job_id, task_id=task_id, samples=[sample], server_id="s", elapsed_s=0.0)
+    )
 
 
 @pytest.fixture
 async def intake(redis_client):
-    trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                        protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    trajectories = await StreamConsumer(
+        redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
+    ).setup()
     job = spec(eta=1)
-    return BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
-                       Acks(trajectories, deferred=False))
+    return BatchIntake(
+        "j", job.train, trajectories, Dispatcher(redis_client, "j", job), Acks(trajectories, deferred=False)
+    )
 
 
 VERSION = 5
 
 
 async def test_stale_groups_over_bound_are_dropped_counted_and_replaced(intake):
-    assert await intake.admit(group(1, [4, 5]), VERSION, set())          # staleness 1 = eta: kept
-    assert not await intake.admit(group(2, [3, 5]), VERSION, set())      # oldest token 2 versions back
+    assert await intake.admit(group(1, [4, 5]), VERSION, set())  # staleness 1 = eta: kept
+    assert not await intake.admit(group(2, [3, 5]), VERSION, set())  # oldest token 2 versions back
     assert intake.counts["stale_dropped"] == 1
     assert intake.dispatcher.replaced == 1
 
 
 async def test_groups_from_versions_the_learner_never_had_are_dropped(intake):
-    assert not await intake.admit(group(3, [5, 6]), VERSION, set())     # a crashed learner's version 6
+    assert not await intake.admit(group(3, [5, 6]), VERSION, set())  # a crashed learner's version 6
     assert intake.counts["stale_dropped"] == 1
 
 
@@ -96,8 +109,9 @@ async def test_a_task_trained_before_or_already_in_the_batch_is_skipped(intake):
 async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis_client):
     dispatcher = Dispatcher(redis_client, "j", spec(0))
     await dispatcher.top_up(0)
-    consumer = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                    protocol.TrajectoryGroup, Keys.dead("j")).setup()
+    consumer = await StreamConsumer(
+        redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
+    ).setup()
     malformed = msgspec.msgpack.encode({"schema": 1, "job_id": "j", "task_id": 3, "samples": "?"})
     await redis_client.xadd(Keys.trajectories("j"), {FIELD: malformed})
     await redis_client.xadd(Keys.trajectories("j"), {FIELD: b"garbage"})
@@ -105,8 +119,7 @@ async def test_tasks_whose_trajectory_group_was_dead_lettered_are_replaced(redis
     for task_id, job_id in ((2, "j"), (99, "j"), (1, "other")):  # e.g. over-delivered groups
         data = protocol.encode(group(task_id, [0], job_id).message)
         await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("j"), b"reason": b"x", FIELD: data})
-    await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("other"), b"reason": b"x",
-                                             FIELD: b"garbage"})
+    await redis_client.xadd(Keys.dead("j"), {b"stream": Keys.trajectories("other"), b"reason": b"x", FIELD: b"garbage"})
 
     # Task 3's malformed group and task 2's group; garbage names no task and replaces none.
     assert await dispatcher.top_up(0) == 2
@@ -162,12 +175,12 @@ async def test_a_job_cancelled_between_the_read_and_the_claim_is_not_started(red
 
 async def test_the_dispatcher_knows_which_version_admitted_each_task(redis_client):
     dispatcher = Dispatcher(redis_client, "j", spec(eta=1, batch=2))
-    await dispatcher.top_up(0)   # (1 + 0 + 1) * 2: tasks 0-3 at version 0
-    await dispatcher.top_up(1)   # tasks 4, 5 at version 1
-    dispatcher.replace(3)        # one lost: task 6 at version 1 takes its place
+    await dispatcher.top_up(0)  # (1 + 0 + 1) * 2: tasks 0-3 at version 0
+    await dispatcher.top_up(1)  # tasks 4, 5 at version 1
+    dispatcher.replace(3)  # one lost: task 6 at version 1 takes its place
     await dispatcher.top_up(1)
     assert [dispatcher.admitted_version(t) for t in (0, 3, 4, 6, 7)] == [0, 0, 1, 1, None]
-    await dispatcher.top_up(2)   # tasks 7, 8 at version 2; version 0 is forgotten (2 - eta = 1)
+    await dispatcher.top_up(2)  # tasks 7, 8 at version 2; version 0 is forgotten (2 - eta = 1)
     assert dispatcher.admitted_at == [(1, 4), (2, 7)]
     assert [dispatcher.admitted_version(t) for t in (3, 4, 8, 9)] == [None, 1, 2, None]
 
@@ -181,16 +194,26 @@ async def nothing_arrived() -> None:
     raise AssertionError("the batch waited for a group that will not come")
 
 
-async def play(redis_client, stragglers: str, eta: int, schedule: list[list[Delivery]],
-               batch: int = 2) -> tuple[list[list[int]], BatchIntake]:
+async def play(
+    redis_client, stragglers: str, eta: int, schedule: list[list[Delivery]], batch: int = 2
+) -> tuple[list[list[int]], BatchIntake]:
     """Batches of `batch` on versions 0, 1, ...: before the batch on version v is collected,
     the groups `schedule[v]` arrive. Returns the task ids of each batch, and the intake."""
-    trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                        protocol.TrajectoryGroup, Keys.dead("j")).setup()
-    job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=10,
-                                                              stragglers=stragglers))
-    intake = BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
-                         Acks(trajectories, deferred=False), stragglers=stragglers)
+    trajectories = await StreamConsumer(
+        redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
+    ).setup()
+    job = JobSpec(
+        model=ModelSpec(path="/m"),
+        train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=10, stragglers=stragglers),
+    )
+    intake = BatchIntake(
+        "j",
+        job.train,
+        trajectories,
+        Dispatcher(redis_client, "j", job),
+        Acks(trajectories, deferred=False),
+        stragglers=stragglers,
+    )
     batches = []
     for version, arrivals in enumerate(schedule):
         await arrive(redis_client, *arrivals)
@@ -203,8 +226,11 @@ async def play(redis_client, stragglers: str, eta: int, schedule: list[list[Deli
 # batch 2, eta 1: version 0 admits tasks 0-3; 2 and 3 come back first. Version 1 admits 4
 # and 5; group 4 comes back before the slow groups of tasks 0 and 1 (sampled on version 0),
 # then groups 5 and 6 (task 6 exists if version 2 admitted it).
-ONE_SLOW_PAIR = [[group(2, [0]), group(3, [0])], [group(4, [1]), group(0, [0]), group(1, [0])],
-                 [group(5, [1]), group(6, [2])]]
+ONE_SLOW_PAIR = [
+    [group(2, [0]), group(3, [0])],
+    [group(4, [1]), group(0, [0]), group(1, [0])],
+    [group(5, [1]), group(6, [2])],
+]
 
 
 async def test_waiting_trains_every_straggler_within_the_bound(redis_client):
@@ -227,8 +253,12 @@ async def test_dropping_loses_the_straggler_that_came_last(redis_client):
 
 # batch 2, eta 2: version 0 admits tasks 0-5, all due by version 2; 0 and 1 come back at
 # once. Version 1 admits 6 and 7, which come back before 2-5 (sampled on version 0).
-FOUR_SLOW = [[group(0, [0]), group(1, [0])], [group(6, [1]), group(7, [1]), group(2, [0]), group(3, [0]),
-                                              group(4, [0]), group(5, [0])], [], []]
+FOUR_SLOW = [
+    [group(0, [0]), group(1, [0])],
+    [group(6, [1]), group(7, [1]), group(2, [0]), group(3, [0]), group(4, [0]), group(5, [0])],
+    [],
+    [],
+]
 
 
 async def test_admitting_trains_the_stragglers_late(redis_client):
@@ -275,13 +305,16 @@ async def test_the_dispatch_state_survives_a_checkpoint(redis_client):
     assert older.admitted_version(3) is None and older.lost == set()
 
 
-@pytest.mark.parametrize("owed, places, latest", [
-    ([2, 2, 2], 2, 0),      # two tasks due now take both places: only they fit
-    ([0, 4, 2], 2, 1),      # four due within 1 step, two steps of 2: this batch owes 4 - 2 = 2
-    ([0, 0, 6], 2, 2),      # six within 2 steps, 3 batches of 2: owes 6 - 4 = 2, so k <= 2
-    ([0, 1, 1], 2, None),   # 1 - 2 and 2 - 4 owe nothing: any group fits
-    ([1, 0, 0], 1, 0),      # the last place belongs to the one due now
-    ([1, 0, 0], 2, None),   # ... but with two places left, one is free
-])
+@pytest.mark.parametrize(
+    "owed, places, latest",
+    [
+        ([2, 2, 2], 2, 0),  # two tasks due now take both places: only they fit
+        ([0, 4, 2], 2, 1),  # four due within 1 step, two steps of 2: this batch owes 4 - 2 = 2
+        ([0, 0, 6], 2, 2),  # six within 2 steps, 3 batches of 2: owes 6 - 4 = 2, so k <= 2
+        ([0, 1, 1], 2, None),  # 1 - 2 and 2 - 4 owe nothing: any group fits
+        ([1, 0, 0], 1, 0),  # the last place belongs to the one due now
+        ([1, 0, 0], 2, None),  # ... but with two places left, one is free
+    ],
+)
 def test_the_places_a_batch_owes_by_deadline(owed, places, latest):
     assert latest_fitting(owed, places, batch_size=2) == latest

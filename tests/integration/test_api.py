@@ -34,23 +34,28 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
     assert await redis_client.xlen(Keys.jobs_pending) == 1
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"name": "t"}, ["body", "model"]),
-    ({**SPEC, "train": {"lr": -1}}, ["body", "train", "lr"]),
-    ({**SPEC, "train": {"max_staleness": "soon"}}, ["body", "train", "max_staleness"]),
-    ({**SPEC, "train": {"stragglers": "forget"}}, ["body", "train", "stragglers"]),
-    ({**SPEC, "train": {"export_every": -5}}, ["body", "train", "export_every"]),
-    ({**SPEC, "train": {"export_every": "../../etc"}}, ["body", "train", "export_every"]),
-    ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
-    ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
-    ({**SPEC, "surprise": 1}, ["body", "surprise"]),
-    ({**SPEC, "health": [{"metric": "vibes", "above": 1}]}, ["body", "health", 0, "metric"]),
-    ({**SPEC, "health": [{"metric": "entropy", "below": 0.1, "steps": 0}]}, ["body", "health", 0, "steps"]),
-    ({**SPEC, "health": [{"metric": "entropy"}]}, ["body", "health", 0]),   # neither above nor below
-    ({**SPEC, "tools": {"tools": [{"name": "abacus", "kind": "abacus"}]}}, ["body", "tools", "tools", 0, "kind"]),
-    ({**SPEC, "tools": {"parser": "qwen9", "tools": [{"name": "c", "kind": "calculator"}]}},
-     ["body", "tools", "parser"]),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"name": "t"}, ["body", "model"]),
+        ({**SPEC, "train": {"lr": -1}}, ["body", "train", "lr"]),
+        ({**SPEC, "train": {"max_staleness": "soon"}}, ["body", "train", "max_staleness"]),
+        ({**SPEC, "train": {"stragglers": "forget"}}, ["body", "train", "stragglers"]),
+        ({**SPEC, "train": {"export_every": -5}}, ["body", "train", "export_every"]),
+        ({**SPEC, "train": {"export_every": "../../etc"}}, ["body", "train", "export_every"]),
+        ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
+        ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
+        ({**SPEC, "surprise": 1}, ["body", "surprise"]),
+        ({**SPEC, "health": [{"metric": "vibes", "above": 1}]}, ["body", "health", 0, "metric"]),
+        ({**SPEC, "health": [{"metric": "entropy", "below": 0.1, "steps": 0}]}, ["body", "health", 0, "steps"]),
+        ({**SPEC, "health": [{"metric": "entropy"}]}, ["body", "health", 0]),  # neither above nor below
+        ({**SPEC, "tools": {"tools": [{"name": "abacus", "kind": "abacus"}]}}, ["body", "tools", "tools", 0, "kind"]),
+        (
+            {**SPEC, "tools": {"parser": "qwen9", "tools": [{"name": "c", "kind": "calculator"}]}},
+            ["body", "tools", "parser"],
+        ),
+    ],
+)
 async def test_a_malformed_spec_gets_422_naming_the_field(api, redis_client, spec, field):
     response = await api.post("/v1/jobs", json=spec)
 
@@ -69,8 +74,9 @@ async def test_unknown_job_is_404(api):
     assert (await api.get("/v1/jobs/nope")).status_code == 404
 
 
-@pytest.mark.parametrize("method, path", [("GET", ""), ("GET", "/history"), ("GET", "/checkpoints"),
-                                          ("GET", "/events"), ("POST", "/cancel")])
+@pytest.mark.parametrize(
+    "method, path", [("GET", ""), ("GET", "/history"), ("GET", "/checkpoints"), ("GET", "/events"), ("POST", "/cancel")]
+)
 async def test_an_id_naming_a_sub_key_or_a_record_without_a_spec_is_404(api, redis_client, method, path):
     job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
     await redis_client.xadd(Keys.tasks(job_id), {"m": "x"})  # a stream: HGETALL fails WRONGTYPE
@@ -120,10 +126,14 @@ async def test_a_tenant_sees_and_controls_only_its_own_jobs(secured):
     alpha = (await secured.post("/v1/jobs", json=SPEC, headers=bearer("alpha-token-0123456789"))).json()["id"]
 
     for path in ("", "/history", "/checkpoints"):
-        assert (await secured.get(f"/v1/jobs/{alpha}{path}", headers=bearer("beta-token-9876543210"))).status_code == 403
+        assert (
+            await secured.get(f"/v1/jobs/{alpha}{path}", headers=bearer("beta-token-9876543210"))
+        ).status_code == 403
     assert (await secured.post(f"/v1/jobs/{alpha}/cancel", headers=bearer("beta-token-9876543210"))).status_code == 403
     assert (await secured.get("/v1/jobs", headers=bearer("beta-token-9876543210"))).json() == []
-    assert [j["id"] for j in (await secured.get("/v1/jobs", headers=bearer("alpha-token-0123456789"))).json()] == [alpha]
+    assert [j["id"] for j in (await secured.get("/v1/jobs", headers=bearer("alpha-token-0123456789"))).json()] == [
+        alpha
+    ]
 
 
 @pytest.mark.parametrize("page", [2, jobs.LIST_PAGE])
@@ -167,8 +177,10 @@ async def test_events_stream_steps_and_statuses_until_the_job_ends(api, redis_cl
 
     body = (await api.get(f"/v1/jobs/{job_id}/events")).text
     events = [(block.split("\n")[0], json.loads(block.split("data: ", 1)[1])) for block in body.strip().split("\n\n")]
-    assert events == [("event: step", {"phase": "rl", "step": 1}),
-                      ("event: status", {"id": job_id, "status": "SUCCEEDED", "step": 0, "version": 0, "error": None})]
+    assert events == [
+        ("event: step", {"phase": "rl", "step": 1}),
+        ("event: status", {"id": job_id, "status": "SUCCEEDED", "step": 0, "version": 0, "error": None}),
+    ]
 
 
 async def test_a_stop_rule_is_streamed_as_a_health_event_and_named_in_the_status_and_alerts(api, redis_client):
@@ -185,8 +197,10 @@ async def test_a_stop_rule_is_streamed_as_a_health_event_and_named_in_the_status
 
     body = (await api.get(f"/v1/jobs/{job_id}/events")).text
     events = [(block.split("\n")[0], json.loads(block.split("data: ", 1)[1])) for block in body.strip().split("\n\n")]
-    assert events[1:] == [("event: health", {"message": reason}),
-                          ("event: status", {"id": job_id, "status": "FAILED", "step": 0, "version": 0, "error": reason})]
+    assert events[1:] == [
+        ("event: health", {"message": reason}),
+        ("event: status", {"id": job_id, "status": "FAILED", "step": 0, "version": 0, "error": reason}),
+    ]
     job = (await api.get(f"/v1/jobs/{job_id}")).json()
     assert (job["status"], job["error"], job["alerts"]) == ("FAILED", reason, [reason])
 
@@ -195,8 +209,12 @@ async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
     import json
 
     job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
-    await redis_client.rpush(Keys.checkpoints(job_id), json.dumps({"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}))
-    assert (await api.get(f"/v1/jobs/{job_id}/checkpoints")).json() == [{"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}]
+    await redis_client.rpush(
+        Keys.checkpoints(job_id), json.dumps({"step": 3, "version": 3, "path": "/runs/c", "time": 1.0})
+    )
+    assert (await api.get(f"/v1/jobs/{job_id}/checkpoints")).json() == [
+        {"step": 3, "version": 3, "path": "/runs/c", "time": 1.0}
+    ]
 
 
 async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_client, monkeypatch):
@@ -247,7 +265,13 @@ async def test_a_history_redis_keeps_only_in_part_is_paged_by_its_global_index(a
     again = [json.loads((await asyncio.wait_for(anext(events), 5)).split("data: ", 1)[1]) for _ in range(4)]
     await events.aclose()
 
-    assert from_zero.headers["x-tandem-history-start"] == "3" and [r["step"] for r in from_zero.json()] == [4, 5, 6, 7, 8]
+    assert from_zero.headers["x-tandem-history-start"] == "3" and [r["step"] for r in from_zero.json()] == [
+        4,
+        5,
+        6,
+        7,
+        8,
+    ]
     assert from_six.headers["x-tandem-history-start"] == "6" and [r["step"] for r in from_six.json()] == [7, 8]
     assert streamed == [4, 5, 6, 7, 8]
     assert again == [{"step": s, "run": 2} for s in (6, 7, 8, 9)]
@@ -269,22 +293,25 @@ def files(tmp_path):
 async def confined(redis_url, redis_client, files):
     roots = f"{files / 'models'},{files / 'data'}"
     app = create_app(ApiSettings(redis_url=redis_url, tokens=TOKENS, path_roots=roots))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
-                                 headers=bearer("alpha-token-0123456789")) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://api", headers=bearer("alpha-token-0123456789")
+    ) as client:
         yield client
 
 
-@pytest.mark.parametrize("field, escape", [
-    (["model", "path"], "runs/other-job/step-3"),                   # outside every root
-    (["model", "path"], "models/borrowed"),                         # a symlink in a root leading out
-    (["model", "path"], "models/../runs/other-job/step-3"),         # '..' out of a root
-    (["task", "data"], "/etc/passwd"),
-    (["warm_start", "data"], "data/../runs/other-job/step-3/optimizer.pt"),
-    (["model", "path"], "models/tiny\x00"),                          # no file has such a name
-    (["model", "path"], "models/loop"),                             # a symlink to itself
-])
-async def test_a_tenants_path_outside_the_roots_gets_422_naming_the_field(confined, redis_client, files, field,
-                                                                          escape):
+@pytest.mark.parametrize(
+    "field, escape",
+    [
+        (["model", "path"], "runs/other-job/step-3"),  # outside every root
+        (["model", "path"], "models/borrowed"),  # a symlink in a root leading out
+        (["model", "path"], "models/../runs/other-job/step-3"),  # '..' out of a root
+        (["task", "data"], "/etc/passwd"),
+        (["warm_start", "data"], "data/../runs/other-job/step-3/optimizer.pt"),
+        (["model", "path"], "models/tiny\x00"),  # no file has such a name
+        (["model", "path"], "models/loop"),  # a symlink to itself
+    ],
+)
+async def test_a_tenants_path_outside_the_roots_gets_422_naming_the_field(confined, redis_client, files, field, escape):
     spec = {"name": "t", "model": {"path": str(files / "models" / "tiny")}}
     spec.setdefault(field[0], {})[field[1]] = escape if escape.startswith("/") else f"{files}/{escape}"
 
@@ -296,15 +323,20 @@ async def test_a_tenants_path_outside_the_roots_gets_422_naming_the_field(confin
 
 
 async def test_a_tenants_paths_inside_the_roots_are_accepted_as_resolved(confined, files):
-    spec = {"name": "t", "model": {"path": f"{files}/data/../models/./tiny"},
-            "task": {"name": "math_chat", "data": f"{files}/data/rows.jsonl"}}
+    spec = {
+        "name": "t",
+        "model": {"path": f"{files}/data/../models/./tiny"},
+        "task": {"name": "math_chat", "data": f"{files}/data/rows.jsonl"},
+    }
 
     created = await confined.post("/v1/jobs", json=spec)
 
     assert created.status_code == 201
     job = (await confined.get(f"/v1/jobs/{created.json()['id']}")).json()
     assert (job["spec"]["model"]["path"], job["spec"]["task"]["data"]) == (
-        str(files / "models" / "tiny"), str(files / "data" / "rows.jsonl"))
+        str(files / "models" / "tiny"),
+        str(files / "data" / "rows.jsonl"),
+    )
 
 
 async def test_without_tokens_the_local_operators_paths_are_not_confined(api):
@@ -323,8 +355,9 @@ async def test_a_tools_file_that_holds_no_valid_tools_gets_422_naming_tools_file
     assert await redis_client.xlen(Keys.jobs_pending) == 0
 
 
-async def test_an_offline_jobs_pairs_file_with_a_bad_row_gets_422_naming_train_data_and_the_line(api, redis_client,
-                                                                                                tmp_path):
+async def test_an_offline_jobs_pairs_file_with_a_bad_row_gets_422_naming_train_data_and_the_line(
+    api, redis_client, tmp_path
+):
     pairs = tmp_path / "pairs.jsonl"
     good = {"context_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4], "chosen_score": 1.0, "rejected_score": 0.0}
     pairs.write_text(json.dumps(good) + "\n" + json.dumps(good | {"chosen_ids": "three"}) + "\n")
@@ -340,13 +373,16 @@ async def test_an_offline_jobs_pairs_file_with_a_bad_row_gets_422_naming_train_d
     assert (await api.post("/v1/jobs", json=offline)).status_code == 201
 
 
-@pytest.mark.parametrize("spec, says", [
-    ({**SPEC, "kind": "offline", "train": {"algorithm": "dpo"}}, "train.data"),
-    ({**SPEC, "kind": "offline", "train": {"data": "/tmp/p.jsonl"}}, "train.algorithm: dpo"),
-    ({**SPEC, "train": {"algorithm": "dpo", "data": "/tmp/p.jsonl"}}, "kind: offline"),
-    ({**SPEC, "kind": "generate"}, "reward.mode must be multiturn"),
-    ({**SPEC, "kind": "replay"}, "'rl', 'offline' or 'generate'"),
-])
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ({**SPEC, "kind": "offline", "train": {"algorithm": "dpo"}}, "train.data"),
+        ({**SPEC, "kind": "offline", "train": {"data": "/tmp/p.jsonl"}}, "train.algorithm: dpo"),
+        ({**SPEC, "train": {"algorithm": "dpo", "data": "/tmp/p.jsonl"}}, "kind: offline"),
+        ({**SPEC, "kind": "generate"}, "reward.mode must be multiturn"),
+        ({**SPEC, "kind": "replay"}, "'rl', 'offline' or 'generate'"),
+    ],
+)
 async def test_a_job_kind_without_what_it_needs_gets_422_saying_what(api, redis_client, spec, says):
     response = await api.post("/v1/jobs", json=spec)
 
@@ -360,8 +396,15 @@ async def register_server(redis_client, server_id: str, job_id: str = "", age_s:
 
     from services import protocol
 
-    info = protocol.ServerInfo(server_id=server_id, heartbeat=time.time() - age_s, job_id=job_id, version=3,
-                               capacity=4, inflight=2, engine="/models/tiny")
+    info = protocol.ServerInfo(
+        server_id=server_id,
+        heartbeat=time.time() - age_s,
+        job_id=job_id,
+        version=3,
+        capacity=4,
+        inflight=2,
+        engine="/models/tiny",
+    )
     await redis_client.hset(Keys.rollout_servers, server_id, protocol.encode(info))
 
 

@@ -17,8 +17,7 @@ SPEC = JobSpec.model_validate({"name": "t", "model": {"path": "/models/tiny"}})
 async def state(client: aioredis.Redis, job_id: str) -> tuple[str, bool, bool]:
     """(status, cancel requested, in jobs:running)."""
     record = await jobs.get_job(client, job_id)
-    return (record["status"], await jobs.cancel_requested(client, job_id),
-            job_id in await jobs.running_jobs(client))
+    return (record["status"], await jobs.cancel_requested(client, job_id), job_id in await jobs.running_jobs(client))
 
 
 async def test_a_cancel_landing_between_the_learners_read_and_claim_wins_and_the_claim_is_refused(redis_client):
@@ -65,8 +64,9 @@ async def test_concurrent_claims_and_cancels_never_both_win(redis_url, redis_cli
     try:
         for _ in range(50):
             job_id = await jobs.create_job(redis_client, SPEC)
-            claimed, cancelled = await asyncio.gather(jobs.set_status(learner, job_id, jobs.JobStatus.RUNNING),
-                                                      jobs.cancel(api, job_id))
+            claimed, cancelled = await asyncio.gather(
+                jobs.set_status(learner, job_id, jobs.JobStatus.RUNNING), jobs.cancel(api, job_id)
+            )
             expected = ("RUNNING", True, True) if claimed else ("CANCELLED", True, False)
             assert cancelled == ("RUNNING" if claimed else "CANCELLED")
             assert await state(redis_client, job_id) == expected

@@ -7,7 +7,6 @@ import pytest
 import redis.asyncio as aioredis
 import schemathesis
 from hypothesis import HealthCheck, settings
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from services.api.app import create_app
@@ -31,5 +30,4 @@ def test_api_conforms_to_its_schema(case):
     # All default checks (no 5xx, responses and headers match the schema, invalid input is
     # rejected) except "schema-valid input is accepted": a JobSpec has cross-field rules
     # OpenAPI cannot state (rollout.max_total_tokens <= model.max_model_len), answered 422.
-    case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"},
-                           excluded_checks=[positive_data_acceptance])
+    case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=[positive_data_acceptance])

@@ -42,13 +42,20 @@ async def proxy(provider, redis_url, redis_client, tmp_path):
     end after 5 s."""
     async with httpx.AsyncClient() as admin:
         (await admin.post(f"{provider}/admin/reset")).raise_for_status()
-    upstream = {"name": "a", "model": "judge", "upstream_model": "local-model", "base_url": f"{provider}/v1",
-                "tpm": 100_000, "rpm": 6000, "limit_model": "bucket"}
+    upstream = {
+        "name": "a",
+        "model": "judge",
+        "upstream_model": "local-model",
+        "base_url": f"{provider}/v1",
+        "tpm": 100_000,
+        "rpm": 6000,
+        "limit_model": "bucket",
+    }
     (tmp_path / "upstreams.json").write_text(json.dumps({"upstreams": [upstream]}))
-    app = create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(tmp_path / "upstreams.json"),
-                                        queue_deadline_s=5.0))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy",
-                                 timeout=30) as client:
+    app = create_app(
+        JudgeProxySettings(redis_url=redis_url, upstreams=str(tmp_path / "upstreams.json"), queue_deadline_s=5.0)
+    )
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30) as client:
         yield client
     await app.state.proxy.aclose()
 
@@ -60,11 +67,12 @@ def ordinary() -> dict:
 def hiding(hidden: str = HIDDEN) -> dict:
     """A request whose content is two words; its prompt is in a tool call and a tool schema."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": hidden})}}
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
-    tools = [{"type": "function", "function": {"name": "f", "description": hidden,
-                                               "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": hidden, "parameters": {"type": "object"}}}]
     return {"model": "judge", "messages": messages, "tools": tools, "max_tokens": 5}
 
 
@@ -72,8 +80,7 @@ async def budget_of(proxy: httpx.AsyncClient) -> dict:
     return (await proxy.get("/v1/budget")).json()["upstreams"][0]
 
 
-async def test_requests_hiding_their_prompt_in_tool_calls_leave_the_ratio_in_its_band_and_ordinary_ones_admitted(
-        proxy):
+async def test_requests_hiding_their_prompt_in_tool_calls_leave_the_ratio_in_its_band_and_ordinary_ones_admitted(proxy):
     # Each bills about 6,000 prompt tokens. Counted from its content alone (17 tokens) they
     # taught a ratio of ~350, and an ordinary 480-token prompt then needed ~180,000 tokens,
     # more than the budget: every ordinary request was refused.
@@ -90,8 +97,9 @@ async def test_requests_hiding_their_prompt_in_tool_calls_leave_the_ratio_in_its
     assert budget["prompt_ratio"] == pytest.approx(0.8, abs=0.05)  # words over chars/4 of "word "
 
 
-async def test_a_request_larger_than_the_budget_is_refused_alone_and_changes_nothing_shared(proxy, provider,
-                                                                                          redis_client):
+async def test_a_request_larger_than_the_budget_is_refused_alone_and_changes_nothing_shared(
+    proxy, provider, redis_client
+):
     # 400,000 characters in a tool call and as many in a schema: ~200,000 tokens by chars/4,
     # twice the budget. Counted from its content alone, it went upstream.
     too_large = hiding("word " * 80_000)
@@ -118,8 +126,9 @@ async def test_a_request_over_the_limit_at_the_shared_ratio_is_refused_at_once_a
     large = {**ordinary(), "messages": [{"role": "user", "content": "abcd" * 25_000}]}
 
     started = time.monotonic()
-    refused, admitted = await asyncio.gather(proxy.post("/v1/chat/completions", json=large),
-                                             proxy.post("/v1/chat/completions", json=ordinary()))
+    refused, admitted = await asyncio.gather(
+        proxy.post("/v1/chat/completions", json=large), proxy.post("/v1/chat/completions", json=ordinary())
+    )
     elapsed_s = time.monotonic() - started
     budget = await budget_of(proxy)
 

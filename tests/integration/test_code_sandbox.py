@@ -25,14 +25,24 @@ CODE_ROWS = [json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_te
 @pytest.mark.parametrize("row", CODE_ROWS, ids=[row["goal"].split("`")[1] for row in CODE_ROWS])
 def test_every_reference_solution_passes_all_its_tests(row):
     result = run_tests(row["reference"], row["tests"])
-    assert (result.passed, result.total, result.timed_out, result.error) == (len(row["tests"]), len(row["tests"]), False, None)
+    assert (result.passed, result.total, result.timed_out, result.error) == (
+        len(row["tests"]),
+        len(row["tests"]),
+        False,
+        None,
+    )
 
 
 def test_wrong_code_fails_exactly_the_tests_it_gets_wrong():
-    off_by_one = "def moving_average(values, window):\n    return [sum(values[i:i + window]) / window for i in range(len(values) - window)]\n"
-    tests = ["assert moving_average([1, 2, 3, 4], 2) == [1.5, 2.5, 3.5]",  # loses the last mean
-             "assert moving_average([1, 2], 3) == []",  # still empty
-             "assert moving_average([5], 1) == [5.0]"]  # loses its only mean
+    off_by_one = (
+        "def moving_average(values, window):\n"
+        "    return [sum(values[i:i + window]) / window for i in range(len(values) - window)]\n"
+    )
+    tests = [
+        "assert moving_average([1, 2, 3, 4], 2) == [1.5, 2.5, 3.5]",  # loses the last mean
+        "assert moving_average([1, 2], 3) == []",  # still empty
+        "assert moving_average([5], 1) == [5.0]",
+    ]  # loses its only mean
 
     result = run_tests(off_by_one, tests)
 
@@ -59,10 +69,14 @@ def test_cpu_time_is_capped_even_when_the_wall_clock_allows_more():
     assert time.monotonic() - started < 5.0
 
 
-@pytest.mark.parametrize("hungry", [
-    "def eat():\n    return bytearray(8 << 30)\n",  # one huge allocation
-    "def eat():\n    chunks = []\n    while True:\n        chunks.append(bytearray(1 << 20))\n",  # steady growth
-], ids=["one_huge_allocation", "steady_growth"])
+@pytest.mark.parametrize(
+    "hungry",
+    [
+        "def eat():\n    return bytearray(8 << 30)\n",  # one huge allocation
+        "def eat():\n    chunks = []\n    while True:\n        chunks.append(bytearray(1 << 20))\n",  # steady growth
+    ],
+    ids=["one_huge_allocation", "steady_growth"],
+)
 def test_a_memory_hungry_test_fails_with_memory_error_and_the_rest_still_run(hungry):
     limit_before = resource.getrlimit(resource.RLIMIT_AS)
     # Growing to the limit a MiB at a time took over FAST's 1 s of wall time once on a loaded
@@ -91,11 +105,14 @@ def test_printing_pass_lines_does_not_forge_passes():
     assert (result.passed, result.error) == (0, None)
 
 
-@pytest.mark.parametrize(("solution", "error"), [
-    ("def broken(:\n", "solution failed to load: SyntaxError: invalid syntax (<solution>, line 1)"),
-    ("raise SystemExit(3)\n", "solution failed to load: SystemExit: 3"),
-    ("import os\nos._exit(0)\n", "solution failed to load"),
-])
+@pytest.mark.parametrize(
+    ("solution", "error"),
+    [
+        ("def broken(:\n", "solution failed to load: SyntaxError: invalid syntax (<solution>, line 1)"),
+        ("raise SystemExit(3)\n", "solution failed to load: SystemExit: 3"),
+        ("import os\nos._exit(0)\n", "solution failed to load"),
+    ],
+)
 def test_a_solution_that_does_not_load_passes_nothing_and_says_why(solution, error):
     result = run_tests(solution, ["assert True"], FAST)
     assert (result.passed, result.error) == (0, error)
@@ -109,9 +126,11 @@ def test_exit_calls_fail_a_test_or_end_the_run_early():
 
 def test_processes_the_solution_starts_are_killed_with_it():
     token = secrets.token_hex(8)
-    spawner = ("import subprocess, sys\n"
-               f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])\n"
-               "def child_alive():\n    return child.poll() is None\n")
+    spawner = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])\n"
+        "def child_alive():\n    return child.poll() is None\n"
+    )
 
     result = run_tests(spawner, ["import time\ntime.sleep(0.2)\nassert child_alive()"], SLOWER)
 
@@ -121,16 +140,18 @@ def test_processes_the_solution_starts_are_killed_with_it():
 
 # A grandchild in a session (and process group) of its own, its parent gone: out of reach of
 # a process-group kill.
-ESCAPER = ("import os, sys, time\n"
-           "if os.fork() == 0:\n"
-           "    os.setsid()\n"
-           "    if os.fork() == 0:\n"
-           "        open('/tmp/pid', 'w').write(str(os.getpid()))\n"
-           "        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', TOKEN])\n"
-           "    os._exit(0)\n"
-           "time.sleep(0.3)\n"
-           "def escaped_alive():\n    os.kill(int(open('/tmp/pid').read()), 0)\n    return True\n"
-           "def spin():\n    while True:\n        pass\n")
+ESCAPER = (
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        open('/tmp/pid', 'w').write(str(os.getpid()))\n"
+    "        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', TOKEN])\n"
+    "    os._exit(0)\n"
+    "time.sleep(0.3)\n"
+    "def escaped_alive():\n    os.kill(int(open('/tmp/pid').read()), 0)\n    return True\n"
+    "def spin():\n    while True:\n        pass\n"
+)
 
 
 def test_a_process_that_leaves_the_session_is_killed_too():
@@ -143,8 +164,9 @@ def test_a_process_that_leaves_the_session_is_killed_too():
 
 def test_a_process_that_leaves_the_session_is_killed_at_the_timeout():
     token = secrets.token_hex(8)
-    result = run_tests(f"TOKEN = {token!r}\n" + ESCAPER, ["assert escaped_alive()", "spin()"],
-                       dataclasses.replace(FAST, timeout_s=3.0))
+    result = run_tests(
+        f"TOKEN = {token!r}\n" + ESCAPER, ["assert escaped_alive()", "spin()"], dataclasses.replace(FAST, timeout_s=3.0)
+    )
 
     assert (result.passed, result.timed_out) == (1, True)
     assert processes_with(token) == []

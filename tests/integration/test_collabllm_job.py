@@ -12,14 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import stand_in_upstreams, wait_for
 
 from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
 from rollout.tasks import clarify
 from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
-
-from helpers import stand_in_upstreams, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +28,12 @@ def ranked_conversations(path: Path, examples: list[clarify.ClarifyExample]) -> 
     answer and the right answer; each gives a turn-0 and a turn-1 context."""
     with path.open("w") as rows:
         for index, ex in enumerate(examples):
-            messages = [{"role": "user", "content": clarify.request(ex)},
-                        {"role": "assistant", "content": clarify.question(ex.category)},
-                        {"role": "user", "content": clarify.clarification(ex.target)},
-                        {"role": "assistant", "content": clarify.answer(ex.category, ex.target)}]
+            messages = [
+                {"role": "user", "content": clarify.request(ex)},
+                {"role": "assistant", "content": clarify.question(ex.category)},
+                {"role": "user", "content": clarify.clarification(ex.target)},
+                {"role": "assistant", "content": clarify.answer(ex.category, ex.target)},
+            ]
             rows.write(json.dumps({"messages": messages, "example": index}) + "\n")
 
 
@@ -45,8 +46,13 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         "name": "preset",
         "model": {"path": str(tiny_model), "max_model_len": 512},
         # The tiny model's vocabulary spells the collaborative prompt in most of its window.
-        "task": {"name": "clarify", "user": "llm", "contexts": str(contexts), "num_examples": 16,
-                 "system_prompt": None},
+        "task": {
+            "name": "clarify",
+            "user": "llm",
+            "contexts": str(contexts),
+            "num_examples": 16,
+            "system_prompt": None,
+        },
         "rollout": {"group_size": 2, "max_new_tokens": 32, "max_turns": 2, "max_total_tokens": 256},
         "reward": {"preset": "collabllm", "judge_model": "judge", "user_model": "judge"},
         "train": {"num_steps": 3, "batch_size": 4, "max_staleness": 1, "lr": 1e-4},
@@ -60,19 +66,31 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
         api = httpx.Client(base_url=system.api_url, timeout=10)
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
-        record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                          ("SUCCEEDED", "FAILED") and r, 600, "the preset job", interval_s=1)
+        record = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED") and r,
+            600,
+            "the preset job",
+            interval_s=1,
+        )
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
     assert record["status"] == "SUCCEEDED", record.get("error")
 
     stored = record["spec"]
-    for key, value in {"preset": "collabllm", "mode": "multiturn", "window": 2, "num_futures": 3,
-                       "token_penalty": 5e-4, "token_count": "all", "judge_rubric": "interactivity",
-                       "judge_reference": False, "future_temperature": 0.8}.items():
+    for key, value in {
+        "preset": "collabllm",
+        "mode": "multiturn",
+        "window": 2,
+        "num_futures": 3,
+        "token_penalty": 5e-4,
+        "token_count": "all",
+        "judge_rubric": "interactivity",
+        "judge_reference": False,
+        "future_temperature": 0.8,
+    }.items():
         assert stored["reward"][key] == value, key
     assert stored["task"]["simulator"] == "person" and stored["task"]["system_prompt"] is None
 
     assert len(history) == 3
     turns = [h["turn"] for h in history]
-    assert all(0.0 <= t <= 1.0 for t in turns) and sum(turns) > 0   # later turns trained too
+    assert all(0.0 <= t <= 1.0 for t in turns) and sum(turns) > 0  # later turns trained too
     assert all(h["judge_tokens"] > 0 and h["simulator_tokens"] > 0 for h in history)

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
 from rollout.tasks import clarify
 from services import jobs
 from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
 from services.queues import Keys
 from services.tokenization import ChatTokenizer
-
-from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +36,21 @@ def asking_pairs(tokenizer, count: int) -> list[dict]:
     rows = []
     for example in clarify.make_examples(count, seed=5):
         request = [{"role": "user", "content": clarify.request(example)}]
-        context, asked = response_ids(chat, request + [{"role": "assistant",
-                                                         "content": clarify.question(example.category)}])
-        _, guessed = response_ids(chat, request + [{"role": "assistant",
-                                                    "content": clarify.answer(example.category, example.options[0])}])
-        rows.append({"context_ids": context, "chosen_ids": asked, "rejected_ids": guessed, "chosen_score": 1.0,
-                     "rejected_score": 0.2})
+        context, asked = response_ids(
+            chat, request + [{"role": "assistant", "content": clarify.question(example.category)}]
+        )
+        _, guessed = response_ids(
+            chat, request + [{"role": "assistant", "content": clarify.answer(example.category, example.options[0])}]
+        )
+        rows.append(
+            {
+                "context_ids": context,
+                "chosen_ids": asked,
+                "rejected_ids": guessed,
+                "chosen_score": 1.0,
+                "rejected_score": 0.2,
+            }
+        )
     return rows
 
 
@@ -58,21 +66,25 @@ def learner(redis_url, tmp_path_factory):
 
 def finish(redis_url: str, job_id: str, learner: Path) -> dict:
     client = redis.Redis.from_url(redis_url)
-    wait_for(lambda: (r := client.hget(Keys.job(job_id), "status")) and r.decode() in jobs.TERMINAL, 300,
-             f"job {job_id} to end")
+    wait_for(
+        lambda: (r := client.hget(Keys.job(job_id), "status")) and r.decode() in jobs.TERMINAL,
+        300,
+        f"job {job_id} to end",
+    )
     record = {k.decode(): v.decode() for k, v in client.hgetall(Keys.job(job_id)).items()}
     record["history"] = [json.loads(r) for r in client.lrange(Keys.history(job_id), 0, -1)]
     record["log"] = (learner / "learner.log").read_text()[-3000:]
     return record
 
 
-def test_offline_dpo_learns_the_preferred_response_of_a_pairs_file(learner, redis_url, tiny_model, tokenizer,
-                                                                    tmp_path):
+def test_offline_dpo_learns_the_preferred_response_of_a_pairs_file(learner, redis_url, tiny_model, tokenizer, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in asking_pairs(tokenizer, 12)))
-    spec = JobSpec(kind="offline", model=ModelSpec(path=str(tiny_model), max_model_len=512),
-                   train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=6, batch_size=4, lr=1e-3,
-                                   dpo_beta=0.5))
+    spec = JobSpec(
+        kind="offline",
+        model=ModelSpec(path=str(tiny_model), max_model_len=512),
+        train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=6, batch_size=4, lr=1e-3, dpo_beta=0.5),
+    )
 
     job_id = create_job(redis_url, spec)
     record = finish(redis_url, job_id, learner)
@@ -92,11 +104,14 @@ def test_offline_dpo_learns_the_preferred_response_of_a_pairs_file(learner, redi
 
 def test_a_malformed_pairs_file_fails_the_job_naming_the_line(learner, redis_url, tiny_model, tokenizer, tmp_path):
     rows = asking_pairs(tokenizer, 3)
-    rows[2]["rejected_ids"] = [10 ** 9]  # no such token
+    rows[2]["rejected_ids"] = [10**9]  # no such token
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    spec = JobSpec(kind="offline", model=ModelSpec(path=str(tiny_model), max_model_len=512),
-                   train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=2, batch_size=2))
+    spec = JobSpec(
+        kind="offline",
+        model=ModelSpec(path=str(tiny_model), max_model_len=512),
+        train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=2, batch_size=2),
+    )
 
     record = finish(redis_url, create_job(redis_url, spec), learner)
 
@@ -105,12 +120,13 @@ def test_a_malformed_pairs_file_fails_the_job_naming_the_line(learner, redis_url
 
 
 def test_online_dpo_trains_each_groups_best_and_worst_response(learner, redis_url, tiny_model, tokenizer):
-    spec = JobSpec(model=ModelSpec(path=str(tiny_model), max_model_len=512),
-                   rollout=RolloutSpec(group_size=4, max_total_tokens=256),
-                   train=TrainSpec(algorithm="dpo", num_steps=3, batch_size=2, max_staleness=0, lr=1e-3,
-                                   pair_margin=0.25))
+    spec = JobSpec(
+        model=ModelSpec(path=str(tiny_model), max_model_len=512),
+        rollout=RolloutSpec(group_size=4, max_total_tokens=256),
+        train=TrainSpec(algorithm="dpo", num_steps=3, batch_size=2, max_staleness=0, lr=1e-3, pair_margin=0.25),
+    )
     job_id = create_job(redis_url, spec)
-    producer = Producer(redis_url, job_id, tokenizer, gate=10 ** 6, reward=lambda rng: rng.choice([0.0, 0.2, 1.0]))
+    producer = Producer(redis_url, job_id, tokenizer, gate=10**6, reward=lambda rng: rng.choice([0.0, 0.2, 1.0]))
     producer.start()
     try:
         record = finish(redis_url, job_id, learner)
@@ -125,4 +141,3 @@ def test_online_dpo_trains_each_groups_best_and_worst_response(learner, redis_ur
         assert {"preference_accuracy", "reward_margin", "logprob_chosen", "logprob_rejected"} <= step.keys()
     assert sum(step["pairs"] for step in steps) > 0
     assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)  # the first step is at the reference
-

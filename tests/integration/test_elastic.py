@@ -13,19 +13,22 @@ import time
 import httpx
 import pytest
 import redis
+from helpers import wait_for
 
 from services import protocol
 from services.queues import FIELD, Keys
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 
-from helpers import wait_for
-
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 80, 4
 ENV = {
-    "TANDEM_TASK_RECLAIM_IDLE_S": "3", "TANDEM_SERVER_TIMEOUT_S": "6", "TANDEM_WEIGHT_TIMEOUT_S": "15",
-    "TANDEM_MAX_CONCURRENT_TASKS": "2", "TANDEM_MIN_ROLLOUT_SERVERS": "1", "TANDEM_DRAIN_TIMEOUT_S": "0",
+    "TANDEM_TASK_RECLAIM_IDLE_S": "3",
+    "TANDEM_SERVER_TIMEOUT_S": "6",
+    "TANDEM_WEIGHT_TIMEOUT_S": "15",
+    "TANDEM_MAX_CONCURRENT_TASKS": "2",
+    "TANDEM_MIN_ROLLOUT_SERVERS": "1",
+    "TANDEM_DRAIN_TIMEOUT_S": "0",
 }
 
 
@@ -62,8 +65,12 @@ def frozen_holding_tasks(client: redis.Redis, job_id: str, server: str, pid: int
 
 
 def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path, tiny_model):
-    with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=1), learner_ranks=1,
-               extra_env=ENV | {"TANDEM_RUNS_DIR": str(tmp_path / "runs")}) as stack:
+    with Stack(
+        tmp_path / "logs",
+        ports=Ports.free(rollout_servers=1),
+        learner_ranks=1,
+        extra_env=ENV | {"TANDEM_RUNS_DIR": str(tmp_path / "runs")},
+    ) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         client = redis.Redis.from_url(stack.redis_url)
         job_id = api.post("/v1/jobs", json=job_spec(str(tiny_model))).json()["id"]
@@ -83,8 +90,12 @@ def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path,
         # SIGKILL the victim and its engine the moment a plan naming it for a new version is
         # out: the learner is then broadcasting to it.
         current = plan_version_naming(client, job_id, victim) or 0
-        killed_at = wait_for(lambda: (v := plan_version_naming(client, job_id, victim)) and v > current and v,
-                             120, "a weight update that includes the victim", interval_s=0.002)
+        killed_at = wait_for(
+            lambda: (v := plan_version_naming(client, job_id, victim)) and v > current and v,
+            120,
+            "a weight update that includes the victim",
+            interval_s=0.002,
+        )
         kill_all(process_tree(stack.processes.pop(victim).pid))
         acked = client.hget(Keys.weights(job_id), f"ack:{victim}")
         wait_for(lambda: victim not in servers_on_job(), 60, "the learner to drop the victim", interval_s=0.5)
@@ -93,23 +104,34 @@ def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path,
         # and exits by itself. A drain timeout of 0 makes it hand back every task it holds.
         draining = stack.processes.pop(drained)
         step_at_drain = steps()
-        held = wait_for(lambda: frozen_holding_tasks(client, job_id, drained, draining.pid), 120,
-                        "the server to hold tasks", interval_s=0.05)
+        held = wait_for(
+            lambda: frozen_holding_tasks(client, job_id, drained, draining.pid),
+            120,
+            "the server to hold tasks",
+            interval_s=0.05,
+        )
         os.kill(draining.pid, signal.SIGTERM)  # delivered, with the drain, once it runs again
         os.kill(draining.pid, signal.SIGCONT)
         drain_started = time.monotonic()
         exit_code = draining.wait(timeout=180)
         drain_seconds = time.monotonic() - drain_started
 
-        final = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                         ("SUCCEEDED", "FAILED", "CANCELLED") and r, 600, "the job to end", interval_s=1.0)
+        final = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+            600,
+            "the job to end",
+            interval_s=1.0,
+        )
         stack.check_alive()
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         memberships = api.get(f"/v1/jobs/{job_id}/servers").json()
         fleet = {s["server_id"]: s for s in api.get("/v1/rollout-servers").json()}
         drain_log = (tmp_path / "logs" / f"{drained}.log").read_text()
-        held_ids = {protocol.decode(fields[FIELD], protocol.Task).task_id for entry in held
-                    for _, fields in client.xrange(Keys.tasks(job_id), entry["message_id"], entry["message_id"])}
+        held_ids = {
+            protocol.decode(fields[FIELD], protocol.Task).task_id
+            for entry in held
+            for _, fields in client.xrange(Keys.tasks(job_id), entry["message_id"], entry["message_id"])
+        }
 
     assert final["status"] == "SUCCEEDED", final.get("error")
     trained = [task_id for record in history if record["phase"] == "rl" for task_id in record["task_ids"]]

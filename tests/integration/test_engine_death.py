@@ -7,21 +7,28 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from helpers import wait_for
 
 from tandem.launcher import Ports, Stack, kill_all, process_tree
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_server_whose_engine_dies_exits_and_its_tasks_train_elsewhere(tmp_path, tiny_model):
-    env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
-           "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MIN_ROLLOUT_SERVERS": "2"}
-    spec = {"name": "engine-death", "model": {"path": str(tiny_model), "max_model_len": 512},
-            "task": {"name": "clarify", "num_examples": 64},
-            "rollout": {"group_size": 4, "max_new_tokens": 12, "max_turns": 2, "max_total_tokens": 128},
-            "train": {"num_steps": 8, "batch_size": 4, "max_staleness": 3, "lr": 1e-4}}
+    env = {
+        "TANDEM_TASK_RECLAIM_IDLE_S": "2",
+        "TANDEM_WEIGHT_TIMEOUT_S": "20",
+        "TANDEM_SERVER_TIMEOUT_S": "5",
+        "TANDEM_RUNS_DIR": str(tmp_path / "runs"),
+        "TANDEM_MIN_ROLLOUT_SERVERS": "2",
+    }
+    spec = {
+        "name": "engine-death",
+        "model": {"path": str(tiny_model), "max_model_len": 512},
+        "task": {"name": "clarify", "num_examples": 64},
+        "rollout": {"group_size": 4, "max_new_tokens": 12, "max_turns": 2, "max_total_tokens": 128},
+        "train": {"num_steps": 8, "batch_size": 4, "max_staleness": 3, "lr": 1e-4},
+    }
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
@@ -30,7 +37,10 @@ def test_a_server_whose_engine_dies_exits_and_its_tasks_train_elsewhere(tmp_path
         def engine_of_victim() -> list:
             """rollout-1's engine processes (its only children), once the job trains: the
             learner waits for both servers, so rollout-1 has joined and taken tasks."""
-            if httpx.get(health, timeout=2).json().get("job") != job_id or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1:
+            if (
+                httpx.get(health, timeout=2).json().get("job") != job_id
+                or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1
+            ):
                 return []
             return process_tree(stack.processes["rollout-1"].pid)[1:]
 
@@ -38,8 +48,12 @@ def test_a_server_whose_engine_dies_exits_and_its_tasks_train_elsewhere(tmp_path
         victim = stack.processes.pop("rollout-1")
         kill_all(engine)
         status = victim.wait(timeout=60)
-        final = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                         ("SUCCEEDED", "FAILED", "CANCELLED") and r, 300, "the job to end", interval_s=0.5)
+        final = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+            300,
+            "the job to end",
+            interval_s=0.5,
+        )
         stack.check_alive()
         history = api.get(f"/v1/jobs/{job_id}/history").json()
 

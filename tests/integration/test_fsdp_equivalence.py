@@ -18,9 +18,22 @@ WORKER = Path(__file__).with_name("fsdp_step_worker.py")
 def run_step(tmp_path: Path, model: Path, ranks: int, cap: int, shuffle: int, kind: str) -> dict:
     out = tmp_path / f"{kind}-{ranks}-{cap}-{shuffle}.safetensors"
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-         str(WORKER), str(model), str(out), str(cap), str(shuffle), kind],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            str(WORKER),
+            str(model),
+            str(out),
+            str(cap),
+            str(shuffle),
+            kind,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return load_file(out)
 

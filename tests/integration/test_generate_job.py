@@ -9,31 +9,37 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import wait_for
 from transformers import AutoTokenizer
 
 from rollout.tasks import clarify
 from services.preference import load_pairs
 from tandem.launcher import Ports, Stack
 
-from helpers import wait_for
-
 pytestmark = pytest.mark.slow
 
 
 def finished(api: httpx.Client, job_id: str, timeout_s: float) -> dict:
-    record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                      ("SUCCEEDED", "FAILED", "CANCELLED") and r, timeout_s, f"job {job_id}", interval_s=0.5)
+    record = wait_for(
+        lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+        timeout_s,
+        f"job {job_id}",
+        interval_s=0.5,
+    )
     assert record["status"] == "SUCCEEDED", record
     return record
 
 
 def test_a_generated_dataset_round_trips_through_an_offline_dpo_job(tmp_path, tiny_model):
     demonstrations = tmp_path / "demonstrations.jsonl"
-    demonstrations.write_text("".join(json.dumps({"messages": m}) + "\n"
-                                      for m in clarify.demonstrations(256, seed=1, ask_share=0.5)))
+    demonstrations.write_text(
+        "".join(json.dumps({"messages": m}) + "\n" for m in clarify.demonstrations(256, seed=1, ask_share=0.5))
+    )
     model = {"path": str(tiny_model), "max_model_len": 512}
     generate = {
-        "name": "generate", "kind": "generate", "model": model,
+        "name": "generate",
+        "kind": "generate",
+        "model": model,
         "task": {"name": "clarify", "num_examples": 64},
         # A short warm start so that the responses end their turns and differ in MR.
         "warm_start": {"steps": 80, "batch_size": 32, "data": str(demonstrations)},
@@ -71,7 +77,9 @@ def test_a_generated_dataset_round_trips_through_an_offline_dpo_job(tmp_path, ti
         assert len(load_pairs(listed["pairs"]["path"], vocab_size=len(tokenizer))) == 2 * len(pair_rows)
 
         offline = {
-            "name": "offline-dpo", "kind": "offline", "model": model,
+            "name": "offline-dpo",
+            "kind": "offline",
+            "model": model,
             "warm_start": {"steps": 2, "batch_size": 4, "data": listed["sft"]["path"]},
             "train": {"algorithm": "dpo", "data": listed["pairs"]["path"], "num_steps": 2, "batch_size": 2},
         }

@@ -14,23 +14,25 @@ import signal
 
 import pytest
 import redis
+from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 from safetensors.torch import load_file
 
 from services import jobs
 from services.config import HealthRule, JobSpec, ModelSpec, RolloutSpec, TrainSpec
 from services.queues import Keys
 
-from helpers import Producer, create_job, rl_steps, start_learner, wait_for
-
 pytestmark = pytest.mark.slow
 ZERO_SPREAD = {"metric": "zero_spread_share", "above": 0.5, "steps": 3}
 
 
 def pinned_job(model, action: str, num_steps: int) -> JobSpec:
-    return JobSpec(name=f"pinned-{action}", model=ModelSpec(path=str(model), max_model_len=512),
-                   rollout=RolloutSpec(group_size=2, max_total_tokens=256),
-                   train=TrainSpec(num_steps=num_steps, batch_size=2, max_staleness=0, lr=1e-2),
-                   health=[HealthRule(**ZERO_SPREAD, action=action)])
+    return JobSpec(
+        name=f"pinned-{action}",
+        model=ModelSpec(path=str(model), max_model_len=512),
+        rollout=RolloutSpec(group_size=2, max_total_tokens=256),
+        train=TrainSpec(num_steps=num_steps, batch_size=2, max_staleness=0, lr=1e-2),
+        health=[HealthRule(**ZERO_SPREAD, action=action)],
+    )
 
 
 def ended(client: redis.Redis, job_id: str) -> dict | None:
@@ -38,14 +40,16 @@ def ended(client: redis.Redis, job_id: str) -> dict | None:
     return record if record["status"] in jobs.TERMINAL else None
 
 
-def test_zero_spread_jobs_stop_or_warn_as_their_rule_says_and_never_move_the_policy(redis_url, tiny_model,
-                                                                                  tokenizer, tmp_path):
+def test_zero_spread_jobs_stop_or_warn_as_their_rule_says_and_never_move_the_policy(
+    redis_url, tiny_model, tokenizer, tmp_path
+):
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     stopping = create_job(redis_url, pinned_job(tiny_model, "stop", num_steps=10))
     warning = create_job(redis_url, pinned_job(tiny_model, "warn", num_steps=5))
-    producers = [Producer(redis_url, job_id, tokenizer, gate=10**6, reward=lambda rng: 0.5)
-                 for job_id in (stopping, warning)]
+    producers = [
+        Producer(redis_url, job_id, tokenizer, gate=10**6, reward=lambda rng: 0.5) for job_id in (stopping, warning)
+    ]
     for producer in producers:
         producer.start()
     learner = start_learner(redis_url, tmp_path / "runs", tmp_path / "learner.log", resume=False)
@@ -64,8 +68,7 @@ def test_zero_spread_jobs_stop_or_warn_as_their_rule_says_and_never_move_the_pol
     assert (stopped["status"], stopped["error"], stopped["alerts"]) == ("FAILED", reason, [reason]), log
     steps = rl_steps(client, stopping)
     assert [s["step"] for s in steps] == [1, 2, 3] and steps[-1]["health"] == [reason]
-    assert all(s["zero_spread_share"] == 1.0 and s["grad_norm"] == 0.0 and s["skipped_updates"] == 1.0
-               for s in steps)
+    assert all(s["zero_spread_share"] == 1.0 and s["grad_norm"] == 0.0 and s["skipped_updates"] == 1.0 for s in steps)
 
     # warn: all 5 steps, one alert at step 3 for the one stretch, and the policy never moved.
     assert (warned["status"], warned.get("error")) == ("SUCCEEDED", None), log

@@ -17,12 +17,20 @@ from services.queues import Delivery, Keys, StreamConsumer, publish
 VOCAB = 512
 
 
-def group(task_id: int, tokens: tuple[int, ...] = (1, 2, 3, 4),
-          logprobs: tuple[float, ...] = (0.0, 0.0, -0.5, -1e-6)) -> protocol.TrajectoryGroup:
+def group(
+    task_id: int, tokens: tuple[int, ...] = (1, 2, 3, 4), logprobs: tuple[float, ...] = (0.0, 0.0, -0.5, -1e-6)
+) -> protocol.TrajectoryGroup:
     """One sample: two context tokens and two trained ones."""
-    sample = protocol.Sample(sample_id=f"j:{task_id}:0", tokens=list(tokens), mask=[0, 0, 1, 1],
-                             logprobs=list(logprobs), versions=[-1, -1, 0, 0], reward=1.0, advantage=0.5,
-                             num_turns=1)
+    sample = protocol.Sample(
+        sample_id=f"j:{task_id}:0",
+        tokens=list(tokens),
+        mask=[0, 0, 1, 1],
+        logprobs=list(logprobs),
+        versions=[-1, -1, 0, 0],
+        reward=1.0,
+        advantage=0.5,
+        num_turns=1,
+    )
     return protocol.TrajectoryGroup(job_id="j", task_id=task_id, samples=[sample], server_id="s", elapsed_s=0.0)
 
 
@@ -39,14 +47,22 @@ BAD = {  # task id -> (group, what its dead-letter reason must say)
 @pytest.fixture
 async def intake(redis_client):
     job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(batch_size=1, max_staleness=1))
-    trajectories = await StreamConsumer(redis_client, Keys.trajectories("j"), "learner", "learner",
-                                        protocol.TrajectoryGroup, Keys.dead("j")).setup()
-    return BatchIntake("j", job.train, trajectories, Dispatcher(redis_client, "j", job),
-                       Acks(trajectories, deferred=True), vocab_size=VOCAB)
+    trajectories = await StreamConsumer(
+        redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
+    ).setup()
+    return BatchIntake(
+        "j",
+        job.train,
+        trajectories,
+        Dispatcher(redis_client, "j", job),
+        Acks(trajectories, deferred=True),
+        vocab_size=VOCAB,
+    )
 
 
 async def test_groups_with_ids_outside_the_vocabulary_or_bad_logprobs_are_dead_lettered_and_a_good_one_admitted(
-        intake, redis_client):
+    intake, redis_client
+):
     for bad, _ in BAD.values():
         await publish(redis_client, Keys.trajectories("j"), bad)
     await publish(redis_client, Keys.trajectories("j"), group(7))
@@ -58,8 +74,10 @@ async def test_groups_with_ids_outside_the_vocabulary_or_bad_logprobs_are_dead_l
 
     assert admitted.message.task_id == 7
     dead = await redis_client.xrange(Keys.dead("j"))
-    reasons = {protocol.decode(fields[b"m"], protocol.TrajectoryGroup).task_id: fields[b"reason"].decode()
-               for _, fields in dead}
+    reasons = {
+        protocol.decode(fields[b"m"], protocol.TrajectoryGroup).task_id: fields[b"reason"].decode()
+        for _, fields in dead
+    }
     assert reasons == {task_id: f"sample j:{task_id}:0: {reason}" for task_id, (_, reason) in BAD.items()}
     pending = await redis_client.xpending(Keys.trajectories("j"), "learner")
     assert pending["pending"] == 1  # only the admitted group waits for its checkpoint: the bad ones are acked

@@ -16,13 +16,13 @@ from judge_proxy.budget import CONCURRENCY_POLL_S, Budget, Limits
 from services.queues import Keys
 
 
-def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_ttl_s: float = 30.0,
-           **window) -> Limits:
+def limits(tpm: int = 600, rpm: int = 6000, max_concurrency: int = 100, lease_ttl_s: float = 30.0, **window) -> Limits:
     return Limits(tpm, rpm, max_concurrency, lease_ttl_s, **window)
 
 
-def window(tpm: int = 600, rpm: int = 6000, window_s: float = 60.0, margin_s: float = 0.0,
-           pace_s: float = 0.0) -> Limits:
+def window(
+    tpm: int = 600, rpm: int = 6000, window_s: float = 60.0, margin_s: float = 0.0, pace_s: float = 0.0
+) -> Limits:
     return Limits(tpm, rpm, 100, 30.0, "window", window_s, margin_s, pace_s=pace_s, prompt_margin=0.0)
 
 
@@ -146,18 +146,33 @@ asyncio.run(main(a[1], float(a[2]), float(a[3]), int(a[4]), int(a[5]), int(a[6])
 """
 
 
-async def race(redis_url: str, redis_client, *, tpm: int, rpm: int, max_concurrency: int, hold_s: float,
-               seconds: float = 1.0, replicas: int = 4, model: str = "bucket") -> list[dict]:
+async def race(
+    redis_url: str,
+    redis_client,
+    *,
+    tpm: int,
+    rpm: int,
+    max_concurrency: int,
+    hold_s: float,
+    seconds: float = 1.0,
+    replicas: int = 4,
+    model: str = "bucket",
+) -> list[dict]:
     """`replicas` processes with 8 callers each hammer one budget that starts empty (a
     bucket) or full (a window)."""
     now_s, now_us = await redis_client.time()
     start_at = now_s + now_us / 1e6 + 2.0  # after the processes have imported (slow on a busy machine)
     if model == "bucket":
-        await redis_client.hset(Keys.judge_budget("race"),
-                                mapping={"tokens": 0, "requests": 0, "ts": f"{start_at:.6f}"})
+        await redis_client.hset(
+            Keys.judge_budget("race"), mapping={"tokens": 0, "requests": 0, "ts": f"{start_at:.6f}"}
+        )
     args = [str(a) for a in (start_at, seconds, tpm, rpm, max_concurrency, hold_s)]
-    processes = [subprocess.Popen([sys.executable, "-c", RACER, redis_url, *args, str(seed), model],
-                                  stdout=subprocess.PIPE, text=True) for seed in range(replicas)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, redis_url, *args, str(seed), model], stdout=subprocess.PIPE, text=True
+        )
+        for seed in range(replicas)
+    ]
     outputs = await asyncio.gather(*(asyncio.to_thread(p.communicate, timeout=30) for p in processes))
     assert all(p.returncode == 0 for p in processes)
     return [json.loads(out) for out, _ in outputs]
@@ -166,8 +181,7 @@ async def race(redis_url: str, redis_client, *, tpm: int, rpm: int, max_concurre
 async def test_replicas_racing_never_admit_more_than_the_token_budget_and_use_nearly_all(redis_url, redis_client):
     tpm, seconds = 60_000, 1.0  # 1000 tokens a second from an empty bucket
 
-    results = await race(redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0,
-                         seconds=seconds)
+    results = await race(redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0, seconds=seconds)
 
     admitted = sum(r["tokens"] for r in results)
     assert admitted <= tpm / 60 * (seconds + 0.05)
@@ -178,16 +192,14 @@ async def test_replicas_racing_never_admit_more_than_the_token_budget_and_use_ne
 async def test_replicas_racing_never_admit_more_than_the_request_budget(redis_url, redis_client):
     rpm, seconds = 6000, 1.0  # 100 requests a second from an empty bucket
 
-    results = await race(redis_url, redis_client, tpm=10**9, rpm=rpm, max_concurrency=1000, hold_s=0.0,
-                         seconds=seconds)
+    results = await race(redis_url, redis_client, tpm=10**9, rpm=rpm, max_concurrency=1000, hold_s=0.0, seconds=seconds)
 
     admitted = sum(r["requests"] for r in results)
     assert 0.9 * rpm / 60 * seconds <= admitted <= rpm / 60 * (seconds + 0.05)
 
 
 async def test_replicas_racing_share_one_concurrency_cap(redis_url, redis_client):
-    results = await race(redis_url, redis_client, tpm=10**9, rpm=10**9, max_concurrency=3, hold_s=0.02,
-                         seconds=0.5)
+    results = await race(redis_url, redis_client, tpm=10**9, rpm=10**9, max_concurrency=3, hold_s=0.02, seconds=0.5)
 
     assert max(r["peak_inflight"] for r in results) == 3
 
@@ -195,14 +207,16 @@ async def test_replicas_racing_share_one_concurrency_cap(redis_url, redis_client
 async def test_replicas_racing_never_admit_more_than_a_window_holds(redis_url, redis_client):
     tpm = 2000  # a one-minute window: nothing leaves it during the race
 
-    results = await race(redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0,
-                         seconds=1.0, model="window")
+    results = await race(
+        redis_url, redis_client, tpm=tpm, rpm=10**7, max_concurrency=1000, hold_s=0.0, seconds=1.0, model="window"
+    )
 
     admitted = sum(r["tokens"] for r in results)
     assert tpm - 50 <= admitted <= tpm  # 50: the largest cost that may not fit at the end
 
 
 # --- the trailing window -------------------------------------------------------------------
+
 
 async def test_a_window_allows_no_burst_past_its_limit_until_the_first_entry_leaves(redis_client):
     budget = Budget(redis_client, "w", window(tpm=600, window_s=60.0, margin_s=1.0))
@@ -249,8 +263,7 @@ async def test_a_lower_remaining_header_holds_the_difference_in_the_window_until
 
     lease = (await budget.reserve(10)).lease
     # The upstream counts 40 more than this window holds; its window resets in 0.3 s.
-    left = await budget.settle(lease, used_tokens=10, remaining_tokens=50, reset_tokens_s=0.3,
-                               remaining_requests=9)
+    left = await budget.settle(lease, used_tokens=10, remaining_tokens=50, reset_tokens_s=0.3, remaining_requests=9)
     blocked = await budget.reserve(60)
     await asyncio.sleep(0.35)
     after = await budget.view()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from test_judge_proxy import entry, make_proxy, sample, servers, upstreams  # noqa: F401  (fixtures)
 
 VAGUE = {"role": "user", "content": "I want a fruit."}
@@ -23,8 +22,7 @@ def judge_body(*candidates: list[dict], **extra) -> dict:
 
 
 async def judged_alone(proxy, conversation: list[dict]) -> float:
-    response = await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation,
-                                                   "cache": False})
+    response = await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation, "cache": False})
     return response.json()["score"]
 
 
@@ -32,8 +30,9 @@ async def test_a_group_is_judged_in_one_call_and_scores_as_each_candidate_alone(
     proxy = await make_proxy(entry("a", upstreams["a"]))
     duplicates = sample("tandem_judge_group_candidates_total", rubric="interactivity", outcome="duplicate")
 
-    response = await proxy.post("/v1/judge/group", json=judge_body(RIGHT, WRONG, RIGHT, GUESS),
-                                headers={"x-tandem-job": "job-g"})
+    response = await proxy.post(
+        "/v1/judge/group", json=judge_body(RIGHT, WRONG, RIGHT, GUESS), headers={"x-tandem-job": "job-g"}
+    )
 
     assert response.status_code == 200
     body = response.json()
@@ -48,8 +47,9 @@ async def test_a_group_is_judged_in_one_call_and_scores_as_each_candidate_alone(
 async def test_an_unusable_group_verdict_falls_back_to_one_call_per_candidate_and_is_counted(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
     fallbacks = sample("tandem_judge_group_fallbacks_total", rubric="interactivity", reason="missing")
-    await upstreams["a"].script({"content": '[{"candidate": 1, "understanding": 9, "clarification": 9, '
-                                            '"suggestions": 9}]'})
+    await upstreams["a"].script(
+        {"content": '[{"candidate": 1, "understanding": 9, "clarification": 9, "suggestions": 9}]'}
+    )
 
     response = await proxy.post("/v1/judge/group", json=judge_body(RIGHT, WRONG, cache=False))
 
@@ -82,12 +82,17 @@ async def test_a_jobs_repeated_verdict_is_answered_from_the_cache_and_other_jobs
 
 async def test_a_request_repeated_with_its_idempotency_key_is_replayed_not_sent_again(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
-    body = {"model": "judge", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12,
-            "temperature": 1.0}
+    body = {
+        "model": "judge",
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+    }
     headers = {"idempotency-key": "task-7/s0/f1/t2/user", "x-tandem-job": "job-r"}
 
-    first, twin = await asyncio.gather(*(proxy.post("/v1/chat/completions", json=body, headers=headers)
-                                         for _ in range(2)))
+    first, twin = await asyncio.gather(
+        *(proxy.post("/v1/chat/completions", json=body, headers=headers) for _ in range(2))
+    )
     later = await proxy.post("/v1/chat/completions", json=body, headers=headers)
     changed = await proxy.post("/v1/chat/completions", json=body | {"max_tokens": 13}, headers=headers)
 

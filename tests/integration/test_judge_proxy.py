@@ -44,8 +44,9 @@ def servers():
     """Two local upstreams, `a` and `b`, with room to spare (the proxy's budgets bind)."""
     with contextlib.ExitStack() as stack:
         config = LocalUpstreamConfig(tpm=6_000_000, rpm=60_000, service_ms=0, seed=1)
-        yield {name: stack.enter_context(serve_in_thread(local_upstream_app(config), free_port()))
-               for name in ("a", "b")}
+        yield {
+            name: stack.enter_context(serve_in_thread(local_upstream_app(config), free_port())) for name in ("a", "b")
+        }
 
 
 @pytest.fixture
@@ -77,8 +78,15 @@ async def make_proxy(redis_url, redis_client, tmp_path):
 
 def entry(name: str, server: LocalServer | str, **overrides) -> dict:
     url = server.url if isinstance(server, LocalServer) else server
-    return {"name": name, "model": "judge", "upstream_model": "local-model", "base_url": f"{url}/v1",
-            "tpm": 600_000, "rpm": 6000, **overrides}
+    return {
+        "name": name,
+        "model": "judge",
+        "upstream_model": "local-model",
+        "base_url": f"{url}/v1",
+        "tpm": 600_000,
+        "rpm": 6000,
+        **overrides,
+    }
 
 
 def chat(content: str = "hello", max_tokens: int = 20, model: str = "judge", **extra) -> dict:
@@ -90,6 +98,7 @@ def sample(name: str, **labels) -> float:
 
 
 # --- chat completions: pass-through and reconciliation -------------------------------------
+
 
 async def test_a_completion_passes_the_upstream_reply_and_usage_through(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
@@ -107,8 +116,7 @@ async def test_a_completion_passes_the_upstream_reply_and_usage_through(make_pro
     assert sent["model"] == "local-model" and sent["temperature"] == 0.3 and sent["seed"] == 5
 
 
-async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions_and_learns_the_ratio(make_proxy,
-                                                                                                upstreams):
+async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions_and_learns_the_ratio(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"], tpm=600, prompt_margin=0))
     refunded = sample("tandem_judge_tokens_total", upstream="a", kind="refunded")
     charged = sample("tandem_judge_tokens_total", upstream="a", kind="charged")
@@ -130,27 +138,41 @@ async def test_reconciliation_corrects_a_wrong_estimate_in_both_directions_and_l
     assert sample("tandem_judge_tokens_total", upstream="a", kind="charged") - charged == 48 - 30
     # Errors (estimate - actual) 93 and -18: cumulative buckets count them by upper bound.
     assert {le: sample(bucket, upstream="a", le=le) - before for le, before in errors.items()} == {
-        "-64.0": 0, "-16.0": 1, "64.0": 1, "256.0": 2}
+        "-64.0": 0,
+        "-16.0": 1,
+        "64.0": 1,
+        "256.0": 2,
+    }
     # The ratio is a running mean over calls: (15/9 + 47/17) / 2.
     assert budget["prompt_ratio"] == pytest.approx((15 / 9 + 47 / 17) / 2, abs=1e-5)
 
 
 # --- malformed requests ------------------------------------------------------------------
 
-@pytest.mark.parametrize("content, status, message", [
-    (b"{not json", 400, "malformed JSON body"),
-    (b"[1, 2]", 400, "the JSON body must be an object"),
-    (json.dumps({"model": "judge"}).encode(), 400, "messages: Field required"),
-    (json.dumps({"model": "judge", "messages": []}).encode(), 400, "messages: List should have at least 1 item"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model: Field required"),
-    (json.dumps(chat(model="gpt-nope")).encode(), 404, "unknown model 'gpt-nope'"),
-    (json.dumps(chat(max_tokens=10**6)).encode(), 400, "more than any upstream of 'judge' allows per minute"),
-    (json.dumps(chat([{"type": "text", "text": 123}])).encode(), 400,
-     "messages.0.content: Value error, part 0: text: Input should be a valid string"),
-    (json.dumps(chat([{"type": "text", "text": None}])).encode(), 400,
-     "messages.0.content: Value error, part 0: a 'text' part needs a string 'text'"),
-    (json.dumps(chat([{"text": "no type"}])).encode(), 400, "messages.0.content: Value error, part 0: type: Field"),
-])
+
+@pytest.mark.parametrize(
+    "content, status, message",
+    [
+        (b"{not json", 400, "malformed JSON body"),
+        (b"[1, 2]", 400, "the JSON body must be an object"),
+        (json.dumps({"model": "judge"}).encode(), 400, "messages: Field required"),
+        (json.dumps({"model": "judge", "messages": []}).encode(), 400, "messages: List should have at least 1 item"),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model: Field required"),
+        (json.dumps(chat(model="gpt-nope")).encode(), 404, "unknown model 'gpt-nope'"),
+        (json.dumps(chat(max_tokens=10**6)).encode(), 400, "more than any upstream of 'judge' allows per minute"),
+        (
+            json.dumps(chat([{"type": "text", "text": 123}])).encode(),
+            400,
+            "messages.0.content: Value error, part 0: text: Input should be a valid string",
+        ),
+        (
+            json.dumps(chat([{"type": "text", "text": None}])).encode(),
+            400,
+            "messages.0.content: Value error, part 0: a 'text' part needs a string 'text'",
+        ),
+        (json.dumps(chat([{"text": "no type"}])).encode(), 400, "messages.0.content: Value error, part 0: type: Field"),
+    ],
+)
 async def test_a_bad_request_gets_400_or_404_with_a_clear_message(make_proxy, upstreams, content, status, message):
     proxy = await make_proxy(entry("a", upstreams["a"]))
 
@@ -161,8 +183,10 @@ async def test_a_bad_request_gets_400_or_404_with_a_clear_message(make_proxy, up
     assert (await upstreams["a"].stats())["requests"] == 0
 
 
-@pytest.mark.parametrize("caps", [{"max_completion_tokens": None}, {"max_tokens": None},
-                                  {"max_tokens": None, "max_completion_tokens": None}, {}])
+@pytest.mark.parametrize(
+    "caps",
+    [{"max_completion_tokens": None}, {"max_tokens": None}, {"max_tokens": None, "max_completion_tokens": None}, {}],
+)
 async def test_a_missing_or_null_output_cap_is_pinned_to_the_reserved_default(make_proxy, upstreams, caps):
     proxy = await make_proxy(entry("a", upstreams["a"]), default_max_tokens=7)
     await upstreams["a"].script({"content": "ok"})
@@ -184,6 +208,7 @@ async def test_an_unknown_priority_header_is_400(make_proxy, upstreams):
 
 
 # --- upstream 429s ------------------------------------------------------------------------
+
 
 async def test_the_upstream_retry_after_is_honoured_by_every_request(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
@@ -228,6 +253,7 @@ async def test_an_upstream_that_keeps_answering_429_gives_the_client_429_with_re
 
 # --- waiting for budget --------------------------------------------------------------------
 
+
 async def test_an_over_budget_request_waits_then_gets_429_with_retry_after(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"], tpm=600, pace_s=0), queue_deadline_s=0.3)
     await upstreams["a"].script({"delay_s": 0.5, "content": "ok"})
@@ -236,8 +262,11 @@ async def test_an_over_budget_request_waits_then_gets_429_with_retry_after(make_
     holder = asyncio.create_task(proxy.post("/v1/chat/completions", json=chat(max_tokens=550)))
     await asyncio.sleep(0.1)
     started = time.monotonic()
-    refused = await proxy.post("/v1/chat/completions", json=chat(max_tokens=100),
-                               headers={"x-tandem-priority": "judge", "x-tandem-job": "job-1"})
+    refused = await proxy.post(
+        "/v1/chat/completions",
+        json=chat(max_tokens=100),
+        headers={"x-tandem-priority": "judge", "x-tandem-job": "job-1"},
+    )
 
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
@@ -263,6 +292,7 @@ async def test_a_waiting_request_goes_as_soon_as_a_settled_call_refunds_its_toke
 
 
 # --- failover ------------------------------------------------------------------------------
+
 
 async def test_a_server_error_fails_over_to_another_upstream(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"], weight=1e9), entry("b", upstreams["b"], weight=1))
@@ -310,6 +340,7 @@ async def test_when_every_upstream_fails_the_client_gets_502_naming_each_failure
 
 # --- keys and client tokens ------------------------------------------------------------------
 
+
 async def test_a_client_cannot_read_an_upstream_key(make_proxy, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("TEST_UPSTREAM_KEY", KEY)
@@ -318,14 +349,20 @@ async def test_a_client_cannot_read_an_upstream_key(make_proxy, monkeypatch, cap
     with serve_in_thread(keyed, free_port()) as url:
         async with httpx.AsyncClient() as admin:
             server = LocalServer(url, admin)
-            proxy = await make_proxy(entry("right", url, api_key_env="TEST_UPSTREAM_KEY"),
-                                     entry("wrong", url, model="judge-wrong", api_key_env="TEST_WRONG_KEY"))
+            proxy = await make_proxy(
+                entry("right", url, api_key_env="TEST_UPSTREAM_KEY"),
+                entry("wrong", url, model="judge-wrong", api_key_env="TEST_WRONG_KEY"),
+            )
             ok = await proxy.post("/v1/chat/completions", json=chat())
             await server.script({"status": 400, "message": "bad request from key {authorization}"})
             echoed = await proxy.post("/v1/chat/completions", json=chat())
             rejected = await proxy.post("/v1/chat/completions", json=chat(model="judge-wrong"))
-            others = [await proxy.get("/v1/budget"), await proxy.get("/healthz"), await proxy.get("/metrics"),
-                      await proxy.post("/v1/chat/completions", json=chat(model="nope"))]
+            others = [
+                await proxy.get("/v1/budget"),
+                await proxy.get("/healthz"),
+                await proxy.get("/metrics"),
+                await proxy.post("/v1/chat/completions", json=chat(model="nope")),
+            ]
 
     assert ok.status_code == 200  # the right key was sent upstream
     assert echoed.status_code == 400 and "bad request from key [redacted]" in echoed.text
@@ -351,9 +388,11 @@ async def test_client_tokens_are_required_when_configured(make_proxy, upstreams)
 
 # --- budget view and metrics -----------------------------------------------------------------
 
+
 async def test_the_budget_view_shows_limits_and_shared_usage_per_upstream(make_proxy, upstreams):
-    proxy = await make_proxy(entry("a", upstreams["a"], tpm=90_000, rpm=900, max_concurrency=7),
-                             entry("b", upstreams["b"], model="other"))
+    proxy = await make_proxy(
+        entry("a", upstreams["a"], tpm=90_000, rpm=900, max_concurrency=7), entry("b", upstreams["b"], model="other")
+    )
     other_replica = await make_proxy(entry("a", upstreams["a"], tpm=90_000, rpm=900, max_concurrency=7))
 
     usage = (await other_replica.post("/v1/chat/completions", json=chat())).json()["usage"]
@@ -367,10 +406,16 @@ async def test_the_budget_view_shows_limits_and_shared_usage_per_upstream(make_p
 
 
 JUDGE_METRICS = [
-    "tandem_judge_budget_tokens_per_minute", "tandem_judge_budget_requests_per_minute", "tandem_judge_tokens_total",
-    "tandem_judge_upstream_requests_total", "tandem_judge_upstream_429_total", "tandem_judge_rejected_total",
-    "tandem_judge_queue_wait_seconds_bucket", "tandem_judge_upstream_latency_seconds_bucket",
-    "tandem_judge_reconciliation_error_tokens_bucket", "tandem_judge_verdicts_total",
+    "tandem_judge_budget_tokens_per_minute",
+    "tandem_judge_budget_requests_per_minute",
+    "tandem_judge_tokens_total",
+    "tandem_judge_upstream_requests_total",
+    "tandem_judge_upstream_429_total",
+    "tandem_judge_rejected_total",
+    "tandem_judge_queue_wait_seconds_bucket",
+    "tandem_judge_upstream_latency_seconds_bucket",
+    "tandem_judge_reconciliation_error_tokens_bucket",
+    "tandem_judge_verdicts_total",
 ]
 
 
@@ -378,8 +423,9 @@ async def test_the_metrics_dashboards_use_are_exported(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]), max_attempts=1)
     await upstreams["a"].script({"status": 429, "retry_after_ms": 10}, {"content": '{"correctness": 7}'})
     await proxy.post("/v1/chat/completions", json=chat())
-    await proxy.post("/v1/judge", json={"rubric": "accuracy", "reference": "4",
-                                        "messages": [{"role": "user", "content": "2+2?"}]})
+    await proxy.post(
+        "/v1/judge", json={"rubric": "accuracy", "reference": "4", "messages": [{"role": "user", "content": "2+2?"}]}
+    )
 
     exported = (await proxy.get("/metrics")).text
 
@@ -389,15 +435,20 @@ async def test_the_metrics_dashboards_use_are_exported(make_proxy, upstreams):
 
 # --- /v1/judge -------------------------------------------------------------------------------
 
+
 def conversation() -> list[dict]:
-    return [{"role": "user", "content": "Plan me a trip."},
-            {"role": "assistant", "content": "Where to, and for how long?"}]
+    return [
+        {"role": "user", "content": "Plan me a trip."},
+        {"role": "assistant", "content": "Where to, and for how long?"},
+    ]
 
 
 async def test_judge_scores_interactivity_as_the_mean_of_its_three_criteria(make_proxy, upstreams):
     proxy = await make_proxy(entry("a", upstreams["a"]))
-    verdict = ('It asks the two questions that matter. {"understanding": 8, "clarification": 9, '
-               '"suggestions": 1, "verdict": "Good questions, no suggestions."}')
+    verdict = (
+        'It asks the two questions that matter. {"understanding": 8, "clarification": 9, '
+        '"suggestions": 1, "verdict": "Good questions, no suggestions."}'
+    )
     await upstreams["a"].script({"content": verdict})
 
     response = await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})
@@ -418,7 +469,8 @@ async def test_an_unreadable_verdict_is_asked_again_once_with_a_stricter_instruc
     proxy = await make_proxy(entry("a", upstreams["a"]))
     await upstreams["a"].script(
         {"content": "I think it is quite good."},
-        {"content": "<understanding>9</understanding><clarification>3</clarification><suggestions>6</suggestions>"})
+        {"content": "<understanding>9</understanding><clarification>3</clarification><suggestions>6</suggestions>"},
+    )
 
     response = await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})
 
@@ -454,12 +506,18 @@ async def test_accuracy_judges_against_the_reference_and_needs_one(make_proxy, u
     assert missing.status_code == 400 and "needs a reference" in missing.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ({"rubric": "vibes", "messages": [{"role": "user", "content": "hi"}]}, 404, "unknown rubric 'vibes'"),
-    ({"rubric": "interactivity"}, 400, "messages: Field required"),
-    ({"rubric": "interactivity", "messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404,
-     "unknown model 'nope'"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"rubric": "vibes", "messages": [{"role": "user", "content": "hi"}]}, 404, "unknown rubric 'vibes'"),
+        ({"rubric": "interactivity"}, 400, "messages: Field required"),
+        (
+            {"rubric": "interactivity", "messages": [{"role": "user", "content": "hi"}], "model": "nope"},
+            404,
+            "unknown model 'nope'",
+        ),
+    ],
+)
 async def test_a_bad_judge_request_gets_a_clear_error(make_proxy, upstreams, body, status, message):
     proxy = await make_proxy(entry("a", upstreams["a"]))
 
@@ -481,14 +539,18 @@ async def test_a_verdict_records_the_judge_model_a_provider_names_short_and_as_a
 
 
 async def test_a_structured_upstream_is_asked_for_the_verdict_schema_and_says_so_in_its_model_card(
-        make_proxy, upstreams):
+    make_proxy, upstreams
+):
     from judge_proxy.rubrics import RUBRICS, verdict_schema
 
     proxy = await make_proxy(entry("a", upstreams["a"], structured_output=True))
-    await upstreams["a"].script({"content": '{"understanding": 8, "clarification": 9, "suggestions": 1, '
-                                           '"verdict": "Fine."}'})
+    await upstreams["a"].script(
+        {"content": '{"understanding": 8, "clarification": 9, "suggestions": 1, "verdict": "Fine."}'}
+    )
 
-    assert (await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})).status_code == 200
+    assert (
+        await proxy.post("/v1/judge", json={"rubric": "interactivity", "messages": conversation()})
+    ).status_code == 200
     sent = (await upstreams["a"].requests())[-1]
     assert sent["response_format"]["json_schema"]["schema"] == verdict_schema(RUBRICS["interactivity"])
     assert "Reply with only one JSON object" in sent["messages"][0]["content"]

@@ -41,10 +41,22 @@ def proxy_url(redis_url, upstream_url, tmp_path):
     redis.Redis.from_url(redis_url).flushdb()
     httpx.post(f"{upstream_url}/admin/reset").raise_for_status()
     path = tmp_path / "upstreams.json"
-    path.write_text(json.dumps({"upstreams": [
-        {"name": "a", "model": "judge", "upstream_model": "local-model", "base_url": f"{upstream_url}/v1",
-         "tpm": TPM, "rpm": RPM},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": [
+                    {
+                        "name": "a",
+                        "model": "judge",
+                        "upstream_model": "local-model",
+                        "base_url": f"{upstream_url}/v1",
+                        "tpm": TPM,
+                        "rpm": RPM,
+                    },
+                ]
+            }
+        )
+    )
     settings = JudgeProxySettings(redis_url=redis_url, upstreams=str(path), client_tokens=TOKEN)
     with serve_in_thread(create_app(settings), free_port()) as url:
         yield url
@@ -120,8 +132,9 @@ async def test_async_client_streams_with_usage_when_it_asks(proxy_url, upstream_
     client = openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=TOKEN, max_retries=0)
     script(upstream_url, {"content": "alpha beta"})
 
-    stream = await client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=8, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model="judge", messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [chunk async for chunk in stream]
     await client.close()
 
@@ -132,8 +145,9 @@ async def test_async_client_streams_with_usage_when_it_asks(proxy_url, upstream_
 async def test_async_client_plain_calls_run_concurrently_through_one_budget(proxy_url):
     client = openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=TOKEN, max_retries=0)
 
-    replies = await asyncio.gather(*(
-        client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=8, n=2) for _ in range(8)))
+    replies = await asyncio.gather(
+        *(client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=8, n=2) for _ in range(8))
+    )
     await client.close()
 
     assert all(len(r.choices) == 2 for r in replies)
@@ -201,8 +215,9 @@ def test_a_request_id_sent_by_the_client_comes_back_and_marks_the_log_lines(prox
 
     with caplog.at_level(logging.WARNING, logger="judge_proxy"), pytest.raises(openai.APIStatusError) as failed:
         client.chat.completions.create(model="judge", messages=MESSAGES, extra_headers={"x-request-id": "job7-turn3"})
-    weird = httpx.get(f"{proxy_url}/v1/models", headers={"authorization": f"Bearer {TOKEN}",
-                                                         "x-request-id": "bad id\twith spaces"})
+    weird = httpx.get(
+        f"{proxy_url}/v1/models", headers={"authorization": f"Bearer {TOKEN}", "x-request-id": "bad id\twith spaces"}
+    )
 
     assert failed.value.response.headers["x-request-id"] == "job7-turn3"
     assert any(r.request == " [request job7-turn3]" and "upstream a failed" in r.getMessage() for r in caplog.records)

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import served_model, vllm_counted
 
 from judge_proxy.app import create_app
 from judge_proxy.local_upstream import serve_in_thread
@@ -17,15 +18,14 @@ from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
 from tandem.redis_embed import free_port
 
-from helpers import served_model, vllm_counted
-
 
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model, tmp_path_factory):
     """`tandem serve-model` (vLLM's OpenAI API server) on the tiny model, on loopback; stopped
     after this module."""
-    with served_model(tiny_model, "tiny", tmp_path_factory.mktemp("vllm-server") / "server.log",
-                      max_model_len=512) as url:
+    with served_model(
+        tiny_model, "tiny", tmp_path_factory.mktemp("vllm-server") / "server.log", max_model_len=512
+    ) as url:
         yield url
 
 
@@ -35,12 +35,24 @@ def proxy_url(redis_url, vllm_url, tmp_path):
 
     redis.Redis.from_url(redis_url).flushdb()
     path = tmp_path / "upstreams.json"
-    path.write_text(json.dumps({"upstreams": [
-        {"name": "vllm", "model": "judge", "upstream_model": "tiny", "base_url": f"{vllm_url}/v1",
-         "tpm": 1_000_000, "rpm": 10_000, "prompt_margin": 0.0},
-    ]}))
-    with serve_in_thread(create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(path))),
-                         free_port()) as url:
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": [
+                    {
+                        "name": "vllm",
+                        "model": "judge",
+                        "upstream_model": "tiny",
+                        "base_url": f"{vllm_url}/v1",
+                        "tpm": 1_000_000,
+                        "rpm": 10_000,
+                        "prompt_margin": 0.0,
+                    },
+                ]
+            }
+        )
+    )
+    with serve_in_thread(create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(path))), free_port()) as url:
         yield url
 
 
@@ -53,8 +65,10 @@ def budget(proxy_url: str) -> dict:
     return view
 
 
-MESSAGES = [{"role": "system", "content": "You judge replies."},
-            {"role": "user", "content": "Is the reply helpful? Answer briefly."}]
+MESSAGES = [
+    {"role": "system", "content": "You judge replies."},
+    {"role": "user", "content": "Is the reply helpful? Answer briefly."},
+]
 
 
 def test_usage_charged_to_the_budget_is_what_vllm_counted(proxy_url, vllm_url):
@@ -62,8 +76,9 @@ def test_usage_charged_to_the_budget_is_what_vllm_counted(proxy_url, vllm_url):
     counted_before = vllm_counted(vllm_url)
 
     plain = client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=12, temperature=0.0)
-    several = client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=6, n=2, logprobs=True,
-                                             top_logprobs=2, seed=3)
+    several = client.chat.completions.create(
+        model="judge", messages=MESSAGES, max_tokens=6, n=2, logprobs=True, top_logprobs=2, seed=3
+    )
     chunks = list(client.chat.completions.create(model="judge", messages=MESSAGES, max_tokens=10, stream=True))
     view = budget(proxy_url)
     counted = vllm_counted(vllm_url) - counted_before
@@ -88,8 +103,9 @@ def test_the_proxy_lists_its_model_and_passes_vllms_client_errors_through(proxy_
 
     listed = [m.id for m in client.models.list()]
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.chat.completions.create(model="judge", messages=[{"role": "user", "content": "word " * 2000}],
-                                       max_tokens=8)
+        client.chat.completions.create(
+            model="judge", messages=[{"role": "user", "content": "word " * 2000}], max_tokens=8
+        )
 
     assert listed == ["judge"]
     assert too_long.value.status_code == 400 and "context length" in too_long.value.message
@@ -103,8 +119,11 @@ def test_seeded_requests_whose_prompts_overflow_a_step_all_complete(vllm_url):
     import concurrent.futures
 
     def complete(seed: int) -> int:
-        reply = httpx.post(f"{vllm_url}/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": [5 + seed] * 450, "max_tokens": 8, "temperature": 1.0, "seed": seed})
+        reply = httpx.post(
+            f"{vllm_url}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": [5 + seed] * 450, "max_tokens": 8, "temperature": 1.0, "seed": seed},
+        )
         return reply.status_code
 
     with concurrent.futures.ThreadPoolExecutor(10) as pool:

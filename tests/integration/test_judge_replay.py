@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from helpers import stand_in_upstreams, wait_for
 
 from judge_proxy.local_upstream import Latency, LocalUpstreamConfig, create_app, serve_in_thread
 from services import protocol
@@ -19,8 +20,6 @@ from services.queues import FIELD, Keys
 from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 from tandem.redis_embed import free_port
-
-from helpers import stand_in_upstreams, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +31,18 @@ def job_spec(model: str, warm_start: Path) -> dict:
         "model": {"path": model, "max_model_len": 512},
         "task": {"name": "clarify", "num_examples": 64, "user": "llm"},
         "rollout": {"group_size": 2, "max_new_tokens": 32, "max_turns": 2, "max_total_tokens": 256},
-        "reward": {"mode": "multiturn", "window": 2, "futures": "adaptive", "num_futures": 3, "min_futures": 2,
-                   "judge_rubric": "interactivity", "judge_weight": 0.5, "judge_model": "judge",
-                   "user_model": "judge", "judge_mode": "group"},
+        "reward": {
+            "mode": "multiturn",
+            "window": 2,
+            "futures": "adaptive",
+            "num_futures": 3,
+            "min_futures": 2,
+            "judge_rubric": "interactivity",
+            "judge_weight": 0.5,
+            "judge_model": "judge",
+            "user_model": "judge",
+            "judge_mode": "group",
+        },
         "train": {"num_steps": 4, "batch_size": 4, "max_staleness": 3, "lr": 1e-4},
         # Well-formed replies from the start: a malformed response is scored without futures,
         # so an untrained model's tasks would make no calls to replay.
@@ -63,14 +71,25 @@ def calls_by_task(tags: dict[str, int]) -> dict[int, dict[str, int]]:
 
 
 def test_a_killed_servers_episodes_finish_elsewhere_without_a_single_call_sent_twice(tmp_path, tiny_model):
-    stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3,
-                                   latency=Latency(median_s=0.3, p99_s=1.0, tokens_per_s=400))
+    stand_in = LocalUpstreamConfig(
+        tpm=50_000_000,
+        rpm=500_000,
+        models=["judge"],
+        seed=3,
+        latency=Latency(median_s=0.3, p99_s=1.0, tokens_per_s=400),
+    )
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
         upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url)
-        env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
-               "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2",
-               "TANDEM_MIN_ROLLOUT_SERVERS": "2", "TANDEM_UPSTREAMS": str(upstreams)}
+        env = {
+            "TANDEM_TASK_RECLAIM_IDLE_S": "2",
+            "TANDEM_WEIGHT_TIMEOUT_S": "20",
+            "TANDEM_SERVER_TIMEOUT_S": "5",
+            "TANDEM_RUNS_DIR": str(tmp_path / "runs"),
+            "TANDEM_MAX_CONCURRENT_TASKS": "2",
+            "TANDEM_MIN_ROLLOUT_SERVERS": "2",
+            "TANDEM_UPSTREAMS": str(upstreams),
+        }
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env))
         api = httpx.Client(base_url=system.api_url, timeout=10)
         client = redis.Redis.from_url(system.redis_url)
@@ -84,8 +103,12 @@ def test_a_killed_servers_episodes_finish_elsewhere_without_a_single_call_sent_t
         killed = wait_for(victim_mid_episode, 180, "rollout-1 to be in the middle of an episode", interval_s=0.05)
         kill_all(process_tree(system.processes.pop("rollout-1").pid))
 
-        final = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                         ("SUCCEEDED", "FAILED", "CANCELLED") and r, 300, "the job to end", interval_s=0.5)
+        final = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+            300,
+            "the job to end",
+            interval_s=0.5,
+        )
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         tags = httpx.get(f"{stand_in_url}/admin/request-tags").json()
         proxy_metrics = httpx.get(f"{system.judge_url}/metrics").text

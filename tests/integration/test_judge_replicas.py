@@ -27,9 +27,24 @@ PROMPT = [{"role": "user", "content": "Count the tokens of this sentence, please
 def upstreams_file(tmp_path, upstream_url: str, tpm: int, rpm: int, **extra) -> str:
     """The local upstream refills a bucket, and the proxy is told so (a window would forgo its burst)."""
     path = tmp_path / "upstreams.json"
-    path.write_text(json.dumps({"upstreams": [{"name": "local", "model": "judge", "upstream_model": "local-model",
-                                               "base_url": f"{upstream_url}/v1", "tpm": tpm, "rpm": rpm,
-                                               "limit_model": "bucket", **extra}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": [
+                    {
+                        "name": "local",
+                        "model": "judge",
+                        "upstream_model": "local-model",
+                        "base_url": f"{upstream_url}/v1",
+                        "tpm": tpm,
+                        "rpm": rpm,
+                        "limit_model": "bucket",
+                        **extra,
+                    }
+                ]
+            }
+        )
+    )
     return str(path)
 
 
@@ -37,24 +52,30 @@ def upstreams_file(tmp_path, upstream_url: str, tpm: int, rpm: int, **extra) -> 
 def proxies(count: int, **settings):
     """`count` proxy replicas, each a uvicorn server on its own thread and event loop."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(serve_in_thread(create_app(JudgeProxySettings(**settings)), free_port()))
-               for _ in range(count)]
+        yield [
+            stack.enter_context(serve_in_thread(create_app(JudgeProxySettings(**settings)), free_port()))
+            for _ in range(count)
+        ]
 
 
 async def test_two_replicas_keep_a_shared_upstream_under_its_limit_and_use_it(redis_url, redis_client, tmp_path):
     tpm, seconds = 3000, 2.5  # 50 tokens a second, after a first minute's worth
     upstream = local_upstream_app(LocalUpstreamConfig(tpm=tpm, rpm=6000, service_ms=1))
-    with serve_in_thread(upstream, free_port()) as upstream_url, \
-            proxies(2, redis_url=redis_url, upstreams=upstreams_file(tmp_path, upstream_url, tpm, 6000),
-                    queue_deadline_s=0.5) as (first, second):
+    with (
+        serve_in_thread(upstream, free_port()) as upstream_url,
+        proxies(
+            2, redis_url=redis_url, upstreams=upstreams_file(tmp_path, upstream_url, tpm, 6000), queue_deadline_s=0.5
+        ) as (first, second),
+    ):
         statuses: list[tuple[str, int, bool]] = []
         async with httpx.AsyncClient(timeout=10) as http:
             started = time.monotonic()
 
             async def client(url: str) -> None:
                 while time.monotonic() - started < seconds:
-                    response = await http.post(f"{url}/v1/chat/completions",
-                                               json={"model": "judge", "messages": PROMPT, "max_tokens": 60})
+                    response = await http.post(
+                        f"{url}/v1/chat/completions", json={"model": "judge", "messages": PROMPT, "max_tokens": 60}
+                    )
                     statuses.append((url, response.status_code, "retry-after" in response.headers))
 
             await asyncio.gather(*(client(url) for url in [first, second] * 12))
@@ -80,9 +101,12 @@ async def until_inflight(proxy_url: str, count: int) -> None:
 @pytest.fixture
 def served_proxy(redis_url, redis_client, tmp_path):
     upstream = local_upstream_app(LocalUpstreamConfig(tpm=600_000, rpm=6000, service_ms=0))
-    with serve_in_thread(upstream, free_port()) as upstream_url, \
-            proxies(1, redis_url=redis_url, upstreams=upstreams_file(tmp_path, upstream_url, 1200, 6000),
-                    queue_deadline_s=0.2) as (proxy_url,):
+    with (
+        serve_in_thread(upstream, free_port()) as upstream_url,
+        proxies(
+            1, redis_url=redis_url, upstreams=upstreams_file(tmp_path, upstream_url, 1200, 6000), queue_deadline_s=0.2
+        ) as (proxy_url,),
+    ):
         yield proxy_url, upstream_url
 
 
@@ -90,9 +114,15 @@ async def test_the_judge_client_returns_content_usage_and_scores(served_proxy):
     proxy_url, upstream_url = served_proxy
     client = JudgeClient(proxy_url)
     async with httpx.AsyncClient() as admin:
-        await admin.post(f"{upstream_url}/admin/script", json={"replies": [
-            {"content": "Sure, which city?"},
-            {"content": '{"understanding": 10, "clarification": 5, "suggestions": 0, "verdict": "Fine."}'}]})
+        await admin.post(
+            f"{upstream_url}/admin/script",
+            json={
+                "replies": [
+                    {"content": "Sure, which city?"},
+                    {"content": '{"understanding": 10, "clarification": 5, "suggestions": 0, "verdict": "Fine."}'},
+                ]
+            },
+        )
 
     reply = await client.chat(PROMPT, model="judge", max_tokens=30, job="job-7")
     result = await client.judge("interactivity", PROMPT + [{"role": "assistant", "content": reply.content}])
@@ -141,11 +171,21 @@ def test_the_cli_starts_the_proxy_as_a_process_that_never_logs_the_key(redis_url
     upstream = local_upstream_app(LocalUpstreamConfig(api_key=key, service_ms=0))
     with serve_in_thread(upstream, free_port()) as upstream_url:
         port = free_port()
-        env = {**os.environ, "TANDEM_REDIS_URL": redis_url, "TANDEM_PORT": str(port), "TEST_CLI_KEY": key,
-               "TANDEM_UPSTREAMS": upstreams_file(tmp_path, upstream_url, 60_000, 600, api_key_env="TEST_CLI_KEY"),
-               "TANDEM_LOG_LEVEL": "DEBUG"}
-        process = subprocess.Popen([sys.executable, "-m", "tandem.cli", "judge-proxy"], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = {
+            **os.environ,
+            "TANDEM_REDIS_URL": redis_url,
+            "TANDEM_PORT": str(port),
+            "TEST_CLI_KEY": key,
+            "TANDEM_UPSTREAMS": upstreams_file(tmp_path, upstream_url, 60_000, 600, api_key_env="TEST_CLI_KEY"),
+            "TANDEM_LOG_LEVEL": "DEBUG",
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "judge-proxy"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 20
@@ -155,8 +195,9 @@ def test_the_cli_starts_the_proxy_as_a_process_that_never_logs_the_key(redis_url
                         break
                 assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
                 time.sleep(0.1)
-            response = httpx.post(f"{base}/v1/chat/completions",
-                                  json={"model": "judge", "messages": PROMPT, "max_tokens": 10})
+            response = httpx.post(
+                f"{base}/v1/chat/completions", json={"model": "judge", "messages": PROMPT, "max_tokens": 10}
+            )
         finally:
             process.terminate()
             log, _ = process.communicate(timeout=10)

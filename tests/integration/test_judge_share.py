@@ -40,6 +40,7 @@ def share(redis_client, capacity_tokens: float, tokens_per_s: float, active_s: f
 
 # --- the arithmetic: capacity 600, refilled at 1 token a second (negligible while a test runs) ---
 
+
 async def test_shares_split_the_capacity_by_weight_and_lend_only_above_half(redis_client):
     shares = share(redis_client, 600, 1.0)
 
@@ -60,10 +61,16 @@ async def test_shares_split_the_capacity_by_weight_and_lend_only_above_half(redi
     assert borrowing.borrowed == pytest.approx(100 - 16.67, abs=0.5)
     # Waits: what is short over the refill of the job and of lenders not yet full (weights
     # over 3 of 1 token a second): b 50 / (3/3), a 50 / (2/3), a 150 / (2/3).
-    assert (b_refused.admitted, b_refused.tokens, b_refused.wait_s) == (False, pytest.approx(0, abs=0.5),
-                                                                        pytest.approx(50, abs=1))
-    assert (a_refused.admitted, a_refused.share, a_refused.wait_s) == (False, pytest.approx(2 / 3),
-                                                                       pytest.approx(75, abs=1))
+    assert (b_refused.admitted, b_refused.tokens, b_refused.wait_s) == (
+        False,
+        pytest.approx(0, abs=0.5),
+        pytest.approx(50, abs=1),
+    )
+    assert (a_refused.admitted, a_refused.share, a_refused.wait_s) == (
+        False,
+        pytest.approx(2 / 3),
+        pytest.approx(75, abs=1),
+    )
     assert (too_large.admitted, too_large.wait_s) == (False, pytest.approx(225, abs=1))
     assert refunded == pytest.approx(100, abs=0.5)
     assert (a_spends.admitted, a_spends.tokens, a_spends.borrowed) == (True, pytest.approx(0, abs=0.5), 0)
@@ -119,8 +126,9 @@ async def test_a_jobs_weight_is_read_from_its_record_and_kept_for_a_while(redis_
     job = await job_with_weight(redis_client, "heavy", 2.0)
 
     read = [await weights.of(job), await weights.of("not-a-job"), await weights.of("")]
-    await redis_client.hset(Keys.job(job), "spec", JobSpec(model=ModelSpec(path="unused"),
-                                                           judge_weight=5.0).model_dump_json())
+    await redis_client.hset(
+        Keys.job(job), "spec", JobSpec(model=ModelSpec(path="unused"), judge_weight=5.0).model_dump_json()
+    )
     kept = await weights.of(job)
     await asyncio.sleep(0.3)
 
@@ -142,9 +150,24 @@ def two_replicas(redis_url: str, tmp_path):
     with contextlib.ExitStack() as stack:
         upstream_url = stack.enter_context(serve_in_thread(upstream, free_port()))
         path = tmp_path / "upstreams.json"
-        path.write_text(json.dumps({"upstreams": [{
-            "name": "local", "model": "judge", "upstream_model": "local-model", "base_url": f"{upstream_url}/v1",
-            "tpm": TPM, "rpm": 60_000, "max_concurrency": 32, "limit_model": "bucket"}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "upstreams": [
+                        {
+                            "name": "local",
+                            "model": "judge",
+                            "upstream_model": "local-model",
+                            "base_url": f"{upstream_url}/v1",
+                            "tpm": TPM,
+                            "rpm": 60_000,
+                            "max_concurrency": 32,
+                            "limit_model": "bucket",
+                        }
+                    ]
+                }
+            )
+        )
         settings = JudgeProxySettings(redis_url=redis_url, upstreams=str(path), queue_deadline_s=30.0)
         yield [stack.enter_context(serve_in_thread(create_app(settings), free_port())) for _ in range(2)]
 
@@ -164,16 +187,26 @@ class Charges(list):
         return sum(tokens for at, j, tokens, _ in self if j == job and at >= since_s)
 
 
-async def send(http: httpx.AsyncClient, url: str, job: str, charges: Charges, max_tokens: int = 150,
-               every_s: float = 0.0) -> None:
+async def send(
+    http: httpx.AsyncClient, url: str, job: str, charges: Charges, max_tokens: int = 150, every_s: float = 0.0
+) -> None:
     """Requests of `job` one after another (at most one per `every_s`) until cancelled."""
     while True:
         sent = time.monotonic()
-        response = await http.post(f"{url}/v1/chat/completions", headers={"x-tandem-job": job},
-                                   json={"model": "judge", "messages": PROMPT, "max_tokens": max_tokens})
+        response = await http.post(
+            f"{url}/v1/chat/completions",
+            headers={"x-tandem-job": job},
+            json={"model": "judge", "messages": PROMPT, "max_tokens": max_tokens},
+        )
         if response.status_code == 200:
-            charges.append((time.monotonic() - charges.started, job, response.json()["usage"]["total_tokens"],
-                            time.monotonic() - sent))
+            charges.append(
+                (
+                    time.monotonic() - charges.started,
+                    job,
+                    response.json()["usage"]["total_tokens"],
+                    time.monotonic() - sent,
+                )
+            )
         await asyncio.sleep(max(0.0, every_s - (time.monotonic() - sent)))
 
 
@@ -187,7 +220,8 @@ async def run_for(seconds: float, senders: list) -> None:
 
 @pytest.mark.slow
 async def test_two_jobs_weighted_two_to_one_get_two_thirds_and_one_third_across_replicas(
-        redis_url, redis_client, tmp_path):
+    redis_url, redis_client, tmp_path
+):
     """Both jobs send 8 requests at a time through each replica for 60 s. The bucket starts
     with a minute's worth (30k tokens) that the first seconds spend in a race, so shares are
     measured on the tokens charged from 10 s on, when only the refill (500 a second) is left.
@@ -196,8 +230,9 @@ async def test_two_jobs_weighted_two_to_one_get_two_thirds_and_one_third_across_
     charges = Charges()
     with two_replicas(redis_url, tmp_path) as replicas:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as http:
-            await run_for(60.0, [send(http, url, job, charges)
-                                 for url in replicas for job in (heavy, light) for _ in range(8)])
+            await run_for(
+                60.0, [send(http, url, job, charges) for url in replicas for job in (heavy, light) for _ in range(8)]
+            )
 
     heavy_tokens, light_tokens = charges.tokens(heavy, 10.0), charges.tokens(light, 10.0)
     total = heavy_tokens + light_tokens
@@ -209,7 +244,8 @@ async def test_two_jobs_weighted_two_to_one_get_two_thirds_and_one_third_across_
 
 @pytest.mark.slow
 async def test_a_job_alone_with_one_that_asks_little_uses_the_budget_and_the_other_is_served(
-        redis_url, redis_client, tmp_path):
+    redis_url, redis_client, tmp_path
+):
     """`busy` (weight 1) sends 8 requests at a time through each replica for 40 s; `quiet`
     (weight 2, two thirds of the budget if it wanted them) sends one small request every 2 s.
     From 10 s on (after the first minute's worth of tokens is spent), `busy` gets at least
@@ -218,12 +254,17 @@ async def test_a_job_alone_with_one_that_asks_little_uses_the_budget_and_the_oth
     charges = Charges()
     with two_replicas(redis_url, tmp_path) as replicas:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as http:
-            await run_for(40.0, [send(http, url, busy, charges) for url in replicas for _ in range(8)]
-                          + [send(http, replicas[0], quiet, charges, max_tokens=20, every_s=2.0)])
+            await run_for(
+                40.0,
+                [send(http, url, busy, charges) for url in replicas for _ in range(8)]
+                + [send(http, replicas[0], quiet, charges, max_tokens=20, every_s=2.0)],
+            )
 
     busy_tokens, quiet_tokens = charges.tokens(busy, 10.0), charges.tokens(quiet, 10.0)
     quiet_took_s = [took_s for _, job, _, took_s in charges if job == quiet]
-    print(f"from 10 s on: busy {busy_tokens}, quiet {quiet_tokens} tokens of {TOKENS_PER_S * 30:.0f}; "
-          f"quiet's {len(quiet_took_s)} requests took at most {max(quiet_took_s):.3f} s")
+    print(
+        f"from 10 s on: busy {busy_tokens}, quiet {quiet_tokens} tokens of {TOKENS_PER_S * 30:.0f}; "
+        f"quiet's {len(quiet_took_s)} requests took at most {max(quiet_took_s):.3f} s"
+    )
     assert busy_tokens >= 0.9 * TOKENS_PER_S * 30
     assert len(quiet_took_s) >= 19 and max(quiet_took_s) < 1.0  # busy's backlog never holds quiet up

@@ -17,9 +17,17 @@ from tandem.redis_embed import free_port
 
 pytestmark = pytest.mark.slow
 PINNED = KNOWN["smollm2-135m-instruct"]
-HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "ffn_down": "mlp.down_proj",
-            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+HF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +62,10 @@ def test_import_writes_the_gguf_tensors_dequantized_and_nothing_else(gguf_file, 
     from gguf.quants import dequantize
 
     reader = GGUFReader(gguf_file)
-    heads = {"attn_q": reader.fields["llama.attention.head_count"].contents(),
-             "attn_k": reader.fields["llama.attention.head_count_kv"].contents()}
+    heads = {
+        "attn_q": reader.fields["llama.attention.head_count"].contents(),
+        "attn_k": reader.fields["llama.attention.head_count_kv"].contents(),
+    }
     saved = load_file(imported / "model.safetensors")
     assert len(saved) == len(reader.tensors) == 272  # lm_head is tied to the embedding, saved once
     for tensor in reader.tensors:
@@ -74,9 +84,13 @@ def test_import_keeps_the_config_tokenizer_and_chat_template(gguf_file, imported
     config = AutoConfig.from_pretrained(imported)
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
     assert not hasattr(config, "quantization_config")
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim) == (fields["llama.embedding_length"].contents(), fields["llama.block_count"].contents(),
-                                 9, 3, 64)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    ) == (fields["llama.embedding_length"].contents(), fields["llama.block_count"].contents(), 9, 3, 64)
     tokenizer = AutoTokenizer.from_pretrained(imported)
     tokens = fields["tokenizer.ggml.tokens"].contents()
     assert tokenizer.convert_ids_to_tokens(list(range(len(tokens)))) == tokens
@@ -94,17 +108,34 @@ def test_import_records_where_the_weights_came_from(gguf_file, imported):
 
 
 def test_import_refuses_an_existing_folder(gguf_file, imported):
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "model", "import-gguf", str(gguf_file), str(imported)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "model", "import-gguf", str(gguf_file), str(imported)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "exists; import into a new folder" in done.stderr
 
 
-@pytest.mark.parametrize("content", [b"\x00not a model" * 100, b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4],
-                         ids=["no magic", "torn header"])
+@pytest.mark.parametrize(
+    "content",
+    [b"\x00not a model" * 100, b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4],
+    ids=["no magic", "torn header"],
+)
 def test_a_file_that_is_not_a_gguf_model_is_refused_by_name_and_writes_nothing(tmp_path, content):
     (tmp_path / "weights.gguf").write_bytes(content)
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "model", "import-gguf", str(tmp_path / "weights.gguf"),
-                           str(tmp_path / "out")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "model",
+            "import-gguf",
+            str(tmp_path / "weights.gguf"),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "weights.gguf is not a GGUF model transformers can read" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
 

@@ -39,9 +39,22 @@ def run(model: Path, out: Path, ckpt: Path, load: bool, nodes: int) -> dict[str,
         store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
         args.append("--rdzv-conf=is_host=false")
     launches = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args,
-                          str(WORKER), str(model), str(out), str(ckpt), "1" if load else "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *args,
+                str(WORKER),
+                str(model),
+                str(out),
+                str(ckpt),
+                "1" if load else "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for _ in range(nodes)
     ]
     for launch in launches:
@@ -58,8 +71,15 @@ def max_difference(a: dict, b: dict) -> float:
 def test_the_learner_command_meets_other_nodes_only_at_an_endpoint():
     assert learner_command(2, resume=False)[3:] == ["--standalone", "--nproc-per-node=2", "-m", "learner"]
     assert learner_command(1, nodes=2, rdzv_endpoint="learner-0.learner:29400", rdzv_id="multinode-test")[3:] == [
-        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=learner-0.learner:29400",
-        "--rdzv-id=multinode-test", "--nproc-per-node=1", "-m", "learner", "--resume"]
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=learner-0.learner:29400",
+        "--rdzv-id=multinode-test",
+        "--nproc-per-node=1",
+        "-m",
+        "learner",
+        "--resume",
+    ]
     with pytest.raises(ValueError, match="rendezvous endpoint"):
         learner_command(1, nodes=2)
 

@@ -18,12 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards"
@@ -34,20 +33,50 @@ METRIC = re.compile(r"\b(tandem_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 def stack(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("observed")
     upstream_port = free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "judge_proxy.local_upstream", "--port", str(upstream_port),
-                                 "--model", "judge", "--tpm", "200000", "--rpm", "2000"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    upstream = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "judge_proxy.local_upstream",
+            "--port",
+            str(upstream_port),
+            "--model",
+            "judge",
+            "--tpm",
+            "200000",
+            "--rpm",
+            "2000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     upstreams = tmp / "upstreams.yaml"
-    upstreams.write_text(yaml.safe_dump({"upstreams": [{
-        "name": "local", "model": "judge", "base_url": f"http://127.0.0.1:{upstream_port}/v1",
-        "tpm": 200000, "rpm": 2000, "max_concurrency": 8}]}))
+    upstreams.write_text(
+        yaml.safe_dump(
+            {
+                "upstreams": [
+                    {
+                        "name": "local",
+                        "model": "judge",
+                        "base_url": f"http://127.0.0.1:{upstream_port}/v1",
+                        "tpm": 200000,
+                        "rpm": 2000,
+                        "max_concurrency": 8,
+                    }
+                ]
+            }
+        )
+    )
     env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(tmp / "runs")}
     try:
         with Stack(tmp / "logs", ports=Ports.free(), extra_env=env) as running:
             running.job_id = run_a_job(running.api_url, tiny_model)
             for _ in range(5):
-                reply = httpx.post(f"{running.judge_url}/v1/chat/completions", timeout=30, json={
-                    "model": "judge", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]})
+                reply = httpx.post(
+                    f"{running.judge_url}/v1/chat/completions",
+                    timeout=30,
+                    json={"model": "judge", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]},
+                )
                 assert reply.status_code == 200, reply.text
             yield running
     finally:
@@ -56,21 +85,31 @@ def stack(tmp_path_factory, tiny_model):
 
 
 def run_a_job(api_url: str, model: Path) -> str:
-    spec = {"name": "observed", "model": {"path": str(model), "max_model_len": 512},
-            "rollout": {"group_size": 4, "max_new_tokens": 8, "max_turns": 2, "max_total_tokens": 128},
-            "train": {"num_steps": 3, "batch_size": 2, "lr": 1e-4}}
+    spec = {
+        "name": "observed",
+        "model": {"path": str(model), "max_model_len": 512},
+        "rollout": {"group_size": 4, "max_new_tokens": 8, "max_turns": 2, "max_total_tokens": 128},
+        "train": {"num_steps": 3, "batch_size": 2, "lr": 1e-4},
+    }
     api = httpx.Client(base_url=api_url, timeout=10)
     job_id = api.post("/v1/jobs", json=spec).json()["id"]
-    status = wait_for(lambda: (s := api.get(f"/v1/jobs/{job_id}").json()["status"]) in
-                      ("SUCCEEDED", "FAILED", "CANCELLED") and s, 240, "the job to end")
+    status = wait_for(
+        lambda: (s := api.get(f"/v1/jobs/{job_id}").json()["status"]) in ("SUCCEEDED", "FAILED", "CANCELLED") and s,
+        240,
+        "the job to end",
+    )
     assert status == "SUCCEEDED"
     return job_id
 
 
 # The sample names a metric type exports, for a family declared but not yet observed (a
 # labelled metric has no series until its first label set; rejections need not happen here).
-SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum"),
-            "summary": ("_count", "_sum")}
+SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "summary": ("_count", "_sum"),
+}
 
 
 def exported_names(stack: Stack) -> set[str]:
@@ -116,20 +155,36 @@ def test_prometheus_scrapes_every_process_and_records_the_reward(stack, tmp_path
     binary = prometheus_binary()
     if binary is None:
         pytest.skip("Debian's prometheus is not installed (.ci/run installs it)")
-    targets = {"api": stack.ports.api, "judge-proxy": stack.ports.judge_proxy,
-               "rollout": stack.ports.rollout[0], "learner": stack.ports.learner}
+    targets = {
+        "api": stack.ports.api,
+        "judge-proxy": stack.ports.judge_proxy,
+        "rollout": stack.ports.rollout[0],
+        "learner": stack.ports.learner,
+    }
     # honor_labels: Tandem's `job` label (the training job's id) is kept, not renamed to
     # exported_job; the scrape job name survives on series without one.
-    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": name, "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
-        for name, port in targets.items()]}
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": name, "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+            for name, port in targets.items()
+        ],
+    }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    server = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
+
         def all_up():
             try:
                 reply = httpx.get(f"{api}/targets", timeout=5)
@@ -141,8 +196,13 @@ def test_prometheus_scrapes_every_process_and_records_the_reward(stack, tmp_path
             return len(active) == 4 and all(t["health"] == "up" for t in active) and active
 
         active = wait_for(all_up, 60, "every target to be up")
-        reward = wait_for(lambda: httpx.get(f"{api}/query", params={"query": "tandem_learner_reward_mean"},
-                                            timeout=5).json()["data"]["result"], 30, "reward samples")
+        reward = wait_for(
+            lambda: httpx.get(f"{api}/query", params={"query": "tandem_learner_reward_mean"}, timeout=5).json()["data"][
+                "result"
+            ],
+            30,
+            "reward samples",
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -155,8 +215,12 @@ def test_prometheus_scrapes_every_process_and_records_the_reward(stack, tmp_path
 def sample_values(url: str, name: str) -> dict[tuple, float]:
     """Every sample of metric `name` at `url`, by its label values."""
     text = httpx.get(url, timeout=10).text
-    return {tuple(sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
 
 
 def test_who_waits_is_exported_learner_idle_engine_busy_judge_budget_used(stack):
@@ -171,8 +235,13 @@ def test_who_waits_is_exported_learner_idle_engine_busy_judge_budget_used(stack)
     busy_s = sample_values(rollout, "tandem_rollout_engine_busy_seconds_total")[job]
     assert busy_s > 0.0
     assert 0.0 < sample_values(rollout, "tandem_rollout_engine_busy_ratio")[job] <= 1.0
-    used = wait_for(lambda: sample_values(f"{stack.judge_url}/metrics", "tandem_judge_budget_utilization")
-                    .get((("upstream", "local"),)), 30, "the budget utilization gauge to see the calls")
+    used = wait_for(
+        lambda: sample_values(f"{stack.judge_url}/metrics", "tandem_judge_budget_utilization").get(
+            (("upstream", "local"),)
+        ),
+        30,
+        "the budget utilization gauge to see the calls",
+    )
     assert 0.0 < used < 0.01  # five short calls against 200,000 tokens a minute
 
 

@@ -9,27 +9,30 @@ import signal
 
 import pytest
 import redis
+from helpers import create_job, start_learner, wait_for
 from safetensors.torch import load_file
+from test_dpo_jobs import asking_pairs, finish
 
 from services.config import JobSpec, ModelSpec, TrainSpec
 from services.queues import Keys
 
-from helpers import create_job, start_learner, wait_for
-from test_dpo_jobs import asking_pairs, finish
-
 pytestmark = pytest.mark.slow
 
 
-def test_an_offline_job_stopped_mid_way_resumes_to_the_straight_runs_weights(redis_url, tiny_model, tokenizer,
-                                                                             tmp_path):
+def test_an_offline_job_stopped_mid_way_resumes_to_the_straight_runs_weights(
+    redis_url, tiny_model, tokenizer, tmp_path
+):
     """SIGTERM while an offline job trains: the learner checkpoints after its step and exits,
     the job stays RUNNING; `--resume` continues from that step with the same batches (a
     function of the step), so the end equals a run never stopped."""
     client = redis.Redis.from_url(redis_url)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in asking_pairs(tokenizer, 10)))
-    spec = JobSpec(kind="offline", model=ModelSpec(path=str(tiny_model), max_model_len=512),
-                   train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=30, batch_size=3, lr=1e-3))
+    spec = JobSpec(
+        kind="offline",
+        model=ModelSpec(path=str(tiny_model), max_model_len=512),
+        train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=30, batch_size=3, lr=1e-3),
+    )
 
     def run(name: str, stop: bool) -> tuple[dict, list[dict]]:
         client.flushdb()

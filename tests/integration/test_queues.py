@@ -13,8 +13,9 @@ def task(task_id: int) -> protocol.Task:
 
 
 async def consumer(client, name: str, max_deliveries: int = 3) -> StreamConsumer:
-    return await StreamConsumer(client, Keys.tasks("j"), "rollout", name, protocol.Task, Keys.dead("j"),
-                                max_deliveries=max_deliveries).setup()
+    return await StreamConsumer(
+        client, Keys.tasks("j"), "rollout", name, protocol.Task, Keys.dead("j"), max_deliveries=max_deliveries
+    ).setup()
 
 
 async def test_malformed_entries_go_to_the_dead_stream_with_the_reason(redis_client):
@@ -70,11 +71,16 @@ async def test_a_released_task_is_taken_over_at_once_not_after_the_idle_threshol
     assert [d.message.task_id for d in taken] == [5]  # the other one is still being worked on
     pending = await redis_client.xpending_range(Keys.tasks("j"), "rollout", "-", "+", 10)
     assert {p["consumer"].decode(): p["message_id"] for p in pending} == {
-        "staying": held[0].entry_id, "leaving": held[1].entry_id}
+        "staying": held[0].entry_id,
+        "leaving": held[1].entry_id,
+    }
 
 
 async def test_an_entry_delivered_too_often_is_dead_lettered_instead_of_retried(redis_client):
-    first, second = await consumer(redis_client, "first", max_deliveries=2), await consumer(redis_client, "second", max_deliveries=2)
+    first, second = (
+        await consumer(redis_client, "first", max_deliveries=2),
+        await consumer(redis_client, "second", max_deliveries=2),
+    )
     await publish(redis_client, Keys.tasks("j"), task(5))
     await first.read(1)
     await asyncio.sleep(0.02)
@@ -102,8 +108,11 @@ async def test_reclaim_goes_on_where_the_last_scan_stopped(redis_client):
     stream = "tandem:test:cursor"
     await redis_client.delete(stream)
     for task_id in range(6):
-        await publish(redis_client, stream, protocol.Task(job_id="j", task_id=task_id, example=0, group_size=1,
-                                                          dispatched_version=0))
+        await publish(
+            redis_client,
+            stream,
+            protocol.Task(job_id="j", task_id=task_id, example=0, group_size=1, dispatched_version=0),
+        )
     gone = await StreamConsumer(redis_client, stream, "g", "gone", protocol.Task, "tandem:test:dead").setup()
     taker = await StreamConsumer(redis_client, stream, "g", "taker", protocol.Task, "tandem:test:dead").setup()
     await gone.read(6)

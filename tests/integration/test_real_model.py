@@ -11,12 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import wait_for
 from safetensors.torch import load_file
 
 from services.tokenization import ChatTokenizer, TokenizationMismatch
 from tandem.launcher import Ports, Stack
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 MISMATCH_KL_BOUND = 1e-5
@@ -46,7 +45,7 @@ def test_episode_tokens_built_from_deltas_pass_the_strict_check_with_the_default
     tokens += tokenizer.encode("Waves at dawn.", add_special_tokens=False) + [chat.eot_id]
     messages.append({"role": "assistant", "content": "Waves at dawn."})
     chat.check(tokens, messages)
-    assert tokens == chat.render(messages)[:len(tokens)]  # here even the ids are the canonical ones
+    assert tokens == chat.render(messages)[: len(tokens)]  # here even the ids are the canonical ones
     assert chat.eot_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(TokenizationMismatch, match="strict: character"):
         chat.check(tokens, [{"role": "system", "content": "Another system turn."}, *messages])
@@ -74,8 +73,12 @@ def trained(tmp_path_factory, real_model) -> tuple[Path, str, list[dict]]:
     with Stack(tmp / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(tmp / "runs")}) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         job_id = api.post("/v1/jobs", json=job_spec(str(real_model))).json()["id"]
-        record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED")
-                          and r, 600, "the job to end", interval_s=1)
+        record = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED") and r,
+            600,
+            "the job to end",
+            interval_s=1,
+        )
         assert record["status"] == "SUCCEEDED", record.get("error")
         return tmp / "runs", job_id, api.get(f"/v1/jobs/{job_id}/history").json()
 
@@ -92,8 +95,9 @@ def test_real_model_trains_through_the_whole_system_with_engine_parity(trained):
 
 
 def export(runs: Path, job_id: str, out: Path, *step: str) -> Path:
-    subprocess.run([sys.executable, "-m", "tandem.cli", "export", job_id, str(out), "--runs-dir", str(runs), *step],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "export", job_id, str(out), "--runs-dir", str(runs), *step], check=True
+    )
     return out
 
 
@@ -104,12 +108,13 @@ def transformers_greedy(folder: Path, prompts: list[list[int]], max_tokens: int)
     out = []
     for prompt in prompts:
         ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
+        out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
 def test_export_from_a_checkpoint_equals_the_learners_export_and_loads_in_transformers_and_vllm(
-        trained, real_model, chat, tmp_path):
+    trained, real_model, chat, tmp_path
+):
     runs, job_id, _ = trained
     final = export(runs, job_id, tmp_path / "final")  # the folder the learner wrote at the end
     from_checkpoint = export(runs, job_id, tmp_path / "step-2", "--step", "2")  # rebuilt from the DCP shards
@@ -120,20 +125,42 @@ def test_export_from_a_checkpoint_equals_the_learners_export_and_loads_in_transf
     record = json.loads((from_checkpoint / "provenance.json").read_text())
     assert record["step"] == 2 and record["base_provenance"]["model"] == "smollm2-135m-instruct"
 
-    prompts = [chat.prompt([{"role": "user", "content": text}]) for text in
-               ("What is the capital of France?", "Write a haiku about rain.", "Help me plan a trip.")]
+    prompts = [
+        chat.prompt([{"role": "user", "content": text}])
+        for text in ("What is the capital of France?", "Write a haiku about rain.", "Help me plan a trip.")
+    ]
     by_transformers = transformers_greedy(from_checkpoint, prompts, 24)  # both stop at <|im_end|>
-    by_vllm = json.loads(subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "vllm_greedy.py"), str(from_checkpoint), "24"],
-        input=json.dumps(prompts), capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    by_vllm = json.loads(
+        subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "vllm_greedy.py"), str(from_checkpoint), "24"],
+            input=json.dumps(prompts),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()[-1]
+    )
     assert by_vllm == by_transformers
     assert sum(len(ids) for ids in by_vllm) > 30
 
 
 def test_export_names_the_steps_it_has_when_asked_for_another(trained, tmp_path):
     runs, job_id, _ = trained
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", job_id, str(tmp_path / "x"),
-                           "--runs-dir", str(runs), "--step", "7"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "export",
+            job_id,
+            str(tmp_path / "x"),
+            "--runs-dir",
+            str(runs),
+            "--step",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "no complete checkpoint at step 7" in done.stderr
     assert "complete checkpoints: " in done.stderr and not (tmp_path / "x").exists()
 
@@ -141,14 +168,38 @@ def test_export_names_the_steps_it_has_when_asked_for_another(trained, tmp_path)
 def test_export_of_a_job_the_runs_folder_does_not_hold_says_so(tmp_path):
     (tmp_path / "runs" / "other-job").mkdir(parents=True)  # a folder without job.json is no job either
     for job in ("no-such-job", "other-job"):
-        done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", job, str(tmp_path / "x"),
-                               "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "export",
+                job,
+                str(tmp_path / "x"),
+                "--runs-dir",
+                str(tmp_path / "runs"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 1 and f"no job {job} under" in done.stderr and not (tmp_path / "x").exists()
 
 
 def test_export_of_a_job_with_no_policy_or_checkpoint_yet_says_it_has_none(tmp_path):
     (tmp_path / "runs" / "fresh-job").mkdir(parents=True)
     (tmp_path / "runs" / "fresh-job" / "job.json").write_text("{}")  # written at start, nothing trained yet
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "export", "fresh-job", str(tmp_path / "x"),
-                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "export",
+            "fresh-job",
+            str(tmp_path / "x"),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "(complete checkpoints: none)" in done.stderr and not (tmp_path / "x").exists()

@@ -18,23 +18,27 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from helpers import wait_for
 
 from services.queues import SOCKET_TIMEOUT_S, Keys, connect
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import EmbeddedRedis, free_port
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_rollout_server_outlives_a_redis_restart(tmp_path):
     first = EmbeddedRedis().start()
-    env = os.environ | {"TANDEM_REDIS_URL": first.url, "TANDEM_METRICS_PORT": str(free_port()),
-                        "TANDEM_SERVER_ID": "outage", "TANDEM_HEARTBEAT_S": "0.5"}
+    env = os.environ | {
+        "TANDEM_REDIS_URL": first.url,
+        "TANDEM_METRICS_PORT": str(free_port()),
+        "TANDEM_SERVER_ID": "outage",
+        "TANDEM_HEARTBEAT_S": "0.5",
+    }
     with open(tmp_path / "rollout.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rollout"], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "rollout"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     second = None
     try:
         client = redis.Redis.from_url(first.url)
@@ -114,10 +118,13 @@ async def test_a_call_to_a_hung_redis_fails_after_the_outage_bound_instead_of_ha
 
 def test_a_running_job_waits_out_a_redis_restart_and_succeeds(tmp_path, tiny_model):
     env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2"}
-    spec = {"name": "outage", "model": {"path": str(tiny_model), "max_model_len": 512},
-            "task": {"name": "clarify", "num_examples": 64},
-            "rollout": {"group_size": 2, "max_new_tokens": 12, "max_turns": 2, "max_total_tokens": 128},
-            "train": {"num_steps": 6, "batch_size": 2, "max_staleness": 1, "lr": 1e-4}}
+    spec = {
+        "name": "outage",
+        "model": {"path": str(tiny_model), "max_model_len": 512},
+        "task": {"name": "clarify", "num_examples": 64},
+        "rollout": {"group_size": 2, "max_new_tokens": 12, "max_turns": 2, "max_total_tokens": 128},
+        "train": {"num_steps": 6, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
+    }
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=1), learner_ranks=1, extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         client = redis.Redis.from_url(stack.redis_url)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 from safetensors.torch import load_file
 
 from learner.step_log import StepLog
@@ -23,24 +24,30 @@ from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
 from services.queues import Keys
 from tandem.launcher import kill_all, process_tree
 
-from helpers import Producer, create_job, rl_steps, start_learner, wait_for
-
 
 def job_record(client: redis.Redis, job_id: str) -> dict:
     return {k.decode(): v.decode() for k, v in client.hgetall(Keys.job(job_id)).items()}
 
 
-def run_job(redis_url: str, model: Path, tokenizer, workdir: Path, interrupt_after: int | None,
-            interrupt: signal.Signals = signal.SIGTERM, checkpoint_every: int = 3):
+def run_job(
+    redis_url: str,
+    model: Path,
+    tokenizer,
+    workdir: Path,
+    interrupt_after: int | None,
+    interrupt: signal.Signals = signal.SIGTERM,
+    checkpoint_every: int = 3,
+):
     """Run the 6-step job; with `interrupt_after`, only that many steps' tasks are answered
     until the learner, blocked waiting for the next batch, gets `interrupt` and is
     restarted with --resume."""
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    spec = JobSpec(model=ModelSpec(path=str(model), max_model_len=512),
-                   rollout=RolloutSpec(group_size=2, max_total_tokens=256),
-                   train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3,
-                                   checkpoint_every=checkpoint_every))
+    spec = JobSpec(
+        model=ModelSpec(path=str(model), max_model_len=512),
+        rollout=RolloutSpec(group_size=2, max_total_tokens=256),
+        train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3, checkpoint_every=checkpoint_every),
+    )
     job_id = create_job(redis_url, spec)
     batch = spec.train.batch_size
     producer = Producer(redis_url, job_id, tokenizer, gate=batch * (interrupt_after or spec.train.num_steps))
@@ -76,27 +83,32 @@ def straight_run(redis_url, tiny_model, tokenizer, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis_url, tiny_model, tokenizer,
-                                                              tmp_path):
+def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis_url, tiny_model, tokenizer, tmp_path):
     straight, straight_tasks, _ = straight_run
     resumed, resumed_tasks, resumed_dir = run_job(redis_url, tiny_model, tokenizer, tmp_path / "resumed", 3)
 
     assert sorted(p.name for p in (resumed_dir / "checkpoints").glob("step-*")) == [
-        "step-000000", "step-000003", "step-000006"]
+        "step-000000",
+        "step-000003",
+        "step-000006",
+    ]
     assert resumed_tasks == straight_tasks
     assert len(resumed_tasks) == len(set(resumed_tasks)) == 6 * 2
     assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
 
 
 @pytest.mark.slow
-def test_with_periodic_checkpoints_off_a_stop_still_checkpoints_and_resumes_exactly(redis_url, tiny_model, tokenizer,
-                                                                                    tmp_path):
+def test_with_periodic_checkpoints_off_a_stop_still_checkpoints_and_resumes_exactly(
+    redis_url, tiny_model, tokenizer, tmp_path
+):
     """`checkpoint_every: 0` turns off periodic checkpoints, not the one SIGTERM promises:
     a restarted learner (`docker compose restart`) resumes instead of failing the job."""
-    straight, straight_tasks, _ = run_job(redis_url, tiny_model, tokenizer, tmp_path / "straight", None,
-                                          checkpoint_every=0)
-    resumed, resumed_tasks, resumed_dir = run_job(redis_url, tiny_model, tokenizer, tmp_path / "off", 2,
-                                                  checkpoint_every=0)
+    straight, straight_tasks, _ = run_job(
+        redis_url, tiny_model, tokenizer, tmp_path / "straight", None, checkpoint_every=0
+    )
+    resumed, resumed_tasks, resumed_dir = run_job(
+        redis_url, tiny_model, tokenizer, tmp_path / "off", 2, checkpoint_every=0
+    )
 
     assert sorted(p.name for p in (resumed_dir / "checkpoints").glob("step-*")) == ["step-000002"]
     assert resumed_tasks == straight_tasks
@@ -104,8 +116,9 @@ def test_with_periodic_checkpoints_off_a_stop_still_checkpoints_and_resumes_exac
 
 
 @pytest.mark.slow
-def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(straight_run, redis_url, tiny_model,
-                                                                          tokenizer, tmp_path):
+def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(
+    straight_run, redis_url, tiny_model, tokenizer, tmp_path
+):
     """SIGKILL of every learner process: the groups of steps 4-5, trained but not covered by
     a checkpoint, were never acknowledged; they come back and are trained once more from
     the step-3 state, so the result is still the uninterrupted run's."""

@@ -23,14 +23,14 @@ async def test_entries_every_group_acknowledged_are_trimmed_pending_and_unread_o
     ids = await add(redis_client, 10)
     await redis_client.xgroup_create(STREAM, "a", id="0")
     await redis_client.xgroup_create(STREAM, "b", id="0")
-    await redis_client.xreadgroup("a", "c", {STREAM: ">"}, count=8)   # a: 0-7 delivered
-    await redis_client.xack(STREAM, "a", *ids[:3], *ids[4:8])        # a: 3 still pending
-    await redis_client.xreadgroup("b", "c", {STREAM: ">"}, count=6)   # b: 0-5 delivered
-    await redis_client.xack(STREAM, "b", *ids[:6])                    # b: all acked, 6.. unread
+    await redis_client.xreadgroup("a", "c", {STREAM: ">"}, count=8)  # a: 0-7 delivered
+    await redis_client.xack(STREAM, "a", *ids[:3], *ids[4:8])  # a: 3 still pending
+    await redis_client.xreadgroup("b", "c", {STREAM: ">"}, count=6)  # b: 0-5 delivered
+    await redis_client.xack(STREAM, "b", *ids[:6])  # b: all acked, 6.. unread
 
     deleted = await retention.trim_acked(redis_client, STREAM)
 
-    assert deleted == 3 and await remaining(redis_client) == ids[3:]   # a's pending entry 3 holds the rest
+    assert deleted == 3 and await remaining(redis_client) == ids[3:]  # a's pending entry 3 holds the rest
 
 
 async def test_a_fully_acknowledged_stream_keeps_only_its_newest_entry(redis_client):
@@ -58,7 +58,7 @@ async def test_an_ended_jobs_keys_expire_after_the_retention(redis_client):
     await jobs.set_status(redis_client, job_id, jobs.JobStatus.RUNNING)
     await redis_client.xadd(Keys.trajectories(job_id), {b"m": b"x"})
     await redis_client.rpush(Keys.history(job_id), b"{}")
-    assert await redis_client.ttl(Keys.job(job_id)) == -1   # a running job's keys stay
+    assert await redis_client.ttl(Keys.job(job_id)) == -1  # a running job's keys stay
 
     await jobs.set_status(redis_client, job_id, jobs.JobStatus.SUCCEEDED, retention_s=600)
 
@@ -77,7 +77,7 @@ async def test_a_cancelled_pending_job_expires_and_the_index_forgets_it(redis_cl
 
 
 async def test_a_dead_stream_keeps_only_about_its_newest_entries(redis_client, monkeypatch):
-    from services import queues, protocol
+    from services import protocol, queues
 
     monkeypatch.setattr(queues, "DEAD_MAXLEN", 10)
     await redis_client.delete(STREAM, "tandem:test:dead")
@@ -98,9 +98,9 @@ async def test_redis_keeps_the_newest_history_records_and_counts_the_dropped_one
     assert await jobs.read_history(redis_client, job_id, 0) == (5, [f'{{"step": {s}}}'.encode() for s in range(5, 15)])
     assert await jobs.read_history(redis_client, job_id, 13) == (13, [b'{"step": 13}', b'{"step": 14}'])
 
-    await jobs.trim_history(redis_client, job_id, 12)   # a resume to a checkpoint at record 12
+    await jobs.trim_history(redis_client, job_id, 12)  # a resume to a checkpoint at record 12
     assert await jobs.history_length(redis_client, job_id) == 12
-    await jobs.trim_history(redis_client, job_id, 3)    # one older than every record kept
+    await jobs.trim_history(redis_client, job_id, 3)  # one older than every record kept
     assert await jobs.history_length(redis_client, job_id) == 3
     await jobs.append_history(redis_client, job_id, '{"step": 3}', keep=10)
     assert await jobs.read_history(redis_client, job_id, 0) == (3, [b'{"step": 3}'])

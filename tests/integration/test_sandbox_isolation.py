@@ -14,14 +14,13 @@ import sys
 import tempfile
 
 import pytest
+from test_code_sandbox import processes_with
 
 from rollout.tasks import FIXTURES, sandbox
 from rollout.tasks.sandbox import SANDBOX_ENV, SandboxLimits, run_code, run_tests
-from test_code_sandbox import processes_with
 
 FAST = SandboxLimits(timeout_s=5.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10)
-CHUNK = next(json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_text().splitlines()
-             if "`chunk(" in line)
+CHUNK = next(json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_text().splitlines() if "`chunk(" in line)
 SLEEPER = "[sys.executable, '-c', 'import time; time.sleep(30)', TOKEN]"
 """An argv that runs 30 s and carries the test's token, so the host's /proc shows whether it
 outlived the call."""
@@ -35,13 +34,15 @@ def with_token(code: str) -> tuple[str, str]:
 def test_the_program_sees_nothing_of_the_callers_environment(monkeypatch):
     secret = secrets.token_hex(16)
     monkeypatch.setenv("TANDEM_TEST_SECRET", secret)
-    snooper = ("import os\n"
-               "print(dict(os.environ))\n"
-               "for pid in ['self', str(os.getppid()), '1', *os.listdir('/proc')]:\n"
-               "    try:\n"
-               "        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
-               "    except OSError as exc:\n"
-               "        print(pid, type(exc).__name__)\n")
+    snooper = (
+        "import os\n"
+        "print(dict(os.environ))\n"
+        "for pid in ['self', str(os.getppid()), '1', *os.listdir('/proc')]:\n"
+        "    try:\n"
+        "        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as exc:\n"
+        "        print(pid, type(exc).__name__)\n"
+    )
 
     result = run_code(snooper, FAST)
 
@@ -55,12 +56,14 @@ def test_the_program_sees_nothing_of_the_callers_environment(monkeypatch):
 def test_the_program_cannot_connect_to_a_server_on_the_callers_loopback():
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)
-        caller = ("import socket\n"
-                  "try:\n"
-                  f"    socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)\n"
-                  "    print('connected')\n"
-                  "except OSError as exc:\n"
-                  "    print(type(exc).__name__, exc.errno)\n")
+        caller = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)\n"
+            "    print('connected')\n"
+            "except OSError as exc:\n"
+            "    print(type(exc).__name__, exc.errno)\n"
+        )
 
         result = run_code(caller, FAST)
 
@@ -73,18 +76,20 @@ def test_the_program_cannot_read_or_write_the_callers_files_but_has_a_scratch_di
     secret = tmp_path / "secret.txt"
     secret.write_text(secrets.token_hex(16))
     planted = tmp_path / "planted"
-    prowler = (f"for path in [{str(secret)!r}, '/etc/passwd', {os.path.abspath('pyproject.toml')!r}]:\n"
-               "    try:\n"
-               "        print(open(path).read())\n"
-               "    except OSError as exc:\n"
-               "        print(type(exc).__name__)\n"
-               "try:\n"
-               f"    open({str(planted)!r}, 'w').write('x')\n"
-               "except OSError as exc:\n"
-               "    print(type(exc).__name__)\n"
-               "import os\n"
-               "open('scratch', 'w').write('mine')\n"
-               "print(os.getcwd(), open('/tmp/scratch').read())\n")
+    prowler = (
+        f"for path in [{str(secret)!r}, '/etc/passwd', {os.path.abspath('pyproject.toml')!r}]:\n"
+        "    try:\n"
+        "        print(open(path).read())\n"
+        "    except OSError as exc:\n"
+        "        print(type(exc).__name__)\n"
+        "try:\n"
+        f"    open({str(planted)!r}, 'w').write('x')\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+        "import os\n"
+        "open('scratch', 'w').write('mine')\n"
+        "print(os.getcwd(), open('/tmp/scratch').read())\n"
+    )
 
     result = run_code(prowler, FAST)
 
@@ -103,7 +108,8 @@ def test_the_program_can_have_exactly_its_process_limit_and_no_more():
         "        forked += 1\n"
         "except OSError as exc:\n"
         "    print(type(exc).__name__)\n"
-        "print(forked)\n")
+        "print(forked)\n"
+    )
 
     result = run_code(forker, limits)
 
@@ -115,7 +121,8 @@ def test_a_fork_bomb_ends_at_the_timeout_and_leaves_nothing():
     limits = SandboxLimits(timeout_s=1.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10, num_processes=8)
     bomb, token = with_token(
         "bomb = 'import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass\\n'\n"
-        "os.execv(sys.executable, [sys.executable, '-c', bomb, TOKEN])\n")
+        "os.execv(sys.executable, [sys.executable, '-c', bomb, TOKEN])\n"
+    )
 
     result = run_code(bomb, limits)
 
@@ -123,13 +130,15 @@ def test_a_fork_bomb_ends_at_the_timeout_and_leaves_nothing():
     assert processes_with(token) == []
 
 
-DAEMON = ("import signal\n"
-          "if os.fork() == 0:\n"
-          "    os.setsid()\n"
-          "    if os.fork() == 0:\n"
-          f"        os.execv(sys.executable, {SLEEPER})\n"
-          "    os._exit(0)\n"
-          "time.sleep(0.3)\n")
+DAEMON = (
+    "import signal\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    f"        os.execv(sys.executable, {SLEEPER})\n"
+    "    os._exit(0)\n"
+    "time.sleep(0.3)\n"
+)
 """Leaves a grandchild in a session of its own, out of reach of a process-group kill."""
 
 
@@ -170,19 +179,18 @@ FORGERS = {
         "    except OSError:\n"
         "        pass\n"
         "    pid = int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[1])\n"
-        "os._exit(0)\n"),
+        "os._exit(0)\n"
+    ),
     "always_equal": (
-        "class Same:\n"
-        "    def __eq__(self, other):\n"
-        "        return True\n"
-        "def chunk(items, size):\n"
-        "    return Same()\n"),
+        "class Same:\n    def __eq__(self, other):\n        return True\ndef chunk(items, size):\n    return Same()\n"
+    ),
     "patched_builtins": (
         "import builtins\n"
         "builtins.exec = lambda *args, **kwargs: None\n"
         "builtins.AssertionError = type('Quiet', (Exception,), {})\n"
         "def chunk(items, size):\n"
-        "    return None\n"),
+        "    return None\n"
+    ),
 }
 
 
@@ -193,21 +201,24 @@ def test_a_solution_cannot_forge_passes_of_the_code_tasks_tests(forger):
 
 
 def test_answers_cross_as_plain_data_and_a_bad_answer_fails_only_its_test():
-    solution = ("import collections\n"
-                "def count(text):\n    return collections.Counter(text)\n"
-                "def pair():\n    return (1, [2.5, None], {b'k': {3}})\n"
-                "def refuse():\n    raise ValueError('no')\n"
-                "def huge():\n    return 'x' * (2 << 20)\n"
-                "def opaque():\n    return object()\n"
-                "def sorted(items):\n    return [1, 2]\n")
-    tests = ["assert count('aab') == {'a': 2, 'b': 1}",
-             "assert pair() == (1, [2.5, None], {b'k': {3}})",
-             "try:\n    refuse()\nexcept ValueError as exc:\n    assert str(exc) == 'no'\n"
-             "else:\n    raise AssertionError",
-             "huge()",
-             "opaque()",
-             "assert sorted([2, 1]) == [1, 2]",  # the builtin, not the solution's
-             "assert sorted([3, 1]) == [1, 3]"]
+    solution = (
+        "import collections\n"
+        "def count(text):\n    return collections.Counter(text)\n"
+        "def pair():\n    return (1, [2.5, None], {b'k': {3}})\n"
+        "def refuse():\n    raise ValueError('no')\n"
+        "def huge():\n    return 'x' * (2 << 20)\n"
+        "def opaque():\n    return object()\n"
+        "def sorted(items):\n    return [1, 2]\n"
+    )
+    tests = [
+        "assert count('aab') == {'a': 2, 'b': 1}",
+        "assert pair() == (1, [2.5, None], {b'k': {3}})",
+        "try:\n    refuse()\nexcept ValueError as exc:\n    assert str(exc) == 'no'\nelse:\n    raise AssertionError",
+        "huge()",
+        "opaque()",
+        "assert sorted([2, 1]) == [1, 2]",  # the builtin, not the solution's
+        "assert sorted([3, 1]) == [1, 3]",
+    ]
 
     result = run_tests(solution, tests, FAST)
 
@@ -219,8 +230,10 @@ def test_without_namespaces_nothing_runs_unless_the_operator_opts_out(monkeypatc
     marks = f"open({str(marker)!r}, 'w').write('x')\ndef f():\n    return 1\n"
     monkeypatch.setattr(sandbox, "_namespaces_unavailable", lambda: "unshare: Operation not permitted")
     monkeypatch.delenv(SANDBOX_ENV, raising=False)
-    refused = ("sandbox unavailable: unshare: Operation not permitted "
-               "(set TANDEM_SANDBOX=rlimits to run code without namespaces)")
+    refused = (
+        "sandbox unavailable: unshare: Operation not permitted "
+        "(set TANDEM_SANDBOX=rlimits to run code without namespaces)"
+    )
 
     assert run_code(marks, FAST).error == refused
     assert run_tests(marks, ["assert f() == 1"], FAST) == sandbox.SandboxResult(0, 1, False, refused)
@@ -236,15 +249,24 @@ def test_a_kernel_that_refuses_unshare_gets_no_run(tmp_path):
     """A real refusal: a seccomp filter like Docker's default profile fails unshare with
     EPERM in a child interpreter, whose first call probes and refuses."""
     marker = tmp_path / "ran"
-    script = (f"{SECCOMP_DENY_UNSHARE}\n"
-              "from rollout.tasks.sandbox import run_code\n"
-              f"print(run_code(\"open({str(marker)!r}, 'w')\").error)\n")
+    script = (
+        f"{SECCOMP_DENY_UNSHARE}\n"
+        "from rollout.tasks.sandbox import run_code\n"
+        f"print(run_code(\"open({str(marker)!r}, 'w')\").error)\n"
+    )
 
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, SANDBOX_ENV: "namespaces"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, SANDBOX_ENV: "namespaces"},
+    )
 
-    assert done.stdout.strip() == ("sandbox unavailable: unshare: Operation not permitted "
-                                   "(set TANDEM_SANDBOX=rlimits to run code without namespaces)"), done.stderr
+    assert done.stdout.strip() == (
+        "sandbox unavailable: unshare: Operation not permitted "
+        "(set TANDEM_SANDBOX=rlimits to run code without namespaces)"
+    ), done.stderr
     assert not marker.exists()
 
 
@@ -266,29 +288,48 @@ assert libc.prctl(22, 2, ctypes.byref(Fprog(len(rules) // 8, ctypes.addressof(pr
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
-                    reason="needs root, setpriv and a system Python to act as a non-root caller")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+    reason="needs root, setpriv and a system Python to act as a non-root caller",
+)
 def test_a_non_root_caller_gets_the_same_sandbox():
     """The Kubernetes non-root case: the reaper makes the user namespace itself."""
-    program = 'import os\\nprint(os.getuid(), open(\"/proc/self/uid_map\").read().split())'
+    program = 'import os\\nprint(os.getuid(), open("/proc/self/uid_map").read().split())'
     script = f"import sandbox\nresult = sandbox.run_code('{program}')\nprint(result.output, result.error)\n"
     with tempfile.TemporaryDirectory(dir="/tmp") as home:  # /tmp, not tmp_path: uid 65534 must reach it
         shutil.copy(sandbox.__file__, f"{home}/sandbox.py")
         os.chmod(home, 0o755)
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                               "-I", "-c", f"import sys; sys.path.insert(0, {home!r})\n{script}"],
-                              capture_output=True, text=True, timeout=60, cwd="/")
+        done = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-I",
+                "-c",
+                f"import sys; sys.path.insert(0, {home!r})\n{script}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
 
     assert done.stdout.strip() == "1000 ['1000', '65534', '1'] None", done.stderr
 
 
-@pytest.mark.parametrize("job, refused", [
-    ({"task": {"name": "code_chat"}}, True),
-    ({"tools": {"tools": [{"name": "py", "kind": "python"}]}}, True),
-    ({"task": {"name": "clarify"}}, False),
-])
+@pytest.mark.parametrize(
+    "job, refused",
+    [
+        ({"task": {"name": "code_chat"}}, True),
+        ({"tools": {"tools": [{"name": "py", "kind": "python"}]}}, True),
+        ({"task": {"name": "clarify"}}, False),
+    ],
+)
 async def test_a_server_whose_sandbox_refuses_fails_a_job_that_runs_code_instead_of_scoring_zeros(
-        monkeypatch, job, refused):
+    monkeypatch, job, refused
+):
     from rollout.server import check_sandbox
     from services.config import JobSpec
 
@@ -306,11 +347,13 @@ def test_code_runs_when_the_callers_virtual_env_lives_under_the_hosts_tmp(tmp_pa
     """A CI clone under /tmp: its env is bound inside the sandbox's own /tmp, not hidden by it."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    script = ("import importlib.util, sys\n"
-              f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r})\n"
-              "module = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
-              "spec.loader.exec_module(module)\n"
-              "print(module.run_code('print(6 * 7)'))\n")
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r})\n"
+        "module = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.run_code('print(6 * 7)'))\n"
+    )
 
     run = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=60)
 

@@ -7,13 +7,12 @@ import httpx
 import msgspec
 import pytest
 import redis
+from helpers import wait_for
 
 from learner import group_log
 from services import protocol
 from services.queues import FIELD, Keys
 from tandem.launcher import Ports, Stack, kill_all, process_tree
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,22 +36,32 @@ OUT_OF_RANGE_TASK = 10_000
 def inject_bad_messages(client: redis.Redis, job_id: str) -> None:
     client.xadd(Keys.tasks(job_id), {FIELD: b"\xc1 not msgpack"})
     client.xadd(Keys.tasks(job_id), {b"unexpected": b"field"})
-    out_of_range = protocol.Task(job_id=job_id, task_id=OUT_OF_RANGE_TASK, example=OUT_OF_RANGE_TASK, group_size=4,
-                                 dispatched_version=0)
+    out_of_range = protocol.Task(
+        job_id=job_id, task_id=OUT_OF_RANGE_TASK, example=OUT_OF_RANGE_TASK, group_size=4, dispatched_version=0
+    )
     client.xadd(Keys.tasks(job_id), {FIELD: protocol.encode(out_of_range)})
     client.xadd(Keys.trajectories(job_id), {FIELD: protocol.encode(out_of_range)})  # wrong type here
 
 
 def test_killed_rollout_server_loses_nothing_and_bad_input_takes_nothing_down(tmp_path, tiny_model):
-    env = {"TANDEM_TASK_RECLAIM_IDLE_S": "2", "TANDEM_WEIGHT_TIMEOUT_S": "20", "TANDEM_SERVER_TIMEOUT_S": "5",
-           "TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_MAX_CONCURRENT_TASKS": "2",
-           "TANDEM_MIN_ROLLOUT_SERVERS": "2"}  # both servers take tasks from the start
+    env = {
+        "TANDEM_TASK_RECLAIM_IDLE_S": "2",
+        "TANDEM_WEIGHT_TIMEOUT_S": "20",
+        "TANDEM_SERVER_TIMEOUT_S": "5",
+        "TANDEM_RUNS_DIR": str(tmp_path / "runs"),
+        "TANDEM_MAX_CONCURRENT_TASKS": "2",
+        "TANDEM_MIN_ROLLOUT_SERVERS": "2",
+    }  # both servers take tasks from the start
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         client = redis.Redis.from_url(stack.redis_url)
         broken = api.post("/v1/jobs", json=job_spec("/no/such/model")).json()["id"]
-        failed = wait_for(lambda: (r := api.get(f"/v1/jobs/{broken}").json())["status"] == "FAILED" and r,
-                          120, "the job without a model to fail", interval_s=0.5)
+        failed = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{broken}").json())["status"] == "FAILED" and r,
+            120,
+            "the job without a model to fail",
+            interval_s=0.5,
+        )
         stack.check_alive()  # a job that cannot run takes no process down
         job_id = api.post("/v1/jobs", json=job_spec(str(tiny_model))).json()["id"]
         wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "RUNNING", 60, "the job to start")
@@ -79,8 +88,12 @@ def test_killed_rollout_server_loses_nothing_and_bad_input_takes_nothing_down(tm
         killed_tasks = wait_for(tasks_on_victim, 120, "rollout-1 to hold a task")
         kill_all(process_tree(stack.processes.pop("rollout-1").pid))  # the server and its engine
 
-        final = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                         ("SUCCEEDED", "FAILED", "CANCELLED") and r, 300, "the job to end", interval_s=0.5)
+        final = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+            300,
+            "the job to end",
+            interval_s=0.5,
+        )
         stack.check_alive()  # nobody else went down
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         dead = client.xrange(Keys.dead(job_id))

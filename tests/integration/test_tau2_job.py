@@ -19,13 +19,12 @@ import sys
 import httpx
 import pytest
 import redis
+from helpers import stand_in_upstreams, wait_for
 
 from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
 from services.queues import Keys
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
-
-from helpers import stand_in_upstreams, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,30 +55,66 @@ def test_a_tau2_job_trains_a_step_and_its_history_shows_passes_calls_and_failure
     created = api.post("/v1/jobs", json=spec)
     assert created.status_code in (200, 201), created.text
     job_id = created.json()["id"]
-    record = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in
-                      ("SUCCEEDED", "FAILED") and r, 600, "the tau2 job", interval_s=1)
+    record = wait_for(
+        lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED") and r,
+        600,
+        "the tau2 job",
+        interval_s=1,
+    )
     assert record["status"] == "SUCCEEDED", record.get("error")
     # Every task drew an example of the split (num_examples is its size): none dead-lettered.
     assert redis.Redis.from_url(stack.redis_url).xlen(Keys.dead(job_id)) == 0
     [step] = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
     assert step["reward_mean"] == 0.0 and step["simulator_tokens"] > 0
-    for key in ("tool_calls", "tool_success_ratio", "tool_failed_malformed", "tool_failed_unknown_tool",
-                "tool_failed_bad_arguments", "tool_failed_tool_error"):
+    for key in (
+        "tool_calls",
+        "tool_success_ratio",
+        "tool_failed_malformed",
+        "tool_failed_unknown_tool",
+        "tool_failed_bad_arguments",
+        "tool_failed_tool_error",
+    ):
         assert key in step, key
 
 
 def test_tandem_eval_reports_pass_hat_k_on_the_mock_test_split(system, tiny_model):
     stack, tmp = system
     out = tmp / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "eval", str(tiny_model), "--domains", "mock",
-                           "--split", "test", "--trials", "2", "--judge-url", stack.judge_url, "--user-model", "judge",
-                           "--max-model-len", "1024", "--max-new-tokens", "32", "--max-turns", "2",
-                           "--kv-cache-gib", "0.5", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "eval",
+            str(tiny_model),
+            "--domains",
+            "mock",
+            "--split",
+            "test",
+            "--trials",
+            "2",
+            "--judge-url",
+            stack.judge_url,
+            "--user-model",
+            "judge",
+            "--max-model-len",
+            "1024",
+            "--max-new-tokens",
+            "32",
+            "--max-turns",
+            "2",
+            "--kv-cache-gib",
+            "0.5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [result] = json.loads(out.read_text())["results"]
     assert result["tasks"] == 3 and result["trials"] == 2 and len(result["episodes"]) == 6
     assert result["pass^1"]["value"] == result["pass^2"]["value"] == 0.0
-    assert set(result["ends"]) <= {"user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop",
-                                   "special_token"}
+    assert set(result["ends"]) <= {"user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop", "special_token"}
     assert "| mock | test | 3 | 2 |" in done.stdout

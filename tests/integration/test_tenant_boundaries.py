@@ -40,23 +40,37 @@ def roots(tmp_path):
 async def api(redis_url, redis_client, roots, tmp_path):
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(json.dumps({"mcp_servers": {"fetch": {"url": "https://mcp.example.com/mcp"}}}))
-    settings = ApiSettings(redis_url=redis_url, tokens=f"{TOKEN}:alpha", path_roots=str(roots / "models"),
-                           tool_catalog=str(catalog), max_judge_weight=4)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api_app(settings)), base_url="http://api",
-                                 headers={"authorization": f"Bearer {TOKEN}"}) as client:
+    settings = ApiSettings(
+        redis_url=redis_url,
+        tokens=f"{TOKEN}:alpha",
+        path_roots=str(roots / "models"),
+        tool_catalog=str(catalog),
+        max_judge_weight=4,
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api_app(settings)),
+        base_url="http://api",
+        headers={"authorization": f"Bearer {TOKEN}"},
+    ) as client:
         yield client
 
 
 def job_with_tools(roots, *tools: dict, **tools_section) -> dict:
-    return {"name": "t", "model": {"path": str(roots / "models" / "tiny")},
-            "tools": {"tools": list(tools), **tools_section}}
+    return {
+        "name": "t",
+        "model": {"path": str(roots / "models" / "tiny")},
+        "tools": {"tools": list(tools), **tools_section},
+    }
 
 
-@pytest.mark.parametrize("server", [
-    {"command": [sys.executable, "-c", "print('owned')"]},
-    {"url": "http://127.0.0.1:6379/"},
-    {"url": "http://169.254.169.254/latest/meta-data/"},
-])
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"command": [sys.executable, "-c", "print('owned')"]},
+        {"url": "http://127.0.0.1:6379/"},
+        {"url": "http://169.254.169.254/latest/meta-data/"},
+    ],
+)
 async def test_a_tenants_inline_mcp_server_is_refused_with_422_naming_the_field(api, roots, server):
     response = await api.post("/v1/jobs", json=job_with_tools(roots, {"name": "x", "kind": "mcp", "server": server}))
 
@@ -121,16 +135,26 @@ async def test_a_judge_weight_above_the_operators_cap_gets_422(api, roots):
 
 async def test_a_rollout_server_starts_no_inline_mcp_server_unless_the_operator_allows_it(tmp_path):
     marker = tmp_path / "ran"
-    tools = ToolsSpec(tools=[{"name": "x", "kind": "mcp",
-                              "server": {"command": [sys.executable, "-c", SERVER_SCRIPT, str(marker)]}}])
+    tools = ToolsSpec(
+        tools=[{"name": "x", "kind": "mcp", "server": {"command": [sys.executable, "-c", SERVER_SCRIPT, str(marker)]}}]
+    )
 
     with pytest.raises(ValueError, match=r"tools.tools\[0\].server: .*TANDEM_ALLOW_INLINE_MCP"):
         await ToolBox.open(tools, "job-1", ToolCatalog(), allow_inline_mcp=False)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8001/v1", "http://localhost:6379/", "http://10.0.0.7/mcp",
-                                 "http://169.254.169.254/latest/", "http://[::1]:80/", "http://[fd00::1]/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8001/v1",
+        "http://localhost:6379/",
+        "http://10.0.0.7/mcp",
+        "http://169.254.169.254/latest/",
+        "http://[::1]:80/",
+        "http://[fd00::1]/",
+    ],
+)
 def test_an_inline_mcp_url_must_reach_a_public_address(url):
     with pytest.raises(ValueError, match="not a public address"):
         check_public_url(url)
@@ -151,17 +175,23 @@ def test_a_catalogue_server_is_what_the_rollout_server_starts(tmp_path):
     from services.tool_catalog import bind_servers
 
     server = McpServerSpec(command=[sys.executable, "-c", SERVER_SCRIPT, str(tmp_path / "ran")])
-    bound = bind_servers(ToolsSpec(tools=[{"name": "x", "kind": "mcp", "server": "local"}]),
-                         ToolCatalog(mcp_servers={"local": server}), allow_inline=False)
+    bound = bind_servers(
+        ToolsSpec(tools=[{"name": "x", "kind": "mcp", "server": "local"}]),
+        ToolCatalog(mcp_servers={"local": server}),
+        allow_inline=False,
+    )
 
     assert bound.tools[0].server == server
 
 
-@pytest.mark.parametrize("settings, variable", [
-    (lambda: ApiSettings(host="0.0.0.0"), "TANDEM_TOKENS"),
-    (lambda: JudgeProxySettings(host="0.0.0.0"), "TANDEM_CLIENT_TOKENS"),
-    (lambda: ApiSettings(host="10.1.2.3", tokens="  "), "TANDEM_TOKENS"),
-])
+@pytest.mark.parametrize(
+    "settings, variable",
+    [
+        (lambda: ApiSettings(host="0.0.0.0"), "TANDEM_TOKENS"),
+        (lambda: JudgeProxySettings(host="0.0.0.0"), "TANDEM_CLIENT_TOKENS"),
+        (lambda: ApiSettings(host="10.1.2.3", tokens="  "), "TANDEM_TOKENS"),
+    ],
+)
 def test_a_server_without_tokens_refuses_to_listen_beyond_loopback(settings, variable):
     with pytest.raises(ValueError, match=f"{variable} is empty"):
         settings()
@@ -180,16 +210,32 @@ def proxy_url(redis_url, tmp_path):
     config = LocalUpstreamConfig(tpm=6_000_000, rpm=60_000, service_ms=0, seed=2)
     with serve_in_thread(local_upstream_app(config), free_port()) as upstream:
         path = tmp_path / "upstreams.json"
-        path.write_text(json.dumps({"upstreams": [{"name": "a", "model": "judge", "upstream_model": "local-model",
-                                                   "base_url": f"{upstream}/v1", "tpm": 100_000, "rpm": 1000}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "upstreams": [
+                        {
+                            "name": "a",
+                            "model": "judge",
+                            "upstream_model": "local-model",
+                            "base_url": f"{upstream}/v1",
+                            "tpm": 100_000,
+                            "rpm": 1000,
+                        }
+                    ]
+                }
+            )
+        )
         settings = JudgeProxySettings(redis_url=redis_url, upstreams=str(path), client_tokens=TOKEN)
         with serve_in_thread(proxy_app(settings), free_port()) as url:
             yield url
 
 
 def charged(job: str) -> float:
-    return sum(REGISTRY.get_sample_value("tandem_judge_job_tokens_total", {"job": job, "priority": p}) or 0.0
-               for p in ("judge", "simulator"))
+    return sum(
+        REGISTRY.get_sample_value("tandem_judge_job_tokens_total", {"job": job, "priority": p}) or 0.0
+        for p in ("judge", "simulator")
+    )
 
 
 CHAT = {"model": "judge", "messages": [{"role": "user", "content": "Rate this reply."}], "max_tokens": 8}
@@ -199,12 +245,19 @@ def test_a_caller_cannot_charge_another_job(proxy_url):
     mine = job_credential(TOKEN, "mine-00000001")
     forged = mine.rsplit(".", 1)[0].replace("mine-00000001", "theirs-0000002") + "." + "0" * 64
 
-    as_other = httpx.post(f"{proxy_url}/v1/chat/completions", json=CHAT,
-                          headers={"authorization": f"Bearer {mine}", "x-tandem-job": "theirs-0000002"})
-    with_forged = httpx.post(f"{proxy_url}/v1/chat/completions", json=CHAT,
-                             headers={"authorization": f"Bearer {forged}"})
-    plain_token_claim = httpx.post(f"{proxy_url}/v1/chat/completions", json=CHAT,
-                                   headers={"authorization": f"Bearer {TOKEN}", "x-tandem-job": "theirs-0000002"})
+    as_other = httpx.post(
+        f"{proxy_url}/v1/chat/completions",
+        json=CHAT,
+        headers={"authorization": f"Bearer {mine}", "x-tandem-job": "theirs-0000002"},
+    )
+    with_forged = httpx.post(
+        f"{proxy_url}/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {forged}"}
+    )
+    plain_token_claim = httpx.post(
+        f"{proxy_url}/v1/chat/completions",
+        json=CHAT,
+        headers={"authorization": f"Bearer {TOKEN}", "x-tandem-job": "theirs-0000002"},
+    )
 
     assert as_other.status_code == 403 and "not the job this credential" in as_other.json()["error"]["message"]
     assert with_forged.status_code == 401
@@ -223,8 +276,15 @@ async def test_a_rollout_servers_calls_are_charged_to_the_job_they_name(proxy_ur
     assert charged("mine-00000001") > before
 
 
-@pytest.mark.parametrize("text", ["mcp_servers: [not, a, mapping]", "mcp_servers: {x: {command: [a], url: 'http://b'}}",
-                                  "mcp_servers: {x: {shell: rm}}", "{unclosed"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mcp_servers: [not, a, mapping]",
+        "mcp_servers: {x: {command: [a], url: 'http://b'}}",
+        "mcp_servers: {x: {shell: rm}}",
+        "{unclosed",
+    ],
+)
 def test_a_bad_tool_catalogue_stops_the_process_naming_the_file(tmp_path, text):
     from services.tool_catalog import load_catalog
 

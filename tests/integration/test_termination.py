@@ -10,15 +10,18 @@ import sys
 
 import psutil
 import pytest
-
 from helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_sigterm_to_the_demo_stops_every_process_it_started(tmp_path):
-    demo = subprocess.Popen([sys.executable, "-m", "tandem.cli", "demo", "--out", str(tmp_path), "--steps", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "demo", "--out", str(tmp_path), "--steps", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         wait_for(lambda: "submitted" in demo.stdout.readline(), 240, "the stack to be up and the job submitted")
         started = psutil.Process(demo.pid).children(recursive=True)

@@ -29,28 +29,36 @@ from services.tokenization import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
-CATALOG = ToolCatalog(mcp_servers={
-    "test": McpServerSpec(command=[sys.executable, str(Path(__file__).parent / "mcp_test_server.py")])})
+CATALOG = ToolCatalog(
+    mcp_servers={"test": McpServerSpec(command=[sys.executable, str(Path(__file__).parent / "mcp_test_server.py")])}
+)
 """The operator's catalogue: the job's tools name its test server."""
-QUESTIONS = {"twice": "Compute 12 times 34.", "add": "Add 2 and 3.", "wait": "Wait a moment.",
-             "hang": "Wait forever."}
+QUESTIONS = {"twice": "Compute 12 times 34.", "add": "Add 2 and 3.", "wait": "Wait a moment.", "hang": "Wait forever."}
 
 
 def tools_spec(slow_timeout_s: float = 5.0, slow_concurrency: int = 2) -> ToolsSpec:
-    return ToolsSpec(max_rounds_per_turn=2, tools=[
-        ToolSpec(name="calculator", kind="calculator"),
-        ToolSpec(name="add", kind="mcp", server="test"),
-        ToolSpec(name="slow", kind="mcp", server="test", timeout_s=slow_timeout_s, max_concurrency=slow_concurrency),
-    ])
+    return ToolsSpec(
+        max_rounds_per_turn=2,
+        tools=[
+            ToolSpec(name="calculator", kind="calculator"),
+            ToolSpec(name="add", kind="mcp", server="test"),
+            ToolSpec(
+                name="slow", kind="mcp", server="test", timeout_s=slow_timeout_s, max_concurrency=slow_concurrency
+            ),
+        ],
+    )
 
 
 def call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}"
-                                            "</tool_call>"}
+    return {
+        "role": "assistant",
+        "content": f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>",
+    }
 
 
 def lessons() -> list[list[dict]]:
     """The conversations the policy is taught to replay (tool turns as the tools answer)."""
+
     def user(key: str) -> dict:
         return {"role": "user", "content": QUESTIONS[key]}
 
@@ -58,14 +66,27 @@ def lessons() -> list[list[dict]]:
         return {"role": "tool", "name": name, "content": content}
 
     return [
-        [user("twice"), call("calculator", {"expression": "12 * 34"}), tool("calculator", "408"),
-         call("calculator", {"expression": "408 + 1"}), tool("calculator", "409"),
-         {"role": "assistant", "content": "The answer is 409."}],
+        [
+            user("twice"),
+            call("calculator", {"expression": "12 * 34"}),
+            tool("calculator", "408"),
+            call("calculator", {"expression": "408 + 1"}),
+            tool("calculator", "409"),
+            {"role": "assistant", "content": "The answer is 409."},
+        ],
         [user("add"), call("add", {"a": 2, "b": 3}), tool("add", "5"), {"role": "assistant", "content": "It is 5."}],
-        [user("wait"), call("slow", {"seconds": 0.5}), tool("slow", "slept 0.5s"),
-         {"role": "assistant", "content": "Done."}],
-        [user("hang"), call("slow", {"seconds": 3600}), tool("slow", "error"),
-         {"role": "assistant", "content": "Gave up."}],
+        [
+            user("wait"),
+            call("slow", {"seconds": 0.5}),
+            tool("slow", "slept 0.5s"),
+            {"role": "assistant", "content": "Done."},
+        ],
+        [
+            user("hang"),
+            call("slow", {"seconds": 3600}),
+            tool("slow", "error"),
+            {"role": "assistant", "content": "Gave up."},
+        ],
     ]
 
 
@@ -86,8 +107,18 @@ async def taught(engine, tiny_model, tokenizer, process_group, box, tmp_path_fac
     samples = []
     for i, messages in enumerate(lessons()):
         tokens, mask = chat.encode_demonstration(messages)
-        samples.append(protocol.Sample(sample_id=str(i), tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
-                                       versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0))
+        samples.append(
+            protocol.Sample(
+                sample_id=str(i),
+                tokens=tokens,
+                mask=mask,
+                logprobs=[0.0] * len(tokens),
+                versions=[-1] * len(tokens),
+                reward=0.0,
+                advantage=0.0,
+                num_turns=0,
+            )
+        )
     for _ in range(spec.warm_start.steps):
         loss = trainer.sft_step(samples)["sft_loss"]
     assert loss < 0.05, f"the lessons were not learned (loss {loss:.3f})"
@@ -100,8 +131,9 @@ async def taught(engine, tiny_model, tokenizer, process_group, box, tmp_path_fac
 
 def runner_for(engine, tokenizer, box: ToolBox) -> EpisodeRunner:
     spec = RolloutSpec(temperature=0.01, max_new_tokens=96, max_turns=1, max_total_tokens=512)
-    return EpisodeRunner(engine, ChatTokenizer(tokenizer, "strict").with_tools(box.schemas()), OneAnswerUser(),
-                         spec, box)
+    return EpisodeRunner(
+        engine, ChatTokenizer(tokenizer, "strict").with_tools(box.schemas()), OneAnswerUser(), spec, box
+    )
 
 
 def question(key: str) -> list[dict]:
@@ -146,7 +178,8 @@ async def test_an_mcp_servers_tool_is_listed_called_and_answers_in_the_episode(t
     episode = await runner_for(taught, tokenizer, box).run(1, question("add"))
 
     assert [(r.call.name, r.call.arguments, r.content, r.ok) for r in episode.tool_use.results] == [
-        ("add", {"a": 2, "b": 3}, "5", True)]
+        ("add", {"a": 2, "b": 3}, "5", True)
+    ]
     assert tool_message(episode.tool_use.results[0]) in episode.messages
     assert episode.messages[-1] == {"role": "assistant", "content": "It is 5."}
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import wait_for
+
 from rollout.tools.base import ToolError
 from rollout.tools.mcp import McpConnection, open_mcp_tools
 from services.config import McpServerSpec, ToolSpec
@@ -29,8 +29,11 @@ def mcp_spec(name: str, server: McpServerSpec = STDIO, **fields) -> ToolSpec:
 
 def server_children() -> list[psutil.Process]:
     """Our live child processes running the test server."""
-    return [child for child in psutil.Process().children(recursive=True)
-            if child.is_running() and str(SERVER) in " ".join(child.cmdline())]
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.is_running() and str(SERVER) in " ".join(child.cmdline())
+    ]
 
 
 @pytest.fixture
@@ -121,8 +124,9 @@ async def test_a_server_that_cannot_start_is_named_in_the_error():
 
 
 async def test_a_server_that_never_answers_the_handshake_times_out_and_its_child_is_stopped():
-    silent = McpConnection(McpServerSpec(command=[sys.executable, "-c", "import time; time.sleep(60)"]),
-                           start_timeout_s=0.5)
+    silent = McpConnection(
+        McpServerSpec(command=[sys.executable, "-c", "import time; time.sleep(60)"]), start_timeout_s=0.5
+    )
     with pytest.raises(RuntimeError, match="did not start: TimeoutError: no completed handshake within 0.5s"):
         await silent.start()
 

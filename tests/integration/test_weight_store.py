@@ -12,14 +12,21 @@ from services import weight_group
 
 
 def listening_addresses(port: int) -> set[tuple[str, int]]:
-    return {tuple(c.laddr) for c in psutil.Process().net_connections("inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {
+        tuple(c.laddr)
+        for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
 
 
 def other_local_addresses() -> list[str]:
     """This machine's IPv4 addresses other than loopback (a CI machine may have none)."""
-    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    return [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
 
 
 def reachable(address: str, port: int) -> bool:

@@ -13,8 +13,8 @@ from learner.weight_sender import WeightSender
 from rollout.tasks import clarify
 from services import protocol
 from services.config import JobSpec, ModelSpec
-from tandem.redis_embed import free_port
 from services.tokenization import ChatTokenizer
+from tandem.redis_embed import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -29,8 +29,18 @@ def trainer(tiny_model, process_group, tokenizer):
     samples = []
     for i, messages in enumerate(clarify.demonstrations(16, seed=0, ask_share=0.5)):
         tokens, mask = chat.encode_demonstration(messages)
-        samples.append(protocol.Sample(sample_id=str(i), tokens=tokens, mask=mask, logprobs=[0.0] * len(tokens),
-                                       versions=[-1] * len(tokens), reward=0.0, advantage=0.0, num_turns=0))
+        samples.append(
+            protocol.Sample(
+                sample_id=str(i),
+                tokens=tokens,
+                mask=mask,
+                logprobs=[0.0] * len(tokens),
+                versions=[-1] * len(tokens),
+                reward=0.0,
+                advantage=0.0,
+                num_turns=0,
+            )
+        )
     for _ in range(3):
         trainer.sft_step(samples)
     return trainer
@@ -42,8 +52,16 @@ def fixed_sequence(tokenizer) -> list[int]:
 
 
 def learner_logprobs(trainer: Trainer, tokens: list[int]) -> list[float]:
-    sample = protocol.Sample(sample_id="x", tokens=tokens, mask=[1] * len(tokens), logprobs=[0.0] * len(tokens),
-                             versions=[0] * len(tokens), reward=0.0, advantage=0.0, num_turns=0)
+    sample = protocol.Sample(
+        sample_id="x",
+        tokens=tokens,
+        mask=[1] * len(tokens),
+        logprobs=[0.0] * len(tokens),
+        versions=[0] * len(tokens),
+        reward=0.0,
+        advantage=0.0,
+        num_turns=0,
+    )
     with torch.no_grad():
         logprobs, _ = trainer.token_logprobs(trainer.batches.collate([sample], [0]))
     trainer.model.reshard()
@@ -82,7 +100,7 @@ async def test_sampled_logprobs_match_learner_and_versions_tag_tokens(engine, tr
     await broadcast(engine, sender, version=5)
     prompt = ChatTokenizer(tokenizer).prompt([{"role": "user", "content": "I want a fruit."}])
     generation = await engine.generate(prompt, 24, 1.0, [tokenizer.eos_token_id])
-    learner = learner_logprobs(trainer, prompt + generation.tokens)[len(prompt):]
+    learner = learner_logprobs(trainer, prompt + generation.tokens)[len(prompt) :]
 
     assert set(generation.versions) == {5}
     assert max(abs(a - b) for a, b in zip(generation.logprobs, learner)) < 1e-4
@@ -102,15 +120,17 @@ async def test_a_learner_restarted_on_the_same_port_reaches_the_engine_again(eng
     """A fixed store port (as in docker compose): the restarted learner's store is new and
     its epochs count from 1 again; only the session tells the receiver to reconnect."""
     port = free_port()
-    first = WeightSender(trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1",
-                         store_port=port)
+    first = WeightSender(
+        trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1", store_port=port
+    )
     await broadcast(engine, first, version=1)
     first.group = first.store = None  # the learner process ends: its group and store go
     del first
     gc.collect()
 
-    again = WeightSender(trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1",
-                         store_port=port)
+    again = WeightSender(
+        trainer, "job-sync-4", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1", store_port=port
+    )
     received = await broadcast(engine, again, version=2)
 
     assert again.epoch == 1 and received["version"] == engine.version == 2
@@ -125,11 +145,13 @@ async def test_keep_mode_continues_a_generation_on_the_new_weights(engine, train
     generating = asyncio.create_task(engine.generate(prompt, 400, 1.0, [], ignore_eos=True))  # runs its length
     await asyncio.sleep(0.3)
     plan = sender.plan(7, ["server-a"])
-    await asyncio.gather(asyncio.to_thread(sender.send, plan),
-                         engine.update_weights(plan, protocol.encode(plan), plan.ranks["server-a"], "keep"))
+    await asyncio.gather(
+        asyncio.to_thread(sender.send, plan),
+        engine.update_weights(plan, protocol.encode(plan), plan.ranks["server-a"], "keep"),
+    )
     generation = await generating
 
     assert generation.versions[0] == 0 and generation.versions[-1] == 7, "the update must land mid-generation"
     first_new = generation.versions.index(7)
-    learner = learner_logprobs(trainer, prompt + generation.tokens)[len(prompt):]
+    learner = learner_logprobs(trainer, prompt + generation.tokens)[len(prompt) :]
     assert max(abs(a - b) for a, b in zip(generation.logprobs[first_new:], learner[first_new:])) < 1e-4

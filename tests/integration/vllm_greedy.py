@@ -16,10 +16,20 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 def main() -> None:
     folder, max_tokens = sys.argv[1], int(sys.argv[2])
     prompts = json.load(sys.stdin)
-    llm = LLM(model=folder, dtype="float32", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3,
-              distributed_executor_backend="uni", seed=0)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    llm = LLM(
+        model=folder,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        distributed_executor_backend="uni",
+        seed=0,
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        use_tqdm=False,
+    )
     print(json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
 
 

@@ -9,17 +9,20 @@ from services.auth import match_bearer
 TOKENS = ["alpha-token", "beta-token"]
 
 
-@pytest.mark.parametrize("header, matched", [
-    ("Bearer beta-token", "beta-token"),
-    ("bearer alpha-token", "alpha-token"),     # the scheme is case-insensitive
-    ("Bearer   alpha-token", "alpha-token"),   # RFC 7235: one or more spaces after the scheme
-    ("Bearer gamma-token", None),
-    ("Bearer alpha", None),                    # a prefix of a token is no token
-    ("Basic alpha-token", None),
-    ("alpha-token", None),
-    ("Bearer ", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "header, matched",
+    [
+        ("Bearer beta-token", "beta-token"),
+        ("bearer alpha-token", "alpha-token"),  # the scheme is case-insensitive
+        ("Bearer   alpha-token", "alpha-token"),  # RFC 7235: one or more spaces after the scheme
+        ("Bearer gamma-token", None),
+        ("Bearer alpha", None),  # a prefix of a token is no token
+        ("Basic alpha-token", None),
+        ("alpha-token", None),
+        ("Bearer ", None),
+        ("", None),
+    ],
+)
 def test_the_header_matches_the_token_it_presents_with_the_bearer_scheme(header, matched):
     assert match_bearer(header, TOKENS) == matched
 

@@ -71,7 +71,7 @@ def test_weight_segments_send_big_tensors_alone_and_pack_small_runs_in_chunks():
 
     parts = weight_group.segments(bucket)
 
-    assert parts[0] == (0, 2 * small, None)                               # a, b packed
-    assert parts[1] == (offsets["big"], offsets["big"] + big, "big")      # straight from memory
+    assert parts[0] == (0, 2 * small, None)  # a, b packed
+    assert parts[1] == (offsets["big"], offsets["big"] + big, "big")  # straight from memory
     run_start, run_stop = offsets["s0"], offsets["s9"] + small
     assert parts[2:] == [(run_start, run_start + CHUNK_BYTES, None), (run_start + CHUNK_BYTES, run_stop, None)]

@@ -28,12 +28,13 @@ from services import protocol
 from services.config import JobSpec, RewardSpec, RolloutSpec, TaskSpec
 from services.presets import COLLABORATIVE_SYSTEM_PROMPT
 from services.tokenization import ChatTokenizer
-from tests.unit.test_rollout_group import RIGHT, TASK, TARGET, AskingPolicy
+from tests.unit.test_rollout_group import RIGHT, TARGET, TASK, AskingPolicy
 
 
 def preset(task: str, **reward) -> JobSpec:
-    return JobSpec.model_validate({"model": {"path": "m"}, "task": {"name": task},
-                                   "reward": {"preset": "collabllm", **reward}})
+    return JobSpec.model_validate(
+        {"model": {"path": "m"}, "task": {"name": task}, "reward": {"preset": "collabllm", **reward}}
+    )
 
 
 def chat(*turns: str) -> list[dict]:
@@ -43,8 +44,11 @@ def chat(*turns: str) -> list[dict]:
 
 # ---- 10. the preset: the paper's settings, each departure explicit ----------------------
 
-@pytest.mark.parametrize("task, penalty, temperature", [
-    ("math_chat", 5e-4, 0.6), ("code_chat", 5e-4, 0.6), ("doc_edit_chat", 1e-4, 0.8), ("clarify", 5e-4, 0.8)])
+
+@pytest.mark.parametrize(
+    "task, penalty, temperature",
+    [("math_chat", 5e-4, 0.6), ("code_chat", 5e-4, 0.6), ("doc_edit_chat", 1e-4, 0.8), ("clarify", 5e-4, 0.8)],
+)
 def test_the_collabllm_preset_holds_the_papers_settings_for_each_task(task, penalty, temperature):
     spec = preset(task)
     reward = spec.reward
@@ -56,11 +60,16 @@ def test_the_collabllm_preset_holds_the_papers_settings_for_each_task(task, pena
 
 
 def test_what_a_spec_sets_itself_overrides_the_preset_and_stays_visible():
-    spec = JobSpec.model_validate({"model": {"path": "m"}, "task": {"name": "math_chat", "simulator": "cooperative"},
-                                   "reward": {"preset": "collabllm", "num_futures": 5, "token_count": "policy"}})
+    spec = JobSpec.model_validate(
+        {
+            "model": {"path": "m"},
+            "task": {"name": "math_chat", "simulator": "cooperative"},
+            "reward": {"preset": "collabllm", "num_futures": 5, "token_count": "policy"},
+        }
+    )
     assert (spec.reward.num_futures, spec.reward.token_count, spec.task.simulator) == (5, "policy", "cooperative")
-    assert spec.reward.window == 2   # the rest is the paper's
-    assert JobSpec.model_validate(spec.model_dump()) == spec   # a stored spec reads back the same
+    assert spec.reward.window == 2  # the rest is the paper's
+    assert JobSpec.model_validate(spec.model_dump()) == spec  # a stored spec reads back the same
 
 
 def test_without_a_preset_the_defaults_are_tandems_own():
@@ -75,8 +84,14 @@ MATH = MathChatTask(TaskSpec(name="math_chat"))
 
 async def test_math_r_ext_keeps_an_answer_followed_by_a_pleasantry():
     # Example 0's answer is 20.5. The old rule read only the last reply: 0.
-    future = chat("How much will I pay?", "Is that 7 notebooks at $3.50 with a $4 coupon?", "yes",
-                  "You pay \\boxed{20.50} dollars.", "thanks!", "You're welcome, happy to help!")
+    future = chat(
+        "How much will I pay?",
+        "Is that 7 notebooks at $3.50 with a $4 coupon?",
+        "yes",
+        "You pay \\boxed{20.50} dollars.",
+        "thanks!",
+        "You're welcome, happy to help!",
+    )
     assert await MATH.score(0, future) == 1.0
 
 
@@ -95,8 +110,9 @@ async def test_doc_edit_r_ext_is_the_bleu_of_the_last_document_in_the_conversati
     draft = "Hi team, the planning meeting is on Thursday at 10am in room 4. Bring your notes."
     two_drafts = chat("fix this", f"```\n{draft}\n```", "room 7 and a laptop", f"```\n{reference}\n```", "ok")
     assert await task.score(0, two_drafts) == pytest.approx(1.0)
-    assert await task.score(0, chat("fix this", f"```\n{draft}\n```", "thanks", "Bye!")) == \
-        pytest.approx(document_bleu(draft, reference))
+    assert await task.score(0, chat("fix this", f"```\n{draft}\n```", "thanks", "Bye!")) == pytest.approx(
+        document_bleu(draft, reference)
+    )
 
 
 async def test_code_r_ext_runs_the_last_code_block_in_the_conversation():
@@ -107,6 +123,7 @@ async def test_code_r_ext_runs_the_last_code_block_in_the_conversation():
 
 
 # ---- 3. the token penalty counts the conversation's tokens, user turns included ---------
+
 
 class Nothing:
     async def score(self, example: int, messages: list[dict], episode=None) -> float:
@@ -119,11 +136,16 @@ class Nothing:
 def after_context(policy: int, user: int) -> Episode:
     """A conversation of 10 context tokens, then `policy` tokens of the policy and `user`
     of the user (template tokens included)."""
-    return Episode(messages=chat("q", "a"), tokens=[0] * (10 + policy + user), context_len=10,
-                   policy_tokens=policy)
+    return Episode(messages=chat("q", "a"), tokens=[0] * (10 + policy + user), context_len=10, policy_tokens=policy)
 
 
-@pytest.mark.parametrize("count, expected", [("policy", -0.15), ("all", -0.4), ])
+@pytest.mark.parametrize(
+    "count, expected",
+    [
+        ("policy", -0.15),
+        ("all", -0.4),
+    ],
+)
 async def test_the_token_penalty_counts_what_token_count_names(count, expected):
     # lambda 5e-4: policy 300 tokens -> 0.15; all 300 + 500 = 800 -> 0.4
     spec = RewardSpec(mode="multiturn", token_penalty=5e-4, token_count=count)
@@ -136,6 +158,7 @@ async def test_the_penalty_is_capped_at_one():
 
 
 # ---- 4. the interactivity judge sees neither the reference nor the system prompt ---------
+
 
 class RecordingJudge:
     def __init__(self, score: float = 0.5) -> None:
@@ -158,6 +181,7 @@ async def test_the_judge_is_not_shown_the_reference_or_the_system_prompt_unless_
 
 # ---- 7. binary accuracy -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("written, score", [(10, 1.0), (8, 0.0), (5, 0.0), (0, 0.0)])
 def test_accuracy_is_binary_whatever_the_judge_writes(written, score):
     verdict = parse_verdict(RUBRICS["accuracy"], json.dumps({"correctness": written, "verdict": "v"}))
@@ -166,6 +190,7 @@ def test_accuracy_is_binary_whatever_the_judge_writes(written, score):
 
 
 # ---- MR under the preset, by hand ---------------------------------------------------------
+
 
 class Futures:
     """Futures from a script: each appends its messages and its token counts, and records
@@ -177,7 +202,7 @@ class Futures:
     async def extend(self, episode, example, max_turns, trained=True, temperature=None):
         texts, policy, user = self.scripted.pop(0)
         self.temperatures.append(temperature)
-        episode.messages += chat(*texts)   # the user answers first
+        episode.messages += chat(*texts)  # the user answers first
         episode.tokens += [0] * (policy + user)
         episode.policy_tokens += policy
         return episode
@@ -185,25 +210,34 @@ class Futures:
 
 async def test_mr_under_the_preset_is_the_mean_of_the_papers_r_star():
     spec = preset("math_chat").reward
-    response = Episode(messages=[{"role": "system", "content": "be collaborative"},
-                                 *chat("How much will I pay?", "How many notebooks, at what price?")],
-                       tokens=[0] * 40, context_len=30, policy_tokens=10)
-    runner = Futures([
-        (["7 at $3.50, $4 off", "\\boxed{20.5}", "thx", "You're welcome!"], 60, 330),  # R_ext 1, 400 tokens
-        (["7 at $3.50", "\\boxed{24.5}"], 40, 550),                                    # R_ext 0, 600 tokens
-        (["7", "And the price?", "3.50", "Any coupon?"], 90, 2900),                    # no answer, 3000 tokens
-    ])
+    response = Episode(
+        messages=[
+            {"role": "system", "content": "be collaborative"},
+            *chat("How much will I pay?", "How many notebooks, at what price?"),
+        ],
+        tokens=[0] * 40,
+        context_len=30,
+        policy_tokens=10,
+    )
+    runner = Futures(
+        [
+            (["7 at $3.50, $4 off", "\\boxed{20.5}", "thx", "You're welcome!"], 60, 330),  # R_ext 1, 400 tokens
+            (["7 at $3.50", "\\boxed{24.5}"], 40, 550),  # R_ext 0, 600 tokens
+            (["7", "And the price?", "3.50", "Any coupon?"], 90, 2900),  # no answer, 3000 tokens
+        ]
+    )
     judge = RecordingJudge(score=0.6)
     mr, futures = await score_response(runner, response, MATH, 0, spec, judge)
     # R* = R_ext - min(5e-4 * tokens after the context, 1) + 0.6 (the judge), tokens counted
     # from the response on (10 + the future's): 400, 600, 3000.
     #   1 - 0.2 + 0.6 = 1.4;  0 - 0.3 + 0.6 = 0.3;  0 - 1 + 0.6 = -0.4;  MR = 1.3 / 3
     assert mr == pytest.approx(1.3 / 3)
-    assert runner.temperatures == [0.6, 0.6, 0.6]   # futures at the paper's temperature for math
+    assert runner.temperatures == [0.6, 0.6, 0.6]  # futures at the paper's temperature for math
     assert all(m["role"] != "system" for _, conversations, _ in judge.seen for c in conversations for m in c)
 
 
 # ---- 2 and 6. every turn trained, under the collaborative system prompt -----------------
+
 
 def ranked_file(tmp_path, rows: list[dict]) -> str:
     path = tmp_path / "sft.jsonl"
@@ -212,18 +246,30 @@ def ranked_file(tmp_path, rows: list[dict]) -> str:
 
 
 def test_every_user_turn_of_a_ranked_conversation_becomes_a_context(tmp_path):
-    rows = [{"example": 2, "messages": chat("u0", "a0", "u1", "a1", "u2", "a2")},
-            {"example": 0, "messages": chat("v0", "b0")}]
+    rows = [
+        {"example": 2, "messages": chat("u0", "a0", "u1", "a1", "u2", "a2")},
+        {"example": 0, "messages": chat("v0", "b0")},
+    ]
     contexts = turn_contexts(ranked_file(tmp_path, rows), limit=100)
     assert [(c.example, c.turn, [m["content"] for m in c.messages]) for c in contexts] == [
-        (2, 0, ["u0"]), (2, 1, ["u0", "a0", "u1"]), (2, 2, ["u0", "a0", "u1", "a1", "u2"]), (0, 0, ["v0"])]
+        (2, 0, ["u0"]),
+        (2, 1, ["u0", "a0", "u1"]),
+        (2, 2, ["u0", "a0", "u1", "a1", "u2"]),
+        (0, 0, ["v0"]),
+    ]
     assert len(turn_contexts(ranked_file(tmp_path, rows), limit=2)) == 2
 
 
-@pytest.mark.parametrize("row, says", [
-    ({"example": -1, "messages": []}, "`example`"), ({"example": "0", "messages": []}, "`example`"),
-    ({"example": 0, "messages": [{"role": "tool", "content": "x"}]}, "`messages`"),
-    ({"example": 0, "messages": [{"role": "user", "content": 3}]}, "`messages`"), ([1, 2], "`example`")])
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({"example": -1, "messages": []}, "`example`"),
+        ({"example": "0", "messages": []}, "`example`"),
+        ({"example": 0, "messages": [{"role": "tool", "content": "x"}]}, "`messages`"),
+        ({"example": 0, "messages": [{"role": "user", "content": 3}]}, "`messages`"),
+        ([1, 2], "`example`"),
+    ],
+)
 def test_a_bad_contexts_row_is_refused_naming_its_line(tmp_path, row, says):
     path = ranked_file(tmp_path, [{"example": 0, "messages": chat("ok")}, row])
     with pytest.raises(ValueError, match=f"line 2: {says}"):
@@ -251,25 +297,30 @@ def test_load_task_reads_contexts_and_refuses_too_few_or_unknown_examples(tmp_pa
 async def test_a_later_turn_is_trained_under_the_system_prompt_with_the_rows_user(tokenizer):
     """A clarify conversation at turn 1: the policy asked, the user answered; the group
     trains the response to that, scored against the row's example by its rule user."""
-    asked = [{"role": "user", "content": clarify.request(TARGET)},
-             {"role": "assistant", "content": clarify.question(TARGET.category)},
-             {"role": "user", "content": clarify.clarification(TARGET.target)}]
+    asked = [
+        {"role": "user", "content": clarify.request(TARGET)},
+        {"role": "assistant", "content": clarify.question(TARGET.category)},
+        {"role": "user", "content": clarify.clarification(TARGET.target)},
+    ]
     view = ContextView(TASK, "be collaborative", [type("T", (), {"example": 0, "messages": asked, "turn": 1})()])
     chat_tokenizer = ChatTokenizer(tokenizer)
     policy = AskingPolicy(chat_tokenizer, [RIGHT])
-    runner = EpisodeRunner(policy, chat_tokenizer, view.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3,
-                                                                                max_total_tokens=400))
+    runner = EpisodeRunner(
+        policy, chat_tokenizer, view.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400)
+    )
     spec = RewardSpec(mode="multiturn", window=1, num_futures=1)
     rollout = GroupRollout(runner, view, spec, None, asyncio.Semaphore(4), "s", "job-turns")
-    group = await rollout.group(protocol.Task(job_id="job-turns", task_id=1, example=0, group_size=2,
-                                              dispatched_version=0))
-    assert [s.reward for s in group.samples] == [1.0, 1.0]   # answered right at once: the user ends it
+    group = await rollout.group(
+        protocol.Task(job_id="job-turns", task_id=1, example=0, group_size=2, dispatched_version=0)
+    )
+    assert [s.reward for s in group.samples] == [1.0, 1.0]  # answered right at once: the user ends it
     assert all(s.metrics["turn"] == 1.0 for s in group.samples)
-    prompt = tokenizer.decode(group.samples[0].tokens[:group.samples[0].mask.index(1)])
+    prompt = tokenizer.decode(group.samples[0].tokens[: group.samples[0].mask.index(1)])
     assert prompt.index("be collaborative") < prompt.index(clarify.clarification(TARGET.target))
 
 
 # ---- 5. a simulator that plays a person ---------------------------------------------------
+
 
 class RecordingClient:
     def __init__(self) -> None:
@@ -280,7 +331,9 @@ class RecordingClient:
 
     async def chat(self, prompt, **options):
         self.prompts.append(prompt)
-        return type("R", (), {"content": json.dumps({"current_answer": "", "thought": "", "response": "hm, 7 of em"})})()
+        return type(
+            "R", (), {"content": json.dumps({"current_answer": "", "thought": "", "response": "hm, 7 of em"})}
+        )()
 
 
 async def test_the_person_simulator_is_briefed_as_a_person_and_never_sees_the_system_prompt():
@@ -294,6 +347,7 @@ async def test_the_person_simulator_is_briefed_as_a_person_and_never_sees_the_sy
 
 
 # ---- 5. the simulator writes the opening -------------------------------------------------
+
 
 class OpeningClient(RecordingClient):
     async def chat(self, prompt, **options):
@@ -323,17 +377,29 @@ async def test_a_simulated_opening_is_written_once_per_group_with_the_tasks_atta
     user = LLMUser(client, task.goal, "user-simulator", style="person")
     chat_tokenizer = ChatTokenizer(tokenizer)
     engine = Polite(chat_tokenizer)
-    runner = EpisodeRunner(engine, chat_tokenizer, user, RolloutSpec(max_new_tokens=16, max_turns=2,
-                                                                     max_total_tokens=600))
-    rollout = GroupRollout(runner, task, RewardSpec(mode="multiturn", window=1, num_futures=1), None,
-                           asyncio.Semaphore(4), "s", "job-open", openings=True)
+    runner = EpisodeRunner(
+        engine, chat_tokenizer, user, RolloutSpec(max_new_tokens=16, max_turns=2, max_total_tokens=600)
+    )
+    rollout = GroupRollout(
+        runner,
+        task,
+        RewardSpec(mode="multiturn", window=1, num_futures=1),
+        None,
+        asyncio.Semaphore(4),
+        "s",
+        "job-open",
+        openings=True,
+    )
     await rollout.group(protocol.Task(job_id="job-open", task_id=3, example=0, group_size=3, dispatched_version=0))
     openings = [(p, o) for p, o in client.prompts if p[1]["content"] == NOT_STARTED]
     assert len(openings) == 1 and openings[0][1]["idempotency_key"] == "task3/opening"
-    first_prompts = engine.prompts[:3]   # the three responses, before any future
+    first_prompts = engine.prompts[:3]  # the three responses, before any future
     assert len(set(first_prompts)) == 1
-    assert first_prompts[0].index("be collaborative") < first_prompts[0].index("can u fix my note") < \
-        first_prompts[0].index(task.base.examples[0].document)
+    assert (
+        first_prompts[0].index("be collaborative")
+        < first_prompts[0].index("can u fix my note")
+        < first_prompts[0].index(task.base.examples[0].document)
+    )
 
 
 def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
@@ -344,9 +410,13 @@ def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
     assert json.loads(reply)["response"] == "I want a fruit."
 
 
-@pytest.mark.parametrize("task, says", [
-    ({"name": "clarify", "opening": "simulator"}, "needs the LLM user simulator"),
-    ({"name": "math_chat", "opening": "simulator", "contexts": "/x.jsonl"}, "set one")])
+@pytest.mark.parametrize(
+    "task, says",
+    [
+        ({"name": "clarify", "opening": "simulator"}, "needs the LLM user simulator"),
+        ({"name": "math_chat", "opening": "simulator", "contexts": "/x.jsonl"}, "set one"),
+    ],
+)
 def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
     with pytest.raises(ValueError, match=says):
         TaskSpec.model_validate(task)
@@ -355,12 +425,18 @@ def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
 def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_contexts_are_given():
     assert preset("math_chat").task.opening == "simulator"
     assert preset("clarify").task.opening == "task"
-    with_contexts = JobSpec.model_validate({"model": {"path": "m"}, "reward": {"preset": "collabllm"},
-                                            "task": {"name": "code_chat", "contexts": "/c.jsonl"}})
+    with_contexts = JobSpec.model_validate(
+        {
+            "model": {"path": "m"},
+            "reward": {"preset": "collabllm"},
+            "task": {"name": "code_chat", "contexts": "/c.jsonl"},
+        }
+    )
     assert with_contexts.task.opening == "task"
 
 
 # ---- 2. R_ext by an LLM's extraction -------------------------------------------------------
+
 
 class StandInCompleter:
     """The judge model played by the stand-in provider's reply function; counts calls."""
@@ -382,10 +458,12 @@ async def test_llm_extraction_reads_the_final_document_from_the_whole_conversati
     judge = StandInCompleter()
     task = DocEditChatTask(TaskSpec(name="doc_edit_chat", extraction="llm"), judge)
     reference = task.reference(0)
-    conversation = [{"role": "system", "content": "SECRET"},
-                    *chat("fix this", f"Here:\n```\n{reference}\n```", "thanks", "You're welcome!")]
+    conversation = [
+        {"role": "system", "content": "SECRET"},
+        *chat("fix this", f"Here:\n```\n{reference}\n```", "thanks", "You're welcome!"),
+    ]
     assert await task.score(0, conversation) == pytest.approx(1.0)
-    (system, request), = judge.calls
+    ((system, request),) = judge.calls
     assert system["content"].startswith("You read a conversation") and "SECRET" not in request["content"]
 
 
@@ -394,7 +472,7 @@ async def test_llm_extraction_of_code_and_of_nothing():
     task = CodeChatTask(TaskSpec(name="code_chat", extraction="llm"), judge)
     solution = f"```python\n{task.reference(0)}```"
     assert await task.score(0, chat("write it", solution, "works", "Great!")) == 1.0
-    assert await task.score(0, chat("write it", "Which names?", "a list", "Sure.")) == 0.0   # nothing delivered
+    assert await task.score(0, chat("write it", "Which names?", "a list", "Sure.")) == 0.0  # nothing delivered
 
 
 async def test_an_unreadable_extraction_is_asked_again_then_raised_never_scored():
@@ -416,10 +494,13 @@ def test_the_warm_start_fine_tunes_under_the_system_prompt_too(tiny_model, token
     from services.config import ModelSpec
 
     data = tmp_path / "warm.jsonl"
-    rows = [chat("u", "a"), [{"role": "system", "content": "be collaborative"}, *chat("u", "a")],
-            [{"role": "system", "content": "own prompt"}, *chat("u", "a")]]
+    rows = [
+        chat("u", "a"),
+        [{"role": "system", "content": "be collaborative"}, *chat("u", "a")],
+        [{"role": "system", "content": "own prompt"}, *chat("u", "a")],
+    ]
     data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
     spec = JobSpec(model=ModelSpec(path=str(tiny_model)), task=TaskSpec(system_prompt="be collaborative"))
     bare, written, own = load_demonstrations(str(data), spec)
-    assert bare.tokens == written.tokens and bare.mask == written.mask   # as if the row had the prompt
+    assert bare.tokens == written.tokens and bare.mask == written.mask  # as if the row had the prompt
     assert "own prompt" in tokenizer.decode(own.tokens) and "collaborative" not in tokenizer.decode(own.tokens)

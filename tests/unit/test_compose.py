@@ -78,7 +78,9 @@ def variable_uses() -> list[re.Match]:
     uses = []
     for body in (b for value in string_values(raw_compose()) for b in VARIABLE.findall(value)):
         match = VARIABLE_BODY.fullmatch(body)
-        assert match, f"${{{body}}}: only ${{VAR}}, ${{VAR:-default}}, ${{VAR-default}} and ${{VAR:?message}} are used here"
+        assert match, (
+            f"${{{body}}}: only ${{VAR}}, ${{VAR:-default}}, ${{VAR-default}} and ${{VAR:?message}} are used here"
+        )
         uses.append(match)
     return uses
 
@@ -105,8 +107,12 @@ def interpolate(node, documented: dict[str, str]):
     return VARIABLE.sub(value, node)
 
 
-SECRETS = {"GRAFANA_ADMIN_PASSWORD": "pa55word", "REDIS_PASSWORD": "s3cret", "TANDEM_API_TOKENS": "t0ken:tenant",
-           "TANDEM_JUDGE_TOKEN": "t0ken"}
+SECRETS = {
+    "GRAFANA_ADMIN_PASSWORD": "pa55word",
+    "REDIS_PASSWORD": "s3cret",
+    "TANDEM_API_TOKENS": "t0ken:tenant",
+    "TANDEM_JUDGE_TOKEN": "t0ken",
+}
 """Variables compose requires and no file ships, with sample values an operator would set."""
 
 
@@ -176,10 +182,18 @@ def reserved_devices(service: dict) -> list[dict]:
 
 
 def test_compose_file_defines_the_stack_and_declares_its_named_volumes():
-    assert {"redis", "api", "judge-proxy", "rollout-gpu", "learner-gpu", "rollout-cpu", "learner-cpu",
-            "prometheus", "grafana"} <= set(services())
-    used = {source for s in services().values() for source in mounts(s).values()
-            if not source.startswith((".", "/"))}
+    assert {
+        "redis",
+        "api",
+        "judge-proxy",
+        "rollout-gpu",
+        "learner-gpu",
+        "rollout-cpu",
+        "learner-cpu",
+        "prometheus",
+        "grafana",
+    } <= set(services())
+    used = {source for s in services().values() for source in mounts(s).values() if not source.startswith((".", "/"))}
     assert used <= set(compose().get("volumes") or {}), "a named volume is used but not declared"
 
 
@@ -194,8 +208,11 @@ def test_every_build_names_a_context_and_an_existing_dockerfile():
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
 def test_dockerfiles_copy_only_paths_that_exist_in_the_build_context(dockerfile):
-    copies = [line.split()[1:-1] for line in (DEPLOY / dockerfile).read_text().splitlines()
-              if line.startswith("COPY ") and "--from" not in line]
+    copies = [
+        line.split()[1:-1]
+        for line in (DEPLOY / dockerfile).read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+    ]
     assert copies
     for sources in copies:
         for source in sources:
@@ -404,7 +421,9 @@ def test_no_secret_ships_compose_refuses_to_start_until_one_is_set(password):
 def test_dot_env_is_the_operators_own_and_never_tracked():
     tracked = subprocess.run(["git", "ls-files", ".env"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert tracked.stdout == "", ".env holds an operator's secrets: only .env.example is tracked"
-    assert ".env" in (ROOT / ".gitignore").read_text().split() and ".env" in (ROOT / ".dockerignore").read_text().split()
+    assert (
+        ".env" in (ROOT / ".gitignore").read_text().split() and ".env" in (ROOT / ".dockerignore").read_text().split()
+    )
 
 
 def test_env_example_selects_a_profile_that_exists():
@@ -453,15 +472,17 @@ def scrape_targets() -> set[tuple[str, int, str]]:
 @pytest.mark.parametrize("service", sorted(tandem_services()))
 def test_prometheus_scrapes_the_process_under_a_job_named_after_it(service):
     port, process = served_port(service), tandem_services()[service]
-    assert any(host in network_names(service) and p == port and job == process
-               for host, p, job in scrape_targets()), f"no scrape target for {service} on port {port}"
+    assert any(host in network_names(service) and p == port and job == process for host, p, job in scrape_targets()), (
+        f"no scrape target for {service} on port {port}"
+    )
 
 
 def test_prometheus_keeps_tandems_job_label_and_scrapes_every_5s():
     config = prometheus_config()
     assert config["global"]["scrape_interval"] == "5s"
-    assert all(job.get("honor_labels") is True for job in config["scrape_configs"]), \
+    assert all(job.get("honor_labels") is True for job in config["scrape_configs"]), (
         "without honor_labels the dashboards' job label becomes exported_job"
+    )
     prometheus = services()["prometheus"]
     config_path = next(arg.split("=", 1)[1] for arg in prometheus["command"] if arg.startswith("--config.file="))
     assert mounts(prometheus)[config_path] == "./deploy/prometheus.yml"
@@ -552,8 +573,13 @@ def test_dashboard_metrics_are_registered_by_tandem_or_vllm(path):
 
 DASHBOARD_TOPICS = {
     "training": ["reward_mean", "loss", "mismatch_kl", "grad_norm", "importance_weight_mean", "staleness"],
-    "rollout": ["generated_tokens_total", "num_requests_running", "num_requests_waiting", "episode_seconds",
-                "weight_sync_seconds"],
+    "rollout": [
+        "generated_tokens_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "episode_seconds",
+        "weight_sync_seconds",
+    ],
     "judge": ["tokens_total", "budget_tokens_per_minute", "queue_wait_seconds", "upstream_429_total"],
     "queues": ["queue_depth", "queue_pending", "queue_dead_letters"],
 }
@@ -595,7 +621,10 @@ def test_the_stand_in_provider_matches_the_upstreams_file_that_names_it():
     assert len(upstream) == 1 and "--latency" in command
     assert upstream[0]["base_url"] == f"http://stand-in:{flags['--port']}/v1"
     assert (upstream[0]["model"], str(upstream[0]["tpm"]), str(upstream[0]["rpm"])) == (
-        flags["--model"], flags["--tpm"], flags["--rpm"])
+        flags["--model"],
+        flags["--tpm"],
+        flags["--rpm"],
+    )
     assert health_url(service)[1] == int(flags["--port"])
 
 
@@ -611,7 +640,8 @@ def test_the_served_model_is_the_upstream_its_upstreams_file_names_and_reads_mod
     assert args.command == "serve-model" and args.host == "0.0.0.0" and args.dir.startswith("/models/")
     assert any(v.endswith(":/models:ro") for v in service["volumes"])
     (upstream,) = yaml.safe_load((ROOT / "deploy" / "configs" / "judge_upstreams.served-model.yaml").read_text())[
-        "upstreams"]
+        "upstreams"
+    ]
     assert upstream["base_url"] == f"http://served-model:{args.port}/v1"
     assert upstream["model"] == args.name and upstream["structured_output"] is True
     assert health_url(service)[1] == args.port

@@ -5,16 +5,31 @@ from services import protocol
 
 
 def sample(reward: float, versions: list[int], metrics: dict[str, float]) -> protocol.Sample:
-    return protocol.Sample(sample_id="s", tokens=[1] * (len(versions) + 1), mask=[0] + [1] * len(versions),
-                           logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=reward,
-                           advantage=0.0, num_turns=1, metrics=metrics)
+    return protocol.Sample(
+        sample_id="s",
+        tokens=[1] * (len(versions) + 1),
+        mask=[0] + [1] * len(versions),
+        logprobs=[0.0] * (len(versions) + 1),
+        versions=[-1] + versions,
+        reward=reward,
+        advantage=0.0,
+        num_turns=1,
+        metrics=metrics,
+    )
 
 
 GROUP = protocol.TrajectoryGroup(
-    job_id="j", task_id=7, server_id="r0", elapsed_s=12.5, dispatched_version=3,
-    samples=[sample(1.25, [4, 4], {"asked": 1.0, "success": 1.0}),
-             sample(0.25, [5], {"asked": 0.0, "success": 0.0}),
-             sample(-0.5, [4], {"success": 0.0})])  # a follow-up context: no `asked`
+    job_id="j",
+    task_id=7,
+    server_id="r0",
+    elapsed_s=12.5,
+    dispatched_version=3,
+    samples=[
+        sample(1.25, [4, 4], {"asked": 1.0, "success": 1.0}),
+        sample(0.25, [5], {"asked": 0.0, "success": 0.0}),
+        sample(-0.5, [4], {"success": 0.0}),
+    ],
+)  # a follow-up context: no `asked`
 
 
 def test_a_record_says_when_the_group_was_made_and_what_it_held() -> None:
@@ -43,8 +58,13 @@ def test_a_group_the_learner_refuses_still_makes_a_record() -> None:
     empty = protocol.TrajectoryGroup(job_id="j", task_id=1, server_id="r0", elapsed_s=0.0, samples=[])
     assert group_record(empty, "invalid", 3, 1.0)["reward_mean"] == 0.0
     assert group_record(empty, "invalid", 3, 1.0)["staleness"] is None
-    broken = protocol.TrajectoryGroup(job_id="j", task_id=2, server_id="r0", elapsed_s=0.0,
-                                      samples=[sample(float("nan"), [3], {"success": float("inf")})])
+    broken = protocol.TrajectoryGroup(
+        job_id="j",
+        task_id=2,
+        server_id="r0",
+        elapsed_s=0.0,
+        samples=[sample(float("nan"), [3], {"success": float("inf")})],
+    )
     record = group_record(broken, "invalid", 3, 1.0)
     assert record["reward_mean"] != record["reward_mean"] and record["metrics"]["success"] == float("inf")
 

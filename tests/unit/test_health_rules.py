@@ -17,7 +17,7 @@ def fired_at(rule: HealthRule, key: str, values: list[float | None]) -> list[int
     """The steps at which `rule` fires, judging each step by the history up to it."""
     records = steps(key, values)
     depth = history_needed([rule])
-    return [records[i]["step"] for i in range(len(records)) if alerts([rule], records[max(0, i + 1 - depth):i + 1])]
+    return [records[i]["step"] for i in range(len(records)) if alerts([rule], records[max(0, i + 1 - depth) : i + 1])]
 
 
 def test_a_rule_fires_when_its_condition_has_held_for_its_steps_and_once_per_stretch():
@@ -37,6 +37,6 @@ def test_the_alert_names_the_rule_the_steps_and_the_values():
 
 def test_several_rules_are_judged_each_on_its_own():
     records = [{"step": s, "zero_spread_share": 1.0, "entropy": 0.01} for s in (1, 2, 3)]
-    assert [a.rule for a in alerts([STOP, WARN], records)] == [STOP]            # WARN fired at step 2
+    assert [a.rule for a in alerts([STOP, WARN], records)] == [STOP]  # WARN fired at step 2
     assert [a.rule for a in alerts([STOP, WARN], records[:2])] == [WARN]
     assert history_needed([STOP, WARN]) == 4 and history_needed([]) == 1

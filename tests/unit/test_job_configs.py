@@ -15,13 +15,15 @@ import pytest
 import yaml
 
 from judge_proxy.rubrics import RUBRICS
-from tandem.client import load_spec_file
 from services.config import JobSpec, JudgeProxySettings
+from tandem.client import load_spec_file
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 UPSTREAMS_EXAMPLE = CONFIGS / "judge_upstreams.example.yaml"
-UPSTREAMS_OF = {name: CONFIGS / "judge_upstreams.served-model.yaml"
-                for name in ("smollm2-clarify-judge.yaml", "collabllm-math.yaml")}
+UPSTREAMS_OF = {
+    name: CONFIGS / "judge_upstreams.served-model.yaml"
+    for name in ("smollm2-clarify-judge.yaml", "collabllm-math.yaml")
+}
 """Jobs written for another upstreams file than the example (their comments say which)."""
 JOB_FILES = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("judge_upstreams"))
 LOCAL_JOB_FILES = ("demo.yaml", "multiply-tools.yaml")

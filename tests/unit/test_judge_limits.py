@@ -15,8 +15,15 @@ from judge_proxy.budget import Budget, Limits
 from judge_proxy.local_upstream import count_prompt_tokens
 from judge_proxy.proxy import outcome_of
 from judge_proxy.upstream import (
-    Upstream, UpstreamConfig, estimate_prompt_tokens, format_duration, parse_duration, remaining, retry_after_s,
-    tokenizer_counter, weighted_order,
+    Upstream,
+    UpstreamConfig,
+    estimate_prompt_tokens,
+    format_duration,
+    parse_duration,
+    remaining,
+    retry_after_s,
+    tokenizer_counter,
+    weighted_order,
 )
 from services.judge_client import backoff_s
 
@@ -29,9 +36,13 @@ def test_the_prompt_estimate_is_characters_over_four_plus_the_chat_overhead():
 
 
 def test_a_parts_list_counts_its_text_parts_and_empty_content_counts_zero():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"},
-                                             {"type": "image_url", "image_url": {"url": "x"}}]},
-                {"role": "assistant", "content": None}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "abcdefgh"}, {"type": "image_url", "image_url": {"url": "x"}}],
+        },
+        {"role": "assistant", "content": None},
+    ]
 
     assert estimate_prompt_tokens(messages) == (2 + 4) + (0 + 4) + 3
 
@@ -54,15 +65,18 @@ def test_the_local_upstream_counts_words_and_punctuation_not_characters():
     assert estimate_prompt_tokens(messages) == (2 + 4) + (4 + 4) + 3
 
 
-@pytest.mark.parametrize("headers, seconds", [
-    ({"retry-after": "2", "retry-after-ms": "350"}, 0.35),
-    ({"retry-after": "2"}, 2.0),
-    ({"retry-after": "1.5"}, 1.5),
-    ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, None),
-    ({"retry-after": "nan"}, None),
-    ({"retry-after": "-3"}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "headers, seconds",
+    [
+        ({"retry-after": "2", "retry-after-ms": "350"}, 0.35),
+        ({"retry-after": "2"}, 2.0),
+        ({"retry-after": "1.5"}, 1.5),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, None),
+        ({"retry-after": "nan"}, None),
+        ({"retry-after": "-3"}, None),
+        ({}, None),
+    ],
+)
 def test_retry_after_ms_wins_over_retry_after_seconds(headers, seconds):
     assert retry_after_s(httpx.Headers(headers)) == seconds
 
@@ -101,10 +115,22 @@ def test_the_reservation_is_the_prompt_estimate_at_the_learned_ratio_plus_every_
     assert learned == math.ceil(9 * 4 / 3 * 1.05) + 300
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("20ms", 0.02), ("1.5s", 1.5), ("6m0s", 360.0), ("1h2m3s", 3723.0), ("0.25", 0.25), ("7", 7.0),
-    ("", None), ("soon", None), ("5x", None), ("-1", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("20ms", 0.02),
+        ("1.5s", 1.5),
+        ("6m0s", 360.0),
+        ("1h2m3s", 3723.0),
+        ("0.25", 0.25),
+        ("7", 7.0),
+        ("", None),
+        ("soon", None),
+        ("5x", None),
+        ("-1", None),
+        (None, None),
+    ],
+)
 def test_reset_durations_read_in_openais_format_or_plain_seconds(text, seconds):
     assert parse_duration(text) == (pytest.approx(seconds) if seconds is not None else None)
 
@@ -123,10 +149,20 @@ def test_upstreams_come_first_in_proportion_to_their_weight():
     assert firsts.count("heavy") / 4000 == pytest.approx(0.75, abs=0.03)
 
 
-@pytest.mark.parametrize("status, outcome", [
-    (200, "ok"), (429, "rate_limited"), (400, "client_error"), (404, "client_error"), (401, "auth_error"),
-    (403, "auth_error"), (408, "timeout"), (500, "server_error"), (503, "server_error"),
-])
+@pytest.mark.parametrize(
+    "status, outcome",
+    [
+        (200, "ok"),
+        (429, "rate_limited"),
+        (400, "client_error"),
+        (404, "client_error"),
+        (401, "auth_error"),
+        (403, "auth_error"),
+        (408, "timeout"),
+        (500, "server_error"),
+        (503, "server_error"),
+    ],
+)
 def test_each_upstream_status_has_one_handling(status, outcome):
     assert outcome_of(status) == outcome
 

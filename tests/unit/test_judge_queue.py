@@ -31,8 +31,9 @@ async def test_priorities_take_turns_by_weight_and_jobs_take_turns_inside_a_prio
         queue.push(Waiter(job=name[0], priority="judge", cost_tokens=1, deadline=0.0, try_admit=never))
     for name in ["C1", "C2", "C3"]:
         queue.push(Waiter(job=name[0], priority="simulator", cost_tokens=1, deadline=0.0, try_admit=never))
-    names = {id(w): f"{w.job}{i + 1}" for job in ("A", "B", "C") for i, w in
-             enumerate(w for w in queue if w.job == job)}
+    names = {
+        id(w): f"{w.job}{i + 1}" for job in ("A", "B", "C") for i, w in enumerate(w for w in queue if w.job == job)
+    }
 
     order = []
     while heads := queue.heads():
@@ -62,8 +63,10 @@ async def test_waiters_are_admitted_in_turn_as_budget_comes_back():
         admitted.append(name)
         waits.append(waited_s)
 
-    tasks = [asyncio.create_task(request(n, j, p)) for n, j, p in
-             [("s1", "x", "simulator"), ("j1", "x", "judge"), ("j2", "y", "judge"), ("j3", "x", "judge")]]
+    tasks = [
+        asyncio.create_task(request(n, j, p))
+        for n, j, p in [("s1", "x", "simulator"), ("j1", "x", "judge"), ("j2", "y", "judge"), ("j3", "x", "judge")]
+    ]
     await asyncio.sleep(0.01)
     for _ in tasks:
         free += 1
@@ -182,6 +185,7 @@ async def test_a_head_held_back_by_its_share_lets_the_other_jobs_heads_go_first(
         async def try_admit() -> Tried:
             tries.append(name)
             return tried
+
         return try_admit
 
     share_says_a_minute = Tried(None, 60.0, by_share=True)

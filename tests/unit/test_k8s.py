@@ -43,12 +43,20 @@ GPU_OVERLAYS = ("overlays/gpu", "overlays/gpu-multinode")
 NAMESPACE = "tandem"
 SECRET = "tandem-secrets"
 
-SETTINGS = {"api": ApiSettings, "judge-proxy": JudgeProxySettings, "rollout": RolloutSettings,
-            "learner": LearnerSettings}
+SETTINGS = {
+    "api": ApiSettings,
+    "judge-proxy": JudgeProxySettings,
+    "rollout": RolloutSettings,
+    "learner": LearnerSettings,
+}
 """`tandem <process>` -> the settings class that process reads its environment into."""
 
-SERVED_PORT_VARIABLE = {"api": "TANDEM_PORT", "judge-proxy": "TANDEM_PORT", "rollout": "TANDEM_METRICS_PORT",
-                        "learner": "TANDEM_METRICS_PORT"}
+SERVED_PORT_VARIABLE = {
+    "api": "TANDEM_PORT",
+    "judge-proxy": "TANDEM_PORT",
+    "rollout": "TANDEM_METRICS_PORT",
+    "learner": "TANDEM_METRICS_PORT",
+}
 """The variable holding the port a process serves /healthz and /metrics on."""
 
 SECRET_NAME = re.compile(r"(PASSWORD|TOKENS?|SECRET|_KEY|_AUTH|REDIS_URL)$")
@@ -69,8 +77,12 @@ def kubectl() -> str:
 def build(path: Path) -> list[dict]:
     """`kubectl kustomize` of a kustomization folder, as deploy/k8s/README.md builds it: the
     base reads the dashboards and upstreams files from deploy/grafana and deploy/configs."""
-    result = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -123,10 +135,16 @@ def literal_env(container: dict) -> dict[str, str]:
 
 def secret_env(container: dict) -> dict[str, str]:
     """The variables the container reads from tandem-secrets, with secrets.env.example's values."""
-    example = dict(line.split("=", 1) for line in SECRETS_EXAMPLE.read_text().splitlines()
-                   if line.strip() and not line.startswith("#"))
-    return {name: example[ref["key"]] for name, entry in env_entries(container).items()
-            if (ref := entry.get("valueFrom", {}).get("secretKeyRef")) and ref["key"] in example}
+    example = dict(
+        line.split("=", 1)
+        for line in SECRETS_EXAMPLE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    return {
+        name: example[ref["key"]]
+        for name, entry in env_entries(container).items()
+        if (ref := entry.get("valueFrom", {}).get("secretKeyRef")) and ref["key"] in example
+    }
 
 
 def expand(text: str, container: dict) -> str:
@@ -237,8 +255,9 @@ def test_overlays_run_the_cuda_image_only_for_the_rollout_servers_and_learner_on
 def test_tandem_variables_are_fields_of_the_process_settings_and_validate(target):
     for process, (_, container) in processes(target).items():
         settings_class = SETTINGS[process]
-        fields = {name: name.removeprefix("TANDEM_").lower() for name in env_entries(container)
-                  if name.startswith("TANDEM_")}
+        fields = {
+            name: name.removeprefix("TANDEM_").lower() for name in env_entries(container) if name.startswith("TANDEM_")
+        }
         unknown = sorted(name for name, field in fields.items() if field not in settings_class.model_fields)
         assert not unknown, f"{process}: {settings_class.__name__} has no field for {unknown}"
         values = literal_env(container) | secret_env(container)
@@ -375,7 +394,9 @@ def test_redis_keeps_an_append_only_file_on_its_own_volume_and_requires_the_pass
     assert "--appendonly yes" in args and "--appendfsync everysec" in args
     assert "--requirepass $(REDIS_PASSWORD)" in args
     assert env_entries(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": SECRET, "key": "REDIS_PASSWORD"}
+        "name": SECRET,
+        "key": "REDIS_PASSWORD",
+    }
     assert env_entries(container)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]["key"] == "REDIS_PASSWORD"
     (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
     assert data["name"] in [t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]]
@@ -387,7 +408,9 @@ def test_redis_keeps_an_append_only_file_on_its_own_volume_and_requires_the_pass
 def test_every_tandem_process_reads_the_whole_redis_url_from_the_secret(target):
     for process, (_, container) in processes(target).items():
         assert env_entries(container)["TANDEM_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
-            "name": SECRET, "key": "TANDEM_REDIS_URL"}, process
+            "name": SECRET,
+            "key": "TANDEM_REDIS_URL",
+        }, process
 
 
 def test_the_example_redis_url_names_the_redis_service_and_carries_the_password():
@@ -403,8 +426,12 @@ def test_no_secret_value_is_written_into_a_manifest(target):
     objects = render(target)
     assert not of_kind(objects, "Secret"), "Secrets are created by the user, never rendered"
     secret_variables = {f"TANDEM_{name.upper()}" for name in _ProcessSettings.SECRETS}
-    upstream_keys = {u["api_key_env"] for path in (ROOT / "deploy" / "configs").glob("judge_upstreams*.yaml")
-                     for u in yaml.safe_load(path.read_text())["upstreams"] if "api_key_env" in u}
+    upstream_keys = {
+        u["api_key_env"]
+        for path in (ROOT / "deploy" / "configs").glob("judge_upstreams*.yaml")
+        for u in yaml.safe_load(path.read_text())["upstreams"]
+        if "api_key_env" in u
+    }
     assert upstream_keys
     for workload in workloads(objects).values():
         for container in pod_spec(workload)["containers"]:
@@ -443,21 +470,43 @@ def test_the_judge_proxy_mounts_the_upstreams_example_of_deploy_configs_and_read
     _, rollout = processes(target)["rollout"]
     judge = urlsplit(literal_env(rollout)["TANDEM_JUDGE_URL"])
     assert judge.hostname == workload["metadata"]["name"] and judge.port == served_port("judge-proxy", container)
-    assert (env_entries(rollout)["TANDEM_JUDGE_TOKEN"]["valueFrom"]["secretKeyRef"]
-            == env_entries(container)["TANDEM_CLIENT_TOKENS"]["valueFrom"]["secretKeyRef"])
+    assert (
+        env_entries(rollout)["TANDEM_JUDGE_TOKEN"]["valueFrom"]["secretKeyRef"]
+        == env_entries(container)["TANDEM_CLIENT_TOKENS"]["valueFrom"]["secretKeyRef"]
+    )
 
 
 def test_an_overlay_adds_its_own_upstreams_file_as_deploy_k8s_readme_shows(tmp_path):
     example = ROOT / "deploy" / "configs" / "judge_upstreams.example.yaml"
     (tmp_path / "judge_upstreams.yaml").write_text(example.read_text())
-    patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "tandem-judge-proxy"},
-             "spec": {"template": {"spec": {"containers": [{"name": "judge-proxy", "env": [
-                 {"name": "TANDEM_UPSTREAMS", "value": "/etc/tandem/judge_upstreams.yaml"}]}]}}}}
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
-        "configMapGenerator": [{"name": "tandem-judge-upstreams", "behavior": "merge",
-                                "files": ["judge_upstreams.yaml"]}],
-        "patches": [{"patch": yaml.safe_dump(patch)}]}))
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "tandem-judge-proxy"},
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "judge-proxy",
+                            "env": [{"name": "TANDEM_UPSTREAMS", "value": "/etc/tandem/judge_upstreams.yaml"}],
+                        }
+                    ]
+                }
+            }
+        },
+    }
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+                "configMapGenerator": [
+                    {"name": "tandem-judge-upstreams", "behavior": "merge", "files": ["judge_upstreams.yaml"]}
+                ],
+                "patches": [{"patch": yaml.safe_dump(patch)}],
+            }
+        )
+    )
     objects = build(tmp_path)
     workload, container = tandem_workloads(objects)["judge-proxy"]
     upstreams = Path(literal_env(container)["TANDEM_UPSTREAMS"])
@@ -471,8 +520,11 @@ def test_every_tandem_pod_is_annotated_for_prometheus_with_the_port_its_process_
     for process, (workload, container) in processes(target).items():
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
         port = served_port(process, container)
-        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-                               "prometheus.io/path": "/metrics"}, process
+        assert annotations == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics",
+        }, process
         assert port in [p["containerPort"] for p in container["ports"]], process
 
 
@@ -501,10 +553,14 @@ def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str] | None:
 
 def discovered_pod(name: str, ip: str, annotations: dict[str, str], component: str) -> dict[str, str]:
     """The labels Prometheus's pod discovery gives a pod declaring port 29400."""
-    labels = {"__address__": f"{ip}:29400" if ":" not in ip else f"[{ip}]:29400", "__metrics_path__": "/metrics",
-              "__meta_kubernetes_pod_name": name, "__meta_kubernetes_pod_ip": ip,
-              "__meta_kubernetes_namespace": NAMESPACE,
-              "__meta_kubernetes_pod_label_app_kubernetes_io_component": component}
+    labels = {
+        "__address__": f"{ip}:29400" if ":" not in ip else f"[{ip}]:29400",
+        "__metrics_path__": "/metrics",
+        "__meta_kubernetes_pod_name": name,
+        "__meta_kubernetes_pod_ip": ip,
+        "__meta_kubernetes_namespace": NAMESPACE,
+        "__meta_kubernetes_pod_label_app_kubernetes_io_component": component,
+    }
     for key, value in annotations.items():
         labels["__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)] = value
     return labels
@@ -522,8 +578,12 @@ def test_prometheus_scrapes_each_annotated_pod_of_its_namespace_on_the_annotated
     for ip, address in (("10.1.2.3", "10.1.2.3:8003"), ("fd00::7", "[fd00::7]:8003")):
         target = relabel(discovered_pod("tandem-learner-1", ip, annotations, "learner"), job["relabel_configs"])
         assert {k: target[k] for k in ("__address__", "__metrics_path__", "process", "instance", "namespace")} == {
-            "__address__": address, "__metrics_path__": "/metrics", "process": "learner",
-            "instance": "tandem-learner-1", "namespace": NAMESPACE}
+            "__address__": address,
+            "__metrics_path__": "/metrics",
+            "process": "learner",
+            "instance": "tandem-learner-1",
+            "namespace": NAMESPACE,
+        }
     assert relabel(discovered_pod("tandem-redis-0", "10.1.2.4", {}, "redis"), job["relabel_configs"]) is None
 
 
@@ -538,8 +598,9 @@ def test_prometheus_config_passes_promtool_with_static_targets_in_place_of_disco
         job["static_configs"] = [{"targets": ["pod:8000"]}]
         del job["kubernetes_sd_configs"]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    result = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -586,8 +647,10 @@ def test_grafanas_datasource_is_the_prometheus_service_with_the_uid_the_dashboar
     url = urlsplit(source["url"])
     service = of_kind(objects, "Service")[url.hostname]
     assert service["spec"]["ports"][0]["port"] == url.port
-    assert selects(service["spec"]["selector"],
-                   of_kind(objects, "Deployment")["tandem-prometheus"]["spec"]["template"]["metadata"]["labels"])
+    assert selects(
+        service["spec"]["selector"],
+        of_kind(objects, "Deployment")["tandem-prometheus"]["spec"]["template"]["metadata"]["labels"],
+    )
     assert source["jsonData"]["timeInterval"] == prometheus_config(objects)["global"]["scrape_interval"]
 
 
@@ -595,8 +658,11 @@ def test_grafanas_datasource_is_the_prometheus_service_with_the_uid_the_dashboar
 def test_every_service_selects_a_workload_and_targets_a_port_it_declares(target):
     objects = render(target)
     for name, service in of_kind(objects, "Service").items():
-        matched = [w for w in workloads(objects).values()
-                   if selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        matched = [
+            w
+            for w in workloads(objects).values()
+            if selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
         assert len(matched) == 1, f"Service {name} selects {len(matched)} workloads"
         (container,) = pod_spec(matched[0])["containers"]
         for port in service["spec"]["ports"]:
@@ -618,16 +684,32 @@ EPHEMERAL_PORT = 40000
 """A port no manifest names: where gloo and NCCL put the broadcast's and collectives' connections."""
 
 OUTSIDE = {
-    "dns": {"namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}, "ip": "10.244.9.2",
-            "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")]},
-    "dns-impostor": {"namespace": "tenant", "labels": {"k8s-app": "kube-dns"}, "ip": "10.244.9.3",
-                     "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")]},
-    "another-namespace": {"namespace": "tenant", "labels": {"app": "shop"}, "ip": "10.244.9.4",
-                          "ports": [("https", 443, "TCP"), ("redis", 6379, "TCP"), ("http", 8080, "TCP")]},
+    "dns": {
+        "namespace": "kube-system",
+        "labels": {"k8s-app": "kube-dns"},
+        "ip": "10.244.9.2",
+        "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
+    },
+    "dns-impostor": {
+        "namespace": "tenant",
+        "labels": {"k8s-app": "kube-dns"},
+        "ip": "10.244.9.3",
+        "ports": [("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
+    },
+    "another-namespace": {
+        "namespace": "tenant",
+        "labels": {"app": "shop"},
+        "ip": "10.244.9.4",
+        "ports": [("https", 443, "TCP"), ("redis", 6379, "TCP"), ("http", 8080, "TCP")],
+    },
     "kubernetes-api": {"namespace": None, "labels": {}, "ip": "172.18.0.2", "ports": [("https", 6443, "TCP")]},
     "cloud-metadata": {"namespace": None, "labels": {}, "ip": "169.254.169.254", "ports": [("http", 80, "TCP")]},
-    "internet": {"namespace": None, "labels": {}, "ip": "203.0.113.7",
-                 "ports": [("https", 443, "TCP"), ("http", 80, "TCP")]},
+    "internet": {
+        "namespace": None,
+        "labels": {},
+        "ip": "203.0.113.7",
+        "ports": [("https", 443, "TCP"), ("http", 80, "TCP")],
+    },
     "internet-v6": {"namespace": None, "labels": {}, "ip": "2001:db8::7", "ports": [("https", 443, "TCP")]},
     "private-v6": {"namespace": None, "labels": {}, "ip": "fd00:ec2::254", "ports": [("http", 80, "TCP")]},
 }
@@ -640,15 +722,31 @@ EVERYWHERE = {53, "53/udp", 80, 443, 3000, 6379, 6443, 8000, 8001, 8002, 8003, 8
 EXPECTED_REACH = {
     "api": {"dns": {53, "53/udp"}, "redis": {6379}},
     "judge-proxy": {"dns": {53, "53/udp"}, "redis": {6379}, "internet": {80, 443}, "internet-v6": {443}},
-    "rollout": {"dns": {53, "53/udp"}, "redis": {6379}, "judge-proxy": {8001},
-                "learner": {8003, 29400, 29600, EPHEMERAL_PORT}},
-    "learner": {"dns": {53, "53/udp"}, "redis": {6379}, "learner": {8003, 29400, 29600, EPHEMERAL_PORT},
-                "rollout": {8002, EPHEMERAL_PORT}},
+    "rollout": {
+        "dns": {53, "53/udp"},
+        "redis": {6379},
+        "judge-proxy": {8001},
+        "learner": {8003, 29400, 29600, EPHEMERAL_PORT},
+    },
+    "learner": {
+        "dns": {53, "53/udp"},
+        "redis": {6379},
+        "learner": {8003, 29400, 29600, EPHEMERAL_PORT},
+        "rollout": {8002, EPHEMERAL_PORT},
+    },
     "redis": {},
     # The API server's address differs by cluster: its ports are open to any address.
-    "prometheus": {"dns": {53, "53/udp"}, "api": {8000}, "judge-proxy": {8001}, "rollout": {8002},
-                   "learner": {8003}, "kubernetes-api": {6443}, "internet": {443}, "internet-v6": {443},
-                   "another-namespace": {443}},
+    "prometheus": {
+        "dns": {53, "53/udp"},
+        "api": {8000},
+        "judge-proxy": {8001},
+        "rollout": {8002},
+        "learner": {8003},
+        "kubernetes-api": {6443},
+        "internet": {443},
+        "internet-v6": {443},
+        "another-namespace": {443},
+    },
     "grafana": {"dns": {53, "53/udp"}, "prometheus": {9090}},
     "another-namespace": {"api": {8000}},
 }
@@ -661,11 +759,17 @@ def pod_endpoints(objects: list[dict]) -> dict[str, dict]:
     pods = {}
     for number, workload in enumerate(workloads(objects).values()):
         labels = workload["spec"]["template"]["metadata"]["labels"]
-        ports = [(port.get("name", ""), port["containerPort"], port.get("protocol", "TCP"))
-                 for container in pod_spec(workload)["containers"] for port in container.get("ports", [])]
+        ports = [
+            (port.get("name", ""), port["containerPort"], port.get("protocol", "TCP"))
+            for container in pod_spec(workload)["containers"]
+            for port in container.get("ports", [])
+        ]
         pods[labels["app.kubernetes.io/component"]] = {
-            "namespace": NAMESPACE, "labels": labels, "ip": f"10.244.0.{10 + number}",
-            "ports": ports + [("", EPHEMERAL_PORT, "TCP")]}
+            "namespace": NAMESPACE,
+            "labels": labels,
+            "ip": f"10.244.0.{10 + number}",
+            "ports": ports + [("", EPHEMERAL_PORT, "TCP")],
+        }
     return pods
 
 
@@ -703,9 +807,13 @@ def peer_admits(peer: dict, policy_namespace: str, endpoint: dict) -> bool:
 
 def policies_of(objects: list[dict], pod: dict, direction: str) -> list[dict]:
     """The NetworkPolicies isolating `pod` in `direction` (Ingress or Egress)."""
-    return [p for p in of_kind(objects, "NetworkPolicy").values()
-            if p["metadata"]["namespace"] == pod["namespace"] and direction in p["spec"]["policyTypes"]
-            and selects(p["spec"]["podSelector"], pod["labels"])]
+    return [
+        p
+        for p in of_kind(objects, "NetworkPolicy").values()
+        if p["metadata"]["namespace"] == pod["namespace"]
+        and direction in p["spec"]["policyTypes"]
+        and selects(p["spec"]["podSelector"], pod["labels"])
+    ]
 
 
 def admitted(objects: list[dict], direction: str, pod: dict, peer: dict, port: tuple, destination: dict) -> bool:
@@ -717,7 +825,9 @@ def admitted(objects: list[dict], direction: str, pod: dict, peer: dict, port: t
     return not policies or any(
         (not rule.get(key) or any(peer_admits(p, policy["metadata"]["namespace"], peer) for p in rule[key]))
         and (not rule.get("ports") or any(port_admits(entry, port, destination) for entry in rule["ports"]))
-        for policy in policies for rule in policy["spec"].get(direction.lower(), []))
+        for policy in policies
+        for rule in policy["spec"].get(direction.lower(), [])
+    )
 
 
 def port_label(port: tuple[str, int, str]) -> int | str:
@@ -733,9 +843,12 @@ def reach(objects: list[dict], sources: dict[str, dict], destinations: dict[str,
     for source_name, source in sources.items():
         found[source_name] = {}
         for name, destination in destinations.items():
-            ports = {port_label(port) for port in destination["ports"]
-                     if admitted(objects, "Egress", source, destination, port, destination)
-                     and admitted(objects, "Ingress", destination, source, port, destination)}
+            ports = {
+                port_label(port)
+                for port in destination["ports"]
+                if admitted(objects, "Egress", source, destination, port, destination)
+                and admitted(objects, "Ingress", destination, source, port, destination)
+            }
             if ports:
                 found[source_name][name] = ports
     return found
@@ -743,8 +856,11 @@ def reach(objects: list[dict], sources: dict[str, dict], destinations: dict[str,
 
 def test_the_probed_ports_are_every_port_the_endpoints_listen_on():
     """EXPECTED_REACH leaves out what may not be reached: that holds only for probed ports."""
-    listening = {port_label(port) for endpoint in [*OUTSIDE.values(), *pod_endpoints(render("base")).values()]
-                 for port in endpoint["ports"]}
+    listening = {
+        port_label(port)
+        for endpoint in [*OUTSIDE.values(), *pod_endpoints(render("base")).values()]
+        for port in endpoint["ports"]
+    }
     assert listening == EVERYWHERE
 
 
@@ -774,10 +890,13 @@ def test_rollout_pods_may_send_only_to_redis_the_judge_proxy_the_learner_and_dns
     pods = pod_endpoints(objects)
     allowed = {"redis", "judge-proxy", "learner"}
     strangers = [{"run": "debug"}, {"app.kubernetes.io/name": "tandem"}]
-    dns_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
-    rules = [rule for policy in policies_of(objects, pods["rollout"], "Egress")
-             for rule in policy["spec"].get("egress", [])]
+    dns_peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+    }
+    rules = [
+        rule for policy in policies_of(objects, pods["rollout"], "Egress") for rule in policy["spec"].get("egress", [])
+    ]
     assert rules
     for rule in rules:
         assert rule.get("to"), f"a rule to anywhere: {rule}"
@@ -834,8 +953,11 @@ def bytes_of(quantity: str) -> int:
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_container_requests_cpu_and_memory_and_is_limited_in_memory_but_not_cpu(target):
     for name, workload in workloads(render(target)).items():
-        memory_volumes_bytes = sum(bytes_of(v["emptyDir"]["sizeLimit"]) for v in pod_spec(workload).get("volumes", [])
-                                   if v.get("emptyDir", {}).get("medium") == "Memory")
+        memory_volumes_bytes = sum(
+            bytes_of(v["emptyDir"]["sizeLimit"])
+            for v in pod_spec(workload).get("volumes", [])
+            if v.get("emptyDir", {}).get("medium") == "Memory"
+        )
         for container in pod_spec(workload)["containers"]:
             requests, limits = container["resources"]["requests"], container["resources"].get("limits", {})
             assert {"cpu", "memory"} <= set(requests), name
@@ -848,13 +970,21 @@ def test_every_container_requests_cpu_and_memory_and_is_limited_in_memory_but_no
 def external_redis_overlay(tmp_path: Path, literals: list[str] | None) -> Path:
     """The cpu overlay with components/external-redis, as deploy/k8s/README.md shows it, and
     the ConfigMap naming the server's address when `literals` are given."""
-    kustomization = {"resources": [os.path.relpath(K8S / "overlays" / "cpu", tmp_path)],
-                     "components": [os.path.relpath(K8S / "components" / "external-redis", tmp_path)]}
+    kustomization = {
+        "resources": [os.path.relpath(K8S / "overlays" / "cpu", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "external-redis", tmp_path)],
+    }
     if literals is not None:
-        kustomization["configMapGenerator"] = [{
-            "name": "tandem-external-redis", "literals": literals,
-            "options": {"disableNameSuffixHash": True,
-                        "annotations": {"config.kubernetes.io/local-config": "true"}}}]
+        kustomization["configMapGenerator"] = [
+            {
+                "name": "tandem-external-redis",
+                "literals": literals,
+                "options": {
+                    "disableNameSuffixHash": True,
+                    "annotations": {"config.kubernetes.io/local-config": "true"},
+                },
+            }
+        ]
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return tmp_path
 
@@ -867,16 +997,27 @@ def test_the_external_redis_component_replaces_redis_by_the_address_the_overlay_
     pods = pod_endpoints(objects)
     server = {"namespace": None, "labels": {}, "ip": "10.20.0.5", "ports": [("", 6380, "TCP"), ("", 6379, "TCP")]}
     neighbour = {**server, "ip": "10.20.0.6"}
-    assert {name: ports for name, ports in reach(objects, pods, {"server": server, "neighbour": neighbour}).items()
-            if ports} == {process: {"server": {6380}} for process in ("api", "judge-proxy", "rollout", "learner")}
+    assert {
+        name: ports for name, ports in reach(objects, pods, {"server": server, "neighbour": neighbour}).items() if ports
+    } == {process: {"server": {6380}} for process in ("api", "judge-proxy", "rollout", "learner")}
     for process, (_, container) in tandem_workloads(objects).items():
         assert "secretKeyRef" in env_entries(container)["TANDEM_REDIS_URL"]["valueFrom"], process
 
 
 def test_the_external_redis_component_refuses_to_build_without_the_servers_address(tmp_path):
     """Without it the processes' egress would reach no Redis: the build fails, naming what is missing."""
-    result = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
-                             str(external_redis_overlay(tmp_path, None))], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            kubectl(),
+            "kustomize",
+            "--load-restrictor",
+            "LoadRestrictionsNone",
+            str(external_redis_overlay(tmp_path, None)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "tandem-external-redis" in result.stderr
 
 
@@ -893,8 +1034,9 @@ def test_the_served_model_overlay_serves_a_model_the_judge_proxy_reaches_and_not
 
     proxy, proxy_container = processes("overlays/served-model")["judge-proxy"]
     upstreams_file = Path(literal_env(proxy_container)["TANDEM_UPSTREAMS"])
-    config_map = of_kind(objects, "ConfigMap")[volume_of(proxy, proxy_container, str(upstreams_file.parent))[
-        "configMap"]["name"]]
+    config_map = of_kind(objects, "ConfigMap")[
+        volume_of(proxy, proxy_container, str(upstreams_file.parent))["configMap"]["name"]
+    ]
     (upstream,) = yaml.safe_load(config_map["data"][upstreams_file.name])["upstreams"]
     url = urlsplit(upstream["base_url"])
     service = of_kind(objects, "Service")[url.hostname]
@@ -905,9 +1047,14 @@ def test_the_served_model_overlay_serves_a_model_the_judge_proxy_reaches_and_not
     policies = of_kind(objects, "NetworkPolicy")
     own = policies["tandem-served-model"]
     assert own["spec"]["policyTypes"] == ["Ingress", "Egress"] and "egress" not in own["spec"]  # calls nothing
-    allowed = {c for rule in own["spec"]["ingress"] for peer in rule["from"]
-               for e in peer["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component"
-               for c in e["values"]}
+    allowed = {
+        c
+        for rule in own["spec"]["ingress"]
+        for peer in rule["from"]
+        for e in peer["podSelector"]["matchExpressions"]
+        if e["key"] == "app.kubernetes.io/component"
+        for c in e["values"]
+    }
     assert allowed == {"judge-proxy", "prometheus"}
     out = policies["tandem-judge-proxy-to-served-model"]["spec"]
     assert out["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "judge-proxy"

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Each part of the tree -> the parts it may import (besides itself). Listed bottom-up.
 ALLOWED = {
-    "services": set(),                                       # contracts every process shares
-    "services.api": {"services"},                            # the job API process
-    "judge_proxy": {"services"},                             # the judge proxy process
-    "rollout": {"services"},                                 # rollout servers
-    "learner": {"services"},                                 # the learner
+    "services": set(),  # contracts every process shares
+    "services.api": {"services"},  # the job API process
+    "judge_proxy": {"services"},  # the judge proxy process
+    "rollout": {"services"},  # rollout servers
+    "learner": {"services"},  # the learner
     "tandem": {"services", "services.api", "judge_proxy", "rollout", "learner"},  # cli, launcher, demo
 }
 
@@ -60,8 +60,10 @@ def test_no_module_imports_a_package_above_it_or_beside_it():
 def test_the_check_sees_a_violation(tmp_path):
     """The check itself can fail: a contracts module importing the rollout server, and the
     learner importing the rollout server beside it."""
-    for part, source in (("services", "def f():\n    from rollout.server import RolloutServer\n"),
-                         ("learner", "from rollout import engine\nfrom services import protocol\n")):
+    for part, source in (
+        ("services", "def f():\n    from rollout.server import RolloutServer\n"),
+        ("learner", "from rollout import engine\nfrom services import protocol\n"),
+    ):
         (tmp_path / part).mkdir()
         (tmp_path / part / "bad.py").write_text(source)
     assert violations(tmp_path) == [
@@ -72,11 +74,16 @@ def test_the_check_sees_a_violation(tmp_path):
 
 def test_the_contracts_import_without_torch_or_vllm():
     """Every process imports `services`; the API and the judge proxy must not pay for torch."""
-    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
-                     for p in (ROOT / "services").rglob("*.py") if p.name != "__init__.py")
-    code = ("import importlib, sys\n"
-            f"for name in {modules!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(sorted({'torch', 'vllm', 'transformers'} & set(sys.modules)))")
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / "services").rglob("*.py")
+        if p.name != "__init__.py"
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted({'torch', 'vllm', 'transformers'} & set(sys.modules)))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

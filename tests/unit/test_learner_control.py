@@ -41,9 +41,16 @@ dist.destroy_process_group()
 
 def test_a_follower_waits_for_the_next_command_longer_than_the_default_group_timeout():
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), port], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(rank), port],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "got shutdown" in outputs[1]

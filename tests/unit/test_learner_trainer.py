@@ -11,19 +11,26 @@ from learner.trainer import accumulate, merge_minibatches
 
 def test_micro_batch_metrics_add_up_except_maxima_which_keep_the_largest():
     totals = {}
-    accumulate(totals, {"loss": torch.tensor(0.5), "is_capped_tokens": torch.tensor(2.0),
-                        "is_weight_max": torch.tensor(1.5)})
-    accumulate(totals, {"loss": torch.tensor(0.25), "is_capped_tokens": torch.tensor(3.0),
-                        "is_weight_max": torch.tensor(1.25)})
+    accumulate(
+        totals, {"loss": torch.tensor(0.5), "is_capped_tokens": torch.tensor(2.0), "is_weight_max": torch.tensor(1.5)}
+    )
+    accumulate(
+        totals, {"loss": torch.tensor(0.25), "is_capped_tokens": torch.tensor(3.0), "is_weight_max": torch.tensor(1.25)}
+    )
 
     assert {name: value.item() for name, value in totals.items()} == {
-        "loss": 0.75, "is_capped_tokens": 5.0, "is_weight_max": 1.5}
+        "loss": 0.75,
+        "is_capped_tokens": 5.0,
+        "is_weight_max": 1.5,
+    }
 
 
 def test_a_step_reports_the_largest_importance_weight_of_its_minibatches_and_the_mean_of_the_rest():
-    stats = [{"loss": 0.5, "clip_fraction": 0.1, "is_weight_max": 1.5},
-             {"loss": 1.5, "clip_fraction": 0.3, "is_weight_max": 4.0},
-             {"loss": 1.0, "clip_fraction": 0.2, "is_weight_max": 2.0}]
+    stats = [
+        {"loss": 0.5, "clip_fraction": 0.1, "is_weight_max": 1.5},
+        {"loss": 1.5, "clip_fraction": 0.3, "is_weight_max": 4.0},
+        {"loss": 1.0, "clip_fraction": 0.2, "is_weight_max": 2.0},
+    ]
 
     merged = merge_minibatches(stats)
 
@@ -42,8 +49,8 @@ def adam_after_one_real_step() -> tuple[torch.nn.Linear, torch.optim.AdamW, torc
     model = torch.nn.Linear(3, 1, bias=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    model(torch.ones(1, 3)).sum().backward()   # gradient [1, 1, 1]
-    assert optimizer_step(model, optimizer, scheduler, max_grad_norm=10.0) == (pytest.approx(3 ** 0.5), True)
+    model(torch.ones(1, 3)).sum().backward()  # gradient [1, 1, 1]
+    assert optimizer_step(model, optimizer, scheduler, max_grad_norm=10.0) == (pytest.approx(3**0.5), True)
     return model, optimizer, scheduler
 
 
@@ -76,15 +83,17 @@ def test_a_zero_gradient_leaves_parameters_moments_and_schedule_alone():
     assert scheduler.last_epoch == 1 and model.weight.grad is None
 
 
-def test_an_empty_share_gives_one_placeholder_logprob_and_a_dpo_step_on_no_pairs_moves_nothing(tiny_model,
-                                                                                                process_group):
+def test_an_empty_share_gives_one_placeholder_logprob_and_a_dpo_step_on_no_pairs_moves_nothing(
+    tiny_model, process_group
+):
     """A rank with no sequence (fewer pairs than ranks) still runs its forward: the
     placeholder row is one token long, and its logprobs must not fail on that."""
     from learner.trainer import Trainer
     from services.config import JobSpec, ModelSpec, TrainSpec
 
-    trainer = Trainer(JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(algorithm="dpo")),
-                      torch.device("cpu"))
+    trainer = Trainer(
+        JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(algorithm="dpo")), torch.device("cpu")
+    )
     trainer.start_rl()
     empty = trainer.batches.collate([], [])
     logprobs, entropy = trainer.token_logprobs(empty, with_entropy=True)

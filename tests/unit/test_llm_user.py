@@ -5,20 +5,30 @@ from __future__ import annotations
 import pytest
 
 from rollout.interactions.llm_user import (
-    END_MARKER, REPLY_FORMAT, REPLY_SCHEMA, LLMUser, UserSimulatorError, call_seed, parse_user_reply, transcript,
+    END_MARKER,
+    REPLY_FORMAT,
+    REPLY_SCHEMA,
+    LLMUser,
+    UserSimulatorError,
+    call_seed,
+    parse_user_reply,
+    transcript,
 )
-from services.quoting import quote_tag, quoted_turns
 from services.judge_client import ChatResult
+from services.quoting import quote_tag, quoted_turns
 
 
-@pytest.mark.parametrize("text, response", [
-    ('{"current_answer": "", "thought": "t", "response": "I mean the blue one."}', "I mean the blue one."),
-    ('```json\n{"current_answer": "x", "thought": "t", "response": "shorter please"}\n```', "shorter please"),
-    ('Sure! {"thought": "t", "response": "ok \\"quoted\\""} hope that helps', 'ok "quoted"'),
-    ('{"thought": "unterminated", "response": "still here", ', "still here"),  # broken JSON, field survives
-    ('{"thought": "t", "response": "two\nlines"}', "two\nlines"),  # a raw newline inside the string
-    ('{"thought": "t", "response": "see C:\\Users\\me", ', "see C:\\Users\\me"),  # a bad escape, truncated
-])
+@pytest.mark.parametrize(
+    "text, response",
+    [
+        ('{"current_answer": "", "thought": "t", "response": "I mean the blue one."}', "I mean the blue one."),
+        ('```json\n{"current_answer": "x", "thought": "t", "response": "shorter please"}\n```', "shorter please"),
+        ('Sure! {"thought": "t", "response": "ok \\"quoted\\""} hope that helps', 'ok "quoted"'),
+        ('{"thought": "unterminated", "response": "still here", ', "still here"),  # broken JSON, field survives
+        ('{"thought": "t", "response": "two\nlines"}', "two\nlines"),  # a raw newline inside the string
+        ('{"thought": "t", "response": "see C:\\Users\\me", ', "see C:\\Users\\me"),  # a bad escape, truncated
+    ],
+)
 def test_replies_are_parsed_leniently(text, response):
     assert parse_user_reply(text).response == response
 
@@ -57,8 +67,9 @@ class ScriptedClient:
     async def structured_output(self, model: str) -> bool:
         return self.structured
 
-    async def chat(self, messages, *, model, max_tokens, temperature, job, priority, idempotency_key,
-                   response_format, seed) -> ChatResult:
+    async def chat(
+        self, messages, *, model, max_tokens, temperature, job, priority, idempotency_key, response_format, seed
+    ) -> ChatResult:
         assert priority == "simulator"
         self.prompts.append(messages)
         self.options.append({"response_format": response_format, "seed": seed})

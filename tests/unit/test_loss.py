@@ -24,9 +24,15 @@ def inputs(mask=(1, 1, 1, 1), seq_ids=(0, 0, 0, 0), num_seqs=1, requires_grad=Tr
     prox = torch.log(torch.full((4,), 0.5))
     theta = (prox + torch.log(torch.tensor(RATIOS))).requires_grad_(requires_grad)
     mu = prox - torch.log(torch.tensor(BEHAVIOUR))
-    return loss.LossInputs(theta=theta, prox=prox, mu=mu, advantages=torch.tensor(ADVANTAGES),
-                           mask=torch.tensor(mask, dtype=torch.float32), seq_ids=torch.tensor(seq_ids),
-                           num_seqs=num_seqs)
+    return loss.LossInputs(
+        theta=theta,
+        prox=prox,
+        mu=mu,
+        advantages=torch.tensor(ADVANTAGES),
+        mask=torch.tensor(mask, dtype=torch.float32),
+        seq_ids=torch.tensor(seq_ids),
+        num_seqs=num_seqs,
+    )
 
 
 def cfg(**kw) -> LossSpec:
@@ -39,11 +45,14 @@ def test_clipped_surrogate_clips_both_sides():
     assert clipped.tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("correction, expected", [
-    ("tis", -(1.0 * 1.0 + 0.5 * -1.1 + 2.0 * 1.28 + 1.2 * -0.8) / 4),   # w capped at C = 2: -0.5125
-    ("mis", -(1.0 + -1.1 + 0.0 + -0.8) / 4),                            # w = 3.0 outside [1/2, 2] masked: 0.225
-    ("none", -(1.0 - 1.1 + 1.28 - 0.8) / 4),                            # -0.095
-])
+@pytest.mark.parametrize(
+    "correction, expected",
+    [
+        ("tis", -(1.0 * 1.0 + 0.5 * -1.1 + 2.0 * 1.28 + 1.2 * -0.8) / 4),  # w capped at C = 2: -0.5125
+        ("mis", -(1.0 + -1.1 + 0.0 + -0.8) / 4),  # w = 3.0 outside [1/2, 2] masked: 0.225
+        ("none", -(1.0 - 1.1 + 1.28 - 0.8) / 4),  # -0.095
+    ],
+)
 def test_token_level_behaviour_correction(correction, expected):
     out = loss.policy_loss(inputs(), cfg(correction=correction), normaliser=4)
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
@@ -51,8 +60,9 @@ def test_token_level_behaviour_correction(correction, expected):
 
 def test_sequence_level_tis_uses_the_product_of_token_ratios_per_sequence():
     # seq 0 = tokens 0-1: w = 1.0 * 0.5 = 0.5; seq 1 = tokens 2-3: w = 3.0 * 1.2 = 3.6 -> capped at 2.
-    out = loss.policy_loss(inputs(seq_ids=(0, 0, 1, 1), num_seqs=2),
-                           cfg(correction="tis", correction_level="sequence"), normaliser=4)
+    out = loss.policy_loss(
+        inputs(seq_ids=(0, 0, 1, 1), num_seqs=2), cfg(correction="tis", correction_level="sequence"), normaliser=4
+    )
     assert out.loss.item() == pytest.approx(-(0.5 * 1.0 + 0.5 * -1.1 + 2.0 * 1.28 + 2.0 * -0.8) / 4, abs=1e-6)
 
 
@@ -60,18 +70,24 @@ def test_sequence_normalisation_averages_each_sequence_then_sequences():
     # token 1 untrained: seq 0 has one token (term 1.0), seq 1 two (2*1.28 and 1.2*-0.8).
     mask, seq_ids = (1, 0, 1, 1), (0, 0, 1, 1)
     token_mode = loss.policy_loss(inputs(mask, seq_ids, 2), cfg(correction="tis"), normaliser=3)
-    sequence_mode = loss.policy_loss(inputs(mask, seq_ids, 2), cfg(correction="tis", normalise="sequence"), normaliser=2)
+    sequence_mode = loss.policy_loss(
+        inputs(mask, seq_ids, 2), cfg(correction="tis", normalise="sequence"), normaliser=2
+    )
     assert token_mode.loss.item() == pytest.approx(-(1.0 + 2.56 - 0.96) / 3, abs=1e-6)
     assert sequence_mode.loss.item() == pytest.approx(-(1.0 + (2.56 - 0.96) / 2) / 2, abs=1e-6)
 
 
-@pytest.mark.parametrize("normalise, num_tokens, num_sequences, expected", [
-    ("token", 30, 4, 30.0),
-    ("sequence", 30, 4, 4.0),
-    ("token", 0, 4, 1.0),       # nothing trained: the zero sum is divided by 1, not 0
-])
-def test_normaliser_is_the_global_count_of_trained_tokens_or_of_sequences(normalise, num_tokens, num_sequences,
-                                                                          expected):
+@pytest.mark.parametrize(
+    "normalise, num_tokens, num_sequences, expected",
+    [
+        ("token", 30, 4, 30.0),
+        ("sequence", 30, 4, 4.0),
+        ("token", 0, 4, 1.0),  # nothing trained: the zero sum is divided by 1, not 0
+    ],
+)
+def test_normaliser_is_the_global_count_of_trained_tokens_or_of_sequences(
+    normalise, num_tokens, num_sequences, expected
+):
     assert loss.normaliser(cfg(normalise=normalise), num_tokens, num_sequences) == expected
 
 
@@ -136,9 +152,16 @@ def test_kl_gradient_of_a_token_the_policy_left_stays_bounded():
     # brings it to 2e-4 * -4999 = -0.9998. Unweighted, tokens like this one made the async runs'
     # gradient norm jump a hundredfold.
     theta = torch.tensor([math.log(1e-4)], requires_grad=True)
-    x = loss.LossInputs(theta=theta, prox=theta.detach().clone(), mu=torch.tensor([math.log(0.5)]),
-                        advantages=torch.zeros(1), mask=torch.ones(1), seq_ids=torch.zeros(1, dtype=torch.long),
-                        num_seqs=1, ref=torch.tensor([math.log(0.5)]))
+    x = loss.LossInputs(
+        theta=theta,
+        prox=theta.detach().clone(),
+        mu=torch.tensor([math.log(0.5)]),
+        advantages=torch.zeros(1),
+        mask=torch.ones(1),
+        seq_ids=torch.zeros(1, dtype=torch.long),
+        num_seqs=1,
+        ref=torch.tensor([math.log(0.5)]),
+    )
     loss.policy_loss(x, cfg(correction="tis", kl_coef=1.0, kl_estimator="k3"), normaliser=1).loss.backward()
     assert theta.grad.item() == pytest.approx(2e-4 * (1 - 5000), rel=1e-4)
 
@@ -146,18 +169,22 @@ def test_kl_gradient_of_a_token_the_policy_left_stays_bounded():
 def test_sft_loss_is_masked_mean_negative_logprob():
     theta = torch.log(torch.tensor([0.5, 0.25, 0.1]))
     assert loss.sft_loss(theta, torch.tensor([1.0, 1.0, 0.0]), normaliser=2).item() == pytest.approx(
-        (math.log(2) + math.log(4)) / 2, abs=1e-6)
+        (math.log(2) + math.log(4)) / 2, abs=1e-6
+    )
 
 
 def test_entropy_of_uniform_logits_is_log_vocab():
     assert loss.entropy_from_logits(torch.zeros(2, 8)).tolist() == pytest.approx([math.log(8)] * 2, abs=1e-6)
 
 
-@pytest.mark.parametrize("correction, capped", [
-    ("tis", [0, 0, 1, 0]),      # only w = 3.0 is above C = 2
-    ("mis", [0, 1, 1, 0]),      # 0.4 below 1/C and 3.0 above C are outside [1/C, C]
-    ("none", [0, 0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "correction, capped",
+    [
+        ("tis", [0, 0, 1, 0]),  # only w = 3.0 is above C = 2
+        ("mis", [0, 1, 1, 0]),  # 0.4 below 1/C and 3.0 above C are outside [1/C, C]
+        ("none", [0, 0, 0, 0]),
+    ],
+)
 def test_tokens_at_the_importance_cap_are_counted(correction, capped):
     behaviour = torch.tensor([1.0, 0.4, 3.0, 1.2])  # 0.4 < 1/C: outside the MIS band
     assert loss.at_cap(behaviour, cfg(correction=correction)).tolist() == capped
@@ -179,8 +206,7 @@ REF_CHOSEN, REF_REJECTED = [-2.5, -4.0], [-2.5, -4.5]
 def dpo(kind: str, normaliser: float = 2.0) -> tuple[loss.LossOutputs, torch.Tensor, torch.Tensor]:
     chosen = torch.tensor(CHOSEN, requires_grad=True)
     rejected = torch.tensor(REJECTED, requires_grad=True)
-    out = loss.dpo_loss(chosen, rejected, torch.tensor(REF_CHOSEN), torch.tensor(REF_REJECTED), 0.5, kind,
-                        normaliser)
+    out = loss.dpo_loss(chosen, rejected, torch.tensor(REF_CHOSEN), torch.tensor(REF_REJECTED), 0.5, kind, normaliser)
     return out, chosen, rejected
 
 
@@ -215,9 +241,18 @@ def test_dpo_metrics_are_sums_over_pairs():
 def test_dpo_loss_divides_by_the_global_pair_count():
     # Two ranks with one pair each and a normaliser of 2 add up to one rank with both pairs.
     whole, _, _ = dpo("sigmoid", normaliser=2.0)
-    halves = [loss.dpo_loss(torch.tensor(CHOSEN[i:i + 1]), torch.tensor(REJECTED[i:i + 1]),
-                            torch.tensor(REF_CHOSEN[i:i + 1]), torch.tensor(REF_REJECTED[i:i + 1]), 0.5, "sigmoid",
-                            2.0).loss.item() for i in range(2)]
+    halves = [
+        loss.dpo_loss(
+            torch.tensor(CHOSEN[i : i + 1]),
+            torch.tensor(REJECTED[i : i + 1]),
+            torch.tensor(REF_CHOSEN[i : i + 1]),
+            torch.tensor(REF_REJECTED[i : i + 1]),
+            0.5,
+            "sigmoid",
+            2.0,
+        ).loss.item()
+        for i in range(2)
+    ]
     assert sum(halves) == pytest.approx(whole.loss.item(), abs=1e-6)
 
 

@@ -20,8 +20,9 @@ def calls_the_tool(row: dict) -> bool:
     return any(m["role"] == "tool" for m in row["messages"])
 
 
-@pytest.mark.parametrize(("tool_share", "low", "high"), [(0.0, 0.0, 0.0), (0.3, 0.2, 0.4), (0.7, 0.6, 0.8),
-                                                         (1.0, 1.0, 1.0)])
+@pytest.mark.parametrize(
+    ("tool_share", "low", "high"), [(0.0, 0.0, 0.0), (0.3, 0.2, 0.4), (0.7, 0.6, 0.8), (1.0, 1.0, 1.0)]
+)
 def test_demonstrations_call_the_tool_in_about_the_given_share(tool_share, low, high):
     rows = multiply.demonstrations(200, tool_share, seed=3)
 
@@ -55,32 +56,39 @@ async def test_demonstrations_score_1_and_a_wrong_number_scores_0():
         assert task.metrics(example, wrong)["success"] == 0.0
 
 
-@pytest.mark.parametrize(("text", "number"), [
-    ("The answer is 1,913,937.", 1913937),
-    ("4821 * 397 = 1913937", 1913937),
-    ("It is -12 or 40, I think", 40),
-    ("Roughly 2,000,000 - no, 1913937", 1913937),
-    ("I cannot tell.", None),
-])
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("The answer is 1,913,937.", 1913937),
+        ("4821 * 397 = 1913937", 1913937),
+        ("It is -12 or 40, I think", 40),
+        ("Roughly 2,000,000 - no, 1913937", 1913937),
+        ("I cannot tell.", None),
+    ],
+)
 def test_last_number_reads_the_last_integer_commas_included(text, number):
     assert multiply.last_number(text) == number
 
 
 def test_a_tool_demonstration_trains_on_the_replies_and_not_on_the_tool_result():
     row = multiply.demonstration(multiply.Product(4821, 397, 0), with_tool=True)
-    chat = ChatTokenizer(train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True), tools=row["tools"])
+    chat = ChatTokenizer(
+        train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True), tools=row["tools"]
+    )
 
     tokens, mask = chat.encode_demonstration(row["messages"])
 
-    runs = [(trained, chat.tokenizer.decode([t for t, _ in run]))
-            for trained, run in groupby(zip(tokens, mask), key=lambda pair: pair[1])]
+    runs = [
+        (trained, chat.tokenizer.decode([t for t, _ in run]))
+        for trained, run in groupby(zip(tokens, mask), key=lambda pair: pair[1])
+    ]
     assert [trained for trained, _ in runs] == [0, 1, 0, 1]
     assert runs[0][1].startswith("<|im_start|>system\nTools:\n- calculator(expression): ")
     assert runs[0][1].endswith("<|im_start|>user\nWhat is 4821 * 397?<|im_end|>\n<|im_start|>assistant\n")
     assert runs[1][1] == multiply.call(multiply.Product(4821, 397, 0)) + "<|im_end|>"
     assert runs[2][1] == "\n<|im_start|>tool\n1913937<|im_end|>\n<|im_start|>assistant\n"
     assert runs[3][1] == "The answer is 1913937.<|im_end|>"
-    assert tokens == chat.render(row["messages"])[:len(tokens)]
+    assert tokens == chat.render(row["messages"])[: len(tokens)]
 
 
 def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_not(tmp_path):
@@ -100,4 +108,4 @@ def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_
     tokenizer = ChatTokenizer(train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True))
     texts = [tokenizer.tokenizer.decode(s.tokens) for s in samples]
     assert [t.startswith("<|im_start|>system\nTools:") for t in texts] == [True, False, True]
-    assert texts[1] == texts[2][texts[2].index("<|im_start|>user"):]  # the same conversation, no tool list
+    assert texts[1] == texts[2][texts[2].index("<|im_start|>user") :]  # the same conversation, no tool list

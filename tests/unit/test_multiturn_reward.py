@@ -33,8 +33,9 @@ class RecordingJudge:
         self.scores = scores
         self.calls: list[int] = []
 
-    async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
-                        call_id: str = "") -> list[float]:
+    async def score_all(
+        self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
+    ) -> list[float]:
         self.calls += [len(m) for m in conversations]
         return [self.scores[len(m)] for m in conversations]
 
@@ -49,8 +50,8 @@ async def test_mr_is_the_mean_of_r_star_over_the_futures():
     right = clarify.answer(TARGET.category, TARGET.target)
     wrong = clarify.answer(TARGET.category, next(o for o in TARGET.options if o != TARGET.target))
     futures = [
-        conversation(clarify.question(TARGET.category), right, policy_tokens=40),   # asked, then right
-        conversation(clarify.question(TARGET.category), wrong, policy_tokens=40),   # asked, then wrong
+        conversation(clarify.question(TARGET.category), right, policy_tokens=40),  # asked, then right
+        conversation(clarify.question(TARGET.category), wrong, policy_tokens=40),  # asked, then wrong
         conversation(clarify.question(TARGET.category), policy_tokens=2000, end="max_turns"),  # kept asking
     ]
     judge = RecordingJudge({4: 0.5, 2: 0.25})
@@ -89,9 +90,9 @@ async def test_a_future_cut_short_scores_as_unfinished_not_at_the_floor():
     judge = RecordingJudge({4: 0.5})
     spec = RewardSpec(mode="multiturn", token_penalty=5e-4, judge_rubric="interactivity")
     futures = [
-        conversation(asked, right, policy_tokens=20),                              # 1 - 0.01 + 0.5
-        conversation(asked, right, policy_tokens=20),                              # 1 - 0.01 + 0.5
-        conversation(asked, "Your fruit is", policy_tokens=40, end="truncated"),   # 0 - 0.02, no judge
+        conversation(asked, right, policy_tokens=20),  # 1 - 0.01 + 0.5
+        conversation(asked, right, policy_tokens=20),  # 1 - 0.01 + 0.5
+        conversation(asked, "Your fruit is", policy_tokens=40, end="truncated"),  # 0 - 0.02, no judge
     ]
 
     assert await conversation_reward(TASK, EXAMPLE, futures[2], spec, judge) == pytest.approx(-0.02)
@@ -106,11 +107,14 @@ async def test_a_group_whose_futures_all_go_malformed_keeps_the_spread_that_reje
     advantage, no gradient. Scored as unfinished conversations they keep the spread."""
     asked = clarify.question(TARGET.category)
     spec = RewardSpec(mode="multiturn", token_penalty=5e-4)
-    cut_short = [conversation(asked, "Your fruit is your fruit is", policy_tokens=40, end=end)
-                 for end in ("truncated", "wrong_stop", "truncated")]
+    cut_short = [
+        conversation(asked, "Your fruit is your fruit is", policy_tokens=40, end=end)
+        for end in ("truncated", "wrong_stop", "truncated")
+    ]
     questions = [await multiturn_reward(cut_short, TASK, EXAMPLE, spec) for _ in range(3)]
-    malformed, _ = await score_response(None, conversation("Which fruit do", policy_tokens=32, end="truncated"),
-                                        TASK, EXAMPLE, spec)
+    malformed, _ = await score_response(
+        None, conversation("Which fruit do", policy_tokens=32, end="truncated"), TASK, EXAMPLE, spec
+    )
 
     rewards = questions + [malformed]
     assert rewards == pytest.approx([-0.02, -0.02, -0.02, -1.0])
@@ -123,7 +127,7 @@ async def test_window_zero_is_a_next_turn_reward():
     guess = conversation(clarify.answer(TARGET.category, TARGET.target), policy_tokens=6)
     spec = RewardSpec(mode="multiturn", window=0)
 
-    assert (await score_response(None, question, TASK, EXAMPLE, spec))[0] == 0.0   # a question earns nothing now
+    assert (await score_response(None, question, TASK, EXAMPLE, spec))[0] == 0.0  # a question earns nothing now
     assert (await score_response(None, guess, TASK, EXAMPLE, spec))[0] == 1.0
 
 
@@ -138,25 +142,35 @@ def test_a_group_without_spread_has_advantages_of_exactly_zero():
 
 # ---- adaptive futures ------------------------------------------------------------------
 
-ADAPTIVE = RewardSpec(mode="multiturn", futures="adaptive", adaptive_rule="own", num_futures=3, min_futures=2,
-                      max_futures=8, futures_se_threshold=0.1)
+ADAPTIVE = RewardSpec(
+    mode="multiturn",
+    futures="adaptive",
+    adaptive_rule="own",
+    num_futures=3,
+    min_futures=2,
+    max_futures=8,
+    futures_se_threshold=0.1,
+)
 
 
-@pytest.mark.parametrize("rewards, more", [
-    ([1.0, 1.0], 0),                 # agree: standard error 0
-    ([1.0, 0.9], 0),                 # stdev 0.0707 / sqrt 2 = 0.05 <= 0.1
-    ([1.0, 0.0], 2),                 # stdev 0.707 / sqrt 2 = 0.5: as many again
-    ([1.0, 0.0, 1.0, 0.0], 4),       # stdev 0.577 / 2 = 0.289
-    ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], 2),   # capped at max_futures 8
-    ([1.0, 0.0] * 4, 0),             # at max_futures
-    ([0.5], 1),                      # one future: its error is unknown
-])
+@pytest.mark.parametrize(
+    "rewards, more",
+    [
+        ([1.0, 1.0], 0),  # agree: standard error 0
+        ([1.0, 0.9], 0),  # stdev 0.0707 / sqrt 2 = 0.05 <= 0.1
+        ([1.0, 0.0], 2),  # stdev 0.707 / sqrt 2 = 0.5: as many again
+        ([1.0, 0.0, 1.0, 0.0], 4),  # stdev 0.577 / 2 = 0.289
+        ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], 2),  # capped at max_futures 8
+        ([1.0, 0.0] * 4, 0),  # at max_futures
+        ([0.5], 1),  # one future: its error is unknown
+    ],
+)
 def test_futures_are_added_while_their_rewards_disagree_up_to_the_maximum(rewards, more):
     assert more_futures(rewards, ADAPTIVE) == more
 
 
 def test_a_group_never_spends_more_extra_futures_than_the_fixed_policy_would():
-    allowance = GroupFutures(ADAPTIVE, group_size=4)   # 4 * (3 - 2) = 4 beyond the first rounds
+    allowance = GroupFutures(ADAPTIVE, group_size=4)  # 4 * (3 - 2) = 4 beyond the first rounds
     assert [allowance.take(2), allowance.take(4), allowance.take(2)] == [2, 2, 0]
 
 
@@ -166,10 +180,13 @@ class ScriptedFutures:
     def __init__(self, replies: list[str]) -> None:
         self.replies = list(replies)
 
-    async def extend(self, episode: Episode, example: int, max_turns: int, trained: bool,
-                     temperature: float | None = None) -> Episode:
-        episode.messages += [{"role": "user", "content": clarify.clarification(TARGET.target)},
-                             {"role": "assistant", "content": self.replies.pop(0)}]
+    async def extend(
+        self, episode: Episode, example: int, max_turns: int, trained: bool, temperature: float | None = None
+    ) -> Episode:
+        episode.messages += [
+            {"role": "user", "content": clarify.clarification(TARGET.target)},
+            {"role": "assistant", "content": self.replies.pop(0)},
+        ]
         episode.policy_tokens += 10
         return episode
 
@@ -178,10 +195,11 @@ async def test_an_adaptive_response_whose_futures_disagree_gets_more_and_its_mr_
     right = clarify.answer(TARGET.category, TARGET.target)
     wrong = clarify.answer(TARGET.category, next(o for o in TARGET.options if o != TARGET.target))
     asked = conversation(clarify.question(TARGET.category), policy_tokens=10)
-    runner = ScriptedFutures([right, wrong, right, right])   # 1, 0: disagree, 2 more: 1, 1
+    runner = ScriptedFutures([right, wrong, right, right])  # 1, 0: disagree, 2 more: 1, 1
 
-    reward, futures = await score_response(runner, asked, TASK, EXAMPLE, ADAPTIVE,
-                                           futures=GroupFutures(ADAPTIVE, group_size=2))
+    reward, futures = await score_response(
+        runner, asked, TASK, EXAMPLE, ADAPTIVE, futures=GroupFutures(ADAPTIVE, group_size=2)
+    )
 
     assert len(futures) == 4 and reward == pytest.approx(0.75)
     assert [f.trace for f in futures] == ["/f0", "/f1", "/f2", "/f3"]
@@ -190,6 +208,7 @@ async def test_an_adaptive_response_whose_futures_disagree_gets_more_and_its_mr_
 async def test_an_adaptive_response_whose_futures_agree_stops_at_the_minimum():
     right = clarify.answer(TARGET.category, TARGET.target)
     runner = ScriptedFutures([right, right, right])
-    reward, futures = await score_response(runner, conversation(clarify.question(TARGET.category), policy_tokens=10),
-                                           TASK, EXAMPLE, ADAPTIVE)
+    reward, futures = await score_response(
+        runner, conversation(clarify.question(TARGET.category), policy_tokens=10), TASK, EXAMPLE, ADAPTIVE
+    )
     assert len(futures) == 2 and reward == 1.0 and runner.replies == [right]

@@ -50,7 +50,7 @@ def test_the_step_after_a_skipped_one_is_adams_second():
     before = model.weight.detach().clone()
     unit_gradient(model)
 
-    assert optimizer_step(model, optimizer, scheduler, max_grad_norm=10.0) == (pytest.approx(3 ** 0.5), True)
+    assert optimizer_step(model, optimizer, scheduler, max_grad_norm=10.0) == (pytest.approx(3**0.5), True)
 
     assert (before - model.weight.detach()).flatten().tolist() == pytest.approx([0.1] * 3, rel=1e-6)
 
@@ -60,7 +60,7 @@ def test_a_finite_gradient_with_a_nonfinite_loss_takes_no_step():
     before = model.weight.detach().clone()
     unit_gradient(model)
 
-    assert optimizer_step(model, optimizer, scheduler, 10.0, finite_loss=False) == (pytest.approx(3 ** 0.5), False)
+    assert optimizer_step(model, optimizer, scheduler, 10.0, finite_loss=False) == (pytest.approx(3**0.5), False)
 
     assert torch.equal(model.weight.detach(), before) and not optimizer.state and model.weight.grad is None
 
@@ -77,8 +77,18 @@ def batch(advantage: float = 1.0, logprob: float = -1.0) -> list[Sample]:
     for i, (adv, first) in enumerate([(advantage, logprob), (-1.0, -1.0)]):
         tokens = [5 + i, 17, 42, 99, 7, 3]
         mask = [0, 0, 0, 1, 1, 1]
-        samples.append(Sample(sample_id=f"s{i}", tokens=tokens, mask=mask, logprobs=[0.0, 0.0, 0.0, first, -1.0, -1.0],
-                              versions=[-1, -1, -1, 0, 0, 0], reward=0.0, advantage=adv, num_turns=1))
+        samples.append(
+            Sample(
+                sample_id=f"s{i}",
+                tokens=tokens,
+                mask=mask,
+                logprobs=[0.0, 0.0, 0.0, first, -1.0, -1.0],
+                versions=[-1, -1, -1, 0, 0, 0],
+                reward=0.0,
+                advantage=adv,
+                num_turns=1,
+            )
+        )
     return samples
 
 
@@ -95,8 +105,9 @@ def test_a_batch_with_a_nan_is_not_trained_and_the_next_batch_is_adams_first_ste
     from learner.trainer import Trainer
     from services.config import JobSpec, ModelSpec, TrainSpec
 
-    trainer = Trainer(JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(lr=LR, weight_decay=0.0)),
-                      torch.device("cpu"))
+    trainer = Trainer(
+        JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(lr=LR, weight_decay=0.0)), torch.device("cpu")
+    )
     trainer.start_rl()
     before = parameters(trainer)
 

@@ -25,19 +25,26 @@ def reply(chat: ChatTokenizer, text: str, last: list[int], finish_reason: str) -
     return Generation(tokens, [-0.5] * len(tokens), [0] * len(tokens), finish_reason)
 
 
-@pytest.mark.parametrize("last, finish_reason, reason", [
-    ("eot", "stop", ""),                # a complete turn
-    ("", "length", "truncated"),        # cut at max_new_tokens
-    ("other", "stop", "wrong_stop"),    # stopped on another EOS id: cannot be continued
-    ("inside", "stop", "special_token"),  # a turn marker inside the reply, then end-of-turn
-])
+@pytest.mark.parametrize(
+    "last, finish_reason, reason",
+    [
+        ("eot", "stop", ""),  # a complete turn
+        ("", "length", "truncated"),  # cut at max_new_tokens
+        ("other", "stop", "wrong_stop"),  # stopped on another EOS id: cannot be continued
+        ("inside", "stop", "special_token"),  # a turn marker inside the reply, then end-of-turn
+    ],
+)
 async def test_only_a_turn_ending_in_the_end_of_turn_token_goes_on(tokenizer, last, finish_reason, reason):
     chat = ChatTokenizer(tokenizer)
     other = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert other != chat.eot_id
     tail = {"eot": [chat.eot_id], "": [], "other": [other], "inside": [other, chat.eot_id]}[last]
-    runner = EpisodeRunner(ScriptedEngine(reply(chat, "Which fruit?", tail, finish_reason)), chat, None,
-                           RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200))
+    runner = EpisodeRunner(
+        ScriptedEngine(reply(chat, "Which fruit?", tail, finish_reason)),
+        chat,
+        None,
+        RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200),
+    )
     episode = runner.start([{"role": "user", "content": "I want a fruit."}])
 
     goes_on = await runner.policy_turn(episode)
@@ -48,8 +55,12 @@ async def test_only_a_turn_ending_in_the_end_of_turn_token_goes_on(tokenizer, la
 
 async def test_a_blank_reply_is_malformed_as_empty_and_the_conversation_goes_on(tokenizer):
     chat = ChatTokenizer(tokenizer)
-    runner = EpisodeRunner(ScriptedEngine(reply(chat, "  ", [chat.eot_id], "stop")), chat, None,
-                           RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200))
+    runner = EpisodeRunner(
+        ScriptedEngine(reply(chat, "  ", [chat.eot_id], "stop")),
+        chat,
+        None,
+        RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200),
+    )
     episode = runner.start([{"role": "user", "content": "I want a fruit."}])
 
     assert await runner.policy_turn(episode)

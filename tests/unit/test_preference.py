@@ -13,8 +13,16 @@ from services.protocol import Sample
 
 def sample(reward: float, index: int, tokens: list[int] | None = None) -> Sample:
     tokens = tokens or [1, 2, 3, 10 + index]
-    return Sample(sample_id=f"j:0:{index}", tokens=tokens, mask=[0, 0, 0, 1], logprobs=[0.0] * 4,
-                  versions=[-1, -1, -1, 0], reward=reward, advantage=0.0, num_turns=1)
+    return Sample(
+        sample_id=f"j:0:{index}",
+        tokens=tokens,
+        mask=[0, 0, 0, 1],
+        logprobs=[0.0] * 4,
+        versions=[-1, -1, -1, 0],
+        reward=reward,
+        advantage=0.0,
+        num_turns=1,
+    )
 
 
 def test_pick_pair_takes_the_best_and_the_worst():
@@ -32,9 +40,11 @@ def test_pick_pair_needs_a_gap_of_at_least_the_margin():
 
 
 def test_pairs_from_groups_flattens_chosen_then_rejected():
-    groups = [type("G", (), {"samples": [sample(1.0, 0), sample(0.0, 1)]})(),
-              type("G", (), {"samples": [sample(0.3, 2), sample(0.3, 3)]})(),  # tie: no pair
-              type("G", (), {"samples": [sample(0.0, 4), sample(2.0, 5)]})()]
+    groups = [
+        type("G", (), {"samples": [sample(1.0, 0), sample(0.0, 1)]})(),
+        type("G", (), {"samples": [sample(0.3, 2), sample(0.3, 3)]})(),  # tie: no pair
+        type("G", (), {"samples": [sample(0.0, 4), sample(2.0, 5)]})(),
+    ]
     flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=8)
     assert [s.sample_id for s in flat] == ["j:0:0", "j:0:1", "j:0:5", "j:0:4"] and too_long == 0
     flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=7)
@@ -46,8 +56,14 @@ def write_rows(path, rows) -> None:
 
 
 def good_row(**changes) -> dict:
-    return {"context_ids": [5, 6, 7], "chosen_ids": [8, 9], "rejected_ids": [10], "chosen_score": 1.0,
-            "rejected_score": 0.25, "turn": 0} | changes
+    return {
+        "context_ids": [5, 6, 7],
+        "chosen_ids": [8, 9],
+        "rejected_ids": [10],
+        "chosen_score": 1.0,
+        "rejected_score": 0.25,
+        "turn": 0,
+    } | changes
 
 
 def test_a_row_round_trips_into_masked_samples(tmp_path):
@@ -64,18 +80,21 @@ def test_a_row_round_trips_into_masked_samples(tmp_path):
     assert len({s.sample_id for s in loaded}) == 4  # the reference's memory is keyed by them
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ("{not json", "not JSON"),
-    ("[1, 2]", "not a JSON object"),
-    (good_row(chosen_ids=None) | {}, "chosen_ids is not a list of integers"),
-    ({k: v for k, v in good_row().items() if k != "rejected_score"}, "missing rejected_score"),
-    (good_row(rejected_ids=[]), "rejected_ids is empty"),
-    (good_row(context_ids=[1, 2.5]), "context_ids is not a list of integers"),
-    (good_row(chosen_ids=[99]), "outside the tokenizer's vocabulary"),
-    (good_row(chosen_score="high"), "chosen_score is not a finite number"),
-    (good_row(chosen_score=0.0), "chosen_score is below rejected_score"),
-    (good_row(context_ids=list(range(31))), "over train.max_tokens_per_rank=64"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        (good_row(chosen_ids=None) | {}, "chosen_ids is not a list of integers"),
+        ({k: v for k, v in good_row().items() if k != "rejected_score"}, "missing rejected_score"),
+        (good_row(rejected_ids=[]), "rejected_ids is empty"),
+        (good_row(context_ids=[1, 2.5]), "context_ids is not a list of integers"),
+        (good_row(chosen_ids=[99]), "outside the tokenizer's vocabulary"),
+        (good_row(chosen_score="high"), "chosen_score is not a finite number"),
+        (good_row(chosen_score=0.0), "chosen_score is below rejected_score"),
+        (good_row(context_ids=list(range(31))), "over train.max_tokens_per_rank=64"),
+    ],
+)
 def test_a_malformed_row_is_an_error_naming_the_line(tmp_path, bad, reason):
     path = tmp_path / "pairs.jsonl"
     write_rows(path, [good_row(), bad])

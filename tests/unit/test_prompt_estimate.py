@@ -12,13 +12,24 @@ from judge_proxy.local_upstream import count_prompt_tokens
 from judge_proxy.upstream import UpstreamConfig, estimate_prompt_tokens
 
 TOOL_TURNS = [
-    {"role": "assistant", "content": None, "name": "bot", "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "lookup", "arguments": json.dumps({"q": "abcdefgh"})}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "name": "bot",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"q": "abcdefgh"})},
+            }
+        ],
+    },
     {"role": "tool", "content": "abcd", "tool_call_id": "call_1"},
 ]
-SCHEMAS = {"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
-           "response_format": {"type": "json_object"}}
+SCHEMAS = {
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+    "response_format": {"type": "json_object"},
+}
 
 
 def test_the_estimate_counts_names_tool_calls_and_tool_call_ids_beside_the_content():

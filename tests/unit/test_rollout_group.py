@@ -47,12 +47,20 @@ class AskingPolicy:
         return Generation(tokens, [-0.5] * len(tokens), [VERSION] * len(tokens), self.finish_reason)
 
 
-def group_rollout(tokenizer, policy_answers: list[str], spec: RewardSpec, job_id: str, judge=None,
-                  reward_slots: int = 8, finish_reason: str = "stop") -> tuple[GroupRollout, AskingPolicy]:
+def group_rollout(
+    tokenizer,
+    policy_answers: list[str],
+    spec: RewardSpec,
+    job_id: str,
+    judge=None,
+    reward_slots: int = 8,
+    finish_reason: str = "stop",
+) -> tuple[GroupRollout, AskingPolicy]:
     chat = ChatTokenizer(tokenizer)
     policy = AskingPolicy(chat, policy_answers, finish_reason)
-    runner = EpisodeRunner(policy, chat, TASK.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3,
-                                                                      max_total_tokens=400))
+    runner = EpisodeRunner(
+        policy, chat, TASK.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400)
+    )
     rollout = GroupRollout(runner, TASK, spec, judge, asyncio.Semaphore(reward_slots), "server-a", job_id)
     return rollout, policy
 
@@ -82,7 +90,8 @@ async def test_episode_mode_scores_whole_conversations_and_advantages_are_the_gr
         assert "futures_malformed" not in sample.metrics
     assert REGISTRY.get_sample_value("tandem_rollout_sample_reward_count", {"job": "job-episode"}) == 4
     assert REGISTRY.get_sample_value("tandem_rollout_generated_tokens_total", {"job": "job-episode"}) == sum(
-        s.metrics["tokens"] for s in group.samples)
+        s.metrics["tokens"] for s in group.samples
+    )
 
 
 async def test_multiturn_mode_trains_the_response_alone_and_scores_it_over_its_futures(tokenizer):
@@ -125,8 +134,9 @@ async def test_reward_slots_bound_the_rewards_computed_at_once(tokenizer):
     active, peak, references = 0, 0, []
 
     class Judge:
-        async def score_all(self, rubric: str, conversations: list[list[dict]], reference: str | None,
-                            call_id: str = "") -> list[float]:
+        async def score_all(
+            self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
+        ) -> list[float]:
             nonlocal active, peak
             active += 1
             peak = max(peak, active)
@@ -167,8 +177,9 @@ async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokeniz
     from learner.generate import group_rows
 
     chat = ChatTokenizer(tokenizer)
-    runner = EpisodeRunner(RankedPolicy(chat), chat, TASK.rule_user,
-                           RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400))
+    runner = EpisodeRunner(
+        RankedPolicy(chat), chat, TASK.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400)
+    )
     spec = RewardSpec(mode="multiturn", window=1, num_futures=1, token_penalty=0.0)
     rollout = GroupRollout(runner, TASK, spec, None, asyncio.Semaphore(8), "server-a", "job-gen", generate=True)
     question = clarify.question(TARGET.category)
@@ -181,11 +192,15 @@ async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokeniz
     assert [s.reward for s in group.samples] == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert group.responses == [WRONG, question, WRONG, RIGHT, WRONG, RIGHT]
     assert [m["content"] for m in group.conversation] == [
-        clarify.request(TARGET), question, clarify.clarification(TARGET.target), RIGHT]
+        clarify.request(TARGET),
+        question,
+        clarify.clarification(TARGET.target),
+        RIGHT,
+    ]
     assert group.conversation_metrics["success"] == 1.0 and group.conversation_metrics["well_formed"] == 1.0
     assert len({s.sample_id for s in group.samples}) == 6
     for sample in group.samples:  # each trains its own response only, after the conversation so far
-        context = group.conversation[:int(sample.metrics["context_messages"])]
+        context = group.conversation[: int(sample.metrics["context_messages"])]
         start = sample.mask.index(1)
         assert sample.tokens[:start] == chat.prompt(context)
         assert all(sample.mask[start:])
@@ -197,7 +212,9 @@ async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokeniz
 
     assert sft["messages"] == group.conversation and sft["success"] == 1.0 and without == 0
     assert [(p["turn"], p["chosen_text"], p["rejected_text"]) for p in pairs] == [
-        (0, question, WRONG), (1, RIGHT, WRONG)]
+        (0, question, WRONG),
+        (1, RIGHT, WRONG),
+    ]
     assert pairs[1]["context"] == group.conversation[:3]
     assert pairs[1]["context_ids"] == chat.prompt(group.conversation[:3])
     assert tokenizer.decode(pairs[0]["chosen_ids"], skip_special_tokens=True) == question

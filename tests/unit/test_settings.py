@@ -22,8 +22,11 @@ def test_secrets_and_a_redis_password_are_masked(settings_class):
 
 @pytest.mark.parametrize("settings_class", PROCESSES)
 def test_every_field_that_looks_like_a_secret_is_declared_one(settings_class):
-    looks_secret = {name for name, field in settings_class.model_fields.items() if field.annotation is str
-                    and any(word in name for word in ("token", "key", "password", "secret"))}
+    looks_secret = {
+        name
+        for name, field in settings_class.model_fields.items()
+        if field.annotation is str and any(word in name for word in ("token", "key", "password", "secret"))
+    }
     assert looks_secret <= settings_class.SECRETS
 
 

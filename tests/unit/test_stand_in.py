@@ -20,13 +20,18 @@ from rollout.interactions.llm_user import COOPERATIVE_RULES, END_MARKER, SYSTEM_
 
 GOAL = "You want a fruit, specifically mango."
 ASKED = [{"role": "user", "content": "I want a fruit."}, {"role": "assistant", "content": "Which fruit do you mean?"}]
-ANSWERED = ASKED + [{"role": "user", "content": "I mean mango."}, {"role": "assistant", "content": "Your fruit is mango."}]
+ANSWERED = ASKED + [
+    {"role": "user", "content": "I mean mango."},
+    {"role": "assistant", "content": "Your fruit is mango."},
+]
 GUESSED = [{"role": "user", "content": "I want a fruit."}, {"role": "assistant", "content": "Your fruit is apple."}]
 
 
 def simulator_prompt(messages: list[dict]) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT.format(goal=GOAL, rules=COOPERATIVE_RULES, end=END_MARKER)},
-            {"role": "user", "content": transcript(messages)}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT.format(goal=GOAL, rules=COOPERATIVE_RULES, end=END_MARKER)},
+        {"role": "user", "content": transcript(messages)},
+    ]
 
 
 class Clock:
@@ -114,8 +119,9 @@ def test_a_denser_prompt_count_is_characters_over_the_set_ratio():
 
 def test_a_reply_waits_its_sampled_latency_and_settles_its_usage():
     clock = Clock()
-    config = LocalUpstreamConfig(tpm=6000, rpm=600, models=["judge"], seed=3,
-                                 latency=Latency(median_s=0.6, p99_s=5.0, tokens_per_s=80.0))
+    config = LocalUpstreamConfig(
+        tpm=6000, rpm=600, models=["judge"], seed=3, latency=Latency(median_s=0.6, p99_s=5.0, tokens_per_s=80.0)
+    )
     app = create_app(config)
     upstream: LocalUpstream = app.state.upstream
     upstream.clock, upstream.sleep = clock, clock.sleep
@@ -172,20 +178,42 @@ def test_asking_then_answering_right_scores_above_guessing():
     assert guessed.score == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("turns, expected", [
-    # An explicit request answered at once, and needlessly asked about.
-    ([("user", "I want a fruit: mango."), ("assistant", "Your fruit is mango.")],
-     {"understanding": 10, "clarification": 10, "suggestions": 5}),
-    ([("user", "I want a fruit: mango."), ("assistant", "Which fruit do you mean?"), ("user", "I mean mango."),
-      ("assistant", "Your fruit is mango.")], {"understanding": 10, "clarification": 3, "suggestions": 5}),
-    # Asked twice, then answered something else than what the user said.
-    ([("user", "Pick a city for me."), ("assistant", "Which city do you mean?"), ("user", "I mean oslo."),
-      ("assistant", "Which city?"), ("user", "I mean oslo."), ("assistant", "Your city is lima.")],
-     {"understanding": 3, "clarification": 7, "suggestions": 5}),
-    # Still asking when the conversation ends.
-    ([("user", "I want a fruit."), ("assistant", "Which fruit do you mean?")],
-     {"understanding": 3, "clarification": 10, "suggestions": 0}),
-])
+@pytest.mark.parametrize(
+    "turns, expected",
+    [
+        # An explicit request answered at once, and needlessly asked about.
+        (
+            [("user", "I want a fruit: mango."), ("assistant", "Your fruit is mango.")],
+            {"understanding": 10, "clarification": 10, "suggestions": 5},
+        ),
+        (
+            [
+                ("user", "I want a fruit: mango."),
+                ("assistant", "Which fruit do you mean?"),
+                ("user", "I mean mango."),
+                ("assistant", "Your fruit is mango."),
+            ],
+            {"understanding": 10, "clarification": 3, "suggestions": 5},
+        ),
+        # Asked twice, then answered something else than what the user said.
+        (
+            [
+                ("user", "Pick a city for me."),
+                ("assistant", "Which city do you mean?"),
+                ("user", "I mean oslo."),
+                ("assistant", "Which city?"),
+                ("user", "I mean oslo."),
+                ("assistant", "Your city is lima."),
+            ],
+            {"understanding": 3, "clarification": 7, "suggestions": 5},
+        ),
+        # Still asking when the conversation ends.
+        (
+            [("user", "I want a fruit."), ("assistant", "Which fruit do you mean?")],
+            {"understanding": 3, "clarification": 10, "suggestions": 0},
+        ),
+    ],
+)
 def test_interactivity_follows_the_rubric_anchors(turns, expected):
     assert interactivity_scores(turns) == expected
 

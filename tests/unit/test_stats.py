@@ -27,14 +27,14 @@ class Clock:
 def test_busy_clock_counts_overlapping_work_once():
     clock = Clock()
     busy = BusyClock(clock)
-    busy.start()          # t = 0: one request
+    busy.start()  # t = 0: one request
     clock.now = 2.0
-    busy.start()          # t = 2: two overlapping
+    busy.start()  # t = 2: two overlapping
     clock.now = 3.0
     busy.stop()
     assert busy.busy_s() == pytest.approx(3.0)  # still busy: counts up to now
     clock.now = 5.0
-    busy.stop()           # idle from t = 5
+    busy.stop()  # idle from t = 5
     clock.now = 9.0
     assert busy.busy_s() == pytest.approx(5.0)
     busy.start()

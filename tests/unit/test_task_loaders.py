@@ -46,8 +46,10 @@ def test_each_task_opens_with_one_user_message_and_hides_a_longer_goal_for_an_ll
 
 def test_a_data_file_replaces_the_fixture(tmp_path):
     path = tmp_path / "mine.jsonl"
-    rows = [{"opening": "Add them.", "goal": "Add 2 and 3.", "answer": "5"},
-            {"opening": "Halve it.", "goal": "Halve 9.", "answer": "4.5"}]
+    rows = [
+        {"opening": "Add them.", "goal": "Add 2 and 3.", "answer": "5"},
+        {"opening": "Halve it.", "goal": "Halve 9.", "answer": "4.5"},
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
 
     task = load_task(TaskSpec(name="math_chat", data=str(path)))
@@ -73,30 +75,36 @@ def test_fenced_blocks_reads_info_word_and_body():
 # --- MATH-Chat -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "answer"), [
-    ("So both are red with probability \\boxed{\\frac{3}{28}}.", "\\frac{3}{28}"),
-    ("\\boxed{1} then \\boxed{x = -12}", "x = -12"),  # the last box
-    ("You pay 24.50 - 4 = 20.50 dollars.", "20.50"),  # the last number
-    ("3/8 times 2/7 is 3/28", "3/28"),
-    ("That is \\frac{1}{2} of it", "\\frac{1}{2}"),
-    ("That is \\dfrac{1}{2}", "\\dfrac{1}{2}"),
-    ("The total is 1,250 apples", "1,250"),
-    ("I need more information.", ""),
-])
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("So both are red with probability \\boxed{\\frac{3}{28}}.", "\\frac{3}{28}"),
+        ("\\boxed{1} then \\boxed{x = -12}", "x = -12"),  # the last box
+        ("You pay 24.50 - 4 = 20.50 dollars.", "20.50"),  # the last number
+        ("3/8 times 2/7 is 3/28", "3/28"),
+        ("That is \\frac{1}{2} of it", "\\frac{1}{2}"),
+        ("That is \\dfrac{1}{2}", "\\dfrac{1}{2}"),
+        ("The total is 1,250 apples", "1,250"),
+        ("I need more information.", ""),
+    ],
+)
 def test_final_answer_takes_the_last_box_else_the_last_number(text, answer):
     assert final_answer(text) == answer
 
 
-@pytest.mark.parametrize(("answer", "normal"), [
-    ("20.50", "41/2"),
-    ("\\dfrac{41}{2}", "41/2"),
-    ("$41/2$", "41/2"),
-    ("x = -12", "-12"),
-    ("-\\frac{6}{56}", "-3/28"),
-    ("1,250.", "1250"),
-    ("\\frac{1}{0}", "\\frac{1}{0}"),  # no number: compared as cleaned text
-    ("(1, 2)", "(1,2)"),
-])
+@pytest.mark.parametrize(
+    ("answer", "normal"),
+    [
+        ("20.50", "41/2"),
+        ("\\dfrac{41}{2}", "41/2"),
+        ("$41/2$", "41/2"),
+        ("x = -12", "-12"),
+        ("-\\frac{6}{56}", "-3/28"),
+        ("1,250.", "1250"),
+        ("\\frac{1}{0}", "\\frac{1}{0}"),  # no number: compared as cleaned text
+        ("(1, 2)", "(1,2)"),
+    ],
+)
 def test_normalise_answer_reads_numbers_and_fractions_as_reduced_fractions(answer, normal):
     assert normalise_answer(answer) == normal
 
@@ -141,7 +149,7 @@ def test_math_judge_metric_without_a_judge_is_rejected_at_load():
 
 def test_document_bleu_by_hand():
     # Unigrams 5/6, bigrams 3/5, trigrams 2/4, 4-grams 1/3, equal lengths: (1/12) ** (1/4).
-    assert document_bleu("the cat sat on the mat", "the cat sat on a mat") == pytest.approx(12 ** -0.25)
+    assert document_bleu("the cat sat on the mat", "the cat sat on a mat") == pytest.approx(12**-0.25)
     assert document_bleu("same words here", "same words here") == pytest.approx(1.0)
     assert document_bleu("", "same words here") == 0.0
 
@@ -161,7 +169,9 @@ def test_doc_edit_context_shows_the_document_in_a_fence():
 async def test_doc_edit_scores_bleu_of_the_final_document_against_the_reference():
     task = load_task(TaskSpec(name="doc_edit_chat"))
     original = final_document(task.context(5)[0]["content"])
-    right = conversation(task, 5, "Which fixes do you want?", f"Here it is:\n```\n{task.reference(5)}\n```\nAnything else?")
+    right = conversation(
+        task, 5, "Which fixes do you want?", f"Here it is:\n```\n{task.reference(5)}\n```\nAnything else?"
+    )
     unedited = conversation(task, 5, f"```\n{original}\n```")
 
     assert await task.score(5, right) == pytest.approx(1.0)
@@ -186,7 +196,9 @@ async def test_code_chat_scores_the_pass_rate_of_the_last_replys_code():
     task = load_task(TaskSpec(name="code_chat"))
     right = conversation(task, 0, "Should duplicates go?", f"```python\n{task.reference(0)}```")
     # Strips, title-cases and drops empties but keeps duplicates: tests 2 and 4 of 4 pass.
-    keeps_duplicates = "```python\ndef normalize_names(names):\n    return [n.strip().title() for n in names if n.strip()]\n```"
+    keeps_duplicates = (
+        "```python\ndef normalize_names(names):\n    return [n.strip().title() for n in names if n.strip()]\n```"
+    )
     no_code = conversation(task, 0, "I would strip and title-case each name.")
 
     assert await task.score(0, right) == 1.0

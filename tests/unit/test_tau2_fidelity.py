@@ -37,7 +37,8 @@ SAMPLES = {"mock": 9, "airline": 20, "retail": 20}
 ORACLE_SHORT_OF_ONE = {
     "update_task_with_history_and_env_assertions": (
         "lists no expected action, only an end state (task_2 completed) checked by an environment assertion, "
-        "so the oracle, which makes the listed calls, never reaches it"),
+        "so the oracle, which makes the listed calls, never reaches it"
+    ),
 }
 """Tasks where the oracle does not score 1.0, and why."""
 
@@ -72,14 +73,17 @@ class AsksOnceUser:
 def oracle_replies(task) -> list[str]:
     """The expected calls (all in one reply), then one reply saying every expected fact."""
     criteria = task.evaluation_criteria
-    calls = [f'<tool_call>{json.dumps({"name": a.name, "arguments": a.arguments})}</tool_call>'
-             for a in criteria.actions or []]
+    calls = [
+        f"<tool_call>{json.dumps({'name': a.name, 'arguments': a.arguments})}</tool_call>"
+        for a in criteria.actions or []
+    ]
     said = " ".join(f"{info}." for info in criteria.communicate_info or []) or "It is done."
     return ([" ".join(calls)] if calls else []) + [said]
 
 
 def benchmark_evaluate(monkeypatch):
     """`evaluate_simulation`, imported with a litellm that refuses every call."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the benchmark's verdict made an LLM call")
 
@@ -87,9 +91,12 @@ def benchmark_evaluate(monkeypatch):
         def __init__(self, *args, **kwargs):
             refuse()
 
-    for name, attrs in {"litellm": dict(completion=refuse, completion_cost=refuse, disable_cache=lambda: None),
-                        "litellm.caching": {}, "litellm.caching.caching": dict(Cache=Refused),
-                        "litellm.main": dict(ModelResponse=Refused, Usage=Refused)}.items():
+    for name, attrs in {
+        "litellm": dict(completion=refuse, completion_cost=refuse, disable_cache=lambda: None),
+        "litellm.caching": {},
+        "litellm.caching.caching": dict(Cache=Refused),
+        "litellm.main": dict(ModelResponse=Refused, Usage=Refused),
+    }.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, module)
@@ -107,8 +114,14 @@ def chat(real_model):
 
 async def play(task_set: Tau2Task, chat: ChatTokenizer, example: int, replies: list[str], then: str):
     box = ToolBox.of_task(TASK_TOOLS, task_set.tools())
-    runner = EpisodeRunner(ScriptedAgent(chat, replies, then), chat.with_tools(box.schemas()), AsksOnceUser(),
-                           RolloutSpec(max_new_tokens=1024, max_turns=4, max_total_tokens=32768), box, task_set.world)
+    runner = EpisodeRunner(
+        ScriptedAgent(chat, replies, then),
+        chat.with_tools(box.schemas()),
+        AsksOnceUser(),
+        RolloutSpec(max_new_tokens=1024, max_turns=4, max_total_tokens=32768),
+        box,
+        task_set.world,
+    )
     return await runner.run(example, task_set.context(example))
 
 
@@ -117,8 +130,15 @@ def reference(evaluate, task_set: Tau2Task, example: int, episode):
     failed sample (reward 0, the error)."""
     from tau2.data_model.simulation import RewardInfo, SimulationRun
 
-    run = SimulationRun(id="t", task_id=task_set.tasks[example].id, start_time="", end_time="", duration=0.0,
-                        termination_reason="user_stop", messages=task_set.trajectory(example, episode))
+    run = SimulationRun(
+        id="t",
+        task_id=task_set.tasks[example].id,
+        start_time="",
+        end_time="",
+        duration=0.0,
+        termination_reason="user_stop",
+        messages=task_set.trajectory(example, episode),
+    )
     try:
         return evaluate(run, task_set.tasks[example], task_set.domain)
     except Exception as exc:  # noqa: BLE001
@@ -127,18 +147,22 @@ def reference(evaluate, task_set: Tau2Task, example: int, episode):
 
 def checks(info) -> dict:
     """What a verdict found, part by part."""
-    return {"reward": info.reward, "error": (info.info or {}).get("error"),
-            "db": info.db_check and info.db_check.db_match,
-            "actions": [c.action_match for c in info.action_checks or []],
-            "said": [c.met for c in info.communicate_checks or []],
-            "env_assertions": [c.met for c in info.env_assertions or []]}
+    return {
+        "reward": info.reward,
+        "error": (info.info or {}).get("error"),
+        "db": info.db_check and info.db_check.db_match,
+        "actions": [c.action_match for c in info.action_checks or []],
+        "said": [c.met for c in info.communicate_checks or []],
+        "env_assertions": [c.met for c in info.env_assertions or []],
+    }
 
 
 @pytest.mark.parametrize("domain", list(SAMPLES))
 async def test_the_oracle_and_a_do_nothing_agent_get_the_benchmarks_verdict(domain, chat, monkeypatch):
     evaluate = benchmark_evaluate(monkeypatch)
-    task_set = Tau2Task(TaskSpec(name="tau2", domain=domain, split="base" if domain == "mock" else "test",
-                                 num_examples=SAMPLES[domain]))
+    task_set = Tau2Task(
+        TaskSpec(name="tau2", domain=domain, split="base" if domain == "mock" else "test", num_examples=SAMPLES[domain])
+    )
     assert len(task_set) == SAMPLES[domain]
     short, idle_rewards = {}, []
     for example, task in enumerate(task_set.tasks):

@@ -7,35 +7,39 @@ import pytest
 from pydantic import ValidationError
 
 from judge_proxy.stand_in import reply_for
+from rollout.episode import Episode
 from rollout.interactions.llm_user import UserSimulatorError
 from rollout.interactions.role_play import RolePlayUser, swapped
 from rollout.tasks.tau2 import MAX_ERRORS, Tau2Task, termination
 from rollout.tau2_eval import interval, pass_hat_k
 from rollout.tools.box import ToolResult, ToolUsage
-from rollout.episode import Episode
 from services.config import JobSpec, TaskSpec
 
 MODEL = {"path": "/models/m"}
 
 
-@pytest.mark.parametrize("task, tools, error", [
-    ({"name": "tau2"}, None, "task.domain"),
-    ({"name": "clarify", "domain": "mock"}, None, "task.domain"),
-    ({"name": "tau2", "domain": "telecom"}, None, "domain"),
-    ({"name": "tau2", "domain": "mock", "split": "dev"}, None, "split"),
-    ({"name": "tau2", "domain": "mock", "system_prompt": "Be brief."}, None, "brings its own context"),
-    ({"name": "tau2", "domain": "mock", "opening": "simulator"}, None, "brings its own context"),
-    ({"name": "tau2", "domain": "mock"}, {"tools": [{"name": "calc", "kind": "calculator"}]}, "domain's tools"),
-    ({"name": "clarify"}, {"max_calls_per_episode": 3}, "inline tools or a file"),
-])
+@pytest.mark.parametrize(
+    "task, tools, error",
+    [
+        ({"name": "tau2"}, None, "task.domain"),
+        ({"name": "clarify", "domain": "mock"}, None, "task.domain"),
+        ({"name": "tau2", "domain": "telecom"}, None, "domain"),
+        ({"name": "tau2", "domain": "mock", "split": "dev"}, None, "split"),
+        ({"name": "tau2", "domain": "mock", "system_prompt": "Be brief."}, None, "brings its own context"),
+        ({"name": "tau2", "domain": "mock", "opening": "simulator"}, None, "brings its own context"),
+        ({"name": "tau2", "domain": "mock"}, {"tools": [{"name": "calc", "kind": "calculator"}]}, "domain's tools"),
+        ({"name": "clarify"}, {"max_calls_per_episode": 3}, "inline tools or a file"),
+    ],
+)
 def test_a_spec_that_cannot_be_a_tau2_job_is_refused_naming_the_field(task, tools, error):
     with pytest.raises(ValidationError, match=error):
         JobSpec(model=MODEL, task=task, tools=tools)
 
 
 def test_a_tau2_job_may_set_only_the_parser_and_limits_of_its_tools():
-    spec = JobSpec(model=MODEL, task={"name": "tau2", "domain": "airline", "split": "test"},
-                   tools={"max_calls_per_episode": 20})
+    spec = JobSpec(
+        model=MODEL, task={"name": "tau2", "domain": "airline", "split": "test"}, tools={"max_calls_per_episode": 20}
+    )
     assert spec.tools.max_calls_per_episode == 20 and not spec.tools.tools
 
 
@@ -50,20 +54,30 @@ def test_the_mock_split_holds_out_one_task_of_each_kind():
 
 
 def episode_of(task: Tau2Task, example: int, end: str, failures: int = 0) -> Episode:
-    episode = Episode(task.context(example) + [{"role": "user", "content": "hi"},
-                                               {"role": "assistant", "content": "Done."}], [1], end=end)
-    episode.tool_use = ToolUsage(world=task.world(example),
-                                 results=[ToolResult(None, "error", "malformed") for _ in range(failures)])
+    episode = Episode(
+        task.context(example) + [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Done."}],
+        [1],
+        end=end,
+    )
+    episode.tool_use = ToolUsage(
+        world=task.world(example), results=[ToolResult(None, "error", "malformed") for _ in range(failures)]
+    )
     return episode
 
 
-@pytest.mark.parametrize("end, failures, reason", [
-    ("user_ended", 0, "user_stop"), ("max_turns", 0, "max_steps"), ("max_tokens", 0, "max_steps"),
-    ("truncated", 0, "agent_error"), ("user_ended", MAX_ERRORS, "too_many_errors"),
-])
+@pytest.mark.parametrize(
+    "end, failures, reason",
+    [
+        ("user_ended", 0, "user_stop"),
+        ("max_turns", 0, "max_steps"),
+        ("max_tokens", 0, "max_steps"),
+        ("truncated", 0, "agent_error"),
+        ("user_ended", MAX_ERRORS, "too_many_errors"),
+    ],
+)
 def test_only_a_conversation_the_user_ended_is_judged_on_its_merits(end, failures, reason):
     task = mock()
-    nothing_expected = [t.id for t in task.tasks].index("create_task_1_nl_eval")   # passes if judged at all
+    nothing_expected = [t.id for t in task.tasks].index("create_task_1_nl_eval")  # passes if judged at all
     episode = episode_of(task, nothing_expected, end, failures)
     assert termination(episode) == reason
     assert task.verdict(nothing_expected, episode).reward == (1.0 if reason == "user_stop" else 0.0)
@@ -98,17 +112,22 @@ class Client:
         return type("Result", (), {"content": self.replies.pop(0)})()
 
 
-CONVERSATION = [{"role": "system", "content": "policy"}, {"role": "assistant", "content": "Hi!"},
-                {"role": "user", "content": "My order is late."},
-                {"role": "assistant", "content": '<tool_call>{"name": "get_order"}</tool_call>'},
-                {"role": "tool", "content": '{"status": "shipped"}'},
-                {"role": "assistant", "content": "It shipped yesterday."}]
+CONVERSATION = [
+    {"role": "system", "content": "policy"},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "My order is late."},
+    {"role": "assistant", "content": '<tool_call>{"name": "get_order"}</tool_call>'},
+    {"role": "tool", "content": '{"status": "shipped"}'},
+    {"role": "assistant", "content": "It shipped yesterday."},
+]
 
 
 def test_the_role_played_user_sees_only_what_the_user_saw_with_roles_swapped():
-    assert swapped(CONVERSATION) == [{"role": "user", "content": "Hi!"},
-                                     {"role": "assistant", "content": "My order is late."},
-                                     {"role": "user", "content": "It shipped yesterday."}]
+    assert swapped(CONVERSATION) == [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "My order is late."},
+        {"role": "user", "content": "It shipped yesterday."},
+    ]
 
 
 async def test_the_role_played_user_ends_on_a_stop_marker_and_retries_a_blank_reply_once():
@@ -116,8 +135,10 @@ async def test_the_role_played_user_ends_on_a_stop_marker_and_retries_a_blank_re
     user = RolePlayUser(client, lambda example: f"brief {example}", ("###STOP###",), "sim")
     assert await user.respond(3, CONVERSATION, "t/1") is None
     assert client.prompts[0][0] == {"role": "system", "content": "brief 3"}
-    assert await RolePlayUser(Client("  ", "Where is it?"), str, ("###STOP###",), "sim").respond(0, CONVERSATION) \
+    assert (
+        await RolePlayUser(Client("  ", "Where is it?"), str, ("###STOP###",), "sim").respond(0, CONVERSATION)
         == "Where is it?"
+    )
     with pytest.raises(UserSimulatorError):
         await RolePlayUser(Client("", ""), str, ("###STOP###",), "sim").respond(0, CONVERSATION)
 
@@ -127,8 +148,10 @@ def test_the_stand_in_plays_a_briefed_user_asking_then_stopping():
     brief = [{"role": "system", "content": task.brief(0)}, {"role": "user", "content": "Hi! How can I help?"}]
     request = reply_for(brief)
     assert "Important Meeting" in request and "###" not in request
-    assert reply_for(brief + [{"role": "assistant", "content": request},
-                              {"role": "user", "content": "Done."}]) == "###STOP###"
+    assert (
+        reply_for(brief + [{"role": "assistant", "content": request}, {"role": "user", "content": "Done."}])
+        == "###STOP###"
+    )
 
 
 def test_pass_hat_k_is_the_chance_that_k_trials_all_succeed_averaged_over_tasks():
@@ -158,20 +181,31 @@ async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that
     box = ToolBox.of_task(TASK_TOOLS, task.tools())
     usage = ToolUsage(world=task.world(0))
     before = usage.world.environment.get_db_hash()
-    results = await box.run(Parsed(calls=[
-        ToolCall("update_task_status", {"task_id": "task_999", "status": "completed"}),   # no such task
-        ToolCall("create_task", {"user_id": 5, "title": ["not", "a", "title"]}),          # wrong types
-        ToolCall("drop_database", {}),                                                      # no such tool
-    ]), usage)
+    results = await box.run(
+        Parsed(
+            calls=[
+                ToolCall("update_task_status", {"task_id": "task_999", "status": "completed"}),  # no such task
+                ToolCall("create_task", {"user_id": 5, "title": ["not", "a", "title"]}),  # wrong types
+                ToolCall("drop_database", {}),  # no such tool
+            ]
+        ),
+        usage,
+    )
     assert [r.failure for r in results] == ["tool_error", "bad_arguments", "unknown_tool"]
     assert results[0].content.startswith("error: ") and "task_999" in results[0].content
     assert len(usage.world.calls) == 1 and usage.world.environment.get_db_hash() == before
 
 
-@pytest.mark.parametrize("argv", [
-    ["--trials", "0"], ["--concurrency", "0"], ["--domains", "telecom"], ["--domains", "mock,../etc"],
-    ["--num-tasks", "-1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--trials", "0"],
+        ["--concurrency", "0"],
+        ["--domains", "telecom"],
+        ["--domains", "mock,../etc"],
+        ["--num-tasks", "-1"],
+    ],
+)
 def test_tandem_eval_refuses_arguments_it_cannot_run_with(argv, capsys):
     from tandem.cli import build_parser
 

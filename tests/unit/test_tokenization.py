@@ -11,8 +11,8 @@ import pytest
 
 from rollout.tasks import clarify
 from rollout.tools.calculator import Calculator
-from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 from services.tokenization import ChatTokenizer, TokenizationMismatch
+from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 
 CHATML_WITH_SYSTEM = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
@@ -46,7 +46,7 @@ MARKS_LAST_TURN = (
 _TOOLS_SYSTEM = (
     "{% if tools %}<|im_start|>system\nYou are helpful.\n\n# Tools\n\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "Call one as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    'Call one as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     "<|im_end|>\n{% endif %}"
 )
 _TOOL_AS_USER = (
@@ -75,10 +75,22 @@ CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|finetune_pad|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 TOOLS = [Calculator().schema()]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "4821 * 397"}}</tool_call>'
-CORPUS = clarify.corpus() + ["You are helpful.", "<think>the user was vague</think>", "latest"] + [
-    CALL, "<tool_response>\n1913937\n</tool_response>", "The answer is 1913937.", "<think>too big to do by heart</think>",
-    "# Tools", "<tools>", json.dumps(TOOLS[0]), "Tools:", "- calculator(expression): " + Calculator().description,
-    '{"name": <function-name>, "arguments": <args-json-object>}']
+CORPUS = (
+    clarify.corpus()
+    + ["You are helpful.", "<think>the user was vague</think>", "latest"]
+    + [
+        CALL,
+        "<tool_response>\n1913937\n</tool_response>",
+        "The answer is 1913937.",
+        "<think>too big to do by heart</think>",
+        "# Tools",
+        "<tools>",
+        json.dumps(TOOLS[0]),
+        "Tools:",
+        "- calculator(expression): " + Calculator().description,
+        '{"name": <function-name>, "arguments": <args-json-object>}',
+    ]
+)
 
 TEMPLATES = {
     "chatml": (CHATML_WITH_SYSTEM, CHATML_SPECIALS, "<|im_end|>"),
@@ -99,10 +111,12 @@ def chat(name: str, mode: str = "strict", tools: list[dict] | None = None) -> Ch
 def conversation(think: bool = False) -> list[dict]:
     example = clarify.ClarifyExample("fruit", "mango", 0)
     first = ("<think>the user was vague</think>\n" if think else "") + clarify.question("fruit")
-    return [{"role": "user", "content": clarify.request(example)},
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": clarify.clarification("mango")},
-            {"role": "assistant", "content": clarify.answer("fruit", "mango")}]
+    return [
+        {"role": "user", "content": clarify.request(example)},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": clarify.clarification("mango")},
+        {"role": "assistant", "content": clarify.answer("fruit", "mango")},
+    ]
 
 
 def tool_conversation(think: bool = False) -> list[dict]:
@@ -110,15 +124,17 @@ def tool_conversation(think: bool = False) -> list[dict]:
     follow-up answered at once; `think` opens every reply with reasoning."""
     thought = "<think>too big to do by heart</think>\n" if think else ""
     two_calls = CALL + "\n" + CALL.replace("4821 * 397", "1913937 + 1")
-    return [{"role": "user", "content": "What is 4821 * 397?"},
-            {"role": "assistant", "content": thought + CALL},
-            {"role": "tool", "name": "calculator", "content": "1913937"},
-            {"role": "assistant", "content": thought + two_calls},
-            {"role": "tool", "name": "calculator", "content": "1913937"},
-            {"role": "tool", "name": "calculator", "content": "1913938"},
-            {"role": "assistant", "content": thought + "The answer is 1913937."},
-            {"role": "user", "content": "Thanks."},
-            {"role": "assistant", "content": thought + "You are welcome."}]
+    return [
+        {"role": "user", "content": "What is 4821 * 397?"},
+        {"role": "assistant", "content": thought + CALL},
+        {"role": "tool", "name": "calculator", "content": "1913937"},
+        {"role": "assistant", "content": thought + two_calls},
+        {"role": "tool", "name": "calculator", "content": "1913937"},
+        {"role": "tool", "name": "calculator", "content": "1913938"},
+        {"role": "assistant", "content": thought + "The answer is 1913937."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": thought + "You are welcome."},
+    ]
 
 
 def episode_tokens(tok: ChatTokenizer, messages: list[dict]) -> list[int]:
@@ -130,7 +146,7 @@ def episode_tokens(tok: ChatTokenizer, messages: list[dict]) -> list[int]:
     for i, following in zip(replies, replies[1:] + [len(messages)]):
         tokens += tok.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [tok.eot_id]
         if i + 1 < following:
-            tokens += tok.delta(messages[i + 1:following])
+            tokens += tok.delta(messages[i + 1 : following])
     return tokens
 
 
@@ -176,8 +192,8 @@ def test_a_non_canonical_segmentation_of_the_policys_text_passes_strict():
     word = tok.tokenizer.encode(" mango", add_special_tokens=False)
     letters = [t for ch in " mango" for t in tok.tokenizer.encode(ch, add_special_tokens=False)]
     assert word != letters
-    at = max(i for i in range(len(canonical)) if canonical[i:i + len(word)] == word)  # in the final answer
-    spelled = canonical[:at] + letters + canonical[at + len(word):]
+    at = max(i for i in range(len(canonical)) if canonical[i : i + len(word)] == word)  # in the final answer
+    spelled = canonical[:at] + letters + canonical[at + len(word) :]
 
     tok.check(spelled, messages)  # the model's own segmentation is never re-tokenized
 
@@ -206,9 +222,11 @@ def test_the_tiny_template_shows_the_tools_and_gives_a_tool_result_its_own_turn(
     assert decode(tok.prompt(tool_conversation()[:1])) == (
         "<|im_start|>system\nTools:\n- calculator(expression): " + Calculator().description + "\n"
         'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
-        "<|im_start|>user\nWhat is 4821 * 397?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 4821 * 397?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert decode(tok.delta([{"role": "tool", "name": "calculator", "content": "1913937"}])) == (
-        "\n<|im_start|>tool\n1913937<|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>tool\n1913937<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert not decode(chat("tiny").prompt(tool_conversation()[:1])).startswith("<|im_start|>system")
 
 
@@ -218,7 +236,8 @@ def test_qwen25_style_consecutive_tool_messages_share_one_user_turn():
 
     assert tok.tokenizer.decode(delta) == (
         "\n<|im_start|>user\n<tool_response>\n1913937\n</tool_response>"
-        "\n<tool_response>\n1913938\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<tool_response>\n1913938\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_qwen3_style_think_dropping_with_tool_messages_needs_ignore_strippable():
@@ -247,8 +266,14 @@ def test_a_template_that_ignores_tools_gets_them_in_its_system_turn_in_every_ren
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model)
-    schema = {"type": "function", "function": {"name": "lookup", "description": "Find an order.",
-                                               "parameters": {"type": "object", "properties": {}}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Find an order.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
     plain = ChatTokenizer(tokenizer)
     chat = plain.with_tools([schema])
     context = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my order?"}]
@@ -260,6 +285,9 @@ def test_a_template_that_ignores_tools_gets_them_in_its_system_turn_in_every_ren
     result = [{"role": "tool", "name": "lookup", "content": "shipped"}]
     answer = tokenizer.encode("It shipped.", add_special_tokens=False)
     tokens = chat.prompt(context) + reply + [chat.eot_id] + chat.delta(result) + answer + [chat.eot_id]
-    messages = context + [{"role": "assistant", "content": tokenizer.decode(reply)}, *result,
-                          {"role": "assistant", "content": "It shipped."}]
-    chat.check(tokens, messages)   # raises on a mismatch
+    messages = context + [
+        {"role": "assistant", "content": tokenizer.decode(reply)},
+        *result,
+        {"role": "assistant", "content": "It shipped."},
+    ]
+    chat.check(tokens, messages)  # raises on a mismatch

@@ -28,11 +28,14 @@ def best_time_s(parse, text: str, repeats: int = 5) -> float:
     return min(times)
 
 
-@pytest.mark.parametrize("parse, make", [
-    (parse_hermes, unclosed_openers),
-    (parse_hermes, lambda n: "<tool_call>" + "[" * (n - 23) + "</tool_call>"),
-    (parse_llama3, lambda n: '{"name": "f", "parameters": {}};' * (n // 33) + "{"),
-])
+@pytest.mark.parametrize(
+    "parse, make",
+    [
+        (parse_hermes, unclosed_openers),
+        (parse_hermes, lambda n: "<tool_call>" + "[" * (n - 23) + "</tool_call>"),
+        (parse_llama3, lambda n: '{"name": "f", "parameters": {}};' * (n // 33) + "{"),
+    ],
+)
 def test_parsing_time_grows_linearly_with_an_adversarial_reply(parse, make):
     small, large = best_time_s(parse, make(44_000)), best_time_s(parse, make(88_000))
 
@@ -48,11 +51,14 @@ def test_unclosed_openers_after_closed_calls_are_one_malformed_call_from_the_fir
     assert parsed.malformed[-1].text == "<tool_call>" * 6
 
 
-@pytest.mark.parametrize("parse, text, malformed", [
-    (parse_hermes, "<tool_call>" + "[" * 100_000 + "</tool_call>", "[" * 100_000),
-    (parse_llama3, "[" * 100_000, "[" * 100_000),
-    (parse_llama3, '{"name": "f", "parameters": {}}; ' + "[" * 100_000, "[" * 100_000),
-])
+@pytest.mark.parametrize(
+    "parse, text, malformed",
+    [
+        (parse_hermes, "<tool_call>" + "[" * 100_000 + "</tool_call>", "[" * 100_000),
+        (parse_llama3, "[" * 100_000, "[" * 100_000),
+        (parse_llama3, '{"name": "f", "parameters": {}}; ' + "[" * 100_000, "[" * 100_000),
+    ],
+)
 def test_json_nested_deeper_than_the_decoder_goes_is_a_malformed_call_not_an_error(parse, text, malformed):
     parsed = parse(text)
 

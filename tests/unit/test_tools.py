@@ -25,6 +25,7 @@ def hermes_call(name: str, arguments) -> str:
 
 # Parsers: hermes.
 
+
 def test_hermes_reads_one_call_with_text_around_it():
     parsed = parse_hermes("Let me compute. " + hermes_call("calculator", {"expression": "2 + 2"}) + " Done.")
 
@@ -33,19 +34,29 @@ def test_hermes_reads_one_call_with_text_around_it():
 
 
 def test_hermes_reads_two_calls_in_the_replys_order():
-    reply = ("First " + hermes_call("search", {"query": "ferry"}) + "\nthen\n"
-             + hermes_call("calculator", {"expression": "40 / 12"}) + "\nthat is all")
+    reply = (
+        "First "
+        + hermes_call("search", {"query": "ferry"})
+        + "\nthen\n"
+        + hermes_call("calculator", {"expression": "40 / 12"})
+        + "\nthat is all"
+    )
 
-    assert parse_hermes(reply).calls == [ToolCall("search", {"query": "ferry"}),
-                                         ToolCall("calculator", {"expression": "40 / 12"})]
+    assert parse_hermes(reply).calls == [
+        ToolCall("search", {"query": "ferry"}),
+        ToolCall("calculator", {"expression": "40 / 12"}),
+    ]
 
 
 def test_hermes_invalid_json_inside_a_block_is_malformed_with_the_json_error():
     parsed = parse_hermes('<tool_call>{"name": "calculator", arguments: {}}</tool_call>')
 
     assert parsed.calls == []
-    assert parsed.malformed == [Malformed('{"name": "calculator", arguments: {}}',
-                                          "invalid JSON (Expecting property name enclosed in double quotes)")]
+    assert parsed.malformed == [
+        Malformed(
+            '{"name": "calculator", arguments: {}}', "invalid JSON (Expecting property name enclosed in double quotes)"
+        )
+    ]
     assert parsed  # the turn goes on: the model hears why
 
 
@@ -62,8 +73,9 @@ def test_hermes_accepts_arguments_sent_as_a_json_string_holding_an_object():
     assert parsed.calls == [ToolCall("calculator", {"expression": "3 * 3"})]
 
 
-@pytest.mark.parametrize("body", ['{"arguments": {}}', '{"name": 7, "arguments": {}}', '{"name": "", "arguments": {}}',
-                                  '["calculator"]'])
+@pytest.mark.parametrize(
+    "body", ['{"arguments": {}}', '{"name": 7, "arguments": {}}', '{"name": "", "arguments": {}}', '["calculator"]']
+)
 def test_hermes_a_call_without_a_string_name_is_malformed(body):
     parsed = parse_hermes(f"<tool_call>{body}</tool_call>")
 
@@ -85,6 +97,7 @@ def test_plain_text_has_no_calls():
 
 
 # Parsers: llama3.
+
 
 def test_llama3_reads_one_object_with_parameters():
     parsed = parse_llama3('{"name": "calculator", "parameters": {"expression": "4821 * 397"}}')
@@ -124,44 +137,52 @@ def test_llama3_broken_json_that_starts_like_a_call_is_malformed():
 
 # Calculator.
 
-@pytest.mark.parametrize(("expression", "shown"), [
-    ("4821 * 397", "1913937"),
-    ("2 + 3 * 4", "14"),
-    ("(2 + 3) * 4", "20"),
-    ("2 ** 10", "1024"),
-    ("2 ^ 10", "1024"),  # the caret people write for powers
-    ("7 / 2", "3.5"),
-    ("10 / 5", "2"),  # a whole float without ".0"
-    ("0.1 + 0.2", "0.3"),  # 12 significant digits, not 0.30000000000000004
-    ("1 / 3", "0.333333333333"),
-    ("-7 // 2", "-4"),
-    ("17 % 5", "2"),
-    ("-(3 - 5) * 2", "4"),
-])
+
+@pytest.mark.parametrize(
+    ("expression", "shown"),
+    [
+        ("4821 * 397", "1913937"),
+        ("2 + 3 * 4", "14"),
+        ("(2 + 3) * 4", "20"),
+        ("2 ** 10", "1024"),
+        ("2 ^ 10", "1024"),  # the caret people write for powers
+        ("7 / 2", "3.5"),
+        ("10 / 5", "2"),  # a whole float without ".0"
+        ("0.1 + 0.2", "0.3"),  # 12 significant digits, not 0.30000000000000004
+        ("1 / 3", "0.333333333333"),
+        ("-7 // 2", "-4"),
+        ("17 % 5", "2"),
+        ("-(3 - 5) * 2", "4"),
+    ],
+)
 def test_the_calculator_computes_and_formats(expression, shown):
     assert format_number(evaluate(expression)) == shown
 
 
-@pytest.mark.parametrize(("expression", "message"), [
-    ("1 / 0", "division by zero"),
-    ("5 % 0", "division by zero"),
-    ("__import__('os')", "unsupported in an arithmetic expression"),
-    ("abs(-3)", "unsupported in an arithmetic expression: 'abs(-3)'"),
-    ("(1).real", "unsupported in an arithmetic expression"),
-    ("x + 1", "unsupported in an arithmetic expression: 'x'"),
-    ("'a' * 3", "unsupported in an arithmetic expression"),
-    ("9 ** 9999", "exponent above 1000"),
-    ("(2 ** 1000) ** 1000", "result longer than 4000 digits"),
-    ("10.0 ** 400", "result too large"),
-    ("1 +", "not an arithmetic expression"),
-    ("1" * (MAX_EXPRESSION_CHARS + 1), "expression longer than 500 characters"),
-])
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("__import__('os')", "unsupported in an arithmetic expression"),
+        ("abs(-3)", "unsupported in an arithmetic expression: 'abs(-3)'"),
+        ("(1).real", "unsupported in an arithmetic expression"),
+        ("x + 1", "unsupported in an arithmetic expression: 'x'"),
+        ("'a' * 3", "unsupported in an arithmetic expression"),
+        ("9 ** 9999", "exponent above 1000"),
+        ("(2 ** 1000) ** 1000", "result longer than 4000 digits"),
+        ("10.0 ** 400", "result too large"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * (MAX_EXPRESSION_CHARS + 1), "expression longer than 500 characters"),
+    ],
+)
 def test_the_calculator_refuses_with_a_tool_error(expression, message):
     with pytest.raises(ToolError, match=message.replace("(", r"\(").replace(")", r"\)")):
         evaluate(expression)
 
 
 # The tool box, with fake tools.
+
 
 class Sleeper:
     """Sleeps, then echoes `text`; counts its own calls in flight."""
@@ -174,8 +195,9 @@ class Sleeper:
         self.closed = False
 
     def schema(self) -> dict:
-        return function_schema(self.name, "Sleep, then echo.",
-                               {"text": {"type": "string"}, "times": {"type": "integer"}}, ["text"])
+        return function_schema(
+            self.name, "Sleep, then echo.", {"text": {"type": "string"}, "times": {"type": "integer"}}, ["text"]
+        )
 
     async def call(self, arguments: dict) -> str:
         self.in_flight += 1
@@ -203,8 +225,9 @@ class Breaks(Sleeper):
 def tool_box(*tools, max_calls_per_episode: int = 8, **limits) -> ToolBox:
     """A box over `tools`, each with the same ToolSpec limits (the kind is only a label)."""
     specs = {t.name: ToolSpec(name=t.name, kind="calculator", **limits) for t in tools}
-    return ToolBox(ToolsSpec(tools=list(specs.values()), max_calls_per_episode=max_calls_per_episode),
-                   list(tools), specs)
+    return ToolBox(
+        ToolsSpec(tools=list(specs.values()), max_calls_per_episode=max_calls_per_episode), list(tools), specs
+    )
 
 
 def calls(*calls: ToolCall) -> Parsed:
@@ -235,13 +258,18 @@ async def test_an_unknown_tool_is_refused_with_the_list_of_tools():
     assert usage.calls == {}  # not run, so no limit is spent
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    ({}, "error: bad arguments for sleep: arguments: 'text' is a required property"),
-    ({"text": 5}, "error: bad arguments for sleep: text: 5 is not of type 'string'"),
-    ({"text": "a", "times": "2"}, "error: bad arguments for sleep: times: '2' is not of type 'integer'"),
-    ({"text": "a", "loud": True}, "error: bad arguments for sleep: arguments: Additional properties are not "
-                                  "allowed ('loud' was unexpected)"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({}, "error: bad arguments for sleep: arguments: 'text' is a required property"),
+        ({"text": 5}, "error: bad arguments for sleep: text: 5 is not of type 'string'"),
+        ({"text": "a", "times": "2"}, "error: bad arguments for sleep: times: '2' is not of type 'integer'"),
+        (
+            {"text": "a", "loud": True},
+            "error: bad arguments for sleep: arguments: Additional properties are not allowed ('loud' was unexpected)",
+        ),
+    ],
+)
 async def test_arguments_the_schema_rejects_are_refused_naming_the_field(arguments, message):
     tool = Sleeper()
     [result] = await tool_box(tool).run(calls(ToolCall("sleep", arguments)), ToolUsage())
@@ -272,7 +300,8 @@ async def test_calls_over_max_calls_per_episode_are_refused_whatever_the_tool():
 
     refused = [r for r in results if r.failure]
     assert [(r.call.name, r.failure, r.content) for r in refused] == [
-        ("b", "call_limit", "error: at most 3 tool calls per conversation")]
+        ("b", "call_limit", "error: at most 3 tool calls per conversation")
+    ]
     assert usage.calls == {"a": 2, "b": 1}
     assert usage.total == 4
 
@@ -309,7 +338,8 @@ async def test_unreadable_calls_are_reported_as_malformed_and_counted():
 
     malformed = [r for r in results if r.failure == "malformed"]
     assert [(r.call, r.content) for r in malformed] == [
-        (None, "error: could not read the tool call (invalid JSON (Expecting value))")]
+        (None, "error: could not read the tool call (invalid JSON (Expecting value))")
+    ]
     assert usage.failures() == {"malformed": 1}
     assert (usage.total, usage.succeeded) == (2, 1)
 
@@ -319,8 +349,9 @@ async def test_a_burst_from_many_episodes_never_runs_more_than_max_concurrency_c
     box = tool_box(tool, max_concurrency=3)
     usages = [ToolUsage() for _ in range(10)]
 
-    replies = await asyncio.gather(*(box.run(calls(echo(f"{i}a"), echo(f"{i}b")), usage)
-                                     for i, usage in enumerate(usages)))
+    replies = await asyncio.gather(
+        *(box.run(calls(echo(f"{i}a"), echo(f"{i}b")), usage) for i, usage in enumerate(usages))
+    )
 
     assert [[r.content for r in results] for results in replies] == [[f"{i}a", f"{i}b"] for i in range(10)]
     assert all(r.ok for results in replies for r in results)
@@ -331,13 +362,22 @@ async def test_a_burst_from_many_episodes_never_runs_more_than_max_concurrency_c
 
 def test_usage_metrics_count_calls_success_and_failures_by_reason():
     call = echo()
-    usage = ToolUsage(results=[ToolResult(call, "hi"), ToolResult(call, "hi"),
-                               ToolResult(None, "error", "malformed"), ToolResult(call, "error", "timeout")])
+    usage = ToolUsage(
+        results=[
+            ToolResult(call, "hi"),
+            ToolResult(call, "hi"),
+            ToolResult(None, "error", "malformed"),
+            ToolResult(call, "error", "timeout"),
+        ]
+    )
 
     assert usage_metrics(usage) == {
-        "tool_calls": 4.0, "tool_used": 1.0, "tool_success_ratio": 0.5,
+        "tool_calls": 4.0,
+        "tool_used": 1.0,
+        "tool_success_ratio": 0.5,
         **{f"tool_failed_{reason}": 0.0 for reason in FAILURES},
-        "tool_failed_malformed": 1.0, "tool_failed_timeout": 1.0,
+        "tool_failed_malformed": 1.0,
+        "tool_failed_timeout": 1.0,
     }
 
 
@@ -367,15 +407,19 @@ async def test_close_closes_every_tool_even_after_one_fails():
 
 # The tool box with the real built-in tools.
 
+
 async def test_open_builds_the_calculator_and_the_python_tool_and_runs_them():
-    spec = ToolsSpec(tools=[ToolSpec(name="calculator", kind="calculator"),
-                            ToolSpec(name="python", kind="python", timeout_s=20)])
+    spec = ToolsSpec(
+        tools=[ToolSpec(name="calculator", kind="calculator"), ToolSpec(name="python", kind="python", timeout_s=20)]
+    )
     box = await ToolBox.open(spec)
     try:
         assert [s["function"]["name"] for s in box.schemas()] == ["calculator", "python"]
-        reply = (hermes_call("calculator", {"expression": "4821 * 397"})
-                 + hermes_call("python", {"code": "for i in range(3):\n    print(i * i)"})
-                 + hermes_call("python", {"code": "print('before')\nraise ValueError('no such row')"}))
+        reply = (
+            hermes_call("calculator", {"expression": "4821 * 397"})
+            + hermes_call("python", {"code": "for i in range(3):\n    print(i * i)"})
+            + hermes_call("python", {"code": "print('before')\nraise ValueError('no such row')"})
+        )
 
         results = await box.run(box.parse(reply), ToolUsage())
 
@@ -411,17 +455,21 @@ async def test_open_adds_the_tools_of_the_spec_file(tmp_path):
 
 # The tools section of the job spec.
 
+
 def job(tools: dict) -> JobSpec:
     return JobSpec.model_validate({"model": {"path": "models/tiny"}, "tools": tools})
 
 
-@pytest.mark.parametrize(("tools", "loc"), [
-    ({"tools": [{"name": "abacus", "kind": "abacus"}]}, ("tools", "tools", 0, "kind")),
-    ({"parser": "xml", "tools": [{"name": "calc", "kind": "calculator"}]}, ("tools", "parser")),
-    ({"tools": [{"name": "calc", "kind": "calculator", "max_calls": 0}]}, ("tools", "tools", 0, "max_calls")),
-    ({"tools": [{"name": "two words", "kind": "calculator"}]}, ("tools", "tools", 0, "name")),
-    ({"tools": [{"name": "calc", "kind": "mcp"}]}, ("tools", "tools", 0)),
-])
+@pytest.mark.parametrize(
+    ("tools", "loc"),
+    [
+        ({"tools": [{"name": "abacus", "kind": "abacus"}]}, ("tools", "tools", 0, "kind")),
+        ({"parser": "xml", "tools": [{"name": "calc", "kind": "calculator"}]}, ("tools", "parser")),
+        ({"tools": [{"name": "calc", "kind": "calculator", "max_calls": 0}]}, ("tools", "tools", 0, "max_calls")),
+        ({"tools": [{"name": "two words", "kind": "calculator"}]}, ("tools", "tools", 0, "name")),
+        ({"tools": [{"name": "calc", "kind": "mcp"}]}, ("tools", "tools", 0)),
+    ],
+)
 def test_a_bad_tools_section_is_rejected_naming_the_field(tools, loc):
     with pytest.raises(ValidationError) as caught:
         job(tools)
@@ -456,11 +504,14 @@ def test_resolved_adds_the_files_tools_to_the_inline_ones(tmp_path):
     assert ToolsSpec(tools=spec.tools).resolved() == ToolsSpec(tools=spec.tools)
 
 
-@pytest.mark.parametrize("text", [
-    "tools:\n  - name: calc\n    kind: abacus\n",  # a bad tool
-    "tools:\n  - name: calculator\n    kind: calculator\n",  # repeats an inline name
-    "tools: calc\n",  # not a list
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tools:\n  - name: calc\n    kind: abacus\n",  # a bad tool
+        "tools:\n  - name: calculator\n    kind: calculator\n",  # repeats an inline name
+        "tools: calc\n",  # not a list
+    ],
+)
 def test_resolved_rejects_a_bad_file_naming_tools_file(tmp_path, text):
     path = tmp_path / "tools.yaml"
     path.write_text(text)
@@ -485,11 +536,15 @@ async def test_results_come_in_the_replys_order_refused_calls_in_their_place():
 
 
 def test_llama3_a_semicolon_inside_a_string_argument_does_not_split_the_call():
-    parsed = parse_llama3('{"name": "python", "parameters": {"code": "a = 1; print(a)"}}; '
-                          '{"name": "calculator", "parameters": {"expression": "2*3"}}')
+    parsed = parse_llama3(
+        '{"name": "python", "parameters": {"code": "a = 1; print(a)"}}; '
+        '{"name": "calculator", "parameters": {"expression": "2*3"}}'
+    )
 
-    assert parsed.calls == [ToolCall("python", {"code": "a = 1; print(a)"}),
-                            ToolCall("calculator", {"expression": "2*3"})]
+    assert parsed.calls == [
+        ToolCall("python", {"code": "a = 1; print(a)"}),
+        ToolCall("calculator", {"expression": "2*3"}),
+    ]
     assert not parsed.malformed
 
 

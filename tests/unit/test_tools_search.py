@@ -23,16 +23,19 @@ def write_jsonl(path, rows: list) -> str:
 
 def hit_ids(reply: str) -> list[str]:
     """The ids of the hits in a reply, in order: each line starts with `[id]`."""
-    return [line[1:line.index("]")] for line in reply.splitlines()]
+    return [line[1 : line.index("]")] for line in reply.splitlines()]
 
 
-@pytest.mark.parametrize(("query", "expected_id"), [
-    ("How tall is the clock tower in Brindlemoor?", "d03"),
-    ("Who is the mayor of Brindlemoor", "d04"),
-    ("how many metres in a nautical mile", "d16"),
-    ("how many centimetres in an inch", "d14"),
-    ("speed of sound in air", "d27"),
-])
+@pytest.mark.parametrize(
+    ("query", "expected_id"),
+    [
+        ("How tall is the clock tower in Brindlemoor?", "d03"),
+        ("Who is the mayor of Brindlemoor", "d04"),
+        ("how many metres in a nautical mile", "d16"),
+        ("how many centimetres in an inch", "d14"),
+        ("speed of sound in air", "d27"),
+    ],
+)
 async def test_a_question_finds_the_document_holding_its_answer_first(query, expected_id):
     reply = await search_tool().call({"query": query})
 
@@ -42,8 +45,10 @@ async def test_a_question_finds_the_document_holding_its_answer_first(query, exp
 async def test_a_hit_reads_as_id_title_and_text_on_one_line():
     reply = await search_tool(top_k=1).call({"query": "ferry Hollin Cross"})
 
-    assert reply == ("[d07] Brindlemoor ferry: A ferry crosses the river Asket from Brindlemoor to the village "
-                     "of Hollin Cross every 40 minutes; the crossing takes 12 minutes.")
+    assert reply == (
+        "[d07] Brindlemoor ferry: A ferry crosses the river Asket from Brindlemoor to the village "
+        "of Hollin Cross every 40 minutes; the crossing takes 12 minutes."
+    )
 
 
 async def test_top_k_caps_the_hits_and_only_documents_sharing_a_word_count():
@@ -67,11 +72,14 @@ async def test_an_empty_query_is_a_tool_error(query):
 
 async def test_a_given_data_file_replaces_the_fixture_and_long_texts_are_cut(tmp_path):
     long_text = "Otters hold hands while sleeping. " * 30
-    data = write_jsonl(tmp_path / "docs.jsonl", [
-        {"id": "a", "title": "Otters", "text": long_text, "source": "notes"},
-        "",
-        {"id": "b", "title": "Badgers", "text": "Badgers dig setts."},
-    ])
+    data = write_jsonl(
+        tmp_path / "docs.jsonl",
+        [
+            {"id": "a", "title": "Otters", "text": long_text, "source": "notes"},
+            "",
+            {"id": "b", "title": "Badgers", "text": "Badgers dig setts."},
+        ],
+    )
     tool = search_tool(data=data, top_k=10)
 
     reply = await tool.call({"query": "otters sleeping"})
@@ -84,13 +92,16 @@ async def test_a_given_data_file_replaces_the_fixture_and_long_texts_are_cut(tmp
         await tool.call({"query": "clock tower"})  # a fixture document, not in this file
 
 
-@pytest.mark.parametrize(("bad_line", "complaint"), [
-    ('{"id": "b", "title": "Badgers"', "not valid JSON"),
-    ('["b", "Badgers", "Badgers dig setts."]', "expected an object"),
-    ('{"id": "b", "text": "Badgers dig setts."}', "missing 'title'"),
-    ('{"id": 2, "title": "Badgers", "text": "Badgers dig setts."}', "'id' must be a string"),
-    ('{"id": "a", "title": "Badgers", "text": "Badgers dig setts."}', "id 'a' repeats"),
-])
+@pytest.mark.parametrize(
+    ("bad_line", "complaint"),
+    [
+        ('{"id": "b", "title": "Badgers"', "not valid JSON"),
+        ('["b", "Badgers", "Badgers dig setts."]', "expected an object"),
+        ('{"id": "b", "text": "Badgers dig setts."}', "missing 'title'"),
+        ('{"id": 2, "title": "Badgers", "text": "Badgers dig setts."}', "'id' must be a string"),
+        ('{"id": "a", "title": "Badgers", "text": "Badgers dig setts."}', "id 'a' repeats"),
+    ],
+)
 def test_a_bad_line_is_rejected_naming_the_file_the_line_and_the_fault(tmp_path, bad_line, complaint):
     data = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "title": "Otters", "text": "Otters swim."}, bad_line])
 

@@ -53,11 +53,22 @@ class Policy:
 
 
 def job(window: int) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "vs-trl", "model": {"path": "unused"},
-        "task": {"name": "clarify", "user": "llm", "num_examples": 8},
-        "reward": {"mode": "multiturn", "window": window, "num_futures": 3, "token_penalty": 0.01,
-                   "extrinsic_weight": 1.0, "judge_rubric": "interactivity", "judge_weight": 0.5}})
+    return JobSpec.model_validate(
+        {
+            "name": "vs-trl",
+            "model": {"path": "unused"},
+            "task": {"name": "clarify", "user": "llm", "num_examples": 8},
+            "reward": {
+                "mode": "multiturn",
+                "window": window,
+                "num_futures": 3,
+                "token_penalty": 0.01,
+                "extrinsic_weight": 1.0,
+                "judge_rubric": "interactivity",
+                "judge_weight": 0.5,
+            },
+        }
+    )
 
 
 def trl_reward(window: int) -> tuple[ClarifyReward, Judge]:
@@ -85,8 +96,10 @@ def tandem(reward: ClarifyReward, example: int, conversations: list[tuple[list[d
 def test_the_next_turn_reward_is_tandems_r_star_of_the_conversation_after_the_response():
     reward, _ = trl_reward(window=0)
     ex = reward.task.examples[0]
-    responses = {0: (clarify.answer(ex.category, ex.target), [7, 8, 9, EOS]),
-                 1: (clarify.question(reward.task.examples[1].category), [7, 8, EOS])}
+    responses = {
+        0: (clarify.answer(ex.category, ex.target), [7, 8, 9, EOS]),
+        1: (clarify.question(reward.task.examples[1].category), [7, 8, EOS]),
+    }
     got = step(reward, responses)
     for (example, (text, ids)), value in zip(responses.items(), got):
         messages = reward.task.context(example) + [{"role": "assistant", "content": text}]
@@ -101,8 +114,10 @@ def test_mr_is_the_mean_of_tandems_r_star_over_futures_finished_or_cut_short():
     for (example, (text, ids)), value in zip(responses.items(), got):
         ex = reward.task.examples[example]
         future = reward.task.context(example) + [
-            {"role": "assistant", "content": text}, {"role": "user", "content": "It is for my sister."},
-            {"role": "assistant", "content": clarify.answer(ex.category, ex.target)}]
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "It is for my sister."},
+            {"role": "assistant", "content": clarify.answer(ex.category, ex.target)},
+        ]
         # Even examples: the user ends after the answer. Odd: the policy's answer was cut short.
         end = "user_ended" if example % 2 == 0 else "truncated"
         expected = tandem(reward, example, [(future, len(ids) + 5, end)] * 3)
