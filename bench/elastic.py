@@ -42,6 +42,7 @@ from async_speedup import StandIn, base_spec, scrape  # noqa: E402  (bench/ is o
 from services import protocol  # noqa: E402
 from services.queues import Keys  # noqa: E402
 from tandem.launcher import Ports, Stack, kill_all, process_tree  # noqa: E402
+from tandem.progress import Progress  # noqa: E402
 
 TOKENS = "tandem_rollout_generated_tokens_total"
 
@@ -77,14 +78,15 @@ class Watch:
         }
         first = {name: generated_tokens(port, self.job_id) for name, port in ports.items()}
         step0, started = self.step(), time.monotonic()
-        while time.monotonic() - started < seconds:
-            time.sleep(1.0)
-            print(f"\r  {label}: {time.monotonic() - started:4.0f}/{seconds:.0f} s", end="", flush=True)
+        with Progress(round(seconds), f"  {label}", "s", file=sys.stdout) as progress:
+            while time.monotonic() - started < seconds:
+                time.sleep(1.0)
+                progress.update(round(time.monotonic() - started))
         elapsed = time.monotonic() - started
         last = {name: generated_tokens(port, self.job_id) for name, port in ports.items()}
         tokens = sum(last[n] - first[n] for n in ports if first[n] is not None and last[n] is not None)
         steps = self.step() - step0
-        print(f"\r  {label}: {tokens / elapsed:.0f} tokens/s, {steps} steps")
+        print(f"  {label}: {tokens / elapsed:.0f} tokens/s, {steps} steps")
         return {
             "phase": label,
             "servers": len(self.servers_on_job()),

@@ -54,9 +54,9 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tandem.progress import Progress  # noqa: E402
 from tandem.redis_embed import EmbeddedRedis, free_port  # noqa: E402
 
 TPM, RPM = 240_000, 1800
@@ -276,12 +276,12 @@ async def saturate(urls: dict, seconds: float, warmup: float, name: str) -> dict
             asyncio.create_task(saturating_client(http, proxies[i % len(proxies)], i, stop, tally))
             for i in range(NUM_CLIENTS)
         ]
-        with tqdm(total=round(warmup + seconds), desc=name, unit="s") as bar:
-            first = await drained(http, urls["limited"], warmup, bar)
+        with Progress(round(warmup + seconds), name, "s") as progress:
+            first = await drained(http, urls["limited"], warmup, progress)
             for second in range(round(seconds)):
                 await asyncio.sleep(max(0.0, first["at"] + second + 1 - time.monotonic()))
-                bar.update(1)
-                bar.set_postfix(answered=sum(tally.answered.values()), refused=tally.refused)
+                postfix = {"answered": str(sum(tally.answered.values())), "refused": str(tally.refused)}
+                progress.update(progress.n + 1, postfix=postfix)
         last = await upstream_stats(http, urls["limited"])
         stop.set()
         await asyncio.gather(*clients)
@@ -289,12 +289,12 @@ async def saturate(urls: dict, seconds: float, warmup: float, name: str) -> dict
     return saturation_report(tally, start, first, last, final)
 
 
-async def drained(http: aiohttp.ClientSession, url: str, warmup: float, bar: tqdm) -> dict:
+async def drained(http: aiohttp.ClientSession, url: str, warmup: float, progress: Progress) -> dict:
     """The upstream's stats once `warmup` seconds have passed and its bucket is nearly empty."""
     started = time.monotonic()
     while True:
         await asyncio.sleep(1.0)
-        bar.update(1)
+        progress.advance()
         stats = await upstream_stats(http, url)
         if stats["at"] - started >= warmup and stats["tokens_level"] < DRAINED_TOKENS:
             return stats
@@ -384,11 +384,13 @@ async def latency(urls: dict, seconds: float, block_s: float = 5.0) -> dict:
         for targets, phase_body in phases.values():  # warm the connection pools up
             await open_loop(http, targets, phase_body, 2)
         blocks = max(1, round(seconds / block_s))
-        for _ in tqdm(range(blocks), desc="latency", unit="block"):
-            for name, (targets, phase_body) in phases.items():
-                got, failed = await open_loop(http, targets, phase_body, seconds / blocks)
-                samples[name] += got
-                errors[name] += failed
+        with Progress(blocks, "latency", "blocks") as progress:
+            for _ in range(blocks):
+                for name, (targets, phase_body) in phases.items():
+                    got, failed = await open_loop(http, targets, phase_body, seconds / blocks)
+                    samples[name] += got
+                    errors[name] += failed
+                progress.advance()
         upstream_429 = (await upstream_stats(http, urls["fast"]))["rejected_429"]
     proxied = samples["proxied"]
     direct_rt = percentiles([s["round_trip"] for s in samples["direct"]])

@@ -50,6 +50,7 @@ from async_speedup import StandIn, base_spec  # noqa: E402  (bench/ is on sys.pa
 from services import protocol  # noqa: E402
 from services.queues import FIELD, Keys  # noqa: E402
 from tandem.launcher import Ports, Stack  # noqa: E402
+from tandem.progress import Progress  # noqa: E402
 
 MIB = 1 << 20
 BOUND = 1.2
@@ -137,15 +138,10 @@ class Sampler:
         return self.client.xlen(Keys.dead(self.job_id))
 
 
-def progress(row: dict, total_steps: int, batch_size: int, elapsed_s: float) -> str:
-    """A tqdm-style line: groups trained / total, bar, elapsed, memory now."""
-    share = row["step"] / total_steps
-    bar = "#" * int(30 * share)
-    return (
-        f"\r  groups {row['step'] * batch_size:>5}/{total_steps * batch_size} |{bar:<30}| {100 * share:3.0f}% "
-        f"{elapsed_s / 60:5.1f} min  redis {row['used_memory'] / MIB:6.2f} MiB  "
-        f"judge memory {row['keys']['judge cache'] + row['keys']['judge replay']:>5} keys"
-    )
+def memory_now(row: dict) -> dict[str, str]:
+    """What the progress line shows beside the groups trained: Redis's memory now."""
+    judge_keys = row["keys"]["judge cache"] + row["keys"]["judge replay"]
+    return {"redis": f"{row['used_memory'] / MIB:.2f} MiB", "judge memory": f"{judge_keys} keys"}
 
 
 def soak_spec(out: Path, args: argparse.Namespace) -> dict:
@@ -206,17 +202,17 @@ def watch(
     api: httpx.Client, stack: Stack, sampler: Sampler, job_id: str, total_steps: int, args: argparse.Namespace
 ) -> str:
     """Sample every `interval_s` until the job ends; its final status."""
-    while True:
-        tick = time.monotonic()
-        row = sampler.sample()
-        print(progress(row, total_steps, args.batch_size, row["t_s"]), end="", flush=True)
-        status = api.get(f"/v1/jobs/{job_id}").json()["status"]
-        if status not in ("PENDING", "RUNNING"):
-            sampler.sample()
-            print()
-            return status
-        stack.check_alive()
-        time.sleep(max(0.0, args.interval_s - (time.monotonic() - tick)))
+    with Progress(total_steps * args.batch_size, "  soak", "groups", file=sys.stdout) as progress:
+        while True:
+            tick = time.monotonic()
+            row = sampler.sample()
+            progress.update(row["step"] * args.batch_size, postfix=memory_now(row))
+            status = api.get(f"/v1/jobs/{job_id}").json()["status"]
+            if status not in ("PENDING", "RUNNING"):
+                sampler.sample()
+                return status
+            stack.check_alive()
+            time.sleep(max(0.0, args.interval_s - (time.monotonic() - tick)))
 
 
 def fit_slope(points: list[tuple[float, float]]) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 
 from services.jobs import TERMINAL
+from tandem.progress import Progress
 
 HISTORY_SHOWN = 200
 """Records `follow` holds: the progress bar's rates are over the last this many."""
@@ -78,38 +79,29 @@ def load_spec_file(path: str | Path) -> dict:
 def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
     """Show a job's progress until it ends, printing each health alert as it fires;
     returns the final record."""
-    from tqdm import tqdm
-
     record = client.get(job_id)
     spec = record["spec"]
     generate = spec.get("kind") == "generate"
     total = spec["generate"]["conversations"] if generate else spec["train"]["num_steps"]
     history: list[dict] = []
     cursor = 0
-    bar = tqdm(
-        total=total,
-        desc=f"{job_id} {record['status'].lower()}",
-        unit="conv" if generate else "step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
-    while True:
-        record = client.get(job_id)
-        first, new = client.history_page(job_id, start=cursor)
-        cursor = first + len(new)
-        history = (history + new)[-HISTORY_SHOWN:]
-        for message in (m for h in new for m in h.get("health", [])):
-            bar.write(f"{job_id}: {message}")
-        steps = [h for h in history if h.get("phase") in ("rl", "offline", "generate")]
-        bar.set_description(f"{job_id} {_phase(record, history)}")
-        if steps:
-            bar.n = steps[-1]["step"]
-            bar.set_postfix(_postfix(steps), refresh=False)
-        bar.refresh()
-        if record["status"] in TERMINAL:
-            bar.close()
-            return record
-        time.sleep(poll_s)
+    with Progress(total, f"{job_id} {record['status'].lower()}", "conv" if generate else "step") as progress:
+        while True:
+            record = client.get(job_id)
+            first, new = client.history_page(job_id, start=cursor)
+            cursor = first + len(new)
+            history = (history + new)[-HISTORY_SHOWN:]
+            for message in (m for h in new for m in h.get("health", [])):
+                progress.write(f"{job_id}: {message}")
+            steps = [h for h in history if h.get("phase") in ("rl", "offline", "generate")]
+            progress.update(
+                steps[-1]["step"] if steps else None,
+                desc=f"{job_id} {_phase(record, history)}",
+                postfix=_postfix(steps) if steps else None,
+            )
+            if record["status"] in TERMINAL:
+                return record
+            time.sleep(poll_s)
 
 
 def _phase(record: dict, history: list[dict]) -> str:

@@ -148,6 +148,7 @@ def config(spec: JobSpec, out: Path) -> GRPOConfig:
         max_steps=train.num_steps,
         logging_steps=1,
         report_to="none",
+        disable_tqdm=not sys.stderr.isatty(),  # a bar in a log file is one endless line; metrics are logged
         save_strategy="no",
         dataloader_num_workers=0,
         num_generations=rollout.group_size,
