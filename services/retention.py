@@ -39,9 +39,11 @@ async def trim_acked(client: aioredis.Redis, stream: str) -> int:
 
 async def _first_needed(client: aioredis.Redis, stream: str, group: dict) -> StreamId:
     """The oldest entry `group` may still read: its oldest pending entry, else the one after
-    its last delivered."""
-    if group["pending"]:
-        summary = await client.xpending(stream, group["name"])
+    its last delivered. `group` (from XINFO GROUPS) may be out of date by now: the pending
+    count is asked again, as consumers ack between the two calls (a learner once failed its
+    job on a pending summary with no entries); an older last-delivered id only trims less."""
+    summary = await client.xpending(stream, group["name"])
+    if summary["pending"]:
         return parse_id(summary["min"])
     millis, seq = parse_id(group["last-delivered-id"])
     return millis, seq + 1

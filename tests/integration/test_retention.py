@@ -45,6 +45,20 @@ async def test_a_fully_acknowledged_stream_keeps_only_its_newest_entry(redis_cli
     assert await retention.trim_acked(redis_client, STREAM) == 0
 
 
+async def test_a_group_that_acks_after_its_info_was_read_does_not_fail_the_trim(redis_client):
+    """The trim reads XINFO GROUPS, then each group's pending summary: an ack in between
+    leaves the info saying "pending" and the summary empty."""
+    await redis_client.delete(STREAM)
+    ids = await add(redis_client, 4)
+    await redis_client.xgroup_create(STREAM, "a", id="0")
+    await redis_client.xreadgroup("a", "c", {STREAM: ">"}, count=2)  # 0-1 delivered, pending
+    stale = (await redis_client.xinfo_groups(STREAM))[0]
+    await redis_client.xack(STREAM, "a", *ids[:2])
+
+    assert stale["pending"] == 2
+    assert await retention._first_needed(redis_client, STREAM, stale) == retention.parse_id(ids[2])
+
+
 async def test_a_stream_without_groups_is_left_alone(redis_client):
     await redis_client.delete(STREAM)
     await add(redis_client, 3)
