@@ -3,7 +3,7 @@
 The clarify task with the multiturn-aware reward where every LLM call is real HTTP through
 the judge proxy: the user simulator plays the user in each forward-sampled future, and the
 judge scores each future on the interactivity rubric (R* = success - token penalty
-+ 0.5 * interactivity). The provider is the repo's stand-in (`judge_proxy.local_upstream`
++ 0.5 * interactivity). The provider is the repo's stand-in (`devtools.provider`
 with its latency model: lognormal time to first token, median 0.6 s, p99 5 s, then 80
 tokens/s), with one TPM/RPM budget for the simulator and the judge together.
 
@@ -121,7 +121,7 @@ class StandIn:
             [
                 sys.executable,
                 "-m",
-                "judge_proxy.local_upstream",
+                "devtools.provider",
                 "--port",
                 str(self.port),
                 "--tpm",

@@ -124,7 +124,7 @@ async def evaluate_policies(
     from rollout.engine import Engine
     from rollout.episode import EpisodeRunner
     from rollout.evaluate import evaluate
-    from rollout.tasks.clarify_task import ClarifyTask
+    from rollout.tasks.clarify.task import ClarifyTask
     from services.config import ModelSpec, RolloutSpec, TaskSpec
     from services.tokenization import ChatTokenizer
 

@@ -1,7 +1,7 @@
 """Judge proxy: the latency it adds under budget, and budget use under overload, against a
 provider whose limits match the proxy's model and against one whose limits do not.
 
-Real processes on loopback: an embedded Redis, two local upstreams (`judge_proxy.local_upstream`:
+Real processes on loopback: an embedded Redis, two local upstreams (`devtools.provider`:
 OpenAI-compatible, enforcing their own TPM/RPM with 429 + retry-after, 2 ms service time)
 and proxy replicas (`python -m tandem.cli judge-proxy`) sharing the Redis.
 
@@ -121,7 +121,7 @@ def processes(log_dir: Path, queue_deadline_s: float, scenario: Scenario):
     with EmbeddedRedis() as redis, contextlib.ExitStack() as stack:
         limited, fast = free_port(), free_port()
         proxy_ports = [free_port() for _ in range(scenario.replicas)]
-        upstream = [sys.executable, "-m", "judge_proxy.local_upstream", "--service-ms", "2"]
+        upstream = [sys.executable, "-m", "devtools.provider", "--service-ms", "2"]
         stack.enter_context(
             spawn(
                 log_dir / "upstream-limited.log",

@@ -144,8 +144,8 @@ def main() -> None:
     parser.add_argument("--balance-batches", type=int, default=200)
     parser.add_argument("--out", default="bench/results/learner_balance.json")
     args = parser.parse_args()
+    from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
-    from tandem.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", clarify.corpus())
     balance = balance_table(args.balance_batches, args.batch)

@@ -172,7 +172,7 @@ def learner_speed(steps: int) -> dict:
 def clarify_prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from rollout.tasks.clarify_task import ClarifyTask
+    from rollout.tasks.clarify.task import ClarifyTask
     from services.config import TaskSpec
 
     task = ClarifyTask(TaskSpec(num_examples=PROMPTS), seed=0)
@@ -328,7 +328,7 @@ async def evaluate_policies(policies: dict, conversations: int) -> dict:
     from rollout.engine import Engine
     from rollout.episode import EpisodeRunner
     from rollout.evaluate import evaluate
-    from rollout.tasks.clarify_task import ClarifyTask
+    from rollout.tasks.clarify.task import ClarifyTask
     from services.config import ModelSpec, RolloutSpec, TaskSpec
     from services.tokenization import ChatTokenizer
 

@@ -142,7 +142,7 @@ def simulator(kind: str, out: Path):
         with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096, threads=1) as url:
             yield url
         return
-    from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
+    from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
     from tandem.redis_embed import free_port
 
     config = LocalUpstreamConfig(tpm=10_000_000, rpm=100_000, models=[SERVED])

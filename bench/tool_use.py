@@ -45,8 +45,8 @@ POLICIES = ("warm start, calculator", "RL, calculator", "RL, tools withheld")
 
 def prepare(out: Path, spec: dict, tool_share: float) -> dict:
     """The tiny model (tokenizer trained on the task's text) and the warm-start data."""
+    from devtools.tiny_model import CHATML_TEMPLATE, make_tiny_model
     from rollout.tasks import multiply
-    from tandem.tiny_model import CHATML_TEMPLATE, make_tiny_model
 
     model_dir = out / "tiny-model"
     if not (model_dir / "model.safetensors").exists():

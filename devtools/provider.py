@@ -42,7 +42,7 @@ requests came with each `X-Client-Request-Id` (the proxy sends its clients' idem
 keys there),
 `POST /admin/reset` starts afresh.
 
-Run: `python -m judge_proxy.local_upstream --port 9000 --tpm 60000 --rpm 600 --latency`.
+Run: `python -m devtools.provider --port 9000 --tpm 60000 --rpm 600 --latency`.
 
 What it does not model: a provider's queueing under load (latency here does not grow with
 concurrency), outages and 5xx (only when scripted), per-model limits within one key, daily
@@ -70,7 +70,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
-from judge_proxy.stand_in import reply_for
+from devtools.provider_replies import reply_for
 from judge_proxy.upstream import (
     BILLED_REQUEST_FIELDS,
     MESSAGE_OVERHEAD_TOKENS,

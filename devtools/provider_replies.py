@@ -1,6 +1,6 @@
-"""What the local upstream says: answers to the built-in tasks' prompts, read from the prompt.
+"""What the stand-in provider says: answers to the built-in tasks' prompts, read from the prompt.
 
-The local upstream (`local_upstream.py`) stands in for a provider's LLM. For the prompts
+The stand-in provider (`devtools.provider`) stands in for a provider's LLM. For the prompts
 Tandem itself sends on the built-in clarify task it answers as a capable model would, using
 only what the prompt contains (no hidden channel to the task):
 - **the user simulator** (`rollout.interactions.llm_user`): the hidden goal ("You want a
@@ -21,6 +21,10 @@ only what the prompt contains (no hidden channel to the task):
   `<scenario>`): the scenario's instructions as its request, then the benchmark's stop
   marker at the agent's first answer, so conversations end as the benchmark's do.
 Any other prompt gets None: the upstream then answers filler text, as it always has.
+
+What a prompt looks like and how the clarify task's sentences read are the owners'
+knowledge: the prompts' opening lines and markers are imported from the modules that write
+them, and the task's sentences are read with the task's own `read_*` parsers.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ from __future__ import annotations
 import json
 import re
 
-from judge_proxy.rubrics.base import read_case
+from judge_proxy.rubrics.base import JUDGE_OPENING, read_case
+from rollout.interactions.llm_user import END_MARKER, GOAL_HEADING, NOT_STARTED
+from rollout.tasks import clarify
+from rollout.tasks.extraction import PROMPT_OPENING
+from rollout.tasks.tau2 import STOP_MARKER
 from services.quoting import TAG, fenced_blocks, quoted_turns
 
-GOAL = re.compile(r"You want an? (\w+), specifically (\w+)\.")
-EXPLICIT_REQUEST = re.compile(r"^I want an? (\w+): (\w+)\.$")
-CLARIFICATION = re.compile(r"^I mean (\w+)\.$")
-END_MARKER = "[[TERMINATE CHAT]]"  # the user simulator's, see rollout.interactions.llm_user
-ROLE_PLAY_STOP = "###STOP###"  # τ²-bench's user's, see rollout.tasks.tau2
 _WORD = re.compile(r"[a-z]+")
 
 
@@ -45,13 +48,13 @@ def reply_for(messages: list[dict]) -> str | None:
     if not isinstance(system, str):
         return None
     last_user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
-    if "Your hidden goal" in system:
+    if GOAL_HEADING in system:
         return user_reply(system, last_user if isinstance(last_user, str) else "")
-    if system.startswith("You read a conversation between a user and an AI assistant"):
+    if system.startswith(PROMPT_OPENING):
         return extraction_reply(last_user if isinstance(last_user, str) else "")
-    if "<scenario>" in system and ROLE_PLAY_STOP in system:
+    if "<scenario>" in system and STOP_MARKER in system:
         return role_play_reply(system, messages)
-    if system.startswith("You grade conversations"):
+    if system.startswith(JUDGE_OPENING):
         case = next((m.get("content") for m in messages if m.get("role") == "user"), "")
         return verdict_reply(system, case if isinstance(case, str) else "")
     return None
@@ -62,17 +65,18 @@ def reply_for(messages: list[dict]) -> str | None:
 
 def user_reply(system: str, transcript: str) -> str | None:
     """The simulated user's JSON reply: the target when asked, the end marker after an answer."""
-    goal = GOAL.search(system)
+    goal = clarify.read_goal(system)
     tag = TAG.search(transcript)
     turns = quoted_turns(transcript, tag.group(0)) if tag else []
     if goal is None:
         return None
-    category, target = goal.groups()
-    if transcript.startswith("The conversation has not started"):
-        return json.dumps({"current_answer": "", "thought": "I start vague.", "response": f"I want a {category}."})
+    category, target = goal
+    if transcript.startswith(NOT_STARTED):
+        opening = clarify.REQUEST_TEMPLATES[0].format(category=category)
+        return json.dumps({"current_answer": "", "thought": "I start vague.", "response": opening})
     last_assistant = next((text for role, text in reversed(turns) if role == "ASSISTANT"), "")
-    if last_assistant.rstrip().endswith("?"):
-        thought, response = f"It asked which {category}; I say which.", f"I mean {target}."
+    if clarify.is_question(last_assistant):
+        thought, response = f"It asked which {category}; I say which.", clarify.clarification(target)
     else:
         thought, response = "It gave its answer; nothing more to ask for.", END_MARKER
     return json.dumps(
@@ -84,7 +88,7 @@ def role_play_reply(system: str, messages: list[dict]) -> str:
     """The request the scenario describes, or the stop marker once the user has spoken (its
     own messages come as `assistant` turns: the roles are swapped)."""
     if any(m.get("role") == "assistant" for m in messages):
-        return ROLE_PLAY_STOP
+        return STOP_MARKER
     scenario = system.split("<scenario>", 1)[1].split("</scenario>", 1)[0]
     instructions = scenario.split("Instructions:", 1)[-1]
     return " ".join(instructions.split()) or "I need help."
@@ -120,20 +124,19 @@ def interactivity_scores(turns: list[tuple[str, str]]) -> dict[str, int]:
     replies = [text for role, text in turns if role == "assistant"]
     if not users or not replies:
         return {"understanding": 0, "clarification": 0, "suggestions": 0}
-    explicit = EXPLICIT_REQUEST.match(users[0])
-    stated = explicit.group(2) if explicit else None
+    stated = clarify.read_explicit_request(users[0])
+    explicit = stated is not None
     for text in users[1:]:
-        if match := CLARIFICATION.match(text):
-            stated = match.group(1)
-    questions = sum(text.rstrip().endswith("?") for text in replies)
-    first_asks = replies[0].rstrip().endswith("?")
+        stated = clarify.read_clarification(text) or stated
+    questions = sum(clarify.is_question(text) for text in replies)
+    first_asks = clarify.is_question(replies[0])
     if explicit:
         clarification = 3 if first_asks else 10
     else:
         clarification = 10 if first_asks else 0
     clarification = max(0, clarification - 3 * max(0, questions - 1))
     final = replies[-1]
-    answered = not final.rstrip().endswith("?")
+    answered = not clarify.is_question(final)
     if not answered:
         understanding = 3
     elif stated is None:

@@ -27,9 +27,9 @@ from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
 from rollout.journal import Journal
 from rollout.rewards import multiturn
 from rollout.rewards.advantage import group_advantages
-from rollout.rewards.conversation import Judge, episode_reward
+from rollout.rewards.conversation import episode_reward
 from rollout.rewards.multiturn import GroupFutures
-from rollout.tasks.base import TaskSet
+from rollout.tasks.base import Judge, TaskSet
 from rollout.tools.box import usage_metrics
 from services import protocol
 from services.config import RewardSpec

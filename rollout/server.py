@@ -91,7 +91,7 @@ async def check_sandbox(spec: JobSpec) -> None:
     tools = spec.tools.resolved().tools if spec.tools is not None else []
     if spec.task.name != "code_chat" and not any(tool.kind == "python" for tool in tools):
         return
-    from rollout.tasks.sandbox import refusal
+    from rollout.tools.sandbox import refusal
 
     refused = await asyncio.to_thread(refusal)
     if refused is not None:

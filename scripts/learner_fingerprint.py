@@ -91,8 +91,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the fingerprint here")
     parser.add_argument("--check", default=None, help="exit 1 unless the fingerprint equals this file's")
     args = parser.parse_args()
+    from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
-    from tandem.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(Path(folder) / "model", clarify.corpus())

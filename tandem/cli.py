@@ -80,8 +80,8 @@ def cmd_learner(args: argparse.Namespace) -> None:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
-    from tandem.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, clarify.corpus(), hidden_size=args.hidden, num_layers=args.layers)
     print(f"tiny model written to {out}")

@@ -34,8 +34,8 @@ def write_demonstrations(path: Path, task: str = "clarify", num: int = 2000, sha
 def prepare(out: Path, spec: dict, seen_as: str | None = None) -> dict:
     """Tiny model + warm-start data under `out`; returns the spec pointing at them, by the
     path the processes see `out` at (`seen_as`, e.g. a container's mount; default: `out`)."""
+    from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
-    from tandem.tiny_model import make_tiny_model
 
     model_dir = out / "tiny-model"
     if not (model_dir / "model.safetensors").exists():

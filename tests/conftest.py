@@ -33,8 +33,8 @@ async def redis_client(redis_url):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
+    from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
-    from tandem.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), clarify.corpus())
 

@@ -239,10 +239,14 @@ def prompt_sha256(rubric: Rubric, group: bool = False, structured: bool = False)
     return hashlib.sha256(_instructions(rubric, group, structured).encode()).hexdigest()
 
 
+JUDGE_OPENING = "You grade conversations between a user and an AI assistant"
+"""How every judge prompt begins (the development provider recognises a judge call by it)."""
+
+
 def _instructions(rubric: Rubric, group: bool = False, structured: bool = False) -> str:
     sections = [
-        "You grade conversations between a user and an AI assistant. Be strict and consistent: "
-        "judge only what the assistant actually wrote, and use the whole scale.",
+        JUDGE_OPENING + ". Be strict and consistent: judge only what the assistant actually wrote, "
+        "and use the whole scale.",
         QUOTING_RULE,
         rubric.task,
         "Score each criterion with an integer from 0 to 10. The anchors describe some levels; "

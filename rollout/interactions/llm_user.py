@@ -39,9 +39,12 @@ PERSON_RULES = """- You are a person, not an AI, with a personality you keep for
 
 STYLES = {"cooperative": COOPERATIVE_RULES, "person": PERSON_RULES}
 
-SYSTEM_PROMPT = """You play a user who is talking with an AI assistant. Stay in that role.
+GOAL_HEADING = "Your hidden goal (the assistant has not seen it):"
 
-Your hidden goal (the assistant has not seen it):
+SYSTEM_PROMPT = (
+    "You play a user who is talking with an AI assistant. Stay in that role.\n\n"
+    + GOAL_HEADING
+    + """
 {goal}
 
 How to act:
@@ -58,6 +61,7 @@ Reply with one JSON object and nothing else:
 {{"current_answer": "<the assistant's best answer so far, or an empty string>",
   "thought": "<one or two sentences on what you still need>",
   "response": "<your next message to the assistant>"}}"""
+)
 
 REPLY_SCHEMA = {
     "type": "object",

@@ -23,22 +23,11 @@ no spread and so no gradient to pull the policy back (DESIGN.md, "Multi-turn epi
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from rollout.concurrent import gather_all
 from rollout.episode import Episode
-from rollout.tasks.base import TaskSet
+from rollout.tasks.base import Judge, TaskSet
 from rollout.tools.box import ToolUsage
 from services.config import RewardSpec
-
-
-class Judge(Protocol):
-    """R_llm: the judge's scores in [0, 1] for conversations (`rollout.judging.ProxyJudge`).
-    `call_id` names the request in its task (the proxy's idempotency key)."""
-
-    async def score_all(
-        self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
-    ) -> list[float]: ...
 
 
 def minimum_reward(spec: RewardSpec) -> float:

@@ -30,8 +30,8 @@ import statistics
 
 from rollout.concurrent import gather_all
 from rollout.episode import Episode, EpisodeRunner
-from rollout.rewards.conversation import Judge, conversation_rewards, minimum_reward
-from rollout.tasks.base import TaskSet
+from rollout.rewards.conversation import conversation_rewards, minimum_reward
+from rollout.tasks.base import Judge, TaskSet
 from services.config import RewardSpec
 
 

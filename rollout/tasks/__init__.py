@@ -1,22 +1,17 @@
-"""Task datasets. `load_task` picks the implementation by the job spec's task name; the
-helpers below are shared by the tasks read from JSONL (MATH-Chat, MediumDocEdit-Chat,
-BigCodeBench-Chat)."""
+"""Task datasets: one module or folder per task holding all of that task; `load_task` picks
+the implementation by the job spec's task name. What several tasks share is in `common`
+(reading fixtures, finding the final answer), `base` (the `TaskSet` contract), `contexts`
+(a task seen through other system prompts or contexts) and `extraction` (an LLM reading
+out a final document)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from services.config import TaskSpec
-from services.quoting import fenced_blocks  # noqa: F401  (the tasks read it from here)
-
-FIXTURES = Path(__file__).parent / "data"
-"""The small built-in datasets a task uses when the spec names no `data` file."""
 
 
 def load_task(spec: TaskSpec, seed: int = 0, judge=None):
     """The task set a job names, seen through its `system_prompt` and `contexts` when it
-    sets them (`rollout.tasks.contexts`). `judge` (a `rollout.rewards.conversation.Judge`)
+    sets them (`rollout.tasks.contexts`). `judge` (a `rollout.tasks.base.Judge`)
     is for tasks whose metric asks the judge proxy (MATH-Chat accuracy with metric=judge)."""
     if spec.contexts is None:
         base = _base_task(spec, seed, judge)
@@ -44,7 +39,7 @@ def load_task(spec: TaskSpec, seed: int = 0, judge=None):
 
 def _base_task(spec: TaskSpec, seed: int, judge):
     if spec.name == "clarify":
-        from rollout.tasks.clarify_task import ClarifyTask
+        from rollout.tasks.clarify.task import ClarifyTask
 
         return ClarifyTask(spec, seed)
     if spec.name == "math_chat":
@@ -68,43 +63,3 @@ def _base_task(spec: TaskSpec, seed: int, judge):
 
         return CodeChatTask(spec, judge)
     raise ValueError(f"task {spec.name!r} is not available in this rollout server")
-
-
-MAX_DATA_BYTES = 256 << 20
-"""The largest data file a task reads (a spec's file, confined to the operator's roots
-by the API, could still be a device or a huge file)."""
-
-
-def checked_file(path: str | Path, field: str) -> Path:
-    """`path` if it is a regular file of at most MAX_DATA_BYTES; ValueError naming `field`."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{field} {str(path)!r}: not a regular file")
-    if path.stat().st_size > MAX_DATA_BYTES:
-        raise ValueError(f"{field} {str(path)!r}: over the {MAX_DATA_BYTES} bytes a task reads")
-    return path
-
-
-def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
-    """The first `spec.num_examples` rows of the JSONL file `spec.data`, or of the built-in
-    `FIXTURES / fixture` when the spec names none (all rows if there are fewer)."""
-    path = checked_file(spec.data, "task.data") if spec.data else FIXTURES / fixture
-    with path.open(encoding="utf-8") as lines:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    return rows[: spec.num_examples]
-
-
-def final_reply(messages: list[dict]) -> str:
-    """The content of the last assistant message (a scored conversation has one)."""
-    return [m["content"] for m in messages if m["role"] == "assistant"][-1]
-
-
-def last_found(messages: list[dict], find):
-    """What `find` returns for the latest assistant message it finds something in (not
-    None), searching back from the end; None when no message has it. R_ext reads the
-    conversation this way, as CollabLLM extracts the final answer from the whole of it: a
-    pleasantry after the answer does not hide the answer."""
-    for message in reversed(messages):
-        if message["role"] == "assistant" and (found := find(message["content"])) is not None:
-            return found
-    return None

@@ -10,6 +10,16 @@ if TYPE_CHECKING:
     from rollout.episode import Episode
 
 
+class Judge(Protocol):
+    """R_llm: the judge's scores in [0, 1] for conversations (`rollout.judging.ProxyJudge`).
+    `call_id` names the request in its task (the proxy's idempotency key). Here because a
+    task's metric may ask it (MATH-Chat with metric=judge); the rewards ask it for R_llm."""
+
+    async def score_all(
+        self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
+    ) -> list[float]: ...
+
+
 class TaskSet(Protocol):
     name: str
     rule_user: UserSimulator | None

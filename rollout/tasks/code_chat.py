@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollout.tasks import extraction, fenced_blocks, last_found, read_examples
+from rollout.tasks import extraction
 from rollout.tasks.base import FixtureTask
-from rollout.tasks.clarify import is_question
-from rollout.tasks.sandbox import run_tests
+from rollout.tasks.common import fenced_blocks, is_question, last_found, read_examples
+from rollout.tools.sandbox import run_tests
 from services.config import TaskSpec
 
 _PYTHON_FENCES = ("python", "py", "python3", "")

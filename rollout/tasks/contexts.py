@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.interactions.base import UserSimulator
-from rollout.tasks import checked_file
 from rollout.tasks.base import TaskSet
+from rollout.tasks.common import checked_file
 
 ROLES = ("system", "user", "assistant")
 

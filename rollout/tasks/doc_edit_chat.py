@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from rollout.tasks import extraction, fenced_blocks, final_reply, last_found, read_examples
+from rollout.tasks import extraction
 from rollout.tasks.base import FixtureTask
-from rollout.tasks.clarify import is_question
+from rollout.tasks.common import fenced_blocks, final_reply, is_question, last_found, read_examples
 from services.config import TaskSpec
 
 

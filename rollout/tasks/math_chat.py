@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from rollout.tasks import last_found, read_examples
 from rollout.tasks.base import FixtureTask
-from rollout.tasks.clarify import is_question
+from rollout.tasks.common import is_question, last_found, read_examples
 from services.config import TaskSpec
 
 if TYPE_CHECKING:
-    from rollout.rewards.conversation import Judge
+    from rollout.tasks.base import Judge
 
 _NUMBER = re.compile(r"\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _LATEX_FRACTION = re.compile(r"(-?)\\frac\{(-?[\d.]+)\}\{([\d.]+)\}")

@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from rollout.tasks import final_reply
+from rollout.tasks.common import final_reply
 from rollout.tools.calculator import Calculator
 from services.config import TaskSpec
 

@@ -109,13 +109,17 @@ class Tau2Tool:
         pass
 
 
+STOP_MARKER = "###STOP###"
+"""The benchmark's user ends a finished conversation with it (`tau2.user.base`)."""
+
+
 class Tau2Task:
     """A domain's tasks in one split. Beyond a `TaskSet`, it brings its own tools (`tools`),
     a world per episode (`world`) and a brief for a role-played user (`brief`, ending on
     `stop_markers`); the rollout server wires them up (`rollout.server.task_user`, `task_tools`)."""
 
     rule_user = None
-    stop_markers = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
+    stop_markers = (STOP_MARKER, "###TRANSFER###", "###OUT-OF-SCOPE###")
     """What the benchmark's user writes to end a conversation (`tau2.user.base`)."""
 
     def __init__(self, spec: TaskSpec) -> None:

@@ -1,4 +1,4 @@
-"""A Python interpreter tool on the code sandbox (`rollout.tasks.sandbox`): the policy's
+"""A Python interpreter tool on the code sandbox (`rollout.tools.sandbox`): the policy's
 code runs in namespaces of its own (no network, no host files, an empty environment, limits
 on processes, memory, output and CPU), and what it printed (or the error that stopped it) is
 the result. Each call is a fresh sandbox: no state, file or process carries between calls.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout.tasks.sandbox import SandboxLimits, run_code
 from rollout.tools.base import ToolError, function_schema
+from rollout.tools.sandbox import SandboxLimits, run_code
 
 MAX_OUTPUT_CHARS = 2000
 """What the model reads back of a run's output; the rest is cut with a note."""

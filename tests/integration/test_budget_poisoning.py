@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, Limits
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port

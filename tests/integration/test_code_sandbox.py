@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from rollout.tasks import FIXTURES
-from rollout.tasks.sandbox import SandboxLimits, run_code, run_tests
+from rollout.tasks.common import FIXTURES
+from rollout.tools.sandbox import SandboxLimits, run_code, run_tests
 
 FAST = SandboxLimits(timeout_s=1.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10)
 SLOWER = dataclasses.replace(FAST, timeout_s=10.0)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helpers import stand_in_upstreams, wait_for
 
-from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
+from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
 from rollout.tasks import clarify
 from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack

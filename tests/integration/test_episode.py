@@ -8,7 +8,7 @@ import pytest_asyncio
 from rollout.episode import EpisodeRunner
 from rollout.rewards.multiturn import score_response
 from rollout.tasks import clarify
-from rollout.tasks.clarify_task import ClarifyTask
+from rollout.tasks.clarify.task import ClarifyTask
 from services.config import RewardSpec, RolloutSpec, TaskSpec
 from services.tokenization import ChatTokenizer
 

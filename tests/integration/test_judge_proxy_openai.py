@@ -15,9 +15,9 @@ import openai
 import pytest
 from prometheus_client import REGISTRY
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
 from services.logs import RequestIdFilter
 from tandem.redis_embed import free_port

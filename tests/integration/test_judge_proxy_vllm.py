@@ -12,8 +12,8 @@ import openai
 import pytest
 from helpers import served_model, vllm_counted
 
+from devtools.provider import serve_in_thread
 from judge_proxy.app import create_app
-from judge_proxy.local_upstream import serve_in_thread
 from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
 from tandem.redis_embed import free_port

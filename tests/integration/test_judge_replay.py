@@ -14,7 +14,7 @@ import pytest
 import redis
 from helpers import stand_in_upstreams, wait_for
 
-from judge_proxy.local_upstream import Latency, LocalUpstreamConfig, create_app, serve_in_thread
+from devtools.provider import Latency, LocalUpstreamConfig, create_app, serve_in_thread
 from services import protocol
 from services.queues import FIELD, Keys
 from tandem.demo import write_demonstrations

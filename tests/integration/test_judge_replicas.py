@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as local_upstream_app
 from services.config import JudgeProxySettings
 from services.judge_client import JudgeClient, JudgeError
 from tandem.redis_embed import free_port

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as local_upstream_app
 from judge_proxy.share import Share, Weights, burst_tokens
 from judge_proxy.upstream import UpstreamConfig
 from services.config import JobSpec, JudgeProxySettings, ModelSpec

@@ -37,7 +37,7 @@ def stack(tmp_path_factory, tiny_model):
         [
             sys.executable,
             "-m",
-            "judge_proxy.local_upstream",
+            "devtools.provider",
             "--port",
             str(upstream_port),
             "--model",

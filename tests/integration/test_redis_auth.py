@@ -11,8 +11,8 @@ import redis
 import yaml
 from helpers import wait_for
 
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as create_upstream
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as create_upstream
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import EmbeddedRedis, free_port
 

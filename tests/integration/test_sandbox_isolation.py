@@ -16,8 +16,9 @@ import tempfile
 import pytest
 from test_code_sandbox import processes_with
 
-from rollout.tasks import FIXTURES, sandbox
-from rollout.tasks.sandbox import SANDBOX_ENV, SandboxLimits, run_code, run_tests
+from rollout.tasks.common import FIXTURES
+from rollout.tools import sandbox
+from rollout.tools.sandbox import SANDBOX_ENV, SandboxLimits, run_code, run_tests
 
 FAST = SandboxLimits(timeout_s=5.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10)
 CHUNK = next(json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_text().splitlines() if "`chunk(" in line)
@@ -251,7 +252,7 @@ def test_a_kernel_that_refuses_unshare_gets_no_run(tmp_path):
     marker = tmp_path / "ran"
     script = (
         f"{SECCOMP_DENY_UNSHARE}\n"
-        "from rollout.tasks.sandbox import run_code\n"
+        "from rollout.tools.sandbox import run_code\n"
         f"print(run_code(\"open({str(marker)!r}, 'w')\").error)\n"
     )
 

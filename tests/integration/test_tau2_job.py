@@ -21,7 +21,7 @@ import pytest
 import redis
 from helpers import stand_in_upstreams, wait_for
 
-from judge_proxy.local_upstream import LocalUpstreamConfig, create_app, serve_in_thread
+from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
 from services.queues import Keys
 from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app as proxy_app
-from judge_proxy.local_upstream import LocalUpstreamConfig, serve_in_thread
-from judge_proxy.local_upstream import create_app as local_upstream_app
 from rollout.tools.box import ToolBox
 from rollout.tools.search import load_documents
 from services.api.app import create_app as api_app

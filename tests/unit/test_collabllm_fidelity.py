@@ -403,7 +403,7 @@ async def test_a_simulated_opening_is_written_once_per_group_with_the_tasks_atta
 
 
 def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
-    from judge_proxy.stand_in import reply_for
+    from devtools.provider_replies import reply_for
 
     system = "Your hidden goal (the assistant has not seen it):\nYou want a fruit, specifically mango."
     reply = reply_for([{"role": "system", "content": system}, {"role": "user", "content": NOT_STARTED}])
@@ -448,7 +448,7 @@ class StandInCompleter:
         return False
 
     async def complete(self, messages, max_tokens, response_format):
-        from judge_proxy.stand_in import reply_for
+        from devtools.provider_replies import reply_for
 
         self.calls.append(messages)
         return self.replies.pop(0) if self.replies is not None else reply_for(messages)

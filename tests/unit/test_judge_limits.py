@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from devtools.provider import count_prompt_tokens
 from judge_proxy.budget import Budget, Limits
-from judge_proxy.local_upstream import count_prompt_tokens
 from judge_proxy.proxy import outcome_of
 from judge_proxy.upstream import (
     Upstream,

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from devtools.provider_replies import reply_for
 from judge_proxy.rubrics import (
     RUBRICS,
     GroupParseError,
@@ -15,7 +16,6 @@ from judge_proxy.rubrics import (
     render_group,
 )
 from judge_proxy.rubrics.base import read_case, shared_prefix
-from judge_proxy.stand_in import reply_for
 from services.quoting import quote_tag
 
 INTERACTIVITY = RUBRICS["interactivity"]

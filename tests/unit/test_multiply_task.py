@@ -8,12 +8,12 @@ from itertools import groupby
 
 import pytest
 
+from devtools.tiny_model import CHATML_TEMPLATE, train_tokenizer
 from rollout.tasks import multiply
 from rollout.tools.calculator import Calculator
 from rollout.tools.parsers import parse_hermes
 from services.config import TaskSpec
 from services.tokenization import ChatTokenizer
-from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 
 
 def calls_the_tool(row: dict) -> bool:
@@ -92,9 +92,9 @@ def test_a_tool_demonstration_trains_on_the_replies_and_not_on_the_tool_result()
 
 
 def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_not(tmp_path):
+    from devtools.tiny_model import make_tiny_model
     from learner.warm_start import load_demonstrations
     from services.config import JobSpec, ModelSpec
-    from tandem.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", multiply.corpus(CHATML_TEMPLATE), individual_digits=True)
     example = multiply.make_examples(1, seed=3)[0]

@@ -9,7 +9,7 @@ from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import conversation_reward, conversation_rewards, episode_reward
 from rollout.rewards.multiturn import GroupFutures, more_futures, score_response
 from rollout.tasks import clarify
-from rollout.tasks.clarify_task import ClarifyTask
+from rollout.tasks.clarify.task import ClarifyTask
 from services.config import RewardSpec, TaskSpec
 
 TASK = ClarifyTask(TaskSpec(num_examples=4), seed=0)

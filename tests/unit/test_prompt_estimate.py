@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from judge_proxy.local_upstream import count_prompt_tokens
+from devtools.provider import count_prompt_tokens
 from judge_proxy.upstream import UpstreamConfig, estimate_prompt_tokens
 
 TOOL_TURNS = [

@@ -14,7 +14,7 @@ from rollout.episode import MALFORMED_REASONS, EpisodeRunner
 from rollout.group import GroupRollout
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
-from rollout.tasks.clarify_task import ClarifyTask
+from rollout.tasks.clarify.task import ClarifyTask
 from services import protocol
 from services.config import RewardSpec, RolloutSpec, TaskSpec
 from services.tokenization import ChatTokenizer

@@ -13,9 +13,9 @@ import statistics
 import httpx
 import pytest
 
-from judge_proxy.local_upstream import Latency, LocalUpstream, LocalUpstreamConfig, count_prompt_tokens, create_app
+from devtools.provider import Latency, LocalUpstream, LocalUpstreamConfig, count_prompt_tokens, create_app
+from devtools.provider_replies import interactivity_scores, reply_for
 from judge_proxy.rubrics import RUBRICS, parse_verdict, render
-from judge_proxy.stand_in import interactivity_scores, reply_for
 from rollout.interactions.llm_user import COOPERATIVE_RULES, END_MARKER, SYSTEM_PROMPT, parse_user_reply, transcript
 
 GOAL = "You want a fruit, specifically mango."

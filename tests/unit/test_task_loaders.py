@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from rollout.tasks import fenced_blocks, load_task
+from rollout.tasks import load_task
 from rollout.tasks.code_chat import python_code
+from rollout.tasks.common import fenced_blocks
 from rollout.tasks.doc_edit_chat import document_bleu, final_document
 from rollout.tasks.math_chat import final_answer, normalise_answer
 from services.config import TaskSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from judge_proxy.stand_in import reply_for
+from devtools.provider_replies import reply_for
 from rollout.episode import Episode
 from rollout.interactions.llm_user import UserSimulatorError
 from rollout.interactions.role_play import RolePlayUser, swapped

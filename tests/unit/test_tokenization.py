@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from devtools.tiny_model import CHATML_TEMPLATE, train_tokenizer
 from rollout.tasks import clarify
 from rollout.tools.calculator import Calculator
 from services.tokenization import ChatTokenizer, TokenizationMismatch
-from tandem.tiny_model import CHATML_TEMPLATE, train_tokenizer
 
 CHATML_WITH_SYSTEM = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"

@@ -1,11 +1,13 @@
-"""The built-in synthetic *clarify* task.
+"""The built-in synthetic *clarify* task: its language (this module), the task set
+(`task.py`) and its rule-based user (`user.py`).
 
 The user asks for "a fruit" (or a colour, a city, ...) but has one of K options in mind.
 The assistant can guess at once (right with probability 1/K) or ask which one is meant;
 the rule-based user then names the target and a follow-up answer can be right every time.
 A next-turn reward prefers guessing (a question earns nothing *now*); a multiturn-aware
 reward prefers asking. Every string the task can produce is enumerable, which is what the
-tiny tokenizer is trained on.
+tiny tokenizer is trained on; the `read_*` functions parse those strings back (the
+development provider in `devtools` answers the task's prompts with them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+
+from rollout.tasks.common import is_question
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "fruit": ("apple", "banana", "cherry", "grape", "mango"),
@@ -29,7 +33,23 @@ REQUEST_TEMPLATES = (
     "Name a {category} I would like.",
 )
 EXPLICIT_TEMPLATE = "I want a {category}: {target}."
+CLARIFICATION_TEMPLATE = "I mean {target}."
+GOAL_TEMPLATE = "You want a {category}, specifically {target}."
+"""The user's hidden goal, as an LLM user simulator is briefed with it."""
 _WORD = re.compile(r"[a-z]+")
+
+
+def _reader(template: str, anchored: bool = True) -> re.Pattern:
+    """A pattern that matches what `template` produces, one word per placeholder."""
+    pattern = (
+        re.escape(template).replace(r"\{category\}", r"(?P<category>\w+)").replace(r"\{target\}", r"(?P<target>\w+)")
+    )
+    return re.compile(f"^{pattern}$" if anchored else pattern)
+
+
+_EXPLICIT = _reader(EXPLICIT_TEMPLATE)
+_CLARIFICATION = _reader(CLARIFICATION_TEMPLATE)
+_GOAL = _reader(GOAL_TEMPLATE, anchored=False)
 
 
 @dataclass(frozen=True)
@@ -76,15 +96,33 @@ def question(category: str) -> str:
 
 
 def clarification(target: str) -> str:
-    return f"I mean {target}."
+    return CLARIFICATION_TEMPLATE.format(target=target)
+
+
+def goal(example: ClarifyExample) -> str:
+    return GOAL_TEMPLATE.format(category=example.category, target=example.target)
+
+
+def read_goal(text: str) -> tuple[str, str] | None:
+    """(category, target) of the goal `text` states somewhere in it, or None."""
+    found = _GOAL.search(text)
+    return (found["category"], found["target"]) if found else None
+
+
+def read_explicit_request(text: str) -> str | None:
+    """The target an explicit request names, or None when `text` is not one."""
+    found = _EXPLICIT.match(text)
+    return found["target"] if found else None
+
+
+def read_clarification(text: str) -> str | None:
+    """The target a user's clarification names, or None when `text` is not one."""
+    found = _CLARIFICATION.match(text)
+    return found["target"] if found else None
 
 
 def answer(category: str, option: str) -> str:
     return f"Your {category} is {option}."
-
-
-def is_question(text: str) -> bool:
-    return text.rstrip().endswith("?")
 
 
 def mentioned_options(category: str, text: str) -> set[str]:

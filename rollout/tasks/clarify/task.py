@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from rollout.interactions.rule_based import ClarifyUser
 from rollout.tasks import clarify
+from rollout.tasks.clarify.user import ClarifyUser
 from services.config import TaskSpec
 
 
@@ -37,8 +37,7 @@ class ClarifyTask:
         return ""
 
     def goal(self, example: int) -> str:
-        ex = self.examples[example]
-        return f"You want a {ex.category}, specifically {ex.target}."
+        return clarify.goal(self.examples[example])
 
     def reference(self, example: int) -> str:
         ex = self.examples[example]

@@ -1,4 +1,4 @@
-"""Rule-based users for the built-in synthetic tasks: exact, free and instant."""
+"""The clarify task's rule-based user: exact, free and instant."""
 
 from __future__ import annotations
 
