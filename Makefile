@@ -21,6 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/python scripts/config_reference.py --check
 
 test: lint
 	$(VENV)/bin/python -m pytest tests
