@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python scripts/config_reference.py --check
+	$(VENV)/bin/python scripts/sync_k8s_files.py --check
 
 test: lint
 	$(VENV)/bin/python -m pytest tests

@@ -75,10 +75,10 @@ def kubectl() -> str:
 
 
 def build(path: Path) -> list[dict]:
-    """`kubectl kustomize` of a kustomization folder, as deploy/k8s/README.md builds it: the
-    base reads the dashboards and upstreams files from deploy/grafana and deploy/configs."""
+    """`kubectl kustomize` of a kustomization folder with kustomize's default load
+    restrictor, as `kubectl apply -k` builds it: nothing outside the folder is read."""
     result = subprocess.run(
-        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+        [kubectl(), "kustomize", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1007,13 +1007,7 @@ def test_the_external_redis_component_replaces_redis_by_the_address_the_overlay_
 def test_the_external_redis_component_refuses_to_build_without_the_servers_address(tmp_path):
     """Without it the processes' egress would reach no Redis: the build fails, naming what is missing."""
     result = subprocess.run(
-        [
-            kubectl(),
-            "kustomize",
-            "--load-restrictor",
-            "LoadRestrictionsNone",
-            str(external_redis_overlay(tmp_path, None)),
-        ],
+        [kubectl(), "kustomize", str(external_redis_overlay(tmp_path, None))],
         capture_output=True,
         text=True,
         timeout=60,
