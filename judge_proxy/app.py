@@ -8,7 +8,7 @@
   (with the raw replies) when the judge's reply cannot be read twice.
 - `POST /v1/judge/group`: `{rubric, candidates: [[message...]...], reference?, model?, cache?}`
   -> `{results: [verdict...], usage, fallback, remembered}`: every candidate scored in one
-  judge call where the reply allows (`judge_proxy.proxy.GroupVerdicts`).
+  judge call where the reply allows (`judge_proxy.judge.GroupVerdicts`).
 - `GET /v1/budget`: limits and shared usage per upstream (never keys).
 - `/metrics`, `/healthz`.
 
@@ -49,7 +49,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from judge_proxy.proxy import Completion, Proxy, ProxyError, UpstreamClientError
+from judge_proxy.calls import Completion
+from judge_proxy.errors import ProxyError, UpstreamClientError
+from judge_proxy.gateway import Gateway
+from judge_proxy.proxy import Proxy
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.rubrics import RUBRICS, Rubric
 from services.auth import credential_job, match_bearer
@@ -151,14 +154,14 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        watcher = asyncio.create_task(proxy.watch_budgets())
+        watcher = asyncio.create_task(proxy.gateway.watch_budgets())
         yield
         watcher.cancel()
         await proxy.aclose()
 
     app = FastAPI(title="Tandem judge proxy", version="0.1.0", lifespan=lifespan)
     app.state.proxy = proxy
-    app.include_router(metrics_router(proxy.health))
+    app.include_router(metrics_router(proxy.gateway.health))
     app.add_exception_handler(ProxyError, proxy_error)
     app.add_exception_handler(UpstreamClientError, upstream_client_error)
     app.add_exception_handler(RedisError, budget_store_error)
@@ -175,13 +178,14 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         priority = priority_of(request)
         tag = request.headers.get("idempotency-key", "")
         key = proxy.chat_memory_key(body, job, tag)
+        gateway = proxy.gateway
         if key is None:
-            completion = await proxy.complete(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
-            return await completion_response(proxy, completion, chat.model)
+            completion = await gateway.complete(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
+            return await completion_response(gateway, completion, chat.model)
         content, remembered = await proxy.memory.once(
-            key, job, lambda: proxy.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
+            key, job, lambda: gateway.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
         )
-        headers = await proxy.limit_headers(proxy.group(chat.model))
+        headers = await gateway.limit_headers(gateway.group(chat.model))
         if remembered:
             headers["x-tandem-remembered"] = "true"
         return Response(content, media_type="application/json", headers=headers)
@@ -191,7 +195,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         job = authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
-        return await proxy.judge(
+        return await proxy.judge.single(
             rubric,
             [t.model_dump() for t in ask.messages],
             ask.reference,
@@ -207,7 +211,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
         ask = validated(GroupJudgeRequest, await json_object(request))
         rubric = rubric_for(ask.rubric, ask.reference)
         candidates = [[t.model_dump() for t in c] for c in ask.candidates]
-        return await proxy.judge_group(
+        return await proxy.judge.group(
             rubric,
             candidates,
             ask.reference,
@@ -217,7 +221,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             idempotency_key=request.headers.get("idempotency-key"),
         )
 
-    app.include_router(info_router(proxy, authorize))
+    app.include_router(info_router(proxy.gateway, authorize))
     return app
 
 
@@ -230,10 +234,10 @@ def rubric_for(name: str, reference: str | None) -> Rubric:
     return rubric
 
 
-async def completion_response(proxy: Proxy, completion: Completion, model: str) -> Response:
+async def completion_response(gateway: Gateway, completion: Completion, model: str) -> Response:
     """The reply to a chat request: the upstream's JSON, or its stream, with our headers."""
     try:
-        headers = {**timing_headers(completion), **await proxy.limit_headers(proxy.group(model))}
+        headers = {**timing_headers(completion), **await gateway.limit_headers(gateway.group(model))}
     except BaseException:
         if completion.stream is not None:
             await completion.stream.aclose()  # settles its reservation
@@ -245,7 +249,7 @@ async def completion_response(proxy: Proxy, completion: Completion, model: str) 
     )
 
 
-def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter:
+def info_router(gateway: Gateway, authorize: Callable[[Request], None]) -> APIRouter:
     """What the proxy serves: its models (OpenAI's list) and its upstreams' budgets."""
     router = APIRouter()
 
@@ -254,20 +258,20 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
         authorize(request)
         return ModelList(
             data=[
-                ModelCard(id=name, structured_output=group.structured) for name, group in sorted(proxy.groups.items())
+                ModelCard(id=name, structured_output=group.structured) for name, group in sorted(gateway.groups.items())
             ]
         )
 
     @router.get("/v1/models/{model:path}", response_model=ModelCard)
     async def model(model: str, request: Request) -> ModelCard:
         authorize(request)
-        group = proxy.group(model)
+        group = gateway.group(model)
         return ModelCard(id=group.model, structured_output=group.structured)
 
     @router.get("/v1/budget", response_model=BudgetResponse)
     async def budget(request: Request) -> BudgetResponse:
         authorize(request)
-        views = await asyncio.gather(*(u.budget.view() for u in proxy.upstreams))
+        views = await asyncio.gather(*(u.budget.view() for u in gateway.upstreams))
         return BudgetResponse(
             upstreams=[
                 UpstreamBudget(
@@ -280,7 +284,7 @@ def info_router(proxy: Proxy, authorize: Callable[[Request], None]) -> APIRouter
                     limit_model=u.config.limit_model,
                     **vars(view),
                 )
-                for u, view in zip(proxy.upstreams, views)
+                for u, view in zip(gateway.upstreams, views)
             ]
         )
 

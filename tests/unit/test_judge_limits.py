@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from devtools.provider import count_prompt_tokens
 from judge_proxy.budget import Budget, Limits
-from judge_proxy.proxy import outcome_of
+from judge_proxy.calls import outcome_of
 from judge_proxy.upstream import (
     Upstream,
     UpstreamConfig,

@@ -1,0 +1,178 @@
+"""Admission, the gateway's first half (`judge_proxy.gateway`): a request's cost from its
+job's share of the model group, then from an upstream's budget, waiting in the group's queue
+for both; upstreams that failed here recently are tried last."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from judge_proxy import metrics
+from judge_proxy.budget import Lease
+from judge_proxy.errors import ProxyError, too_large
+from judge_proxy.queue import Admitter, QueueTimeout, Tried
+from judge_proxy.share import Share, Weights
+from judge_proxy.upstream import Upstream, weighted_order
+
+
+@dataclass
+class Grant:
+    upstream: Upstream
+    lease: Lease
+    job: str
+    share_tokens: int
+    """Taken from the job's share of the group (settled with the lease)."""
+
+
+@dataclass
+class Group:
+    """The upstreams clients reach under one model name, this replica's queue for them and
+    the jobs' shares of their budget."""
+
+    model: str
+    upstreams: list[Upstream]
+    admitter: Admitter[Grant]
+    share: Share
+    structured: bool
+    """Its upstreams keep to a JSON schema in `response_format` (all or none of them)."""
+
+
+@dataclass
+class Attempts:
+    """What one request's attempts have met so far."""
+
+    job: str
+    priority: str
+    tag: str = ""
+    """Sent upstream as `X-Client-Request-Id` (the client's idempotency key, if any)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Upstream name -> why it failed (5xx, timeout, ...)."""
+    rate_limited_last: bool = False
+    last_pause_s: float = 0.0
+    queue_s: float = 0.0
+    upstream_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one request asks of an upstream's budget."""
+
+    fixed_tokens: int
+    """Every completion at its maximum (`n * max_tokens`)."""
+    prompt_estimates: dict[str, int]
+    """Upstream name -> the prompt's local estimate (the budget scales it by the learned ratio)."""
+
+    def cost(self, upstream: Upstream) -> int:
+        return upstream.budget.cost(self.fixed_tokens, self.prompt_estimates[upstream.name])
+
+
+class Admission:
+    """Grants for one replica's requests: the job's share, then an upstream's budget."""
+
+    def __init__(self, weights: Weights, rng: random.Random) -> None:
+        self.weights = weights
+        self.rng = rng
+        self.cooldown_until: dict[str, float] = {}
+        """Upstream name -> until when this replica tries it last (it failed here)."""
+
+    def cool_down(self, upstream: str, seconds: float) -> None:
+        self.cooldown_until[upstream] = time.monotonic() + seconds
+
+    @staticmethod
+    def check_fits(group: Group, need: Need) -> None:
+        """Refuse, before it touches any shared state, a request larger than every upstream's
+        limit at the ratio this replica last saw."""
+        if all(need.cost(u) > u.config.tpm for u in group.upstreams):
+            raise too_large(group.model, min(need.cost(u) for u in group.upstreams))
+
+    async def admit(
+        self, group: Group, need: Need, attempts: Attempts, deadline: float, job: str, priority: str
+    ) -> Grant:
+        """A grant from the job's share and an upstream's budget, waiting in the queue for it."""
+        candidates = [u for u in group.upstreams if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
+        if not candidates:
+            raise exhausted(group, attempts, priority)
+        try_admit = self.reservation(group, candidates, need, job, await self.weights.of(job))
+        try:
+            grant, waited_s = await group.admitter.admit(
+                job, priority, min(need.cost(u) for u in candidates), deadline - time.monotonic(), try_admit
+            )
+        except QueueTimeout as timeout:
+            metrics.REJECTED.labels(priority).inc()
+            raise ProxyError(
+                429,
+                f"no budget for model {group.model!r} within the queue deadline",
+                "rate_limited",
+                retry_after_s=timeout.retry_after_s,
+            ) from None
+        attempts.queue_s += waited_s
+        return grant
+
+    def reservation(
+        self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float
+    ) -> Callable[[], Awaitable[Tried[Grant]]]:
+        """One request's reservation attempt: its cost from the job's share first (a refusal
+        there lets other jobs go first), then from an upstream's budget; the share is
+        refunded at once when no upstream has room."""
+        share_tokens = max(need.cost(u) for u in candidates)
+        held_back = False
+
+        async def try_admit() -> Tried[Grant]:
+            nonlocal held_back
+            held = await group.share.reserve(job, weight, share_tokens)
+            metrics.JOB_SHARE.labels(group.model, job).set(held.share)
+            if not held.admitted:
+                if not held_back:
+                    metrics.SHARE_WAITS.labels(group.model, job).inc()
+                    held_back = True
+                return Tried(None, held.wait_s, by_share=True)
+            upstream, lease, wait_s = None, None, math.inf
+            try:
+                upstream, lease, wait_s = await self.reserve_upstream(candidates, need)
+            finally:
+                if lease is None:
+                    await group.share.refund(job, share_tokens)
+            return Tried(None, wait_s) if lease is None else Tried(Grant(upstream, lease, job, share_tokens), 0.0)
+
+        return try_admit
+
+    async def reserve_upstream(
+        self, candidates: list[Upstream], need: Need
+    ) -> tuple[Upstream | None, Lease | None, float]:
+        """A lease from the first upstream, in order of preference, with room for `need`;
+        else no lease and the seconds until the soonest could have room. A request that no
+        upstream could ever admit at the ratio learned by now (`check_fits` read an older
+        one) is refused alone, so it does not hold the queue's head until its deadline."""
+        wait_s, costs = math.inf, []
+        for upstream in self.preference(candidates):
+            admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
+            if admission.lease is not None:
+                return upstream, admission.lease, 0.0
+            wait_s = min(wait_s, admission.wait_s)
+            costs.append(admission.cost)
+        if math.isinf(wait_s):
+            raise too_large(candidates[0].config.model, min(costs))
+        return None, None, wait_s
+
+    def preference(self, candidates: list[Upstream]) -> list[Upstream]:
+        """By weight, upstreams that failed here recently last."""
+        now = time.monotonic()
+        ordered = weighted_order(candidates, self.rng)
+        return sorted(ordered, key=lambda u: self.cooldown_until.get(u.name, 0.0) > now)
+
+
+def exhausted(group: Group, attempts: Attempts, priority: str) -> ProxyError:
+    """The error once no attempt is left: the last upstream's 429, or every failure."""
+    if attempts.rate_limited_last:
+        metrics.REJECTED.labels(priority).inc()
+        return ProxyError(
+            429,
+            f"upstreams of {group.model!r} kept answering 429",
+            "rate_limited",
+            retry_after_s=max(1, math.ceil(attempts.last_pause_s)),
+        )
+    reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
+    return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")

@@ -1,0 +1,272 @@
+"""One upstream call, the gateway's second half (`judge_proxy.gateway`): send a granted
+request, read or relay the reply, and settle the budget with what the upstream charged; a
+429 pauses the upstream, a failure cools it down for this replica."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import anyio
+import msgspec
+from multidict import CIMultiDict
+
+from judge_proxy import metrics
+from judge_proxy.admission import Admission, Attempts, Grant, Group
+from judge_proxy.errors import UpstreamClientError
+from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
+from services.config import JudgeProxySettings
+from services.judge_client import backoff_s
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    upstream: str
+    body: bytes
+    """The upstream's JSON reply, passed through unchanged (empty for a stream)."""
+    data: dict
+    settle: Callable[[], Awaitable[None]]
+    """Reconciles the budget with this reply's usage. Call it once, after replying: the
+    client need not wait for the bookkeeping (the reservation holds until then). A stream
+    settles itself when it ends; its `settle` does nothing."""
+    queue_s: float = 0.0
+    upstream_s: float = 0.0
+    """Until the reply (for a stream: until its headers)."""
+    stream: AsyncIterator[bytes] | None = None
+    """A stream's server-sent events, relayed as they arrive."""
+
+
+def outcome_of(status: int) -> str:
+    """How an upstream's HTTP status is handled (also the `outcome` label of its metric)."""
+    if 200 <= status < 300:
+        return "ok"
+    if status == 429:
+        return "rate_limited"
+    if status in (401, 403):
+        return "auth_error"
+    if status == 408:
+        return "timeout"
+    return "server_error" if status >= 500 else "client_error"
+
+
+class Caller:
+    """Makes a granted request's upstream call (`call`) and settles what it cost."""
+
+    def __init__(self, settings: JudgeProxySettings, rng: random.Random, admission: Admission) -> None:
+        self.settings = settings
+        self.rng = rng
+        self.admission = admission
+
+    async def call(
+        self,
+        group: Group,
+        grant: Grant,
+        payload: bytes,
+        attempt: int,
+        attempts: Attempts,
+        *,
+        stream: bool = False,
+        client_wants_usage: bool = False,
+    ) -> Completion | None:
+        """One upstream call; None when another attempt should follow. A failure settles the
+        budget here, a success once its reply has been sent (`Completion.settle`)."""
+        upstream = grant.upstream
+        await upstream.budget.sent(grant.lease)
+        started = time.perf_counter()
+        try:
+            reply = await upstream.post(payload, stream=stream, tag=attempts.tag)
+            if reply.events is not None:
+                attempts.upstream_s += time.perf_counter() - started
+                return self.relay(group, grant, reply, attempts, client_wants_usage)
+        except TimeoutError:
+            reply, outcome, detail = None, "timeout", ""
+        except aiohttp.ClientError as err:
+            reply, outcome, detail = None, "connect_error", type(err).__name__
+        else:
+            outcome, detail = outcome_of(reply.status), f"HTTP {reply.status}"
+        elapsed_s = time.perf_counter() - started
+        attempts.upstream_s += elapsed_s
+        metrics.UPSTREAM_LATENCY.labels(upstream.name).observe(elapsed_s)
+        if outcome == "ok":
+            return await self.succeed(group, grant, reply, attempts)
+        if outcome == "rate_limited":
+            await self.back_off(group, grant, reply, attempt, attempts)
+            return None
+        if outcome == "client_error":
+            metrics.REQUESTS.labels(upstream.name, outcome).inc()
+            await settle(group, grant, 0, reply)
+            raise UpstreamClientError(reply.status, upstream.redact(reply.body))
+        await self.fail(group, grant, outcome, attempts, detail)
+        return None
+
+    async def succeed(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts) -> Completion | None:
+        upstream, lease = grant.upstream, grant.lease
+        try:
+            data = msgspec.json.decode(reply.body)
+        except msgspec.DecodeError:
+            await self.fail(group, grant, "server_error", attempts, detail="reply is not JSON")
+            return None
+        usage = _usage(data)
+        used = usage.get("total_tokens", lease.tokens)  # no usage: it may have charged all we reserved
+        metrics.REQUESTS.labels(upstream.name, "ok").inc()
+        _record_usage(upstream.name, lease.tokens, used)
+        metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
+        settle_later = functools.partial(settle, group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+        return Completion(upstream.name, reply.body, data, settle_later, upstream_s=attempts.upstream_s)
+
+    def relay(
+        self, group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
+    ) -> Completion:
+        """A stream's completion: its events pass through as they arrive; the budget is
+        settled when it ends, however it ends."""
+        upstream, lease = grant.upstream, grant.lease
+        metrics.REQUESTS.labels(upstream.name, "ok").inc()
+
+        async def events() -> AsyncIterator[bytes]:
+            usage: dict[str, int] = {}
+            outcome = "client_closed"
+            try:
+                async for event in sse_events(reply.events.content):
+                    data = sse_data(event)
+                    if data == "[DONE]":
+                        outcome = "complete"
+                    elif data:
+                        chunk = _json_or_none(data)
+                        usage = _usage(chunk) or usage
+                        if usage and not client_wants_usage and chunk.get("choices") == []:
+                            continue  # the usage chunk the proxy asked for, not the client
+                    yield event
+                if outcome != "complete":
+                    outcome = "cut"
+                    yield sse_error("the upstream's stream ended before [DONE]")
+            except (aiohttp.ClientError, TimeoutError) as err:
+                outcome = "cut"
+                log.warning("stream from %s cut off: %s", upstream.name, type(err).__name__)
+                yield sse_error(f"the upstream's stream was cut off ({type(err).__name__})")
+            finally:
+                reply.events.close()
+                complete = outcome == "complete" and "total_tokens" in usage
+                used = usage["total_tokens"] if complete else lease.tokens
+                metrics.STREAMS.labels(upstream.name, outcome).inc()
+                _record_usage(upstream.name, lease.tokens, used)
+                metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
+                # A client that leaves cancels the response's scope, and every later await
+                # in it: the settle must run shielded or the lease and reservation stay held.
+                with anyio.CancelScope(shield=True):
+                    await settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+
+        return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
+
+    async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
+        upstream = grant.upstream
+        requested = retry_after_s(reply.headers)
+        pause_s = min(
+            self.settings.max_backoff_s,
+            backoff_s(attempt, self.settings.max_backoff_s, self.rng) if requested is None else requested,
+        )
+        attempts.rate_limited_last, attempts.last_pause_s = True, pause_s
+        metrics.UPSTREAM_429.labels(upstream.name).inc()
+        metrics.REQUESTS.labels(upstream.name, "rate_limited").inc()
+        log.warning("upstream %s answered 429; pausing it for %.3f s", upstream.name, pause_s)
+        await settle(group, grant, 0, reply, used_request=False, pause_s=pause_s)
+
+    async def fail(self, group: Group, grant: Grant, outcome: str, attempts: Attempts, detail: str = "") -> None:
+        upstream = grant.upstream
+        metrics.REQUESTS.labels(upstream.name, outcome).inc()
+        log.warning("upstream %s failed (%s %s); trying another", upstream.name, outcome, detail)
+        attempts.failed[upstream.name] = f"{outcome} {detail}".strip()
+        attempts.rate_limited_last = False
+        self.admission.cool_down(upstream.name, self.settings.failure_cooldown_s)
+        await settle(group, grant, grant.lease.tokens, None)
+
+
+async def settle(
+    group: Group,
+    grant: Grant,
+    used_tokens: int,
+    reply: Reply | None,
+    *,
+    used_request: bool = True,
+    pause_s: float = 0.0,
+    prompt_tokens: int | None = None,
+) -> None:
+    """Charge what the upstream charged (`used_tokens`), in its budget and in the job's
+    share (whatever either reserved beyond it goes back), and let the queue try again."""
+    headers = reply.headers if reply is not None else CIMultiDict()
+    await asyncio.gather(
+        grant.upstream.budget.settle(
+            grant.lease,
+            used_tokens,
+            used_request=used_request,
+            pause_s=pause_s,
+            prompt_tokens=prompt_tokens,
+            remaining_tokens=remaining(headers, "tokens"),
+            remaining_requests=remaining(headers, "requests"),
+            reset_tokens_s=reset_s(headers, "tokens"),
+            reset_requests_s=reset_s(headers, "requests"),
+        ),
+        group.share.refund(grant.job, grant.share_tokens - used_tokens),
+    )
+    group.admitter.wake()
+
+
+async def sse_events(lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Server-sent events, each with the blank line that ends it, from a stream of lines."""
+    event: list[bytes] = []
+    async for line in lines:
+        event.append(line)
+        if not line.strip():
+            if len(event) > 1:
+                yield b"".join(event)
+            event = []
+    if any(line.strip() for line in event):
+        yield b"".join(event) + b"\n"
+
+
+def sse_data(event: bytes) -> str:
+    """The event's `data:` lines, joined (the SSE rule); empty for comments and keep-alives."""
+    lines = event.decode("utf-8", "replace").splitlines()
+    return "\n".join(line[5:].removeprefix(" ") for line in lines if line.startswith("data:"))
+
+
+def sse_error(message: str) -> bytes:
+    """An error event in the shape OpenAI's SDKs raise on mid-stream."""
+    error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_cut"}}
+    return b"data: " + msgspec.json.encode(error) + b"\n\n"
+
+
+def _json_or_none(data: str) -> dict:
+    try:
+        decoded = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def _usage(data: dict) -> dict[str, int]:
+    """The reply's `usage` counts (only the integer ones), empty when it has none."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return {}
+    return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _record_usage(upstream: str, reserved: int, actual: int) -> None:
+    metrics.TOKENS.labels(upstream, "reserved").inc(reserved)
+    metrics.TOKENS.labels(upstream, "actual").inc(actual)
+    metrics.TOKENS.labels(upstream, "refunded").inc(max(reserved - actual, 0))
+    metrics.TOKENS.labels(upstream, "charged").inc(max(actual - reserved, 0))
+    metrics.RECONCILIATION_ERROR.labels(upstream).observe(reserved - actual)
+    metrics.RECONCILIATION_MEAN.labels(upstream).observe(reserved - actual)
