@@ -47,10 +47,8 @@ class Dispatcher:
         return self.next_task_id - self.replaced
 
     def limit(self, version: int) -> int:
-        """How many tasks may have been admitted by the step after `version`: every task
-        of a generate job at once (its weights never change), else the staleness rule."""
-        if self.spec.kind == "generate":
-            return self.spec.generate.conversations
+        """How many tasks may have been admitted by the step after `version`: the staleness
+        rule (a generate job's dispatcher admits every task at once, `runs.generate.AllAtOnce`)."""
         train = self.spec.train
         return min((train.max_staleness + version + 1) * train.batch_size, train.num_steps * train.batch_size)
 

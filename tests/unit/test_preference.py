@@ -110,7 +110,7 @@ def test_an_empty_file_is_an_error(tmp_path):
 
 
 def test_offline_batches_cover_every_pair_once_per_pass_and_depend_on_the_step_alone():
-    from learner.offline import step_pairs
+    from learner.runs.offline import step_pairs
 
     passes = [step_pairs(10, 5, step, seed=3) + step_pairs(10, 5, step + 1, seed=3) for step in (0, 2, 4)]
     assert all(sorted(p) == list(range(10)) for p in passes)  # each pass: every pair once

@@ -174,7 +174,7 @@ class RankedPolicy:
 
 
 async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokenizer):
-    from learner.generate import group_rows
+    from learner.runs.generate import group_rows
 
     chat = ChatTokenizer(tokenizer)
     runner = EpisodeRunner(

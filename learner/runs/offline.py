@@ -16,7 +16,7 @@ import time
 
 from learner import checkpoint, policy
 from learner.control import Command
-from learner.driver import JobRun
+from learner.runs.base import Run
 from services import preference, protocol
 from services.queues import Keys
 
@@ -35,9 +35,8 @@ def step_pairs(num_pairs: int, batch_size: int, step: int, seed: int) -> list[in
     return picked
 
 
-class OfflineRun(JobRun):
-    """JobRun's checkpoints, cancels and stops without its rollout parts (dispatcher,
-    trajectory intake, weight publisher)."""
+class OfflineRun(Run):
+    """DPO steps on the pairs file, checkpointed and resumed; no rollout server takes part."""
 
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()

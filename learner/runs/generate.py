@@ -24,10 +24,11 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from learner.driver import JobRun
+from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
+from learner.runs.rollout_fed import RolloutFedRun
 from services import preference, protocol
-from services.queues import Keys, StreamConsumer
+from services.queues import Keys
 from services.stats import mean_by_key
 
 GENERATED = Counter("tandem_learner_generated_rows_total", "Rows a generate job wrote", ["job", "dataset"])
@@ -78,8 +79,17 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
     return sft, pairs, without
 
 
-class GenerateRun(JobRun):
-    """JobRun's rollout parts (dispatcher, intake, publisher) with a writer for a trainer."""
+class AllAtOnce(Dispatcher):
+    """A generate job's dispatcher: the policy never changes, so every task is admitted at once."""
+
+    def limit(self, version: int) -> int:
+        return self.spec.generate.conversations
+
+
+class GenerateRun(RolloutFedRun):
+    """Rollout servers' ranked conversations in, dataset rows out; no training."""
+
+    dispatcher_class = AllAtOnce
 
     async def run(self, resuming: bool = False) -> None:
         if resuming:
@@ -93,14 +103,7 @@ class GenerateRun(JobRun):
         for path in self.files.values():
             path.write_text("")
         self.counts_written = dict.fromkeys(DATASETS, 0)
-        trajectories = await StreamConsumer(
-            self.redis,
-            Keys.trajectories(self.job_id),
-            "learner",
-            "learner",
-            protocol.TrajectoryGroup,
-            Keys.dead(self.job_id),
-        ).setup()
+        trajectories = await self.trajectories()
         self.intake = BatchIntake(
             self.job_id, self.spec.train, trajectories, self.dispatcher, Acks(trajectories, deferred=False)
         )

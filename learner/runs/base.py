@@ -1,0 +1,79 @@
+"""What every kind of job's run on rank 0 has: its folder, the warm start, the step log,
+cancels and stops. Each kind's run (`rl.py`, `offline.py`, `generate.py`) builds on `Run`
+and says how it checkpoints; `learner.runs.run_for` picks the run of a job's kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from learner import checkpoint, warm_start
+from learner.control import Command, Worker
+from learner.step_log import StepLog
+from services import jobs
+from services.config import JobSpec, LearnerSettings
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class LearnerStopping(Exception):
+    """SIGTERM: the job was checkpointed and stays RUNNING for a `--resume` to continue."""
+
+
+class Learner(Protocol):
+    """What a run uses of the learner that runs it (`learner.driver.Driver`)."""
+
+    settings: LearnerSettings
+    worker: Worker
+    redis: aioredis.Redis
+    stop_requested: bool
+
+
+class Run:
+    """One job's run on rank 0 (the training itself is done by every rank through
+    `learner.control`)."""
+
+    def __init__(self, learner: Learner, job_id: str, spec: JobSpec) -> None:
+        self.learner = learner
+        self.redis = learner.redis
+        self.settings = learner.settings
+        self.worker = learner.worker
+        self.job_id = job_id
+        self.spec = spec
+        self.version = 0
+        self.step = 0
+        self.run_dir = Path(self.settings.runs_dir) / job_id
+        self.steps = StepLog(self.redis, job_id, self.run_dir, spec.health, self.settings.history_keep)
+
+    async def run(self, resuming: bool = False) -> None:
+        raise NotImplementedError
+
+    async def checkpoint(self, stopping: bool = False) -> None:
+        """What this kind keeps to resume from; `stopping`: the stop's own (SIGTERM)."""
+        raise NotImplementedError
+
+    def make_run_dir(self) -> None:
+        """The job's folder, with the spec it runs (`job.json`): what `tandem export` reads to
+        turn a checkpoint back into the model it trained."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / checkpoint.SPEC).write_text(self.spec.model_dump_json(indent=2) + "\n")
+
+    async def warm_start(self) -> None:
+        for step, batch in enumerate(warm_start.batches(self.spec), 1):
+            metrics = self.worker.run(Command(kind="sft", samples=batch))
+            await self.steps.write({"phase": "sft", "sft_step": step, **metrics}, self.step, self.version)
+        if self.spec.warm_start.steps:  # the policy RL starts from, kept to evaluate against
+            self.worker.run(Command(kind="export", path=str(self.run_dir / "policy-warm-start")))
+
+    async def check_stop(self) -> None:
+        if self.learner.stop_requested:
+            await self.checkpoint(stopping=True)
+            raise LearnerStopping()
+
+    async def check_cancel(self) -> None:
+        if await jobs.cancel_requested(self.redis, self.job_id):
+            raise JobCancelled()

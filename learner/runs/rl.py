@@ -1,0 +1,167 @@
+"""An RL job (`kind: rl`), the loop on rank 0:
+
+    warm start (SFT) -> publish version 0 -> repeat num_steps times:
+        admit tasks -> collect a batch of fresh groups -> RL step (all ranks)
+        -> version += 1 -> publish weights -> acknowledge the trained groups
+
+Its parts: the batch intake (trajectory stream -> batches), the weight publisher (rollout
+servers and versions), the step log (records, metrics, health) and the checkpoints it
+writes and resumes from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from learner import checkpoint, policy
+from learner.control import Command
+from learner.group_log import GroupLog
+from learner.intake import Acks, BatchIntake
+from learner.runs.rollout_fed import RolloutFedRun
+from learner.step_log import rl_record
+from services import preference, protocol, retention
+from services.queues import FIELD, Delivery, Keys
+
+log = logging.getLogger(__name__)
+
+
+class RLRun(RolloutFedRun):
+    async def run(self, resuming: bool = False) -> None:
+        self.make_run_dir()
+        trajectories = await self.trajectories()
+        every = self.spec.train.checkpoint_every
+        self.intake = BatchIntake(
+            self.job_id,
+            self.spec.train,
+            trajectories,
+            self.dispatcher,
+            Acks(trajectories, deferred=every > 0),
+            policy.vocab_size(self.spec.model.local_folder()),
+            GroupLog(self.run_dir),
+            self.spec.train.stragglers,
+        )
+        if not (resuming and await self.resume()):
+            await self.start()
+        await self.publisher.wait_for_servers(self.check_cancel)
+        await self.publisher.publish(self.version)
+        await self.intake.read_backlog()
+        self.steps.start_rl()
+        self.intake.log.start()
+        while self.step < self.spec.train.num_steps:
+            await self.check_cancel()
+            waited = time.monotonic()
+            batch = await self.intake.collect(self.version, self.while_waiting)
+            await self.train(batch, time.monotonic() - waited)
+            if every and self.step % every == 0:
+                await self.checkpoint()
+            if self.spec.train.export_every and self.step % self.spec.train.export_every == 0:
+                self.worker.run(Command(kind="export", path=str(self.run_dir / "policies" / f"step-{self.step:06d}")))
+            if self.step < self.spec.train.num_steps:
+                await self.check_stop()
+        if not every or self.step % every:
+            await self.checkpoint()
+        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+
+    async def start(self) -> None:
+        """A fresh start: the warm start, then the step-0 checkpoint RL begins from."""
+        await self.warm_start()
+        self.worker.run(Command(kind="start_rl"))
+        await self.checkpoint()
+
+    async def train(self, batch: list[Delivery], wait_s: float) -> None:
+        """One RL step on `batch` (collected in `wait_s` seconds), the weight publish after
+        it, and the step's record."""
+        groups = [d.message for d in batch]
+        started = time.perf_counter()
+        train = self.spec.train
+        if train.algorithm == "dpo":  # online DPO: each group's best and worst response
+            pairs, too_long = preference.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
+            metrics = self.worker.run(Command(kind="dpo", samples=pairs)) | {
+                "pairs_too_long": float(too_long),
+                "trained_tokens": sum(sum(s.mask) for s in pairs),
+            }
+        else:
+            metrics = self.worker.run(Command(kind="rl", samples=[s for g in groups for s in g.samples]))
+        step_seconds = time.perf_counter() - started
+        self.version += 1
+        self.step += 1
+        sync = await self.publisher.publish(self.version)
+        await self.intake.trained_on(batch)
+        record = rl_record(
+            self.step,
+            self.version,
+            groups,
+            metrics,
+            step_seconds,
+            sync["seconds"],
+            self.steps.waited(wait_s),
+            self.counts(),
+        )
+        self.steps.observe_step(record)
+        fired = await self.steps.judge_health(record)
+        await self.steps.write(record, self.step, self.version)
+        for stream in (Keys.tasks(self.job_id), Keys.trajectories(self.job_id)):
+            await retention.trim_acked(self.redis, stream)
+        await self.steps.act_on(fired)
+
+    def counts(self) -> dict[str, int]:
+        return self.intake.counts | self.publisher.counts
+
+    async def checkpoint(self, stopping: bool = False) -> None:
+        """Write a checkpoint (all ranks), then acknowledge what it covers. With periodic
+        checkpoints off, trained groups are acknowledged right after their step instead, and
+        only a stop (SIGTERM, `stopping`) writes one: the job resumes from it."""
+        path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
+        if (self.spec.train.checkpoint_every == 0 and not stopping) or (
+            path == checkpoint.latest(self.settings.runs_dir, self.job_id) and not self.intake.acks.unacked
+        ):
+            return
+        meta = {
+            "step": self.step,
+            "version": self.version,
+            "trained": sorted(self.intake.trained),
+            "counts": self.counts(),
+            "dispatcher": self.dispatcher.state(),
+            "history_length": await self.steps.length(),
+        }
+        self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
+        await self.intake.acks.flush()
+        await self.redis.rpush(
+            Keys.checkpoints(self.job_id),
+            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
+        )
+        keep = self.settings.keep_checkpoints
+        for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
+            log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
+        await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)
+
+    async def resume(self) -> bool:
+        """Continue from the newest complete checkpoint: restore every rank's state and the
+        parts' bookkeeping, drop history written after it, and move the dispatcher past
+        every task already in the stream. False: nothing to resume, start over."""
+        path = checkpoint.latest(self.settings.runs_dir, self.job_id)
+        if path is None:
+            if await self.redis.xlen(Keys.tasks(self.job_id)):
+                raise RuntimeError(
+                    "cannot resume: tasks were dispatched but there is no checkpoint (train.checkpoint_every = 0?)"
+                )
+            log.info("no checkpoint yet and nothing dispatched: starting job %s over", self.job_id)
+            await self.steps.trim(0)
+            return False
+        self.worker.run(Command(kind="start_rl"))
+        meta = self.worker.run(Command(kind="load", path=str(path)))
+        self.step, self.version = meta["step"], meta["version"]
+        self.intake.trained = set(meta["trained"])
+        for part in (self.intake, self.publisher):
+            part.counts.update({name: meta["counts"].get(name, 0) for name in part.counts})
+        self.dispatcher.load_state(meta["dispatcher"])
+        last = await self.redis.xrevrange(Keys.tasks(self.job_id), count=1)
+        if last:
+            last_task = protocol.decode(last[0][1][FIELD], protocol.Task).task_id
+            self.dispatcher.skip_past(last_task, self.version)
+        await self.steps.trim(meta["history_length"])
+        log.info("resumed job %s from %s (step %d)", self.job_id, path, self.step)
+        return True
