@@ -45,7 +45,7 @@ from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, connect, publish
 from services.stats import TrailingRate
 from services.tokenization import ChatTokenizer, TokenizationMismatch
-from services.tool_catalog import load_catalog
+from services.tool_catalog import load_catalog, with_file_tools
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class BadTask(ValueError):
 async def check_sandbox(spec: JobSpec) -> None:
     """RuntimeError when the job runs model-written code (the code task, a python tool) and
     this server's sandbox refuses to: every score would otherwise be a silent 0."""
-    tools = spec.tools.resolved().tools if spec.tools is not None else []
+    tools = with_file_tools(spec.tools).tools if spec.tools is not None else []
     if spec.task.name != "code_chat" and not any(tool.kind == "python" for tool in tools):
         return
     from rollout.tools.sandbox import refusal

@@ -443,26 +443,6 @@ class ToolsSpec(_Strict):
             raise ValueError(f"tool names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         return self
 
-    def resolved(self) -> ToolsSpec:
-        """This spec with the file's tools added and checked, as a rollout server uses it;
-        raises ValueError (naming `tools.file`) for a file that is missing or invalid."""
-        if self.file is None:
-            return self
-        import yaml
-
-        try:
-            loaded = yaml.safe_load(open(self.file, encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"tools.file {self.file!r}: {exc}") from exc
-        if not isinstance(loaded, dict) or not isinstance(loaded.get("tools"), list):
-            raise ValueError(f"tools.file {self.file!r}: expected a mapping with a `tools:` list")
-        try:
-            return ToolsSpec.model_validate(
-                self.model_dump() | {"file": None, "tools": [*self.model_dump()["tools"], *loaded["tools"]]}
-            )
-        except ValueError as exc:
-            raise ValueError(f"tools.file {self.file!r}: {exc}") from exc
-
 
 HEALTH_METRICS = (
     "reward_mean",

@@ -1,11 +1,7 @@
-"""Preference pairs for DPO: picked from a group of scored responses, or read from a file.
-
-Online DPO trains on pairs the rollout servers' groups give: the response with the highest
-reward is chosen, the one with the lowest rejected, when their rewards differ by at least
-the job's `pair_margin` (a group without such a gap trains nothing, like a GRPO group
-without spread). Offline DPO reads the pairs a `generate` job wrote, one JSON object per
-line (`PAIR_FIELDS`); the trainer gets both kinds the same way: a flat list of samples,
-chosen then rejected, pair after pair.
+"""The pairs file for DPO: what a `generate` job writes, an `offline` job trains on and the
+job API checks before it accepts such a job. One JSON object per line (`PAIR_FIELDS`); the
+trainer gets its pairs as a flat list of samples, chosen then rejected, pair after pair.
+How pairs are picked from a group of scored responses is the learner's (`learner.pairs`).
 """
 
 from __future__ import annotations
@@ -25,32 +21,6 @@ PAIR_FIELDS = {
     "rejected_score": "the other response's reward; below chosen_score",
 }
 """The fields a pairs-file row must have; a row may carry more (text, turn, example)."""
-
-
-def pick_pair(samples: list[protocol.Sample], margin: float) -> tuple[protocol.Sample, protocol.Sample] | None:
-    """(chosen, rejected): the first sample with the highest reward and the last with the
-    lowest, or None when their rewards are equal or closer than `margin`."""
-    if len(samples) < 2:
-        return None
-    chosen = max(samples, key=lambda s: s.reward)
-    rejected = min(reversed(samples), key=lambda s: s.reward)
-    gap = chosen.reward - rejected.reward
-    return (chosen, rejected) if gap > 0 and gap >= margin else None
-
-
-def pairs_from_groups(
-    groups: list[protocol.TrajectoryGroup], margin: float, max_pair_tokens: int
-) -> tuple[list[protocol.Sample], int]:
-    """Every group's pair, flattened chosen, rejected, chosen, rejected..., and how many
-    pairs were left out for having more tokens together than a rank takes."""
-    flat, too_long = [], 0
-    for group in groups:
-        pair = pick_pair(group.samples, margin)
-        if pair and sum(len(s.tokens) for s in pair) > max_pair_tokens:
-            too_long += 1
-        elif pair:
-            flat += pair
-    return flat, too_long
 
 
 def pair_row(context_ids: list[int], chosen: protocol.Sample, rejected: protocol.Sample, **extra) -> dict:

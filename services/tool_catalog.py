@@ -1,4 +1,5 @@
-"""The operator's tool catalogue: which MCP servers a job may use.
+"""The operator's tool catalogue: which MCP servers a job may use; and a job's own tools
+file (`tools.file`), read into its spec (`with_file_tools`).
 
 A tenant must not choose what a rollout server starts or where it connects: an MCP server
 given in a job spec as a command runs with the rollout server's user (its files, its
@@ -92,3 +93,25 @@ def check_public_url(url: str) -> None:
         address = ipaddress.ip_address(info[4][0].split("%", 1)[0])
         if not address.is_global:
             raise ValueError(f"MCP server {url}: {host!r} resolves to {address}, which is not a public address")
+
+
+def with_file_tools(spec: ToolsSpec) -> ToolsSpec:
+    """`spec` with the tools of its `tools.file` added and checked, as a rollout server uses
+    it; ValueError naming `tools.file` for a file that is missing or invalid."""
+    if spec.file is None:
+        return spec
+    import yaml
+
+    try:
+        with open(spec.file, encoding="utf-8") as text:
+            loaded = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"tools.file {spec.file!r}: {exc}") from exc
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("tools"), list):
+        raise ValueError(f"tools.file {spec.file!r}: expected a mapping with a `tools:` list")
+    try:
+        return ToolsSpec.model_validate(
+            spec.model_dump() | {"file": None, "tools": [*spec.model_dump()["tools"], *loaded["tools"]]}
+        )
+    except ValueError as exc:
+        raise ValueError(f"tools.file {spec.file!r}: {exc}") from exc

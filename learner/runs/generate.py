@@ -27,6 +27,7 @@ from prometheus_client import Counter
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from learner.runs.rollout_fed import RolloutFedRun
+from learner import pairs as pair_picking
 from services import preference, protocol
 from services.queues import Keys
 from services.stats import mean_by_key
@@ -48,7 +49,7 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
     text = {s.sample_id: t for s, t in zip(group.samples, group.responses)}
     pairs, without = [], 0
     for turn, indices in sorted(turns.items()):
-        picked = preference.pick_pair([group.samples[i] for i in indices], margin)
+        picked = pair_picking.pick_pair([group.samples[i] for i in indices], margin)
         if picked is None or not all(1 in s.mask for s in picked):
             without += 1
             continue

@@ -17,12 +17,13 @@ import logging
 import time
 
 from learner import checkpoint, policy
+from learner import pairs as pair_picking
 from learner.control import Command
 from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
 from learner.runs.rollout_fed import RolloutFedRun
 from learner.step_log import rl_record
-from services import preference, protocol, retention
+from services import protocol, retention
 from services.queues import FIELD, Delivery, Keys
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class RLRun(RolloutFedRun):
         started = time.perf_counter()
         train = self.spec.train
         if train.algorithm == "dpo":  # online DPO: each group's best and worst response
-            pairs, too_long = preference.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
+            pairs, too_long = pair_picking.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
             metrics = self.worker.run(Command(kind="dpo", samples=pairs)) | {
                 "pairs_too_long": float(too_long),
                 "trained_tokens": sum(sum(s.mask) for s in pairs),

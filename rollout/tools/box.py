@@ -20,7 +20,7 @@ from prometheus_client import Histogram
 from rollout.tools.base import Tool, ToolCall, ToolError, World, WorldTool
 from rollout.tools.parsers import PARSERS, Parsed
 from services.config import ToolCatalog, ToolsSpec
-from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls
+from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls, with_file_tools
 
 FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout", "tool_error", "exception")
 """Why a call failed: unreadable, a tool the job does not have, arguments the schema
@@ -128,7 +128,7 @@ class ToolBox:
         """Build every tool the spec names (the file's included), starting MCP servers: those
         the operator's `catalog` names, or inline ones where allowed and (URLs) public.
         ValueError naming the tool for a server the catalogue does not allow."""
-        spec = spec.resolved()
+        spec = with_file_tools(spec)
         try:
             bound = bind_servers(spec, catalog, allow_inline_mcp)
         except CatalogError as exc:

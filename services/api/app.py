@@ -36,7 +36,7 @@ from services.auth import match_bearer
 from services.config import PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
 from services.queues import Keys, connect
-from services.tool_catalog import CatalogError, bind_servers, load_catalog
+from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
 
 
 class JobView(BaseModel):
@@ -169,7 +169,7 @@ def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, root
 
 def _resolved_tools(spec: JobSpec) -> ToolsSpec:
     try:
-        return spec.tools.resolved()
+        return with_file_tools(spec.tools)
     except ValueError as exc:
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body", "tools", "file"), "input": spec.tools.file, "msg": str(exc)}]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from learner import pairs
 from services import preference
 from services.protocol import Sample
 
@@ -27,16 +28,16 @@ def sample(reward: float, index: int, tokens: list[int] | None = None) -> Sample
 
 def test_pick_pair_takes_the_best_and_the_worst():
     group = [sample(0.2, 0), sample(0.9, 1), sample(-0.1, 2), sample(0.5, 3)]
-    chosen, rejected = preference.pick_pair(group, margin=0.0)
+    chosen, rejected = pairs.pick_pair(group, margin=0.0)
     assert (chosen.sample_id, rejected.sample_id) == ("j:0:1", "j:0:2")
 
 
 def test_pick_pair_needs_a_gap_of_at_least_the_margin():
     group = [sample(0.5, 0), sample(0.8, 1)]
-    assert preference.pick_pair(group, margin=0.3) is not None
-    assert preference.pick_pair(group, margin=0.31) is None
-    assert preference.pick_pair([sample(0.5, 0), sample(0.5, 1)], margin=0.0) is None  # no preference
-    assert preference.pick_pair([sample(0.5, 0)], margin=0.0) is None
+    assert pairs.pick_pair(group, margin=0.3) is not None
+    assert pairs.pick_pair(group, margin=0.31) is None
+    assert pairs.pick_pair([sample(0.5, 0), sample(0.5, 1)], margin=0.0) is None  # no preference
+    assert pairs.pick_pair([sample(0.5, 0)], margin=0.0) is None
 
 
 def test_pairs_from_groups_flattens_chosen_then_rejected():
@@ -45,9 +46,9 @@ def test_pairs_from_groups_flattens_chosen_then_rejected():
         type("G", (), {"samples": [sample(0.3, 2), sample(0.3, 3)]})(),  # tie: no pair
         type("G", (), {"samples": [sample(0.0, 4), sample(2.0, 5)]})(),
     ]
-    flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=8)
+    flat, too_long = pairs.pairs_from_groups(groups, margin=0.0, max_pair_tokens=8)
     assert [s.sample_id for s in flat] == ["j:0:0", "j:0:1", "j:0:5", "j:0:4"] and too_long == 0
-    flat, too_long = preference.pairs_from_groups(groups, margin=0.0, max_pair_tokens=7)
+    flat, too_long = pairs.pairs_from_groups(groups, margin=0.0, max_pair_tokens=7)
     assert flat == [] and too_long == 2  # a rank takes both sides of a pair
 
 

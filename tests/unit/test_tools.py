@@ -17,6 +17,7 @@ from rollout.tools.box import FAILURES, ToolBox, ToolResult, ToolUsage, tool_mes
 from rollout.tools.calculator import MAX_EXPRESSION_CHARS, evaluate, format_number
 from rollout.tools.parsers import Malformed, Parsed, parse_hermes, parse_llama3
 from services.config import JobSpec, ToolSpec, ToolsSpec
+from services.tool_catalog import with_file_tools
 
 
 def hermes_call(name: str, arguments) -> str:
@@ -496,12 +497,12 @@ def test_resolved_adds_the_files_tools_to_the_inline_ones(tmp_path):
     path.write_text("tools:\n  - name: python\n    kind: python\n    timeout_s: 5\n")
     spec = ToolsSpec(parser="llama3", tools=[ToolSpec(name="calc", kind="calculator")], file=str(path))
 
-    resolved = spec.resolved()
+    resolved = with_file_tools(spec)
 
     assert [(t.name, t.kind) for t in resolved.tools] == [("calc", "calculator"), ("python", "python")]
     assert resolved.tools[1].timeout_s == 5.0
     assert (resolved.parser, resolved.file) == ("llama3", None)
-    assert ToolsSpec(tools=spec.tools).resolved() == ToolsSpec(tools=spec.tools)
+    assert with_file_tools(ToolsSpec(tools=spec.tools)) == ToolsSpec(tools=spec.tools)
 
 
 @pytest.mark.parametrize(
@@ -518,12 +519,12 @@ def test_resolved_rejects_a_bad_file_naming_tools_file(tmp_path, text):
     spec = ToolsSpec(tools=[ToolSpec(name="calculator", kind="calculator")], file=str(path))
 
     with pytest.raises(ValueError, match="tools.file"):
-        spec.resolved()
+        with_file_tools(spec)
 
 
 def test_resolved_rejects_a_missing_file_naming_tools_file(tmp_path):
     with pytest.raises(ValueError, match="tools.file .*missing.yaml"):
-        ToolsSpec(file=str(tmp_path / "missing.yaml")).resolved()
+        with_file_tools(ToolsSpec(file=str(tmp_path / "missing.yaml")))
 
 
 async def test_results_come_in_the_replys_order_refused_calls_in_their_place():
