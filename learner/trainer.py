@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from learner import loss, policy
+from learner.dpo import DPOSteps
 from learner.micro_batch import Collator, MicroBatch
+from learner.reduce import accumulate, all_reduce, reduce_over_ranks
 from services.config import JobSpec
 from services.protocol import Sample
 
@@ -22,9 +24,9 @@ COUNTS = loss.COUNTS | {"skipped_updates", "nonfinite_updates"}
 """Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
 
 
-class Trainer:
+class Trainer(DPOSteps):
     """One rank's share of the policy (`learner.policy`) and its steps on the batches the
-    driver sends: logprobs, the RL step, the SFT step."""
+    driver sends: logprobs, the RL step, the SFT step, and the DPO step (`learner.dpo`)."""
 
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
         self.spec = spec
@@ -124,7 +126,7 @@ class Trainer:
             (out.loss * self.world_size).backward()
             accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
             totals["entropy"] += (entropy * mask).sum()
-        reduced = self._reduce_over_ranks(totals)
+        reduced = reduce_over_ranks(totals, self.device)
         update = self._optimizer_step(reduced["loss"])
         metrics = {
             name: value if name in COUNTS | loss.MAXIMA else value / max(num_tokens, 1)
@@ -142,58 +144,8 @@ class Trainer:
             step_loss = loss.sft_loss(theta, self.batches.per_token(samples, mb, "mask"), max(num_tokens, 1))
             (step_loss * self.world_size).backward()
             total += step_loss.detach()
-        sft_loss = self._all_reduce({"loss": total})["loss"]
+        sft_loss = all_reduce({"loss": total}, self.device)["loss"]
         return {"sft_loss": sft_loss} | self._optimizer_step(sft_loss)
-
-    def dpo_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One DPO optimizer step on preference pairs (`samples` alternate chosen, rejected;
-        each pair sits whole in one micro-batch). Returns metrics per pair over all ranks."""
-        micro = self.batches.pair_micro_batches(samples)
-        reference = self._reference_logprobs(samples, micro)
-        num_pairs = len(samples) // 2
-        spec = self.spec.train
-        totals: dict[str, torch.Tensor] = {}
-        for mb in micro:
-            theta, _ = self.token_logprobs(mb)
-            if not mb.samples:  # an empty share still runs forward and backward with the others
-                (theta.sum() * 0.0).backward()
-                continue
-            mask = self.batches.per_token(samples, mb, "mask")
-            policy = loss.sequence_logprobs(theta, mask, mb.seq_ids, len(mb.samples))
-            ref = reference[mb.samples]
-            out = loss.dpo_loss(
-                policy[0::2], policy[1::2], ref[0::2], ref[1::2], spec.dpo_beta, spec.dpo_loss, max(num_pairs, 1)
-            )
-            (out.loss * self.world_size).backward()
-            accumulate(totals, {"loss": out.loss.detach()} | out.metrics)
-        # Every rank reduces every name, whether or not its share had pairs.
-        reduced = self._all_reduce({name: totals.get(name, torch.zeros(())) for name in ("loss", *loss.DPO_METRICS)})
-        update = self._optimizer_step(reduced["loss"])
-        metrics = {
-            name: value if name in ("loss", "pairs") else value / max(num_pairs, 1) for name, value in reduced.items()
-        }
-        return metrics | update
-
-    def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
-        """[N] each sample's sequence logprob under the reference. Samples not seen before
-        are scored by the rank that trains them and shared with every rank (all ranks hold
-        the same memory, so they agree on whether to score)."""
-        if any(s.sample_id not in self.reference_logprobs for s in samples):
-            scored = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
-            with torch.no_grad():
-                for mb in micro:
-                    logprobs, _ = self.token_logprobs(mb, self.reference)
-                    if mb.samples:
-                        mask = self.batches.per_token(samples, mb, "mask")
-                        scored[mb.samples] = loss.sequence_logprobs(
-                            logprobs, mask, mb.seq_ids, len(mb.samples)
-                        ).double()
-            self.reference.reshard()
-            dist.all_reduce(scored)  # each sample was scored on one rank, zero elsewhere
-            if len(self.reference_logprobs) > 1_000_000:  # online pairs come once: forget the old
-                self.reference_logprobs.clear()
-            self.reference_logprobs |= {s.sample_id: value for s, value in zip(samples, scored.tolist())}
-        return torch.tensor([self.reference_logprobs[s.sample_id] for s in samples], device=self.device)
 
     def _optimizer_step(self, loss_sum: float) -> dict[str, float]:
         """Clip and step (`policy.optimizer_step`) unless the gradient is zero
@@ -211,35 +163,9 @@ class Trainer:
             "nonfinite_updates": float(nonfinite),
         }
 
-    def _reduce_over_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
-        """All ranks' totals combined: maxima by max, the rest by sum."""
-        maxima = {name: value for name, value in totals.items() if name in loss.MAXIMA}
-        sums = {name: value for name, value in totals.items() if name not in maxima}
-        return self._all_reduce(sums) | self._all_reduce(maxima, dist.ReduceOp.MAX)
-
-    def _all_reduce(
-        self, values: dict[str, torch.Tensor], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> dict[str, float]:
-        names = sorted(values)
-        packed = torch.stack([torch.as_tensor(values[n], dtype=torch.float64, device=self.device) for n in names])
-        dist.all_reduce(packed, op=op)
-        return dict(zip(names, packed.tolist()))
-
     def export(self, out_dir: str) -> None:
         """The policy as a Hugging Face folder (rank 0 writes; all ranks must call)."""
         policy.export(self.model, self.spec.model.path, out_dir, self.rank)
-
-
-def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
-    """Add one micro-batch's metrics into a rank's running totals: maxima by max, the rest
-    by sum."""
-    for name, value in metrics.items():
-        if name not in totals:
-            totals[name] = value
-        elif name in loss.MAXIMA:
-            totals[name] = torch.maximum(totals[name], value)
-        else:
-            totals[name] = totals[name] + value
 
 
 def merge_minibatches(stats: list[dict[str, float]]) -> dict[str, float]:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from learner.policy import optimizer_step
-from learner.trainer import accumulate, merge_minibatches
+from learner.reduce import accumulate
+from learner.trainer import merge_minibatches
 
 
 def test_micro_batch_metrics_add_up_except_maxima_which_keep_the_largest():
