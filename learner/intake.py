@@ -117,6 +117,64 @@ def latest_fitting(owed: list[int], places: int, batch_size: int) -> int | None:
     return None
 
 
+def over_stale(group: protocol.TrajectoryGroup, version: int, max_staleness: int, stragglers: str) -> bool:
+    """Older than `max_staleness` at `version` (unless late groups are admitted), or from a
+    version newer than it."""
+    oldest = group.min_version()
+    staleness = version - (version if oldest is None else oldest)
+    late = staleness > max_staleness and stragglers != "admit"
+    return late or group.max_version() > version
+
+
+class TaskLedger:
+    """Which admitted tasks are trained, lost or still out, and by which step each still
+    out must be trained (its deadline under the staleness bound)."""
+
+    def __init__(self, dispatcher: Dispatcher, train: TrainSpec) -> None:
+        self.dispatcher = dispatcher
+        self.train = train
+        self.trained: set[int] = set()
+        """Tasks whose group was trained (checkpointed with the job)."""
+        self.done_below = 0
+        """Every task below this id is trained or lost."""
+
+    def deadline(self, task_id: int, version: int) -> int | None:
+        """Steps after `version` until the last version that may train `task_id`'s group:
+        admitted at version a, it must be trained on a + eta at the latest (None: the
+        dispatcher no longer knows the task's version, long past its deadline)."""
+        admitted = self.dispatcher.admitted_version(task_id)
+        return None if admitted is None else admitted + self.train.max_staleness - version
+
+    def in_time(self, task_id: int, version: int, owed: list[int], places: int) -> bool:
+        """Whether `task_id`'s group may take one of a batch's `places` left without keeping
+        a task owed sooner from its deadline (`latest_fitting`)."""
+        latest = latest_fitting(owed, places, self.train.batch_size)
+        deadline = self.deadline(task_id, version)
+        return latest is None or deadline is None or deadline <= latest
+
+    def owed_by_deadline(self, version: int, seen: set[int]) -> list[int]:
+        """How many tasks (neither trained, lost nor in `seen`, the batch) have their
+        deadline 0, 1, ..., eta steps after `version`."""
+        owed = [0] * (self.train.max_staleness + 1)
+        for task_id in self.untrained_tasks():
+            deadline = self.deadline(task_id, version)
+            if task_id not in seen and deadline is not None and 0 <= deadline < len(owed):
+                owed[deadline] += 1
+        return owed
+
+    def untrained_tasks(self) -> list[int]:
+        """Admitted tasks neither trained nor lost, oldest first."""
+        lost = self.dispatcher.lost
+        while self.done_below < self.dispatcher.next_task_id and (
+            self.done_below in self.trained or self.done_below in lost
+        ):
+            lost.discard(self.done_below)
+            self.done_below += 1
+        return [
+            t for t in range(self.done_below, self.dispatcher.next_task_id) if t not in self.trained and t not in lost
+        ]
+
+
 class BatchIntake:
     COUNTS = ("stale_dropped", "duplicates", "held_over")
 
@@ -143,14 +201,11 @@ class BatchIntake:
         self.acks = acks
         self.log = log
         """Where each decision is recorded (None: nowhere)."""
-        self.trained: set[int] = set()
-        """Tasks whose group was trained (checkpointed with the job)."""
+        self.ledger = TaskLedger(dispatcher, train)
         self.counts = dict.fromkeys(self.COUNTS, 0)
         self.backlog: list[Delivery] = []
         """Entries read and not decided yet: an earlier run's, never acknowledged, and groups
         held over from the last batch (`stragglers: wait`)."""
-        self.done_below = 0
-        """Every task below this id is trained or lost."""
         self.held_once: set[int] = set()
         """Tasks whose group was held over and is not decided yet."""
 
@@ -183,7 +238,7 @@ class BatchIntake:
                     waiting, held = held, []  # a place may have come free (a task owed was lost)
                     continue
             chunk, waiting = waiting, []
-            owed = self.owed_by_deadline(version, seen)
+            owed = self.ledger.owed_by_deadline(version, seen) if self.stragglers == "wait" else None
             for index, delivery in enumerate(chunk):
                 if len(batch) == size:
                     waiting = chunk[index:]
@@ -197,7 +252,7 @@ class BatchIntake:
                 elif await self.admit(delivery, version, seen):
                     batch.append(delivery)
                     seen.add(delivery.message.task_id)
-                    deadline = self.deadline(delivery.message.task_id, version)
+                    deadline = self.ledger.deadline(delivery.message.task_id, version)
                     if owed is not None and deadline is not None and 0 <= deadline < len(owed):
                         owed[deadline] -= 1
         self.backlog = held + waiting
@@ -210,62 +265,19 @@ class BatchIntake:
         over): always unless the learner waits for stragglers (`owed` is not None) and the
         group's deadline is later than `latest_fitting` allows. Groups to refuse always
         "fit": `admit` decides them."""
-        if owed is None:
-            return True
-        latest = latest_fitting(owed, places, self.train.batch_size)
-        deadline = self.deadline(delivery.message.task_id, version)
-        if latest is None or deadline is None or deadline <= latest:
+        if owed is None or self.ledger.in_time(delivery.message.task_id, version, owed, places):
             return True
         return not self.eligible(delivery, version, seen)
-
-    def deadline(self, task_id: int, version: int) -> int | None:
-        """Steps after `version` until the last version that may train `task_id`'s group:
-        admitted at version a, it must be trained on a + eta at the latest (None: the
-        dispatcher no longer knows the task's version, long past its deadline)."""
-        admitted = self.dispatcher.admitted_version(task_id)
-        return None if admitted is None else admitted + self.train.max_staleness - version
-
-    def owed_by_deadline(self, version: int, seen: set[int]) -> list[int] | None:
-        """`stragglers: wait`: how many tasks (neither trained, lost nor in the batch) have
-        their deadline 0, 1, ..., eta steps after `version` (None: any other rule)."""
-        if self.stragglers != "wait":
-            return None
-        owed = [0] * (self.train.max_staleness + 1)
-        for task_id in self.untrained_tasks():
-            deadline = self.deadline(task_id, version)
-            if task_id not in seen and deadline is not None and 0 <= deadline < len(owed):
-                owed[deadline] += 1
-        return owed
-
-    def untrained_tasks(self) -> list[int]:
-        """Admitted tasks neither trained nor lost, oldest first."""
-        lost = self.dispatcher.lost
-        while self.done_below < self.dispatcher.next_task_id and (
-            self.done_below in self.trained or self.done_below in lost
-        ):
-            lost.discard(self.done_below)
-            self.done_below += 1
-        return [
-            t for t in range(self.done_below, self.dispatcher.next_task_id) if t not in self.trained and t not in lost
-        ]
 
     def eligible(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """Whether `decide` would take the group into the batch (without deciding)."""
         group: protocol.TrajectoryGroup = delivery.message
         return (
-            group.task_id not in self.trained
+            group.task_id not in self.ledger.trained
             and group.task_id not in seen
             and not invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
-            and not self.over_stale(group, version)
+            and not over_stale(group, version, self.train.max_staleness, self.stragglers)
         )
-
-    def over_stale(self, group: protocol.TrajectoryGroup, version: int) -> bool:
-        """Older than `max_staleness` at `version` (unless late groups are admitted), or
-        from a version newer than it."""
-        oldest = group.min_version()
-        staleness = version - (version if oldest is None else oldest)
-        late = staleness > self.train.max_staleness and self.stragglers != "admit"
-        return late or group.max_version() > version
 
     async def admit(self, delivery: Delivery, version: int, seen: set[int]) -> bool:
         """`decide`, recorded in the group log."""
@@ -283,7 +295,7 @@ class BatchIntake:
         than `version` ("stale"; the latter were sampled by weights a crashed learner
         published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
-        if group.task_id in self.trained or group.task_id in seen:
+        if group.task_id in self.ledger.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
             DUPLICATES.labels(self.job_id).inc()
             await self.acks.settle(delivery.entry_id)
@@ -294,7 +306,7 @@ class BatchIntake:
             # only and leave the others blocked in a collective.
             await self.trajectories.dead_letter(delivery.entry_id, protocol.encode(group), problem)
             return "invalid"  # the dispatcher replaces its task when it reads the dead stream
-        if self.over_stale(group, version):
+        if over_stale(group, version, self.train.max_staleness, self.stragglers):
             self.counts["stale_dropped"] += 1
             STALE_DROPPED.labels(self.job_id).inc()
             self.dispatcher.replace(group.task_id)
@@ -306,5 +318,5 @@ class BatchIntake:
         """`batch` was trained: its entries are decided, its tasks done."""
         for delivery in batch:
             await self.acks.settle(delivery.entry_id)
-        self.trained.update(d.message.task_id for d in batch)
-        self.untrained_tasks()  # moves done_below on, forgetting lost tasks below it
+        self.ledger.trained.update(d.message.task_id for d in batch)
+        self.ledger.untrained_tasks()  # moves done_below on, forgetting lost tasks below it

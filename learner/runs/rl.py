@@ -123,7 +123,7 @@ class RLRun(RolloutFedRun):
         meta = {
             "step": self.step,
             "version": self.version,
-            "trained": sorted(self.intake.trained),
+            "trained": sorted(self.intake.ledger.trained),
             "counts": self.counts(),
             "dispatcher": self.dispatcher.state(),
             "history_length": await self.steps.length(),
@@ -155,7 +155,7 @@ class RLRun(RolloutFedRun):
         self.worker.run(Command(kind="start_rl"))
         meta = self.worker.run(Command(kind="load", path=str(path)))
         self.step, self.version = meta["step"], meta["version"]
-        self.intake.trained = set(meta["trained"])
+        self.intake.ledger.trained = set(meta["trained"])
         for part in (self.intake, self.publisher):
             part.counts.update({name: meta["counts"].get(name, 0) for name in part.counts})
         self.dispatcher.load_state(meta["dispatcher"])

@@ -248,7 +248,7 @@ async def test_dropping_loses_the_straggler_that_came_last(redis_client):
     # at version 2 and dropped, its task replaced by a new one (6), sampled on version 2.
     assert batches == [[2, 3], [4, 0], [5, 6]]
     assert intake.counts["stale_dropped"] == 1
-    assert intake.dispatcher.replaced == 1 and intake.done_below == 7  # 0-6 trained or lost: forgotten
+    assert intake.dispatcher.replaced == 1 and intake.ledger.done_below == 7  # 0-6 trained or lost: forgotten
 
 
 # batch 2, eta 2: version 0 admits tasks 0-5, all due by version 2; 0 and 1 come back at
