@@ -81,11 +81,11 @@ def worker(split: str, model_dir: str, out: str, steps: int, batch: int) -> None
 
     from learner.micro_batch import Collator
     from learner.trainer import Trainer
-    from services.config import JobSpec, ModelSpec, TrainSpec
+    from services.config import ModelSpec, RLJob, TrainSpec
     from services.protocol import Sample
 
     dist.init_process_group("gloo")
-    spec = JobSpec(
+    spec = RLJob(
         model=ModelSpec(path=model_dir, max_model_len=1024),
         rollout={"max_total_tokens": 1024},
         # One micro-batch per rank for both splits: with a tighter cap the unbalanced

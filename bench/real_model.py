@@ -102,7 +102,7 @@ def learner_speed(steps: int) -> dict:
 
     from learner.micro_batch import Collator
     from learner.trainer import Trainer
-    from services.config import JobSpec
+    from services.config import parse_job_spec
     from services.protocol import Sample
 
     peak = matmul_flops()
@@ -117,7 +117,7 @@ def learner_speed(steps: int) -> dict:
     rows = {"plain transformers step": seconds}
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    spec = JobSpec.model_validate({"model": {"path": str(MODEL)}, "train": {"lr": 1e-5, "max_tokens_per_rank": 4096}})
+    spec = parse_job_spec({"model": {"path": str(MODEL)}, "train": {"lr": 1e-5, "max_tokens_per_rank": 4096}})
     trainer = Trainer(spec, torch.device("cpu"))
 
     def samples(batch: list[list[int]]) -> list[Sample]:

@@ -104,10 +104,10 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, e
     from rollout.evaluate import evaluate
     from rollout.tasks.multiply import MultiplyTask
     from rollout.tools.box import ToolBox
-    from services.config import JobSpec, ModelSpec, TaskSpec
+    from services.config import ModelSpec, TaskSpec, parse_job_spec
     from services.tokenization import ChatTokenizer
 
-    job = JobSpec.model_validate(spec)
+    job = parse_job_spec(spec)
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=job.model.max_model_len), kv_cache_gib=1.0)
     task = MultiplyTask(TaskSpec(name="multiply", num_examples=examples), seed=seed)

@@ -114,7 +114,7 @@ def export(runs_dir: str | Path, job_id: str, step: int, out_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     from learner.policy import save_hf_folder
-    from services.config import JobSpec
+    from services.config import parse_job_spec_json
 
     path = checkpoint_dir(runs_dir, job_id, step)
     if not (path / META).exists():
@@ -122,7 +122,7 @@ def export(runs_dir: str | Path, job_id: str, step: int, out_dir: Path) -> Path:
         raise FileNotFoundError(
             f"job {job_id} has no complete checkpoint at step {step} under {runs_dir} (complete checkpoints: {have})"
         )
-    spec = JobSpec.model_validate_json((Path(runs_dir) / job_id / SPEC).read_text())
+    spec = parse_job_spec_json((Path(runs_dir) / job_id / SPEC).read_text())
     model = AutoModelForCausalLM.from_pretrained(spec.model.local_folder(), dtype=torch.float32)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)

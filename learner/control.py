@@ -23,7 +23,7 @@ import torch.distributed as dist
 from learner import checkpoint
 from learner.trainer import Trainer
 from learner.weight_sender import WeightSender
-from services.config import JobSpec, LearnerSettings
+from services.config import LearnerSettings, parse_job_spec_json
 from services.protocol import Sample, WeightPlan
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Worker:
     def execute(self, command: Command) -> dict:
         match command.kind:
             case "job":
-                spec = JobSpec.model_validate_json(command.spec_json)
+                spec = parse_job_spec_json(command.spec_json)
                 self.trainer = Trainer(spec, self.device)
                 self.sender = WeightSender(
                     self.trainer,

@@ -14,7 +14,7 @@ from learner.runs import run_for
 from learner.runs.base import JobCancelled, LearnerStopping
 from learner.step_log import JobUnhealthy
 from services import jobs, protocol
-from services.config import JobSpec, LearnerSettings
+from services.config import JobSpec, LearnerSettings, parse_job_spec
 from services.metrics import serve_metrics
 from services.queues import Keys, StreamConsumer, connect
 
@@ -94,7 +94,7 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
     if record is None or record["status"] in jobs.TERMINAL:
         log.info("skipping job %s (%s)", job_id, record and record["status"])
         return None
-    spec = JobSpec.model_validate(record["spec"])
+    spec = parse_job_spec(record["spec"])
     resuming = record["status"] == jobs.JobStatus.RUNNING.value
     if resuming and not settings.resume:
         await jobs.set_status(

@@ -249,17 +249,23 @@ class RolloutServer:
             job_id = running[0]
             try:
                 spec = await jobs.job_spec(self.redis, job_id)
+                if not spec.uses_rollout_servers:  # an offline job: the learner trains on a file
+                    await self.wait_out(job_id)
+                    continue
                 rollout = await self.prepare_job(job_id, spec)
             except Exception as err:  # a model that does not load, an unknown task...
                 log.exception("cannot serve job %s", job_id)
                 await self.redis.hset(
                     Keys.job(job_id), "rollout_error", f"{self.server_id}: {type(err).__name__}: {err}"
                 )
-                # The learner fails the job; do not retry in a loop (a drain ends the wait).
-                while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
-                    await asyncio.sleep(0.5)
+                await self.wait_out(job_id)  # the learner fails the job; do not retry in a loop
                 continue
             await self.serve_job(job_id, spec, rollout)
+
+    async def wait_out(self, job_id: str) -> None:
+        """Until the job leaves `jobs:running` (or a drain is asked for)."""
+        while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
+            await asyncio.sleep(0.5)
 
     async def prepare_job(self, job_id: str, spec: JobSpec) -> GroupRollout:
         """The engine with the job's model; the job's tokenizer, task set, user and rewards,
@@ -283,7 +289,7 @@ class RolloutServer:
             self.reward_slots,
             self.server_id,
             job_id,
-            generate=spec.kind == "generate",
+            generate=spec.ranked_conversations,
             seed=spec.train.seed,
             openings=spec.task.opening == "simulator",
         )

@@ -22,7 +22,14 @@ from collections import Counter
 from math import comb
 from pathlib import Path
 
-from services.config import JobSpec, ModelSpec, RewardSpec, RolloutSpec, TaskSpec
+from services.config import (
+    JobSpec,
+    ModelSpec,
+    RewardSpec,
+    RLJob,
+    RolloutSpec,
+    TaskSpec,
+)
 
 BOOTSTRAP_RESAMPLES = 2000
 VERDICT = (
@@ -54,7 +61,7 @@ def summary(successes: list[int], trials: int) -> dict:
 
 def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
     """The settings of one domain's evaluation, as the job spec a rollout server reads."""
-    return JobSpec(
+    return RLJob(
         model=ModelSpec(path=model, max_model_len=args.max_model_len),
         task=TaskSpec(
             name="tau2", domain=domain, split=split, **({"num_examples": args.num_tasks} if args.num_tasks else {})

@@ -8,6 +8,7 @@ type, default, bounds and description, taken from the pydantic models in service
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import types
 import typing
@@ -23,8 +24,12 @@ sys.path.insert(0, str(ROOT))
 from services import config  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
+KINDS = [
+    ("RLJob", "`kind: rl` (the default)"),
+    ("OfflineJob", "`kind: offline`"),
+    ("GenerateJob", "`kind: generate`"),
+]
 SECTIONS = [
-    ("JobSpec", "A job spec: the body of `POST /v1/jobs`, or a YAML file for `tandem submit`"),
     ("ModelSpec", "`model`"),
     ("TaskSpec", "`task`"),
     ("RolloutSpec", "`rollout`"),
@@ -83,9 +88,11 @@ def bounds(info: FieldInfo) -> str:
     return ", ".join(found)
 
 
-def table(model: type[BaseModel], env_prefix: str = "") -> list[str]:
+def table(model: type[BaseModel], env_prefix: str = "", skip: frozenset[str] = frozenset()) -> list[str]:
     rows = ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
     for name, info in model.model_fields.items():
+        if name in skip:
+            continue
         shown = f"`{env_prefix}{name.upper()}`" if env_prefix else f"`{name}`"
         description = " ".join((info.description or "").split()).replace("|", "\\|")
         kind = type_name(info.annotation).replace("|", "\\|")
@@ -103,10 +110,22 @@ def render() -> str:
         "are in `deploy/configs/`; [usage.md](usage.md) shows how to submit them.",
         "",
         "## Job specs",
+        "",
+        "A job spec is the body of `POST /v1/jobs`, or a YAML file for `tandem submit`. Every kind",
+        "has these fields:",
+        "",
     ]
+    base = config._JobBase
+    lines += table(base)
+    lines += ["", "and `kind` picks the rest:"]
+    for name, title in KINDS:
+        model = getattr(config, name)
+        lines += ["", f"### {title}", "", inspect.cleandoc(model.__doc__), ""]
+        lines += table(model, skip=frozenset(base.model_fields))
     for name, title in SECTIONS:
         model = getattr(config, name)
-        lines += ["", f"### {title}", ""] + ([model.__doc__.strip(), ""] if model.__doc__ else []) + table(model)
+        lines += ["", f"### {title}", ""] + ([inspect.cleandoc(model.__doc__), ""] if model.__doc__ else [])
+        lines += table(model)
     lines += [
         "",
         "## Process settings",

@@ -59,11 +59,11 @@ def fixed_samples(count: int, vocab: int, seed: int, tag: str):
 
 def run_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
     from learner.trainer import Trainer
-    from services.config import JobSpec
+    from services.config import parse_job_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    spec = JobSpec.model_validate(
+    spec = parse_job_spec(
         {
             "model": {"path": model},
             "warm_start": {"steps": 1, "lr": 1e-3},

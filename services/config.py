@@ -11,13 +11,13 @@ import os
 import re
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.presets import PRESETS
 
 JOB_NAME = r"[A-Za-z0-9_.-]{1,128}"
-"""A job's name (JobSpec.name); job ids are a name, a dash and 8 hex digits."""
+"""A job's name (a job spec's `name`); job ids are a name, a dash and 8 hex digits."""
 
 
 class _Strict(BaseModel):
@@ -485,18 +485,11 @@ class HealthRule(_Strict):
         return self
 
 
-class JobSpec(_Strict):
-    """What a user submits: the model, the task, and how to roll out, score and train."""
+class _JobBase(_Strict):
+    """What every kind of job names: the model, the task, and how to roll out, score and
+    train. A job spec is one of the kinds below, picked by `kind` (`rl` when it is left out)."""
 
     name: str = Field("job", min_length=1, max_length=128, pattern=rf"^{JOB_NAME}$")
-    kind: Literal["rl", "offline", "generate"] = Field(
-        "rl",
-        description=(
-            "rl: rollout servers play episodes, the learner trains on them as they arrive (GRPO, REINFORCE or "
-            "online DPO); offline: the learner alone trains on train.data (DPO); generate: rollout servers play "
-            "simulated conversations and the learner writes MR-ranked SFT data and preference pairs."
-        ),
-    )
     model: ModelSpec
     task: TaskSpec = TaskSpec()
     rollout: RolloutSpec = RolloutSpec()
@@ -504,7 +497,6 @@ class JobSpec(_Strict):
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
     tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
-    generate: GenerateSpec = GenerateSpec()
     judge_weight: float = Field(
         1.0,
         gt=0.0,
@@ -512,12 +504,11 @@ class JobSpec(_Strict):
         description="This job's share of a judge upstream's budget against other jobs using it at the same time "
         "(2 vs 1: two thirds). Not reward.judge_weight, which weighs R_llm in the reward.",
     )
-    health: list[HealthRule] = Field(
-        default_factory=list,
-        max_length=64,
-        description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "
-        "for 5 steps: the job trains on nothing).",
-    )
+    uses_rollout_servers: ClassVar[bool] = True
+    """Whether rollout servers play this kind's tasks (an offline job trains on a file)."""
+    ranked_conversations: ClassVar[bool] = False
+    """Whether rollout servers play a task as one conversation carried on by each turn's
+    best response (`GroupRollout.ranked_conversation`) instead of a group of episodes."""
 
     @model_validator(mode="before")
     @classmethod
@@ -533,26 +524,99 @@ class JobSpec(_Strict):
         return data | {"reward": filled["reward"] | reward, "task": filled["task"] | task}
 
     @model_validator(mode="after")
-    def _lengths_fit(self) -> JobSpec:
+    def _parts_agree(self) -> _JobBase:
         if self.rollout.max_total_tokens > self.model.max_model_len:
             raise ValueError("rollout.max_total_tokens must not exceed model.max_model_len")
-        return self
-
-    @model_validator(mode="after")
-    def _kind_has_what_it_needs(self) -> JobSpec:
-        if self.kind == "offline" and (self.train.algorithm != "dpo" or not self.train.data):
-            raise ValueError("an offline job trains DPO on a pairs file: set train.algorithm: dpo and train.data")
-        if self.kind != "offline" and self.train.data:
-            raise ValueError("train.data is read by offline jobs only (kind: offline)")
         if self.task.extraction == "llm" and not self.reward.judge_model:
             raise ValueError("task.extraction: llm asks the judge model by name: set reward.judge_model")
-        if self.kind == "generate" and self.reward.mode != "multiturn":
-            raise ValueError("a generate job ranks each turn's responses: reward.mode must be multiturn")
         if self.tools is not None and self.task.name != "tau2" and not self.tools.tools and self.tools.file is None:
             raise ValueError("tools needs inline tools or a file (only a tau2 task brings its own)")
         if self.tools is not None and self.task.name == "tau2" and (self.tools.tools or self.tools.file):
             raise ValueError("a tau2 task brings its domain's tools: tools sets only the parser and limits")
+        if self.train.data and not isinstance(self, OfflineJob):
+            raise ValueError("train.data is read by offline jobs only (kind: offline)")
         return self
+
+    def progress(self) -> tuple[int, str]:
+        """How far the job goes and in what (what a progress bar counts)."""
+        return self.train.num_steps, "step"
+
+
+class RLJob(_JobBase):
+    """Rollout servers play episodes; the learner trains on them as they arrive (GRPO,
+    REINFORCE, or online DPO with `train.algorithm: dpo`)."""
+
+    kind: Literal["rl"] = "rl"
+    health: list[HealthRule] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "
+        "for 5 steps: the job trains on nothing).",
+    )
+
+
+class OfflineJob(_JobBase):
+    """The learner alone trains DPO on a pairs file (`train.data`, a generate job's
+    pairs.jsonl); no rollout server takes part."""
+
+    kind: Literal["offline"]
+    uses_rollout_servers: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _trains_dpo_on_a_file(self) -> OfflineJob:
+        if self.train.algorithm != "dpo" or not self.train.data:
+            raise ValueError("an offline job trains DPO on a pairs file: set train.algorithm: dpo and train.data")
+        return self
+
+
+class GenerateJob(_JobBase):
+    """Rollout servers play simulated conversations, ranking each turn's responses by MR;
+    the learner writes the best-response conversations (SFT data) and preference pairs."""
+
+    kind: Literal["generate"]
+    generate: GenerateSpec = GenerateSpec()
+    ranked_conversations: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _ranks_by_mr(self) -> GenerateJob:
+        if self.reward.mode != "multiturn":
+            raise ValueError("a generate job ranks each turn's responses: reward.mode must be multiturn")
+        return self
+
+    def progress(self) -> tuple[int, str]:
+        return self.generate.conversations, "conv"
+
+
+JOB_KINDS = (RLJob, OfflineJob, GenerateJob)
+KIND_NAMES = ("rl", "offline", "generate")
+"""The `kind` of each, which pydantic puts at the head of an error's location."""
+
+
+def _kind_of(data: object) -> str:
+    """The kind a spec is (`rl` when a mapping leaves it out)."""
+    if isinstance(data, dict):
+        kind = data.get("kind", "rl")
+        return kind if isinstance(kind, str) else repr(kind)
+    return getattr(data, "kind", "rl")
+
+
+JobSpec = Annotated[
+    Annotated[RLJob, Tag("rl")] | Annotated[OfflineJob, Tag("offline")] | Annotated[GenerateJob, Tag("generate")],
+    Discriminator(
+        _kind_of, custom_error_type="invalid_kind", custom_error_message="kind must be 'rl', 'offline' or 'generate'"
+    ),
+]
+"""A job spec: one model per kind, `kind` selecting (see `JOB_KINDS`)."""
+_JOB_SPEC = TypeAdapter(JobSpec)
+
+
+def parse_job_spec(data: object) -> RLJob | OfflineJob | GenerateJob:
+    """A job spec from a mapping (or a spec), its kind's model picked by `kind`."""
+    return _JOB_SPEC.validate_python(data)
+
+
+def parse_job_spec_json(text: str | bytes) -> RLJob | OfflineJob | GenerateJob:
+    return _JOB_SPEC.validate_json(text)
 
 
 def _given(section) -> dict:

@@ -16,7 +16,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from services import protocol
-from services.config import JOB_NAME, JobSpec
+from services.config import JOB_NAME, JobSpec, parse_job_spec_json
 from services.queues import FIELD, Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -107,14 +107,14 @@ async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dic
 
 
 async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
-    return JobSpec.model_validate_json(await client.hget(Keys.job(job_id), "spec"))
+    return parse_job_spec_json(await client.hget(Keys.job(job_id), "spec"))
 
 
 async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
     """The job's `judge_weight` (its share of a judge upstream against other jobs); 1 for an
     id with no job record (tests, clients outside Tandem)."""
     spec = await client.hget(Keys.job(job_id), "spec")
-    return 1.0 if spec is None else JobSpec.model_validate_json(spec).judge_weight
+    return 1.0 if spec is None else parse_job_spec_json(spec).judge_weight
 
 
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never

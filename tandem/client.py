@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from services.config import parse_job_spec
 from services.jobs import TERMINAL
 from tandem.progress import Progress
 
@@ -80,12 +81,10 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
     """Show a job's progress until it ends, printing each health alert as it fires;
     returns the final record."""
     record = client.get(job_id)
-    spec = record["spec"]
-    generate = spec.get("kind") == "generate"
-    total = spec["generate"]["conversations"] if generate else spec["train"]["num_steps"]
+    total, unit = parse_job_spec(record["spec"]).progress()
     history: list[dict] = []
     cursor = 0
-    with Progress(total, f"{job_id} {record['status'].lower()}", "conv" if generate else "step") as progress:
+    with Progress(total, f"{job_id} {record['status'].lower()}", unit) as progress:
         while True:
             record = client.get(job_id)
             first, new = client.history_page(job_id, start=cursor)

@@ -187,7 +187,7 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     final policy (or, while the job runs, its newest checkpoint). `provenance.json` names
     the job, the step, what it was made from and the base model's own provenance."""
     from learner import checkpoint
-    from services.config import JobSpec
+    from services.config import parse_job_spec_json
 
     job_dir = Path(runs_dir) / job_id
     if not (job_dir / checkpoint.SPEC).is_file():
@@ -203,7 +203,7 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     else:
         checkpoint.export(runs_dir, job_id, step, out_dir)
         made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
-    base = JobSpec.model_validate_json((job_dir / checkpoint.SPEC).read_text()).model.path
+    base = parse_job_spec_json((job_dir / checkpoint.SPEC).read_text()).model.path
     record = {
         "job": job_id,
         "step": step,

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.trl_side.reward import ClarifyReward  # noqa: E402
-from services.config import JobSpec  # noqa: E402
+from services.config import JobSpec, parse_job_spec  # noqa: E402
 
 
 class Policy:
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    spec = JobSpec.model_validate(json.loads(Path(args.spec).read_text()))
+    spec = parse_job_spec(json.loads(Path(args.spec).read_text()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reward = ClarifyReward(spec, args.judge_url, args.job_id)

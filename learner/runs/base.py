@@ -47,7 +47,11 @@ class Run:
         self.version = 0
         self.step = 0
         self.run_dir = Path(self.settings.runs_dir) / job_id
-        self.steps = StepLog(self.redis, job_id, self.run_dir, spec.health, self.settings.history_keep)
+        self.steps = StepLog(self.redis, job_id, self.run_dir, self.health_rules(), self.settings.history_keep)
+
+    def health_rules(self) -> list:
+        """The rules the step log judges each step by (only an RL job has them)."""
+        return []
 
     async def run(self, resuming: bool = False) -> None:
         raise NotImplementedError

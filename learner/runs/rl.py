@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class RLRun(RolloutFedRun):
+    def health_rules(self) -> list:
+        return self.spec.health
+
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()
         trajectories = await self.trajectories()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -33,7 +34,7 @@ from starlette.routing import Match
 
 from services import jobs, preference, protocol
 from services.auth import match_bearer
-from services.config import PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
+from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
 from services.queues import Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
@@ -221,7 +222,7 @@ def check_pairs_file(spec: JobSpec) -> None:
     """A 422 naming `train.data` when an offline job's pairs file is here and a row of it is
     not a pair (the message names the line). As for tools, a file this process cannot see
     is checked by the learner, which fails the job with the same message."""
-    if spec.kind != "offline" or not Path(spec.train.data).is_file():
+    if not spec.train.data or not Path(spec.train.data).is_file():  # only an offline job sets it
         return
     try:
         for _ in preference.read_pairs(spec.train.data, max_pair_tokens=spec.train.max_tokens_per_rank):
@@ -285,11 +286,24 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.state.operators = {name.strip() for name in settings.operators.split(",") if name.strip()}
     app.include_router(jobs_router())
     app.include_router(job_records_router())
     app.include_router(servers_router())
     return app
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A 422 as FastAPI writes it, each location naming the field as the spec is written:
+    the job kind pydantic puts after `body` (the model the kind picked) is left out."""
+    errors = []
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        if len(loc) >= 2 and loc[0] == "body" and loc[1] in KIND_NAMES:
+            loc = ("body", *loc[2:])
+        errors.append({**error, "loc": loc})
+    return await request_validation_exception_handler(request, RequestValidationError(errors))
 
 
 def tenant(request: Request) -> str:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from learner.trainer import Trainer
 from rollout.tasks import clarify
-from services.config import JobSpec, ModelSpec, TrainSpec
+from services.config import ModelSpec, RLJob, TrainSpec
 from services.protocol import Sample
 from services.tokenization import ChatTokenizer
 
@@ -49,7 +49,7 @@ def main() -> None:
     model_dir, out, cap, shuffle, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo")
     algorithm = "dpo" if kind == "dpo" else "grpo"
-    spec = JobSpec(
+    spec = RLJob(
         model=ModelSpec(path=model_dir),
         train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5),
     )

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from learner import checkpoint
 from learner.trainer import Trainer
-from services.config import JobSpec, ModelSpec, TrainSpec
+from services.config import ModelSpec, RLJob, TrainSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_step_worker import fixed_batch  # noqa: E402
@@ -34,7 +34,7 @@ def save_params(trainer: Trainer, path: Path) -> None:
 def main() -> None:
     model_dir, out, ckpt, load = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1"
     dist.init_process_group("gloo")
-    spec = JobSpec(model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3, max_tokens_per_rank=4096))
+    spec = RLJob(model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3, max_tokens_per_rank=4096))
     trainer = Trainer(spec, torch.device("cpu"))
     first = fixed_batch(model_dir)
     # Another batch: the same sequences in reverse order, their advantages turned over.

@@ -8,12 +8,18 @@ import pytest
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake, latest_fitting
 from services import protocol
-from services.config import JobSpec, LearnerSettings, ModelSpec, TrainSpec
+from services.config import (
+    JobSpec,
+    LearnerSettings,
+    ModelSpec,
+    RLJob,
+    TrainSpec,
+)
 from services.queues import FIELD, Delivery, Keys, StreamConsumer
 
 
 def spec(eta: int, batch: int = 4, steps: int = 10) -> JobSpec:
-    return JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=steps))
+    return RLJob(model=ModelSpec(path="/m"), train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=steps))
 
 
 @pytest.mark.parametrize(
@@ -202,7 +208,7 @@ async def play(
     trajectories = await StreamConsumer(
         redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
     ).setup()
-    job = JobSpec(
+    job = RLJob(
         model=ModelSpec(path="/m"),
         train=TrainSpec(max_staleness=eta, batch_size=batch, num_steps=10, stragglers=stragglers),
     )

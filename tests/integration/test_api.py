@@ -9,7 +9,7 @@ import pytest
 
 from services import jobs
 from services.api.app import create_app
-from services.config import ApiSettings
+from services.config import ApiSettings, parse_job_spec
 from services.queues import Keys
 
 SPEC = {"name": "t", "model": {"path": "/models/tiny"}}
@@ -224,7 +224,7 @@ async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_clien
     from services.api import app as api_app
 
     monkeypatch.setattr(api_app, "SSE_POLL_S", 0.01)
-    job_id = await jobs.create_job(redis_client, jobs.JobSpec.model_validate(SPEC))
+    job_id = await jobs.create_job(redis_client, parse_job_spec(SPEC))
     await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
     history = Keys.history(job_id)
     await redis_client.rpush(history, *[json.dumps({"step": s, "run": 1}) for s in (1, 2, 3)])

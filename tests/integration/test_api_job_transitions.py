@@ -8,10 +8,10 @@ import asyncio
 import redis.asyncio as aioredis
 
 from services import jobs
-from services.config import JobSpec
+from services.config import parse_job_spec
 from services.queues import Keys
 
-SPEC = JobSpec.model_validate({"name": "t", "model": {"path": "/models/tiny"}})
+SPEC = parse_job_spec({"name": "t", "model": {"path": "/models/tiny"}})
 
 
 async def state(client: aioredis.Redis, job_id: str) -> tuple[str, bool, bool]:

@@ -16,7 +16,13 @@ from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 
 from rollout.tasks import clarify
 from services import jobs
-from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
+from services.config import (
+    ModelSpec,
+    OfflineJob,
+    RLJob,
+    RolloutSpec,
+    TrainSpec,
+)
 from services.queues import Keys
 from services.tokenization import ChatTokenizer
 
@@ -80,7 +86,7 @@ def finish(redis_url: str, job_id: str, learner: Path) -> dict:
 def test_offline_dpo_learns_the_preferred_response_of_a_pairs_file(learner, redis_url, tiny_model, tokenizer, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in asking_pairs(tokenizer, 12)))
-    spec = JobSpec(
+    spec = OfflineJob(
         kind="offline",
         model=ModelSpec(path=str(tiny_model), max_model_len=512),
         train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=6, batch_size=4, lr=1e-3, dpo_beta=0.5),
@@ -107,7 +113,7 @@ def test_a_malformed_pairs_file_fails_the_job_naming_the_line(learner, redis_url
     rows[2]["rejected_ids"] = [10**9]  # no such token
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    spec = JobSpec(
+    spec = OfflineJob(
         kind="offline",
         model=ModelSpec(path=str(tiny_model), max_model_len=512),
         train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=2, batch_size=2),
@@ -120,7 +126,7 @@ def test_a_malformed_pairs_file_fails_the_job_naming_the_line(learner, redis_url
 
 
 def test_online_dpo_trains_each_groups_best_and_worst_response(learner, redis_url, tiny_model, tokenizer):
-    spec = JobSpec(
+    spec = RLJob(
         model=ModelSpec(path=str(tiny_model), max_model_len=512),
         rollout=RolloutSpec(group_size=4, max_total_tokens=256),
         train=TrainSpec(algorithm="dpo", num_steps=3, batch_size=2, max_staleness=0, lr=1e-3, pair_margin=0.25),

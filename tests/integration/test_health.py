@@ -18,7 +18,14 @@ from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 from safetensors.torch import load_file
 
 from services import jobs
-from services.config import HealthRule, JobSpec, ModelSpec, RolloutSpec, TrainSpec
+from services.config import (
+    HealthRule,
+    JobSpec,
+    ModelSpec,
+    RLJob,
+    RolloutSpec,
+    TrainSpec,
+)
 from services.queues import Keys
 
 pytestmark = pytest.mark.slow
@@ -26,7 +33,7 @@ ZERO_SPREAD = {"metric": "zero_spread_share", "above": 0.5, "steps": 3}
 
 
 def pinned_job(model, action: str, num_steps: int) -> JobSpec:
-    return JobSpec(
+    return RLJob(
         name=f"pinned-{action}",
         model=ModelSpec(path=str(model), max_model_len=512),
         rollout=RolloutSpec(group_size=2, max_total_tokens=256),

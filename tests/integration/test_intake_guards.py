@@ -11,7 +11,7 @@ import pytest
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from services import protocol
-from services.config import JobSpec, ModelSpec, TrainSpec
+from services.config import ModelSpec, RLJob, TrainSpec
 from services.queues import Delivery, Keys, StreamConsumer, publish
 
 VOCAB = 512
@@ -46,7 +46,7 @@ BAD = {  # task id -> (group, what its dead-letter reason must say)
 
 @pytest.fixture
 async def intake(redis_client):
-    job = JobSpec(model=ModelSpec(path="/m"), train=TrainSpec(batch_size=1, max_staleness=1))
+    job = RLJob(model=ModelSpec(path="/m"), train=TrainSpec(batch_size=1, max_staleness=1))
     trajectories = await StreamConsumer(
         redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
     ).setup()

@@ -17,7 +17,11 @@ from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
 from judge_proxy.share import Share, Weights, burst_tokens
 from judge_proxy.upstream import UpstreamConfig
-from services.config import JobSpec, JudgeProxySettings, ModelSpec
+from services.config import (
+    JudgeProxySettings,
+    ModelSpec,
+    RLJob,
+)
 from services.jobs import create_job
 from services.queues import Keys
 from tandem.redis_embed import free_port
@@ -127,7 +131,7 @@ async def test_a_jobs_weight_is_read_from_its_record_and_kept_for_a_while(redis_
 
     read = [await weights.of(job), await weights.of("not-a-job"), await weights.of("")]
     await redis_client.hset(
-        Keys.job(job), "spec", JobSpec(model=ModelSpec(path="unused"), judge_weight=5.0).model_dump_json()
+        Keys.job(job), "spec", RLJob(model=ModelSpec(path="unused"), judge_weight=5.0).model_dump_json()
     )
     kept = await weights.of(job)
     await asyncio.sleep(0.3)
@@ -173,7 +177,7 @@ def two_replicas(redis_url: str, tmp_path):
 
 
 async def job_with_weight(redis_client, name: str, judge_weight: float) -> str:
-    return await create_job(redis_client, JobSpec(name=name, model=ModelSpec(path="unused"), judge_weight=judge_weight))
+    return await create_job(redis_client, RLJob(name=name, model=ModelSpec(path="unused"), judge_weight=judge_weight))
 
 
 class Charges(list):

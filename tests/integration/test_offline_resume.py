@@ -13,7 +13,7 @@ from helpers import create_job, start_learner, wait_for
 from safetensors.torch import load_file
 from test_dpo_jobs import asking_pairs, finish
 
-from services.config import JobSpec, ModelSpec, TrainSpec
+from services.config import ModelSpec, OfflineJob, TrainSpec
 from services.queues import Keys
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def test_an_offline_job_stopped_mid_way_resumes_to_the_straight_runs_weights(
     client = redis.Redis.from_url(redis_url)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in asking_pairs(tokenizer, 10)))
-    spec = JobSpec(
+    spec = OfflineJob(
         kind="offline",
         model=ModelSpec(path=str(tiny_model), max_model_len=512),
         train=TrainSpec(algorithm="dpo", data=str(pairs), num_steps=30, batch_size=3, lr=1e-3),

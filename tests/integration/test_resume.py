@@ -20,7 +20,12 @@ from safetensors.torch import load_file
 
 from learner.step_log import StepLog
 from services import jobs
-from services.config import JobSpec, ModelSpec, RolloutSpec, TrainSpec
+from services.config import (
+    ModelSpec,
+    RLJob,
+    RolloutSpec,
+    TrainSpec,
+)
 from services.queues import Keys
 from tandem.launcher import kill_all, process_tree
 
@@ -43,7 +48,7 @@ def run_job(
     restarted with --resume."""
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    spec = JobSpec(
+    spec = RLJob(
         model=ModelSpec(path=str(model), max_model_len=512),
         rollout=RolloutSpec(group_size=2, max_total_tokens=256),
         train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3, checkpoint_every=checkpoint_every),

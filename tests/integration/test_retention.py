@@ -4,7 +4,7 @@ an ended job's keys expire, and the job index forgets expired jobs (real Redis).
 from __future__ import annotations
 
 from services import jobs, retention
-from services.config import JobSpec, ModelSpec
+from services.config import ModelSpec, RLJob
 from services.queues import Keys
 
 STREAM = "tandem:test:retention"
@@ -68,7 +68,7 @@ async def test_a_stream_without_groups_is_left_alone(redis_client):
 
 
 async def test_an_ended_jobs_keys_expire_after_the_retention(redis_client):
-    job_id = await jobs.create_job(redis_client, JobSpec(model=ModelSpec(path="/models/tiny")))
+    job_id = await jobs.create_job(redis_client, RLJob(model=ModelSpec(path="/models/tiny")))
     await jobs.set_status(redis_client, job_id, jobs.JobStatus.RUNNING)
     await redis_client.xadd(Keys.trajectories(job_id), {b"m": b"x"})
     await redis_client.rpush(Keys.history(job_id), b"{}")
@@ -81,7 +81,7 @@ async def test_an_ended_jobs_keys_expire_after_the_retention(redis_client):
 
 
 async def test_a_cancelled_pending_job_expires_and_the_index_forgets_it(redis_client):
-    job_id = await jobs.create_job(redis_client, JobSpec(model=ModelSpec(path="/models/tiny")), tenant="t")
+    job_id = await jobs.create_job(redis_client, RLJob(model=ModelSpec(path="/models/tiny")), tenant="t")
     assert await jobs.cancel(redis_client, job_id, retention_s=600) == "CANCELLED"
     assert 590 <= await redis_client.ttl(Keys.job(job_id)) <= 600
 
@@ -103,7 +103,7 @@ async def test_a_dead_stream_keeps_only_about_its_newest_entries(redis_client, m
 
 
 async def test_redis_keeps_the_newest_history_records_and_counts_the_dropped_ones(redis_client):
-    job_id = await jobs.create_job(redis_client, JobSpec(model=ModelSpec(path="/models/tiny")))
+    job_id = await jobs.create_job(redis_client, RLJob(model=ModelSpec(path="/models/tiny")))
     for step in range(15):
         await jobs.append_history(redis_client, job_id, f'{{"step": {step}}}', keep=10)
 

@@ -332,10 +332,10 @@ async def test_a_server_whose_sandbox_refuses_fails_a_job_that_runs_code_instead
     monkeypatch, job, refused
 ):
     from rollout.server import check_sandbox
-    from services.config import JobSpec
+    from services.config import parse_job_spec
 
     monkeypatch.setenv(SANDBOX_ENV, "off")  # not a mode: the sandbox refuses every call
-    spec = JobSpec.model_validate({"model": {"path": "/models/tiny"}, **job})
+    spec = parse_job_spec({"model": {"path": "/models/tiny"}, **job})
 
     if refused:
         with pytest.raises(RuntimeError, match="cannot run model-written code: .*TANDEM_SANDBOX='off'"):

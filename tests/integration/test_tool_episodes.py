@@ -24,7 +24,15 @@ from rollout.episode import EpisodeRunner
 from rollout.tasks.multiply import OneAnswerUser
 from rollout.tools.box import ToolBox, tool_message
 from services import protocol
-from services.config import JobSpec, McpServerSpec, ModelSpec, RolloutSpec, ToolCatalog, ToolSpec, ToolsSpec
+from services.config import (
+    McpServerSpec,
+    ModelSpec,
+    RLJob,
+    RolloutSpec,
+    ToolCatalog,
+    ToolSpec,
+    ToolsSpec,
+)
 from services.tokenization import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
@@ -100,7 +108,7 @@ async def box():
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def taught(engine, tiny_model, tokenizer, process_group, box, tmp_path_factory):
     """The engine serving the tiny model after it learned `lessons` by heart."""
-    spec = JobSpec(model=ModelSpec(path=str(tiny_model), max_model_len=512))
+    spec = RLJob(model=ModelSpec(path=str(tiny_model), max_model_len=512))
     spec.warm_start.steps, spec.warm_start.lr = 200, 3e-3
     trainer = Trainer(spec, torch.device("cpu"))
     chat = ChatTokenizer(tokenizer).with_tools(box.schemas())

@@ -12,7 +12,7 @@ from learner.trainer import Trainer
 from learner.weight_sender import WeightSender
 from rollout.tasks import clarify
 from services import protocol
-from services.config import JobSpec, ModelSpec
+from services.config import ModelSpec, RLJob
 from services.tokenization import ChatTokenizer
 from tandem.redis_embed import free_port
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def trainer(tiny_model, process_group, tokenizer):
     """A learner whose weights have moved away from the checkpoint the engine loaded."""
-    spec = JobSpec(model=ModelSpec(path=str(tiny_model), max_model_len=512))
+    spec = RLJob(model=ModelSpec(path=str(tiny_model), max_model_len=512))
     spec.warm_start.lr = 1e-2
     trainer = Trainer(spec, torch.device("cpu"))
     chat = ChatTokenizer(tokenizer)

@@ -25,16 +25,20 @@ from rollout.tasks.contexts import ContextView, turn_contexts
 from rollout.tasks.doc_edit_chat import DocEditChatTask, document_bleu
 from rollout.tasks.math_chat import MathChatTask
 from services import protocol
-from services.config import JobSpec, RewardSpec, RolloutSpec, TaskSpec
+from services.config import (
+    JobSpec,
+    RewardSpec,
+    RolloutSpec,
+    TaskSpec,
+    parse_job_spec,
+)
 from services.presets import COLLABORATIVE_SYSTEM_PROMPT
 from services.tokenization import ChatTokenizer
 from tests.unit.test_rollout_group import RIGHT, TARGET, TASK, AskingPolicy
 
 
 def preset(task: str, **reward) -> JobSpec:
-    return JobSpec.model_validate(
-        {"model": {"path": "m"}, "task": {"name": task}, "reward": {"preset": "collabllm", **reward}}
-    )
+    return parse_job_spec({"model": {"path": "m"}, "task": {"name": task}, "reward": {"preset": "collabllm", **reward}})
 
 
 def chat(*turns: str) -> list[dict]:
@@ -60,7 +64,7 @@ def test_the_collabllm_preset_holds_the_papers_settings_for_each_task(task, pena
 
 
 def test_what_a_spec_sets_itself_overrides_the_preset_and_stays_visible():
-    spec = JobSpec.model_validate(
+    spec = parse_job_spec(
         {
             "model": {"path": "m"},
             "task": {"name": "math_chat", "simulator": "cooperative"},
@@ -69,7 +73,7 @@ def test_what_a_spec_sets_itself_overrides_the_preset_and_stays_visible():
     )
     assert (spec.reward.num_futures, spec.reward.token_count, spec.task.simulator) == (5, "policy", "cooperative")
     assert spec.reward.window == 2  # the rest is the paper's
-    assert JobSpec.model_validate(spec.model_dump()) == spec  # a stored spec reads back the same
+    assert parse_job_spec(spec.model_dump()) == spec  # a stored spec reads back the same
 
 
 def test_without_a_preset_the_defaults_are_tandems_own():
@@ -425,7 +429,7 @@ def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
 def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_contexts_are_given():
     assert preset("math_chat").task.opening == "simulator"
     assert preset("clarify").task.opening == "task"
-    with_contexts = JobSpec.model_validate(
+    with_contexts = parse_job_spec(
         {
             "model": {"path": "m"},
             "reward": {"preset": "collabllm"},
@@ -486,12 +490,12 @@ async def test_an_unreadable_extraction_is_asked_again_then_raised_never_scored(
 
 def test_llm_extraction_needs_a_named_judge_model():
     with pytest.raises(ValueError, match="set reward.judge_model"):
-        JobSpec.model_validate({"model": {"path": "m"}, "task": {"name": "code_chat", "extraction": "llm"}})
+        parse_job_spec({"model": {"path": "m"}, "task": {"name": "code_chat", "extraction": "llm"}})
 
 
 def test_the_warm_start_fine_tunes_under_the_system_prompt_too(tiny_model, tokenizer, tmp_path):
     from learner.warm_start import load_demonstrations
-    from services.config import ModelSpec
+    from services.config import ModelSpec, RLJob
 
     data = tmp_path / "warm.jsonl"
     rows = [
@@ -500,7 +504,7 @@ def test_the_warm_start_fine_tunes_under_the_system_prompt_too(tiny_model, token
         [{"role": "system", "content": "own prompt"}, *chat("u", "a")],
     ]
     data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
-    spec = JobSpec(model=ModelSpec(path=str(tiny_model)), task=TaskSpec(system_prompt="be collaborative"))
+    spec = RLJob(model=ModelSpec(path=str(tiny_model)), task=TaskSpec(system_prompt="be collaborative"))
     bare, written, own = load_demonstrations(str(data), spec)
     assert bare.tokens == written.tokens and bare.mask == written.mask  # as if the row had the prompt
     assert "own prompt" in tokenizer.decode(own.tokens) and "collaborative" not in tokenizer.decode(own.tokens)

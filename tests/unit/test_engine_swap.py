@@ -7,7 +7,7 @@ import asyncio
 
 from rollout import server as server_module
 from rollout.server import RolloutServer
-from services.config import JobSpec, ModelSpec, RolloutSettings
+from services.config import ModelSpec, RolloutSettings, parse_job_spec
 
 
 class ShutDownEngine:
@@ -29,7 +29,7 @@ def test_the_old_engine_is_let_go_before_it_shuts_down(monkeypatch) -> None:
     server.engine = old
     started = object()
     monkeypatch.setattr(server_module.Engine, "start", staticmethod(lambda *args: started))
-    spec = JobSpec.model_validate({"name": "second", "model": {"path": "/models/second"}})
+    spec = parse_job_spec({"name": "second", "model": {"path": "/models/second"}})
     asyncio.run(server.prepare_engine(spec))
     assert old.held_during_shutdown is None
     assert server.engine is started

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from judge_proxy.rubrics import RUBRICS
-from services.config import JobSpec, JudgeProxySettings
+from services.config import JobSpec, JudgeProxySettings, parse_job_spec_json
 from tandem.client import load_spec_file
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
@@ -33,7 +33,7 @@ bench/tool_use.py (a tiny model they build); the others run under compose."""
 
 
 def load(path: Path) -> JobSpec:
-    return JobSpec.model_validate_json(json.dumps(load_spec_file(path)))
+    return parse_job_spec_json(json.dumps(load_spec_file(path)))
 
 
 def test_the_compose_examples_are_there():

@@ -90,10 +90,10 @@ def test_an_empty_share_gives_one_placeholder_logprob_and_a_dpo_step_on_no_pairs
     """A rank with no sequence (fewer pairs than ranks) still runs its forward: the
     placeholder row is one token long, and its logprobs must not fail on that."""
     from learner.trainer import Trainer
-    from services.config import JobSpec, ModelSpec, TrainSpec
+    from services.config import ModelSpec, RLJob, TrainSpec
 
     trainer = Trainer(
-        JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(algorithm="dpo")), torch.device("cpu")
+        RLJob(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(algorithm="dpo")), torch.device("cpu")
     )
     trainer.start_rl()
     empty = trainer.batches.collate([], [])

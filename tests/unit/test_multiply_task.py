@@ -94,7 +94,7 @@ def test_a_tool_demonstration_trains_on_the_replies_and_not_on_the_tool_result()
 def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_not(tmp_path):
     from devtools.tiny_model import make_tiny_model
     from learner.warm_start import load_demonstrations
-    from services.config import JobSpec, ModelSpec
+    from services.config import ModelSpec, RLJob
 
     model = make_tiny_model(tmp_path / "model", multiply.corpus(CHATML_TEMPLATE), individual_digits=True)
     example = multiply.make_examples(1, seed=3)[0]
@@ -103,7 +103,7 @@ def test_warm_start_rows_with_tools_are_rendered_with_them_and_rows_without_are_
     data = tmp_path / "warm.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
-    samples = load_demonstrations(str(data), JobSpec(model=ModelSpec(path=str(model))))
+    samples = load_demonstrations(str(data), RLJob(model=ModelSpec(path=str(model))))
 
     tokenizer = ChatTokenizer(train_tokenizer(multiply.corpus(CHATML_TEMPLATE), 512, individual_digits=True))
     texts = [tokenizer.tokenizer.decode(s.tokens) for s in samples]

@@ -103,10 +103,10 @@ def test_a_batch_with_a_nan_is_not_trained_and_the_next_batch_is_adams_first_ste
     with no weight decay): every parameter moves by at most lr and the largest by lr, which
     only holds if the poisoned step left no moment behind."""
     from learner.trainer import Trainer
-    from services.config import JobSpec, ModelSpec, TrainSpec
+    from services.config import ModelSpec, RLJob, TrainSpec
 
     trainer = Trainer(
-        JobSpec(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(lr=LR, weight_decay=0.0)), torch.device("cpu")
+        RLJob(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(lr=LR, weight_decay=0.0)), torch.device("cpu")
     )
     trainer.start_rl()
     before = parameters(trainer)

@@ -13,7 +13,7 @@ from rollout.interactions.role_play import RolePlayUser, swapped
 from rollout.tasks.tau2 import MAX_ERRORS, Tau2Task, termination
 from rollout.tau2_eval import interval, pass_hat_k
 from rollout.tools.box import ToolResult, ToolUsage
-from services.config import JobSpec, TaskSpec
+from services.config import RLJob, TaskSpec
 
 MODEL = {"path": "/models/m"}
 
@@ -33,11 +33,11 @@ MODEL = {"path": "/models/m"}
 )
 def test_a_spec_that_cannot_be_a_tau2_job_is_refused_naming_the_field(task, tools, error):
     with pytest.raises(ValidationError, match=error):
-        JobSpec(model=MODEL, task=task, tools=tools)
+        RLJob(model=MODEL, task=task, tools=tools)
 
 
 def test_a_tau2_job_may_set_only_the_parser_and_limits_of_its_tools():
-    spec = JobSpec(
+    spec = RLJob(
         model=MODEL, task={"name": "tau2", "domain": "airline", "split": "test"}, tools={"max_calls_per_episode": 20}
     )
     assert spec.tools.max_calls_per_episode == 20 and not spec.tools.tools

@@ -16,7 +16,7 @@ from rollout.tools.base import ToolCall, ToolError, function_schema
 from rollout.tools.box import FAILURES, ToolBox, ToolResult, ToolUsage, tool_message, usage_metrics
 from rollout.tools.calculator import MAX_EXPRESSION_CHARS, evaluate, format_number
 from rollout.tools.parsers import Malformed, Parsed, parse_hermes, parse_llama3
-from services.config import JobSpec, ToolSpec, ToolsSpec
+from services.config import RLJob, ToolSpec, ToolsSpec
 from services.tool_catalog import with_file_tools
 
 
@@ -457,8 +457,9 @@ async def test_open_adds_the_tools_of_the_spec_file(tmp_path):
 # The tools section of the job spec.
 
 
-def job(tools: dict) -> JobSpec:
-    return JobSpec.model_validate({"model": {"path": "models/tiny"}, "tools": tools})
+def job(tools: dict) -> RLJob:
+    """An RL job with `tools` (validated as its kind, so an error's location starts at the field)."""
+    return RLJob.model_validate({"model": {"path": "models/tiny"}, "tools": tools})
 
 
 @pytest.mark.parametrize(

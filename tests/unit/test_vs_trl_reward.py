@@ -12,7 +12,7 @@ from bench.trl_side.reward import ClarifyReward
 from rollout.episode import Episode
 from rollout.rewards.conversation import conversation_rewards, minimum_reward
 from rollout.tasks import clarify
-from services.config import JobSpec
+from services.config import JobSpec, parse_job_spec
 
 EOS = 2
 
@@ -53,7 +53,7 @@ class Policy:
 
 
 def job(window: int) -> JobSpec:
-    return JobSpec.model_validate(
+    return parse_job_spec(
         {
             "name": "vs-trl",
             "model": {"path": "unused"},
