@@ -9,9 +9,6 @@ from pathlib import Path
 from services.config import TaskSpec
 from services.quoting import fenced_blocks  # noqa: F401  (the tasks read it from here)
 
-FIXTURES = Path(__file__).parent / "data"
-"""The small built-in datasets a task uses when the spec names no `data` file."""
-
 
 def is_question(text: str) -> bool:
     """A reply that asks (the tasks' `asked` metric, and the clarify task's rule-based user)."""
@@ -33,10 +30,11 @@ def checked_file(path: str | Path, field: str) -> Path:
     return path
 
 
-def read_examples(spec: TaskSpec, fixture: str) -> list[dict]:
+def read_examples(spec: TaskSpec, fixture: Path) -> list[dict]:
     """The first `spec.num_examples` rows of the JSONL file `spec.data`, or of the built-in
-    `FIXTURES / fixture` when the spec names none (all rows if there are fewer)."""
-    path = checked_file(spec.data, "task.data") if spec.data else FIXTURES / fixture
+    `fixture` (the task's built-in examples) when the spec names none (all rows if there
+    are fewer)."""
+    path = checked_file(spec.data, "task.data") if spec.data else fixture
     with path.open(encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
     return rows[: spec.num_examples]

@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from rollout.tasks.common import FIXTURES
+from rollout.tasks.code_chat import FIXTURE as CODE_FIXTURE
 from rollout.tools.sandbox import SandboxLimits, run_code, run_tests
 
 FAST = SandboxLimits(timeout_s=1.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10)
 SLOWER = dataclasses.replace(FAST, timeout_s=10.0)
 """For runs that must finish: a loaded machine once took over a second to start the sandbox."""
-CODE_ROWS = [json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_text().splitlines()]
+CODE_ROWS = [json.loads(line) for line in CODE_FIXTURE.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("row", CODE_ROWS, ids=[row["goal"].split("`")[1] for row in CODE_ROWS])

@@ -16,12 +16,12 @@ import tempfile
 import pytest
 from test_code_sandbox import processes_with
 
-from rollout.tasks.common import FIXTURES
+from rollout.tasks.code_chat import FIXTURE as CODE_FIXTURE
 from rollout.tools import sandbox
 from rollout.tools.sandbox import SANDBOX_ENV, SandboxLimits, run_code, run_tests
 
 FAST = SandboxLimits(timeout_s=5.0, cpu_s=5, memory_bytes=512 << 20, output_bytes=64 << 10)
-CHUNK = next(json.loads(line) for line in (FIXTURES / "code_chat.jsonl").read_text().splitlines() if "`chunk(" in line)
+CHUNK = next(json.loads(line) for line in CODE_FIXTURE.read_text().splitlines() if "`chunk(" in line)
 SLEEPER = "[sys.executable, '-c', 'import time; time.sleep(30)', TOKEN]"
 """An argv that runs 30 s and carries the test's token, so the host's /proc shows whether it
 outlived the call."""

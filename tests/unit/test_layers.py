@@ -138,6 +138,56 @@ def test_no_module_imports_a_package_above_it_or_beside_it():
     assert violations() == []
 
 
+TRAINING = {
+    "learner.trainer",
+    "learner.dpo",
+    "learner.reduce",
+    "learner.micro_batch",
+    "learner.batching",
+    "learner.loss",
+    "learner.policy",
+    "learner.checkpoint",
+    "learner.weight_sender",
+    "learner.control",
+}
+"""The learner's modules every rank runs (the training itself); the rest is rank 0's."""
+PURE = {"learner.loss", "learner.batching"}
+"""Functions of tensors and lists: they import nothing of the learner's."""
+
+
+def learner_violations(root: Path = ROOT) -> list[str]:
+    """Inside learner/: the training side never reaches into rank 0's bookkeeping (jobs,
+    streams, versions), and the pure modules import nothing of the learner."""
+    known = modules(root)
+    found = []
+    for module, path in known.items():
+        if not module.startswith("learner."):
+            continue
+        for target in imported_modules(path, known):
+            if not target.startswith("learner.") or target == module:
+                continue
+            if module in PURE:
+                found.append(f"{module} imports {target} (a pure module imports nothing of the learner)")
+            elif module in TRAINING and target not in TRAINING:
+                found.append(f"{module} imports {target} (the training side knows nothing of rank 0's)")
+    return sorted(found)
+
+
+def test_the_learners_training_side_knows_nothing_of_rank_0():
+    assert learner_violations() == []
+
+
+def test_the_learner_check_sees_a_trainer_that_reads_the_job_stream(tmp_path):
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "intake.py").write_text("X = 1\n")
+    (tmp_path / "learner" / "trainer.py").write_text("from learner.intake import X\n")
+    (tmp_path / "learner" / "loss.py").write_text("from learner import trainer\n")
+    assert learner_violations(tmp_path) == [
+        "learner.loss imports learner.trainer (a pure module imports nothing of the learner)",
+        "learner.trainer imports learner.intake (the training side knows nothing of rank 0's)",
+    ]
+
+
 def test_no_module_imports_itself_back_through_others():
     assert import_cycles() == []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 from rollout.tasks import extraction
 from rollout.tasks.base import FixtureTask
@@ -21,6 +22,9 @@ from rollout.tools.sandbox import run_tests
 from services.config import TaskSpec
 
 _PYTHON_FENCES = ("python", "py", "python3", "")
+
+FIXTURE = Path(__file__).parent / "examples.jsonl"
+"""The built-in examples, used when the spec names no `task.data` file."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class CodeChatTask(FixtureTask):
     def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
         if spec.extraction == "llm" and judge is None:
             raise ValueError("code_chat with extraction='llm' needs a judge client")
-        self.examples = [CodeExample(**row) for row in read_examples(spec, "code_chat.jsonl")]
+        self.examples = [CodeExample(**row) for row in read_examples(spec, FIXTURE)]
         self.judge = judge if spec.extraction == "llm" else None
 
     async def score(self, example: int, messages: list[dict], episode=None) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout.tasks.base import FixtureTask
@@ -24,6 +25,9 @@ _NUMBER = re.compile(r"\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?\d+(?:,\d{3})*(?:\.\d+)
 _LATEX_FRACTION = re.compile(r"(-?)\\frac\{(-?[\d.]+)\}\{([\d.]+)\}")
 _NOISE = re.compile(r"\$|\\!|\\,|\\left|\\right|\s")
 _VARIABLE = re.compile(r"^[a-zA-Z]=")
+
+FIXTURE = Path(__file__).parent / "examples.jsonl"
+"""The built-in examples, used when the spec names no `task.data` file."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class MathChatTask(FixtureTask):
     def __init__(self, spec: TaskSpec, judge: Judge | None = None) -> None:
         if spec.metric == "judge" and judge is None:
             raise ValueError("math_chat with metric='judge' needs a judge client")
-        self.examples = [MathExample(**row) for row in read_examples(spec, "math_chat.jsonl")]
+        self.examples = [MathExample(**row) for row in read_examples(spec, FIXTURE)]
         self.metric = spec.metric
         self.judge = judge
 

@@ -9,6 +9,7 @@ every edit the user wants, "reference": the document with those edits made}.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import sacrebleu
 
@@ -16,6 +17,9 @@ from rollout.tasks import extraction
 from rollout.tasks.base import FixtureTask
 from rollout.tasks.common import fenced_blocks, final_reply, is_question, last_found, read_examples
 from services.config import TaskSpec
+
+FIXTURE = Path(__file__).parent / "examples.jsonl"
+"""The built-in examples, used when the spec names no `task.data` file."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class DocEditChatTask(FixtureTask):
     def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
         if spec.extraction == "llm" and judge is None:
             raise ValueError("doc_edit_chat with extraction='llm' needs a judge client")
-        self.examples = [DocEditExample(**row) for row in read_examples(spec, "doc_edit_chat.jsonl")]
+        self.examples = [DocEditExample(**row) for row in read_examples(spec, FIXTURE)]
         self.judge = judge if spec.extraction == "llm" else None
 
     def context(self, example: int) -> list[dict]:
