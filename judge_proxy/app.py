@@ -168,8 +168,17 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(RequestIdMiddleware)
     authorize = client_auth(settings.client_tokens)
+    app.include_router(chat_router(proxy, authorize, settings))
+    app.include_router(judge_router(proxy, authorize, settings))
+    app.include_router(info_router(proxy.gateway, authorize))
+    return app
 
-    @app.post("/v1/chat/completions")
+
+def chat_router(proxy: Proxy, authorize: Callable[[Request], str], settings: JudgeProxySettings) -> APIRouter:
+    """OpenAI's chat completions, through the gateway; a reply the memory keeps is settled whole."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         job = authorize(request)
         body = await json_object(request)
@@ -183,14 +192,26 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             completion = await gateway.complete(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
             return await completion_response(gateway, completion, chat.model)
         content, remembered = await proxy.memory.once(
-            key, job, lambda: gateway.complete_whole(body, max_tokens, chat.n, job=job, priority=priority, tag=tag)
+            key, job, lambda: whole_body(gateway, body, max_tokens, chat.n, job, priority, tag)
         )
         headers = await gateway.limit_headers(gateway.group(chat.model))
         if remembered:
             headers["x-tandem-remembered"] = "true"
         return Response(content, media_type="application/json", headers=headers)
 
-    @app.post("/v1/judge", response_model=JudgeResult)
+    return router
+
+
+async def whole_body(gateway: Gateway, body: dict, max_tokens: int, n: int, job: str, priority: str, tag: str) -> bytes:
+    """A chat reply's bytes, its budget settled: what the memory stores and replays."""
+    return (await gateway.settled(body, max_tokens, n, job=job, priority=priority, tag=tag)).body
+
+
+def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: JudgeProxySettings) -> APIRouter:
+    """A rubric's verdict on one conversation, or on several in one judge call."""
+    router = APIRouter()
+
+    @router.post("/v1/judge", response_model=JudgeResult)
     async def judge(request: Request) -> JudgeResult:
         job = authorize(request)
         ask = validated(JudgeRequest, await json_object(request))
@@ -205,7 +226,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             idempotency_key=request.headers.get("idempotency-key"),
         )
 
-    @app.post("/v1/judge/group", response_model=GroupJudgeResult)
+    @router.post("/v1/judge/group", response_model=GroupJudgeResult)
     async def judge_group(request: Request) -> GroupJudgeResult:
         job = authorize(request)
         ask = validated(GroupJudgeRequest, await json_object(request))
@@ -221,8 +242,7 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             idempotency_key=request.headers.get("idempotency-key"),
         )
 
-    app.include_router(info_router(proxy.gateway, authorize))
-    return app
+    return router
 
 
 def rubric_for(name: str, reference: str | None) -> Rubric:

@@ -139,13 +139,14 @@ class Gateway:
                 return completion
         raise exhausted(group, attempts, priority)
 
-    async def complete_whole(
+    async def settled(
         self, body: dict, max_tokens: int, n: int, *, job: str, priority: str, tag: str = ""
-    ) -> bytes:
-        """A chat reply as bytes, its budget settled (for a reply to be remembered)."""
+    ) -> Completion:
+        """A whole (not streamed) completion, its budget settled before it returns: for a
+        reply to be remembered, and for the judge's questions."""
         completion = await self.complete(body, max_tokens, n, job=job, priority=priority, tag=tag)
         await completion.settle()
-        return completion.body
+        return completion
 
     async def release(self, grant: Grant) -> None:
         """Give back a grant whose request left the queue before using it."""
@@ -197,9 +198,7 @@ class Gateway:
     async def ask(self, body: dict, max_tokens: int, *, job: str, tag: str = "") -> dict:
         """A judge's question: one completion at the judge's priority, settled before it
         returns; the reply's JSON."""
-        completion = await self.complete(body, max_tokens, 1, job=job, priority="judge", tag=tag)
-        await completion.settle()
-        return completion.data
+        return (await self.settled(body, max_tokens, 1, job=job, priority="judge", tag=tag)).data
 
     async def aclose(self) -> None:
         for upstream in self.upstreams:

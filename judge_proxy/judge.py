@@ -48,9 +48,6 @@ class Judge:
         self.llm = llm
         self.memory = memory
 
-    def replay_key(self, job: str, idempotency_key: str | None, *parts: object) -> Slot | None:
-        return self.memory.key("replay", job, idempotency_key, *parts) if idempotency_key else None
-
     async def single(
         self,
         rubric: Rubric,
@@ -66,7 +63,7 @@ class Judge:
         stored under `idempotency_key`, or a new one."""
         parts = (model, rubric.name, messages, reference)
         key = self.memory.key("cache", job, *parts) if cache else None
-        key = key or self.replay_key(job, idempotency_key, *parts)
+        key = key or self.memory.replay(job, idempotency_key, *parts)
         raw, remembered = await self.memory.once(
             key, job, lambda: self.verdict(rubric, messages, reference, model, job, idempotency_key or "")
         )
@@ -127,7 +124,7 @@ class Judge:
         """One verdict per candidate, from as few judge calls as possible: candidates the
         job's cache knows cost nothing, identical ones are judged once, the rest together
         in one call (`GroupVerdicts`)."""
-        key = self.replay_key(job, idempotency_key, model, rubric.name, candidates, reference)
+        key = self.memory.replay(job, idempotency_key, model, rubric.name, candidates, reference)
         verdicts = GroupVerdicts(self, rubric, candidates, reference, model, job, cache, idempotency_key or "")
         raw, remembered = await self.memory.once(key, job, verdicts.reply)
         return GroupJudgeResult.model_validate_json(raw).model_copy(update={"remembered": remembered})

@@ -63,6 +63,10 @@ class Memory:
         """The entry for a request, or None when `kind` is switched off."""
         return Slot(kind, Keys.judge_memory(kind, job, digest(*parts))) if self.ttl_s[kind] > 0 else None
 
+    def replay(self, job: str, idempotency_key: str | None, *parts: object) -> Slot | None:
+        """The entry a request with an `Idempotency-Key` is replayed from (None without one)."""
+        return self.key("replay", job, idempotency_key, *parts) if idempotency_key else None
+
     async def once(self, slot: Slot | None, job: str, compute: Callable[[], Awaitable[bytes]]) -> tuple[bytes, bool]:
         """The reply in `slot` (True: remembered), or `compute`'s, then stored."""
         if slot is None:

@@ -50,7 +50,7 @@ class Proxy:
             return None
         if body.get("temperature") == 0 and body.get("n", 1) == 1:
             return self.memory.key("cache", job, body)
-        return self.memory.key("replay", job, idempotency_key, body) if idempotency_key else None
+        return self.memory.replay(job, idempotency_key, body)
 
     async def aclose(self) -> None:
         await self.gateway.aclose()
