@@ -40,6 +40,8 @@ class Dispatcher:
         versions a waiting learner may still ask about): which version admitted which task."""
         self.lost: set[int] = set()
         """Admitted tasks that will never be trained (replaced), until the intake forgets them."""
+        self.dead_lettered = 0
+        """Tasks of this run replaced because they or their groups went to the dead stream."""
         self._orders: dict[int, list[int]] = {}
 
     @property
@@ -120,6 +122,7 @@ class Dispatcher:
             task_id = self._lost_here(fields.get(b"stream", b""), fields.get(FIELD, b""))
             if task_id is not None:
                 self.replace(task_id)
+                self.dead_lettered += 1
 
     def _lost_here(self, stream: bytes, data: bytes) -> int | None:
         """The task a dead-stream entry names, if this dispatcher admitted it."""

@@ -27,6 +27,7 @@ class Driver:
         self.worker = worker
         self.redis = connect(settings.redis_url, max_connections=32, wait_s=30.0, outage_s=settings.redis_outage_s)
         self.current_job = ""
+        self.current_run = None
         self.stop_requested = False
 
     def request_stop(self) -> None:
@@ -34,7 +35,10 @@ class Driver:
         self.stop_requested = True
 
     def health(self) -> tuple[bool, dict]:
-        return True, {"job": self.current_job}
+        """Alive (200) while the process serves; `status` says whether the job progresses."""
+        watchdog = getattr(self.current_run, "watchdog", None)
+        condition = watchdog.condition() if watchdog is not None else {"status": "ok"}
+        return True, {"job": self.current_job, **condition}
 
     async def serve(self, once: bool = False) -> None:
         """Claim and run jobs one at a time (a job left pending by a crash comes first)."""
@@ -68,7 +72,8 @@ class Driver:
         status, error = jobs.JobStatus.SUCCEEDED, ""
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
-            await run_for(self, job_id, spec).run(resuming)
+            self.current_run = run_for(self, job_id, spec)
+            await self.current_run.run(resuming)
         except LearnerStopping:
             self.worker.run(Command(kind="end"))
             raise
@@ -82,12 +87,12 @@ class Driver:
         self.worker.run(Command(kind="end"))
         await jobs.set_status(self.redis, job_id, status, error, self.settings.job_retention_s)
         await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
-        self.current_job = ""
+        self.current_job, self.current_run = "", None
         log.info("job %s %s %s", job_id, status.value, error)
 
 
 async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettings) -> tuple[JobSpec, bool] | None:
-    """Mark a queued job RUNNING: its spec, and whether it resumes (it was RUNNING already).
+    """Mark a queued job RUNNING: its spec, and whether it resumes (it was RUNNING or PAUSED).
     None when it is not to run: gone, ended, cancelled first, or left RUNNING by a learner
     that died while this one was started without `settings.resume` (the job is failed)."""
     record = await jobs.get_job(client, job_id)
@@ -95,7 +100,7 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
         log.info("skipping job %s (%s)", job_id, record and record["status"])
         return None
     spec = parse_job_spec(record["spec"])
-    resuming = record["status"] == jobs.JobStatus.RUNNING.value
+    resuming = record["status"] in (jobs.JobStatus.RUNNING.value, jobs.JobStatus.PAUSED.value)
     if resuming and not settings.resume:
         await jobs.set_status(
             client,

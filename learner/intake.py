@@ -208,6 +208,8 @@ class BatchIntake:
         held over from the last batch (`stragglers: wait`)."""
         self.held_once: set[int] = set()
         """Tasks whose group was held over and is not decided yet."""
+        self.admitted = 0
+        """Groups this run took into a batch: the job's progress between steps."""
 
     async def read_backlog(self) -> None:
         """Every trajectory entry an earlier run of this job read and never acknowledged, in
@@ -285,6 +287,7 @@ class BatchIntake:
         self.held_once.discard(delivery.message.task_id)
         if self.log is not None:
             self.log.write(delivery.message, decision, version)
+        self.admitted += decision == "trained"
         return decision == "trained"
 
     async def decide(self, delivery: Delivery, version: int, seen: set[int]) -> str:

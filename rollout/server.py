@@ -81,6 +81,11 @@ as an outage (serve again), instead of a silent hang. A blocking XREADGROUP that
 returned once held a server between two jobs, its task group unable to finish."""
 
 
+OUTAGE_GRACE_S = 60.0
+"""How much longer than the learner's `judge_outage_s` a judge call waits out an outage:
+the learner fails the job with the outage as its reason before any task fails of it."""
+
+
 class BadTask(ValueError):
     """A task message whose content no retry can fix; it goes to the dead-letter stream."""
 
@@ -118,7 +123,13 @@ class RolloutServer:
         self.inflight: dict[bytes, asyncio.Task] = {}
         """The job's tasks being worked on, by stream entry; the heartbeat keeps them claimed."""
         self.judge_client = JudgeClient(
-            settings.judge_url, token=settings.judge_token, max_connections=settings.judge_max_connections
+            settings.judge_url,
+            token=settings.judge_token,
+            timeout_s=settings.judge_timeout_s,
+            max_connections=settings.judge_max_connections,
+            max_retries=settings.judge_max_retries,
+            max_retry_wait_s=settings.judge_max_retry_wait_s,
+            outage_wait_s=settings.judge_outage_s + OUTAGE_GRACE_S,
         )
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
         self.drain_requested = asyncio.Event()
@@ -205,8 +216,14 @@ class RolloutServer:
             inflight=len(self.inflight),
             engine=self.engine.model.path if self.engine else "",
             draining=self.drain_requested.is_set(),
+            **self.waiting_on(),
         )
         await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
+
+    def waiting_on(self) -> dict:
+        """What this server's episodes wait on instead of failing (a judge outage), for its record."""
+        reason, since = self.judge_client.waiting_on()
+        return {"waiting_on": reason, "waiting_since": since} if self.job and reason else {}
 
     async def heartbeat(self) -> None:
         while not self.stopping:
@@ -506,6 +523,12 @@ class ServedJob:
                 task.add_done_callback(lambda _, key=delivery.entry_id: inflight.pop(key, None))
             INFLIGHT.labels(self.job_id).set(len(inflight))
 
+    async def note_error(self, task_id: int, err: Exception) -> None:
+        """Why a task failed, for the learner to name if the job stops progressing."""
+        error = f"{type(err).__name__}: {err}"[:1000]
+        fields = {"task": task_id, "server": self.server.server_id, "error": error}
+        await self.server.redis.xadd(Keys.task_errors(self.job_id), fields, maxlen=TASK_ERRORS_KEPT, approximate=True)
+
     async def run_task(self, delivery: Delivery) -> None:
         """The task's group into the trajectories stream, then the task acknowledged and its
         journal dropped. Bad task content goes to the dead-letter stream; any other failure
@@ -529,12 +552,17 @@ class ServedJob:
             await self.consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
             TASKS.labels(self.job_id, "dead").inc()
             return
-        except Exception:
+        except Exception as err:
             log.exception("task %d failed; it stays pending for a retry", task.task_id)
             TASKS.labels(self.job_id, "error").inc()
+            await self.note_error(task.task_id, err)
             return
         TASKS.labels(self.job_id, "ok").inc()
         EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
+
+
+TASK_ERRORS_KEPT = 1000
+"""Task failures a job's `task-errors` stream keeps, about (newest)."""
 
 
 WEIGHT_POLL_S = 0.05

@@ -330,6 +330,20 @@ class TrainSpec(LossSpec):
             "trains; 0 = only the final one (runs/<job>/policy)."
         ),
     )
+    stall_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=7 * 86400,
+        description="With no step and no admitted group for this long (paused time aside), the job fails, "
+        "naming what the learner saw meanwhile (task failures, dead letters, rollout servers).",
+    )
+    max_dead_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The job fails when more than this share of its latest max(8, 2 x batch_size) tasks to end "
+        "went to the dead stream (a failure no retry fixes); 1 = never.",
+    )
     seed: int = 0
     data: str | None = Field(
         None,
@@ -641,6 +655,10 @@ PATH_FIELDS = (
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""
 
 
+JUDGE_OUTAGE_S = 1800.0
+"""How long a job waits out a judge upstream outage by default (`TANDEM_JUDGE_OUTAGE_S`)."""
+
+
 class _ProcessSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
 
@@ -739,6 +757,21 @@ class JudgeProxySettings(_ProcessSettings):
     failure_cooldown_s: float = Field(
         5.0, ge=0, description="How long a replica avoids an upstream after a 5xx, timeout or refused connection."
     )
+    circuit_failures: int = Field(
+        5,
+        ge=1,
+        description="Consecutive failed calls (connection error, timeout, 5xx, 401/403, a reply that is not "
+        "JSON), across replicas, that open an upstream's circuit: no call is sent to it until a probe succeeds.",
+    )
+    rate_limit_outage_s: float = Field(
+        120.0,
+        gt=0,
+        description="An upstream that has answered nothing but 429 for this long is down (an exhausted "
+        "quota), and its circuit opens; shorter runs of 429 are pacing.",
+    )
+    circuit_open_s: float = Field(
+        10.0, gt=0, description="How long an open circuit sends nothing before one call probes the upstream."
+    )
     judge_priority_weight: int = Field(
         3, ge=1, le=100, description="Judge requests admitted per simulator request while both wait."
     )
@@ -773,6 +806,20 @@ class RolloutSettings(_ToolSettings):
     )
     judge_max_connections: int = Field(
         256, ge=1, description="Calls to the judge proxy in flight at once (user simulator and judge together)."
+    )
+    judge_timeout_s: float = Field(
+        120.0, gt=0, description="One call to the judge proxy, its wait for budget and the upstream included."
+    )
+    judge_max_retries: int = Field(
+        2, ge=0, le=100, description="Retries of a call the proxy could not answer (unreachable, 429, 502-504)."
+    )
+    judge_max_retry_wait_s: float = Field(60.0, gt=0, description="The longest wait before one such retry.")
+    judge_outage_s: float = Field(
+        JUDGE_OUTAGE_S,
+        gt=0,
+        description="The learner's judge_outage_s (set both alike): a call waits a minute longer than this "
+        "while the proxy says every upstream of its model is down, so the learner names the outage as "
+        "the job's reason before any task fails.",
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     memory_utilization: float | None = Field(
@@ -815,4 +862,10 @@ class LearnerSettings(_ProcessSettings):
     advertise_host: str = Field("127.0.0.1", description="Address rollout servers reach us at.")
     weight_store_port: int = Field(0, ge=0, description="Rendezvous port; 0 picks a free one.")
     server_timeout_s: float = Field(10.0, gt=0, description="Heartbeat age that drops a server.")
+    judge_outage_s: float = Field(
+        JUDGE_OUTAGE_S,
+        gt=0,
+        description="How long a job stays PAUSED waiting on a judge or simulator model whose every "
+        "upstream is down before it fails with the proxy's reason.",
+    )
     resume: bool = Field(False, description="Continue RUNNING jobs from their last checkpoint.")

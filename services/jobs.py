@@ -1,8 +1,12 @@
 """Job records in Redis (`job:{id}` hashes) and their lifecycle.
 
-PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. The API creates a record and queues
-the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into the
-`jobs:running` set rollout servers watch), writes progress after every step, and ends it.
+PENDING -> RUNNING <-> PAUSED -> SUCCEEDED | FAILED | CANCELLED. The API creates a record
+and queues the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into
+the `jobs:running` set rollout servers watch), writes progress after every step, and ends
+it. A job whose progress waits on something outside it (a judge upstream that is down,
+no rollout server) is PAUSED with `paused_reason` and `paused_since` (`learner.watchdog`);
+it stays in `jobs:running`, so its servers keep their tasks, and goes back to RUNNING by
+itself when what it waited on is back.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ No ':' can occur, so an id never names a job's sub-key (`job:{id}:tasks`, ...)."
 class JobStatus(str, enum.Enum):  # noqa: UP042 (StrEnum formats differently; kept as is)
     PENDING = "PENDING"
     RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -69,7 +74,7 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
     record = {k.decode(): v.decode() for k, v in raw.items()}
     if "spec" not in record:
         return None
-    for key in ("created", "started", "finished"):
+    for key in ("created", "started", "finished", "paused_since"):
         if key in record:
             record[key] = float(record[key])
     for key in ("version", "step"):
@@ -127,7 +132,8 @@ local current = redis.call('HGET', KEYS[1], 'status')
 if not current or ended[current] then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 if ARGV[1] == 'RUNNING' then
-  redis.call('HSET', KEYS[1], 'started', ARGV[2])
+  redis.call('HSETNX', KEYS[1], 'started', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'paused_reason', 'paused_since')
   redis.call('SADD', KEYS[2], ARGV[4])
 elseif ended[ARGV[1]] then
   redis.call('HSET', KEYS[1], 'finished', ARGV[2])
@@ -144,10 +150,22 @@ if current == 'PENDING' then
   redis.call('HSET', KEYS[1], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
   for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
   return 'CANCELLED'
-elseif current == 'RUNNING' then
+elseif current == 'RUNNING' or current == 'PAUSED' then
   redis.call('HSET', KEYS[1], 'cancel_requested', 1)
 end
 return current
+"""
+
+
+PAUSE_LUA = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current == 'RUNNING' then
+  redis.call('HSET', KEYS[1], 'status', 'PAUSED', 'paused_since', ARGV[2])
+elseif current ~= 'PAUSED' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'paused_reason', ARGV[1])
+return 1
 """
 
 
@@ -158,6 +176,7 @@ def job_keys(job_id: str) -> list[str]:
         Keys.tasks(job_id),
         Keys.trajectories(job_id),
         Keys.dead(job_id),
+        Keys.task_errors(job_id),
         Keys.history(job_id),
         Keys.weights(job_id),
         Keys.checkpoints(job_id),
@@ -178,6 +197,14 @@ async def set_status(
         args=[status.value, time.time(), error[:4000], job_id, int(retention_s)],
     )
     return moved == 1
+
+
+async def pause(client: aioredis.Redis, job_id: str, reason: str) -> bool:
+    """A RUNNING job waits on something outside it: PAUSED with `reason`, since now (a job
+    PAUSED already keeps its `paused_since` and takes the newer reason). False when the job
+    is neither (it ended, or a cancel ended it first). `set_status(RUNNING)` lifts it."""
+    paused = await client.register_script(PAUSE_LUA)(keys=[Keys.job(job_id)], args=[reason[:4000], time.time()])
+    return paused == 1
 
 
 async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETENTION_S) -> str | None:

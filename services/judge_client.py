@@ -9,6 +9,14 @@ retried after its `Retry-After`; a 502/503/504 or a connection failure after exp
 backoff with jitter; at most `max_retries` times, each wait at most `max_retry_wait_s`.
 Then, or at once for any other error, it raises `JudgeError`.
 
+A 503 `upstream_unavailable` is different: the proxy says every upstream of the model is
+down (its circuits are open) and when it will probe again. Failing the call would fail the
+task, and a few deliveries later throw it away, for an outage no retry of the task can
+fix; so the call waits, retrying at each probe, for up to `outage_wait_s`, and the client
+says meanwhile what it waits on (`waiting_on`): the rollout server puts that in its
+heartbeat and the learner pauses the job with it. When the upstream answers again, every
+waiting call goes on where it stood.
+
 Every call may carry an idempotency key (the proxy then sends it upstream at most once,
 `judge_proxy.memory`). What the calls cost is added to the `Spend` in `SPEND`, if a caller
 set one: a rollout sample sets its own, and every call made under it (its futures' user
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -32,6 +41,10 @@ from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest
 RETRIED_STATUSES = (0, 429, 502, 503, 504)
 """Unreachable, over budget, upstreams failing: worth another try."""
 BACKOFF_BASE_S = 0.5
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+"""The proxy's error type when every upstream of a model is down (503, `retry-after`: the next probe)."""
+OUTAGE_POLL_S = (1.0, 10.0)
+"""Bounds on the wait between two tries during an outage, whatever `retry-after` says."""
 
 
 class JudgeError(Exception):
@@ -100,6 +113,7 @@ class JudgeClient:
         max_connections: int = 64,
         max_retries: int = 2,
         max_retry_wait_s: float = 60.0,
+        outage_wait_s: float = 1860.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
@@ -109,6 +123,9 @@ class JudgeClient:
         self.session: aiohttp.ClientSession | None = None
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
+        self.outage_wait_s = outage_wait_s
+        self.outage_waits: dict[int, tuple[float, str]] = {}
+        """Calls waiting out an outage: id -> (Unix time its wait began, the proxy's reason)."""
         self.rng = random.Random()
         self.structured: dict[str, bool] = {}
         """Per model: whether its upstreams take a JSON schema (`structured_output`)."""
@@ -209,6 +226,13 @@ class JudgeClient:
         if spend is not None and limit.isdigit() and left.isdigit() and int(limit) > 0:
             spend.budget_left = int(left) / int(limit)
 
+    def waiting_on(self) -> tuple[str, float]:
+        """The reason of the oldest outage a call waits on now, and since when ("" and 0.0: none)."""
+        if not self.outage_waits:
+            return "", 0.0
+        since, reason = min(self.outage_waits.values())
+        return reason, since
+
     async def aclose(self) -> None:
         if self.session is not None:
             await self.session.close()
@@ -229,18 +253,29 @@ class JudgeClient:
             headers["authorization"] = f"Bearer {job_credential(self.token, job)}"
         if idempotency_key:
             headers["idempotency-key"] = idempotency_key
-        attempt = 0
-        while True:
-            reply = await self._try("POST", path, body, headers)
-            if isinstance(reply, tuple):
-                return reply
-            if not _retried(reply) or attempt == self.max_retries:
-                raise reply
-            wait_s = reply.retry_after_s
-            if wait_s is None:
-                wait_s = backoff_s(attempt, self.max_retry_wait_s, self.rng)
-            await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
-            attempt += 1
+        attempt, outage_since, key = 0, 0.0, object()
+        try:
+            while True:
+                reply = await self._try("POST", path, body, headers)
+                if isinstance(reply, tuple):
+                    return reply
+                if reply.kind == UPSTREAM_UNAVAILABLE:
+                    outage_since = outage_since or time.time()
+                    if time.time() - outage_since > self.outage_wait_s:
+                        raise reply
+                    self.outage_waits[id(key)] = (outage_since, str(reply))
+                    await asyncio.sleep(min(max(reply.retry_after_s or 0.0, OUTAGE_POLL_S[0]), OUTAGE_POLL_S[1]))
+                    continue
+                self.outage_waits.pop(id(key), None)
+                if not _retried(reply) or attempt == self.max_retries:
+                    raise reply
+                wait_s = reply.retry_after_s
+                if wait_s is None:
+                    wait_s = backoff_s(attempt, self.max_retry_wait_s, self.rng)
+                await asyncio.sleep(min(wait_s, self.max_retry_wait_s))
+                attempt += 1
+        finally:
+            self.outage_waits.pop(id(key), None)
 
     async def _try(
         self, method: str, path: str, body: dict | None, headers: dict

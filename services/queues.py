@@ -66,6 +66,12 @@ class Keys:
         return f"{PREFIX}job:{job_id}:dead"
 
     @staticmethod
+    def task_errors(job_id: str) -> str:
+        """Why tasks failed on rollout servers (capped stream: task, server, error), newest last:
+        what the learner names when the job stops progressing."""
+        return f"{PREFIX}job:{job_id}:task-errors"
+
+    @staticmethod
     def events(job_id: str) -> str:
         return f"{PREFIX}job:{job_id}:events"
 
@@ -106,6 +112,14 @@ class Keys:
         """Each job's share of a judge model group's budget (`judge_proxy.share`); `:asked`
         beside it says when each job last asked."""
         return f"{PREFIX}judge:share:{model}"
+
+    upstream_index = PREFIX + "judge:upstreams"
+    """Judge upstream name -> the model it serves, written by every judge proxy at start-up."""
+
+    @staticmethod
+    def upstream_health(name: str) -> str:
+        """A judge upstream's health and circuit (`services.upstream_health`)."""
+        return f"{PREFIX}judge:upstream:{name}"
 
     @staticmethod
     def journal(job_id: str, task_id: int) -> str:

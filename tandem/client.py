@@ -104,6 +104,8 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
 
 
 def _phase(record: dict, history: list[dict]) -> str:
+    if record["status"] == "PAUSED":
+        return f"paused: {record.get('paused_reason', '')}"
     if record["status"] != "RUNNING":
         return record["status"].lower()
     if history and history[-1].get("phase") == "sft":

@@ -1,15 +1,21 @@
 """The parts of a run fed by rollout servers (RL and generate jobs): the dispatcher that
-admits tasks, the trajectory stream, and the weight publisher that keeps the servers'
-membership and versions."""
+admits tasks, the trajectory stream, the weight publisher that keeps the servers'
+membership and versions, and the watchdog that keeps the job from waiting in silence."""
 
 from __future__ import annotations
+
+import time
 
 from learner.dispatcher import Dispatcher
 from learner.publisher import WeightPublisher
 from learner.runs.base import Learner, Run
+from learner.watchdog import Watchdog
 from services import protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer
+
+GAUGES_EVERY_S = 5.0
+"""How often the queue gauges are brought up to date while the learner waits (a step does it too)."""
 
 
 class RolloutFedRun(Run):
@@ -19,6 +25,15 @@ class RolloutFedRun(Run):
         super().__init__(learner, job_id, spec)
         self.dispatcher = self.dispatcher_class(self.redis, job_id, spec)
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
+        self.gauges_at = 0.0
+        self.watchdog = Watchdog(
+            self.redis, job_id, spec, self.settings, self.publisher, self.dispatcher, self.progress_marker
+        )
+
+    def progress_marker(self) -> tuple[int, int]:
+        """(steps trained, groups admitted): what moves when the job progresses (asked only
+        while the run collects, once its intake exists)."""
+        return self.step, self.intake.admitted
 
     async def trajectories(self) -> StreamConsumer:
         """The job's trajectory stream, read by the learner's consumer group."""
@@ -32,7 +47,12 @@ class RolloutFedRun(Run):
         ).setup()
 
     async def while_waiting(self) -> None:
-        """A read for groups found none: honour a cancel or stop, follow the membership."""
+        """A read for groups found none: honour a cancel or stop, follow the membership, and
+        let the watchdog pause, resume or fail the job."""
         await self.check_cancel()
         await self.check_stop()
         await self.publisher.follow_membership(self.version)
+        await self.watchdog.check()
+        if time.monotonic() - self.gauges_at > GAUGES_EVERY_S:  # dashboards move while no step does
+            self.gauges_at = time.monotonic()
+            await self.steps.export_queue_gauges()

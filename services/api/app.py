@@ -50,6 +50,8 @@ class JobView(BaseModel):
     version: int = Field(0, description="Policy version (learner steps published).")
     step: int = 0
     error: str | None = None
+    paused_reason: str | None = Field(None, description="PAUSED: what the job waits on, as the learner sees it.")
+    paused_since: float | None = None
     metrics: dict = Field(default_factory=dict, description="The latest step's metrics.")
     alerts: list[str] = Field(default_factory=list, description="Health rules that fired, oldest first.")
     spec: JobSpec
@@ -532,7 +534,7 @@ async def job_events(client: aioredis.Redis, job_id: str):
             idle = 0.0
         if record["status"] != status:
             status = record["status"]
-            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error")}
+            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error", "paused_reason")}
             yield f"event: status\ndata: {json.dumps(body)}\n\n"
             idle = 0.0
         if status in jobs.TERMINAL:
