@@ -1,5 +1,5 @@
 """Copy into deploy/k8s/base/files what the base's ConfigMaps hold, from the files compose
-mounts (deploy/grafana, deploy/configs), so that `kubectl apply -k deploy/k8s/overlays/<name>`
+mounts (deploy/grafana, deploy/configs, deploy/alerts.yml), so that `kubectl apply -k deploy/k8s/overlays/<name>`
 reads nothing outside the kustomization, as kustomize and GitOps tools require.
 
     python scripts/sync_k8s_files.py          # copy
@@ -20,6 +20,7 @@ FILES = DEPLOY / "k8s" / "base" / "files"
 def sources() -> dict[Path, Path]:
     """Each file the base needs -> where its copy lives."""
     found = {DEPLOY / "configs" / "judge_upstreams.example.yaml": FILES / "judge_upstreams.example.yaml"}
+    found[DEPLOY / "alerts.yml"] = FILES / "alerts.yml"
     found[DEPLOY / "grafana" / "provisioning" / "dashboards" / "tandem.yaml"] = FILES / "dashboard-provider.yaml"
     for dashboard in sorted((DEPLOY / "grafana" / "dashboards").glob("*.json")):
         found[dashboard] = FILES / "dashboards" / dashboard.name

@@ -528,12 +528,18 @@ def test_every_tandem_pod_is_annotated_for_prometheus_with_the_port_its_process_
         assert port in [p["containerPort"] for p in container["ports"]], process
 
 
-def prometheus_config(objects: list[dict]) -> dict:
+def prometheus_files(objects: list[dict]) -> tuple[str, dict[str, str]]:
+    """The name of Prometheus's config file and every file beside it (its ConfigMap's data)."""
     deployment = of_kind(objects, "Deployment")["tandem-prometheus"]
     (container,) = pod_spec(deployment)["containers"]
     path = Path(next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--config.file=")))
     volume = volume_of(deployment, container, str(path.parent))
-    return yaml.safe_load(of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"][path.name])
+    return path.name, of_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]
+
+
+def prometheus_config(objects: list[dict]) -> dict:
+    name, files = prometheus_files(objects)
+    return yaml.safe_load(files[name])
 
 
 def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str] | None:
@@ -593,10 +599,13 @@ def test_prometheus_config_passes_promtool_with_static_targets_in_place_of_disco
         if os.environ.get("TANDEM_REQUIRE_PROMETHEUS"):
             pytest.fail("TANDEM_REQUIRE_PROMETHEUS is set but no promtool is on PATH")
         pytest.skip("promtool (Prometheus's checker) is not installed")
-    config = prometheus_config(render("base"))
+    objects = render("base")
+    config = prometheus_config(objects)
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": ["pod:8000"]}]
         del job["kubernetes_sd_configs"]
+    for name, text in prometheus_files(objects)[1].items():  # the rule files it names, from its ConfigMap
+        (tmp_path / name).write_text(text)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     result = subprocess.run(
         ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
