@@ -3,8 +3,17 @@
 Rank 0 alone talks to Redis. Each command (build the trainer for a job, an SFT step, an
 RL step, a weight sync...) is msgpack-encoded and broadcast over a gloo group (CPU
 tensors, whatever the training backend). Every rank executes it and the ranks agree,
-with an all-reduce, on whether it succeeded, so one failing rank fails the job on rank 0
-instead of leaving the others blocked in a collective.
+with an all-reduce, on whether it succeeded.
+
+With several ranks, a rank whose command raises cannot just go on to agree: the others
+may be waiting for it inside a collective of the default group (FSDP's gathers, DCP), and
+would wait there for the whole collective timeout. So it writes its error into the job's
+run folder (`rank-errors/`) and leaves: a follower exits at once, which breaks the group
+(gloo peers fail their collective on the closed connection; under NCCL torchrun tears the
+ranks down), and rank 0 raises `GroupBroken` for the driver to fail the job with every
+rank's error before the learner exits for its supervisor to start it afresh. A rank-error
+file that no rank 0 got to report (it was torn down first) fails the job when a restarted
+learner claims it, instead of resuming into the same fault.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -48,10 +59,23 @@ class CommandFailed(RuntimeError):
     pass
 
 
+class GroupBroken(CommandFailed):
+    """A command raised on a rank while the others may be inside a collective: the ranks
+    cannot go on together. The message names every rank's error known to rank 0."""
+
+
+RANK_ERRORS = "rank-errors"
+"""The folder in a job's run folder where a failing rank leaves its error."""
+RANK_ERRORS_WAIT_S = 5.0
+"""How long rank 0 looks for the other ranks' error files after the group broke (a
+follower writes its file before it exits, so it is there by the time rank 0 notices)."""
+
+
 class Control:
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
 
     def broadcast(self, command: Command | None) -> Command:
         """Rank 0 passes the command, the others None; every rank gets it back."""
@@ -81,6 +105,8 @@ class Worker:
         self.control = control
         self.trainer: Trainer | None = None
         self.sender: WeightSender | None = None
+        self.job_id = ""
+        """The job the commands are for (its run folder takes a failing rank's error)."""
 
     def run(self, command: Command) -> dict:
         """Rank 0: broadcast `command`, execute it here too, and fail if any rank failed."""
@@ -104,15 +130,32 @@ class Worker:
             result = self.execute(command)
         except Exception as err:
             log.exception("rank %d: command %s failed", self.control.rank, command.kind)
+            if self.control.world_size > 1 and command.kind not in ("end", "shutdown"):
+                self.leave_group(command, err)
             error = err
         if not self.control.agree(error is None):
             reason = f"{type(error).__name__}: {error}" if error else "see the other ranks' logs"
             raise CommandFailed(f"command {command.kind!r} failed on rank {self.control.rank}: {reason}")
         return result
 
+    def leave_group(self, command: Command, error: Exception) -> None:
+        """This rank's `command` raised while the others may wait for it in a collective:
+        leave its error for rank 0, then break the group (a follower exits; rank 0 raises
+        `GroupBroken` with every rank's error it can find)."""
+        rank, folder = self.control.rank, rank_errors_dir(self.settings.runs_dir, self.job_id)
+        message = f"rank {rank} failed in {command.kind!r}: {type(error).__name__}: {error}"
+        if rank != 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank-{rank}.txt").write_text(message[:4000])
+            logging.shutdown()
+            os._exit(1)
+        others = wait_for_rank_errors(folder, RANK_ERRORS_WAIT_S)
+        raise GroupBroken("; ".join([*others, message])) from error
+
     def execute(self, command: Command) -> dict:
         match command.kind:
             case "job":
+                self.job_id = command.job_id
                 spec = parse_job_spec_json(command.spec_json)
                 self.trainer = Trainer(spec, self.device)
                 self.sender = WeightSender(
@@ -152,3 +195,21 @@ class Worker:
                     torch.cuda.empty_cache()
                 return {}
         raise ValueError(f"unknown command {command.kind}")
+
+
+def rank_errors_dir(runs_dir: str, job_id: str) -> Path:
+    return Path(runs_dir) / (job_id or "no-job") / RANK_ERRORS
+
+
+def rank_errors(folder: Path) -> list[str]:
+    """The errors failing ranks left in `folder`, by rank."""
+    return [path.read_text() for path in sorted(folder.glob("rank-*.txt"))]
+
+
+def wait_for_rank_errors(folder: Path, timeout_s: float) -> list[str]:
+    """The other ranks' errors, waiting up to `timeout_s` for the first (none may come:
+    rank 0 may be the only one that failed)."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := rank_errors(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found

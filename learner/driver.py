@@ -9,7 +9,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from learner.control import Command, Worker
+from learner.control import Command, GroupBroken, Worker, rank_errors, rank_errors_dir
 from learner.runs import run_for
 from learner.runs.base import JobCancelled, LearnerStopping
 from learner.step_log import JobUnhealthy
@@ -67,6 +67,10 @@ class Driver:
         if claimed is None:
             return
         spec, resuming = claimed
+        unreported = rank_errors(rank_errors_dir(self.settings.runs_dir, job_id))
+        if resuming and unreported:  # the last learner was torn down before it could say why
+            await self.end_job(job_id, jobs.JobStatus.FAILED, "; ".join(unreported))
+            return
         log.info("%s job %s: %s", "resuming" if resuming else "running", job_id, spec.model_dump_json())
         self.current_job = job_id
         status, error = jobs.JobStatus.SUCCEEDED, ""
@@ -77,6 +81,9 @@ class Driver:
         except LearnerStopping:
             self.worker.run(Command(kind="end"))
             raise
+        except GroupBroken as err:  # the ranks cannot go on together: report, then exit
+            await self.end_job(job_id, jobs.JobStatus.FAILED, str(err))
+            raise
         except JobCancelled:
             status = jobs.JobStatus.CANCELLED
         except JobUnhealthy as err:
@@ -85,8 +92,15 @@ class Driver:
             log.exception("job %s failed", job_id)
             status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
         self.worker.run(Command(kind="end"))
+        await self.end_job(job_id, status, error)
+
+    async def end_job(self, job_id: str, status: jobs.JobStatus, error: str) -> None:
+        """The job ended: its status and reason, the stop event, and its rank errors
+        (reported now) cleared."""
         await jobs.set_status(self.redis, job_id, status, error, self.settings.job_retention_s)
         await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
+        for path in rank_errors_dir(self.settings.runs_dir, job_id).glob("rank-*.txt"):
+            path.unlink()
         self.current_job, self.current_run = "", None
         log.info("job %s %s %s", job_id, status.value, error)
 
