@@ -40,13 +40,23 @@ paces a stream's chunks. `GET /admin/stats` gives the counters,
 `GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many admitted
 requests came with each `X-Client-Request-Id` (the proxy sends its clients' idempotency
 keys there),
-`POST /admin/reset` starts afresh.
+`POST /admin/reset` starts afresh (no fault).
+
+Outages: `POST /admin/fault {"mode": ...}` makes every chat call fail one way until
+`{"mode": "none"}` or a reset: `drop` closes the connection without a reply, `hang` accepts
+the request and answers only once the fault is cleared, `429` refuses with `retry-after`
+(`retry_after_s`, default 1), `5xx` answers `status` (default 500), `garbage` answers 200
+with a body that is not JSON, `unparseable` answers a well-formed completion whose text no
+judge rubric reads, and `stall_stream` sends a stream's headers and first chunk, then nothing
+until cleared (a call that is not a stream is answered). `--fault MODE` starts the process
+with one. A refused connection is no fault of a running server: stop it (leave
+`serve_in_thread`'s block), or point a client at a closed port.
 
 Run: `python -m devtools.provider --port 9000 --tpm 60000 --rpm 600 --latency`.
 
 What it does not model: a provider's queueing under load (latency here does not grow with
-concurrency), outages and 5xx (only when scripted), per-model limits within one key, daily
-quotas, cached-prompt discounts, and any judgement beyond the built-in clarify task.
+concurrency), per-model limits within one key, daily quotas, cached-prompt discounts, and any
+judgement beyond the built-in clarify task.
 """
 
 from __future__ import annotations
@@ -61,14 +71,16 @@ import random
 import re
 import threading
 import time
+import typing
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
+from starlette.types import Receive, Scope, Send
 
 from devtools.provider_replies import reply_for
 from judge_proxy.upstream import (
@@ -79,6 +91,8 @@ from judge_proxy.upstream import (
     message_text,
 )
 
+UNPARSEABLE = "I would rather not say."
+"""The `unparseable` fault's reply: no verdict, no score, no JSON."""
 WORD = re.compile(r"\w+|[^\w\s]")
 FILLER = ("the", "judge", "reads", "each", "turn", "and", "scores", "it", "with", "care")
 
@@ -110,6 +124,28 @@ class Latency(BaseModel):
 
 Z_99 = 2.3263478740408408
 """The standard normal's 99th percentile."""
+
+
+class RateLimitFault(BaseModel):
+    mode: Literal["429"]
+    retry_after_s: float = Field(1.0, ge=0)
+
+
+class ServerErrorFault(BaseModel):
+    mode: Literal["5xx"]
+    status: int = Field(500, ge=500, le=599)
+
+
+PlainFaultMode = Literal["none", "drop", "hang", "garbage", "unparseable", "stall_stream"]
+
+
+class PlainFault(BaseModel):
+    mode: PlainFaultMode
+
+
+Fault = Annotated[RateLimitFault | ServerErrorFault | PlainFault, Field(discriminator="mode")]
+FAULT = TypeAdapter(Fault)
+NO_FAULT = PlainFault(mode="none")
 
 
 class LocalUpstreamConfig(BaseModel):
@@ -243,6 +279,7 @@ class LocalUpstream:
         self.clock = clock
         """Seconds, monotonic; the buckets refill by it (tests pass a clock they move)."""
         self.sleep = sleep
+        self.cleared = asyncio.Event()
         self.reset()
 
     def reset(self) -> None:
@@ -268,9 +305,19 @@ class LocalUpstream:
             "completion_tokens": 0,
             "tokens_accepted": 0,
             "recognised": 0,
+            "faulted": 0,
             "latency_s_total": 0.0,
         }
         self.started = now
+        self.set_fault(NO_FAULT)
+
+    def set_fault(self, fault: Fault) -> None:
+        """Every chat call fails as `fault` says from now on; calls the last one holds
+        (`hang`, `stall_stream`) go on."""
+        self.cleared.set()
+        self.fault = fault
+        self.cleared = asyncio.Event()
+        """Set when the fault is replaced: what a hung call waits for."""
 
     def limit_headers(self) -> dict[str, str]:
         now = self.clock()
@@ -363,6 +410,11 @@ class LocalUpstream:
             return self.error(400, f"malformed JSON: {err}", "invalid_request_error")
         self.recent.append(body)
         script = self.script.popleft() if self.script else {}
+        if self.fault.mode != "none":
+            self.stats["faulted"] += 1
+            faulted = await self.faulted(script)
+            if faulted is not None:
+                return faulted
         if script.get("delay_s"):
             await asyncio.sleep(script["delay_s"])
         if "status" in script:
@@ -370,6 +422,27 @@ class LocalUpstream:
         if body.get("model") not in self.config.models:
             return self.error(404, f"The model `{body.get('model')}` does not exist", "model_not_found")
         return await self.answer(body, script, request.headers.get("x-client-request-id", ""))
+
+    async def faulted(self, script: dict) -> Response | None:
+        """The fault's answer to a chat call, or None when it goes on (to `script`, which
+        `unparseable` and `stall_stream` amend) after a `hang` is cleared or for a fault
+        that only shapes the reply."""
+        fault = self.fault
+        if fault.mode == "429":
+            retry_after_s = fault.retry_after_s
+            headers = {"retry-after": str(math.ceil(retry_after_s)), "retry-after-ms": str(round(retry_after_s * 1000))}
+            return self.error(429, "fault: rate limit reached", "rate_limit_exceeded", headers)
+        if fault.mode == "5xx":
+            return self.error(fault.status, "fault: the server had an error", "server_error")
+        if fault.mode == "garbage":
+            return Response(b"<html><body>502 Bad Gateway</body></html>", media_type="text/html")
+        if fault.mode == "unparseable":
+            script["content"] = UNPARSEABLE
+        elif fault.mode == "stall_stream":
+            script["stall"] = self.cleared
+        elif fault.mode == "hang":
+            await self.cleared.wait()
+        return None
 
     async def answer(self, body: dict, script: dict, tag: str = "") -> Response:
         prompt_tokens = count_prompt_tokens(body.get("messages", []), self.config.prompt_chars_per_token, body)
@@ -429,6 +502,8 @@ class LocalUpstream:
         for choice in reply["choices"]:
             index = choice["index"]
             yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            if "stall" in script:
+                await script.pop("stall").wait()
             words = choice["message"]["content"].split(" ")
             for position, word in enumerate(words):
                 if cut_after is not None and sent >= cut_after:
@@ -463,9 +538,33 @@ class LocalUpstream:
         }
 
 
+class StandInApp(FastAPI):
+    """The stand-in's app: with the `drop` fault, a chat call's connection is closed before
+    any reply (no route can do that: an ASGI app that does not answer gets a 500 sent)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        upstream: LocalUpstream = self.state.upstream
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions") and upstream.fault.mode == "drop":
+            upstream.stats["requests"] += 1
+            upstream.stats["faulted"] += 1
+            await drop_connection(send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+async def drop_connection(send: Send) -> None:
+    """Close the connection of the request `send` answers, sending nothing. Under uvicorn,
+    `send` is a method of the request's cycle, which holds the connection's transport; the
+    cycle sees the connection lost (a loop turn or two later) and sends no 500 of its own."""
+    cycle = send.__self__
+    cycle.transport.close()
+    while not cycle.disconnected:
+        await asyncio.sleep(0)
+
+
 def create_app(config: LocalUpstreamConfig) -> FastAPI:
     upstream = LocalUpstream(config)
-    app = FastAPI(title="Tandem local upstream")
+    app = StandInApp(title="Tandem local upstream")
     app.state.upstream = upstream
     app.add_api_route("/v1/chat/completions", upstream.chat, methods=["POST"])
 
@@ -479,6 +578,11 @@ def create_app(config: LocalUpstreamConfig) -> FastAPI:
     async def reset() -> dict:
         upstream.reset()
         return {"reset": True}
+
+    @app.post("/admin/fault")
+    async def fault(request: Request) -> dict:
+        upstream.set_fault(FAULT.validate_python(await request.json()))
+        return {"fault": upstream.fault.mode}
 
     @app.get("/admin/stats")
     async def stats() -> dict:
@@ -542,6 +646,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-s", type=float, default=Latency().tokens_per_s)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key-env", help="environment variable holding the key clients must send")
+    parser.add_argument(
+        "--fault",
+        choices=[*typing.get_args(PlainFaultMode), "429", "5xx"],
+        default="none",
+        help="fail every chat call this way (as POST /admin/fault)",
+    )
     args = parser.parse_args(argv)
     latency = (
         Latency(median_s=args.latency_median_s, p99_s=args.latency_p99_s, tokens_per_s=args.tokens_per_s)
@@ -560,7 +670,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         api_key=os.environ[args.api_key_env] if args.api_key_env else None,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    app = create_app(config)
+    app.state.upstream.set_fault(FAULT.validate_python({"mode": args.fault}))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
