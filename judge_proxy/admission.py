@@ -1,6 +1,8 @@
 """Admission, the gateway's first half (`judge_proxy.gateway`): a request's cost from its
 job's share of the model group, then from an upstream's budget, waiting in the group's queue
-for both; upstreams that failed here recently are tried last."""
+for both; upstreams that failed here recently are tried last, and one whose circuit is open
+(`circuit.py`) not at all. When every upstream left to try is open, the request is refused at
+once with 503 `upstream_unavailable` (nothing reserved), its `retry-after` the next probe."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from dataclasses import dataclass, field
 
 from judge_proxy import metrics
 from judge_proxy.budget import Lease
+from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
 from judge_proxy.upstream import Upstream, weighted_order
+from services.upstream_health import outage_of
 
 
 @dataclass
@@ -25,6 +29,8 @@ class Grant:
     job: str
     share_tokens: int
     """Taken from the job's share of the group (settled with the lease)."""
+    probe: bool = False
+    """The call is its upstream's half-open probe: its outcome closes or reopens the circuit."""
 
 
 @dataclass
@@ -95,7 +101,7 @@ class Admission:
         candidates = [u for u in group.upstreams if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise exhausted(group, attempts, priority)
-        try_admit = self.reservation(group, candidates, need, job, await self.weights.of(job))
+        try_admit = self.reservation(group, candidates, need, job, await self.weights.of(job), attempts.failed)
         try:
             grant, waited_s = await group.admitter.admit(
                 job, priority, min(need.cost(u) for u in candidates), deadline - time.monotonic(), try_admit
@@ -112,7 +118,7 @@ class Admission:
         return grant
 
     def reservation(
-        self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float
+        self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float, failed: dict[str, str]
     ) -> Callable[[], Awaitable[Tried[Grant]]]:
         """One request's reservation attempt: its cost from the job's share first (a refusal
         there lets other jobs go first), then from an upstream's budget; the share is
@@ -129,33 +135,45 @@ class Admission:
                     metrics.SHARE_WAITS.labels(group.model, job).inc()
                     held_back = True
                 return Tried(None, held.wait_s, by_share=True)
-            upstream, lease, wait_s = None, None, math.inf
+            upstream, lease, probe, wait_s = None, None, False, math.inf
             try:
-                upstream, lease, wait_s = await self.reserve_upstream(candidates, need)
+                upstream, lease, probe, wait_s = await self.reserve_upstream(candidates, need, failed)
             finally:
                 if lease is None:
                     await group.share.refund(job, share_tokens)
-            return Tried(None, wait_s) if lease is None else Tried(Grant(upstream, lease, job, share_tokens), 0.0)
+            if lease is None:
+                return Tried(None, wait_s)
+            return Tried(Grant(upstream, lease, job, share_tokens, probe), 0.0)
 
         return try_admit
 
     async def reserve_upstream(
-        self, candidates: list[Upstream], need: Need
-    ) -> tuple[Upstream | None, Lease | None, float]:
-        """A lease from the first upstream, in order of preference, with room for `need`;
-        else no lease and the seconds until the soonest could have room. A request that no
-        upstream could ever admit at the ratio learned by now (`check_fits` read an older
-        one) is refused alone, so it does not hold the queue's head until its deadline."""
-        wait_s, costs = math.inf, []
+        self, candidates: list[Upstream], need: Need, failed: dict[str, str]
+    ) -> tuple[Upstream | None, Lease | None, bool, float]:
+        """A lease from the first upstream, in order of preference, whose circuit lets a
+        call go and with room for `need` (and whether the call is the circuit's probe); else
+        no lease and the seconds until the soonest could have room or probe. A request that
+        no upstream could ever admit at the ratio learned by now (`check_fits` read an older
+        one), or whose every upstream left is open, is refused alone, so it does not hold
+        the queue's head until its deadline."""
+        wait_s, costs, down = math.inf, [], []
         for upstream in self.preference(candidates):
+            gate = await upstream.circuit.gate()
+            if gate.verdict == "wait":
+                down.append(gate)
+                continue
             admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
             if admission.lease is not None:
-                return upstream, admission.lease, 0.0
+                return upstream, admission.lease, gate.verdict == "probe", 0.0
+            if gate.verdict == "probe":
+                await upstream.circuit.release_probe()
             wait_s = min(wait_s, admission.wait_s)
             costs.append(admission.cost)
-        if math.isinf(wait_s):
+        if len(down) == len(candidates):
+            raise unavailable(candidates[0].config.model, down, failed)
+        if not down and math.isinf(wait_s):
             raise too_large(candidates[0].config.model, min(costs))
-        return None, None, wait_s
+        return None, None, False, min([wait_s, *(g.health.next_probe_s(g.now) for g in down)])
 
     def preference(self, candidates: list[Upstream]) -> list[Upstream]:
         """By weight, upstreams that failed here recently last."""
@@ -176,3 +194,15 @@ def exhausted(group: Group, attempts: Attempts, priority: str) -> ProxyError:
         )
     reasons = "; ".join(f"{name}: {why}" for name, why in attempts.failed.items())
     return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
+
+
+def unavailable(model: str, down: list[Gate], failed: dict[str, str]) -> ProxyError:
+    """503 when every upstream left to try has its circuit open: each named with its reason
+    and since when (and what failed for this request before), `retry-after` the next probe."""
+    message = outage_of(model, [g.health for g in down]).reason
+    if failed:
+        failures = "; ".join(f"{name}: {why}" for name, why in failed.items())
+        downs = "; ".join(g.health.describe() for g in down)
+        message = f"upstreams of model {model!r} failed ({failures}) or are down: {downs}"
+    retry_after_s = max(1, math.ceil(min(g.health.next_probe_s(g.now) for g in down)))
+    return ProxyError(503, message, "upstream_unavailable", retry_after_s=retry_after_s)

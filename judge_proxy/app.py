@@ -10,7 +10,10 @@
   -> `{results: [verdict...], usage, fallback, remembered}`: every candidate scored in one
   judge call where the reply allows (`judge_proxy.judge.GroupVerdicts`).
 - `GET /v1/budget`: limits and shared usage per upstream (never keys).
-- `/metrics`, `/healthz`.
+- `GET /v1/upstreams`: each upstream's circuit (state, since, failures, reason, seconds to
+  the next probe) and whether each model is available, with the reason when not.
+- `/metrics`, `/healthz` (always 200: `status` is `degraded`, with the reasons, while every
+  upstream of some model is down).
 
 Request headers: `Authorization: Bearer <token>` (required when `client_tokens` is set: one of
 them, or a job's credential made with one, which is how the proxy knows the job a call is
@@ -27,7 +30,8 @@ else a new one; log lines of the request carry it), and on chat replies `X-Tande
 share across all replicas. Errors have OpenAI's shape, `{"error": {"message", "type",
 "param", "code"}}`: malformed JSON or a bad field 400 (`param` and the message name the
 field), unknown model, rubric or route 404, no budget before the deadline 429 with
-`Retry-After`, failing upstreams 502, the budget store unreachable 503.
+`Retry-After`, failing upstreams 502, every upstream of the model down 503
+`upstream_unavailable` with `Retry-After` (the next probe), the budget store unreachable 503.
 """
 
 from __future__ import annotations
@@ -130,6 +134,26 @@ class BudgetResponse(BaseModel):
     upstreams: list[UpstreamBudget]
 
 
+class UpstreamState(BaseModel):
+    name: str
+    model: str
+    state: str = Field(description="closed, open (no call is sent) or half_open (one probe call is out).")
+    since: float = Field(description="Epoch seconds the current failure streak or outage began; 0 when none.")
+    failures: int = Field(description="Consecutive failed calls, across replicas (429s apart).")
+    reason: str = Field(description="The newest failure, e.g. `timeout (no first byte in 20 s)`.")
+    next_probe_s: float = Field(description="Seconds until a call may go to it again; 0 when closed.")
+
+
+class ModelState(BaseModel):
+    available: bool
+    reason: str = Field(description="Why not, naming each upstream; empty when available.")
+
+
+class UpstreamsResponse(BaseModel):
+    upstreams: list[UpstreamState]
+    models: dict[str, ModelState]
+
+
 class ModelCard(BaseModel):
     """OpenAI's model object."""
 
@@ -154,14 +178,16 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        watcher = asyncio.create_task(proxy.gateway.watch_budgets())
+        gateway = proxy.gateway
+        watchers = [asyncio.create_task(gateway.watch_budgets()), asyncio.create_task(gateway.health.watch())]
         yield
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         await proxy.aclose()
 
     app = FastAPI(title="Tandem judge proxy", version="0.1.0", lifespan=lifespan)
     app.state.proxy = proxy
-    app.include_router(metrics_router(proxy.gateway.health))
+    app.include_router(metrics_router(proxy.gateway.health.report))
     app.add_exception_handler(ProxyError, proxy_error)
     app.add_exception_handler(UpstreamClientError, upstream_client_error)
     app.add_exception_handler(RedisError, budget_store_error)
@@ -306,6 +332,30 @@ def info_router(gateway: Gateway, authorize: Callable[[Request], None]) -> APIRo
                 )
                 for u, view in zip(gateway.upstreams, views)
             ]
+        )
+
+    @router.get("/v1/upstreams", response_model=UpstreamsResponse)
+    async def upstreams(request: Request) -> UpstreamsResponse:
+        authorize(request)
+        healths, now = await gateway.health.read()
+        models = {model: gateway.health.outage(model) for model in sorted(gateway.groups)}
+        return UpstreamsResponse(
+            upstreams=[
+                UpstreamState(
+                    name=h.name,
+                    model=h.model,
+                    state=h.state,
+                    since=h.since,
+                    failures=h.failures,
+                    reason=h.reason,
+                    next_probe_s=h.next_probe_s(now),
+                )
+                for h in healths
+            ],
+            models={
+                model: ModelState(available=outage is None, reason=outage.reason if outage else "")
+                for model, outage in models.items()
+            },
         )
 
     return router

@@ -59,6 +59,11 @@ import redis.asyncio as aioredis
 
 from services.queues import Keys
 
+LEASE_MARGIN_S = 10.0
+"""A concurrency lease outlives the longest its call goes with nothing arriving
+(`UpstreamConfig.quiet_bound_s`) by this much before Redis drops it; a stream renews its
+lease at a chunk when this long has passed since the last renewal, so a stream that keeps
+arriving keeps its slot."""
 CONCURRENCY_POLL_S = 0.02
 """How long to wait when only the concurrency cap blocks: leases end at unknown times."""
 WINDOW_MARGIN_S = 1.0
@@ -342,8 +347,9 @@ return tostring(tpm - in_tokens)
 """
 )
 
-_WINDOW_SENT = """
--- KEYS: window. ARGV: lease_id, window_s. Only an entry still in the window moves.
+_RESTAMP = """
+-- KEYS: a window or the leases. ARGV: entry or lease id, seconds from now. Only an entry still
+-- there moves, and only later.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 return redis.call('ZADD', KEYS[1], 'XX', 'GT', now + tonumber(ARGV[2]), ARGV[1])
@@ -378,7 +384,8 @@ class Limits:
     rpm: int
     max_concurrency: int
     lease_ttl_s: float
-    """Longest an upstream call may hold a concurrency slot (its timeout plus a margin)."""
+    """Longest an upstream call holds a concurrency slot unless renewed (its quiet bound plus
+    `LEASE_MARGIN_S`)."""
     model: LimitModel = "bucket"
     window_s: float = 60.0
     """The trailing window of the `window` model, as the upstream counts it."""
@@ -459,7 +466,7 @@ class Budget:
             "window": (_WINDOW_RESERVE, _WINDOW_SETTLE, _WINDOW_PEEK),
         }[limits.model]
         self._reserve, self._settle, self._peek = (client.register_script(s) for s in scripts)
-        self._sent = client.register_script(_WINDOW_SENT)
+        self._restamp = client.register_script(_RESTAMP)
         self.prompt_ratio = 1.0
         """The learned ratio as last seen by this replica (for estimates outside Redis)."""
         self.seen: Seen | None = None
@@ -501,7 +508,12 @@ class Budget:
         """The request of `lease` is about to go out: in a window, its entry leaves a window
         from now (a bucket has nothing to move)."""
         if self.limits.model == "window" and time.monotonic() - lease.reserved_at > RESTAMP_AFTER_S:
-            await self._sent([self.keys[2]], [lease.lease_id, self._window_s])
+            await self._restamp([self.keys[2]], [lease.lease_id, self._window_s])
+
+    async def renew(self, lease: Lease) -> None:
+        """`lease`'s call is still going (a stream arriving): hold its concurrency slot for
+        another `lease_ttl_s`."""
+        await self._restamp([self.keys[1]], [lease.lease_id, self.limits.lease_ttl_s])
 
     async def settle(
         self,

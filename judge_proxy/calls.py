@@ -1,6 +1,8 @@
 """One upstream call, the gateway's second half (`judge_proxy.gateway`): send a granted
 request, read or relay the reply, and settle the budget with what the upstream charged; a
-429 pauses the upstream, a failure cools it down for this replica."""
+429 pauses the upstream, a failure cools it down for this replica. Every outcome is told to
+the upstream's circuit (`circuit.py`): a success (an answer the client gets, a stream that
+ends whole), a failure, a 429."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from multidict import CIMultiDict
 
 from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group
+from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
 from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
@@ -86,8 +89,8 @@ class Caller:
             if reply.events is not None:
                 attempts.upstream_s += time.perf_counter() - started
                 return self.relay(group, grant, reply, attempts, client_wants_usage)
-        except TimeoutError:
-            reply, outcome, detail = None, "timeout", ""
+        except TimeoutError as err:
+            reply, outcome, detail = None, "timeout", f"({err})"
         except aiohttp.ClientError as err:
             reply, outcome, detail = None, "connect_error", type(err).__name__
         else:
@@ -100,9 +103,9 @@ class Caller:
         if outcome == "rate_limited":
             await self.back_off(group, grant, reply, attempt, attempts)
             return None
-        if outcome == "client_error":
+        if outcome == "client_error":  # the upstream is up: the request was at fault
             metrics.REQUESTS.labels(upstream.name, outcome).inc()
-            await settle(group, grant, 0, reply)
+            await asyncio.gather(settle(group, grant, 0, reply), upstream.circuit.succeeded())
             raise UpstreamClientError(reply.status, upstream.redact(reply.body))
         await self.fail(group, grant, outcome, attempts, detail)
         return None
@@ -114,6 +117,7 @@ class Caller:
         except msgspec.DecodeError:
             await self.fail(group, grant, "server_error", attempts, detail="reply is not JSON")
             return None
+        await upstream.circuit.succeeded()
         usage = _usage(data)
         used = usage.get("total_tokens", lease.tokens)  # no usage: it may have charged all we reserved
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
@@ -132,9 +136,13 @@ class Caller:
 
         async def events() -> AsyncIterator[bytes]:
             usage: dict[str, int] = {}
-            outcome = "client_closed"
+            outcome, why = "client_closed", ""
+            renewed = time.monotonic()
             try:
-                async for event in sse_events(reply.events.content):
+                async for event in sse_events(upstream.lines(reply.events)):
+                    if time.monotonic() - renewed > LEASE_MARGIN_S:  # see `Budget.renew`
+                        await upstream.budget.renew(lease)
+                        renewed = time.monotonic()
                     data = sse_data(event)
                     if data == "[DONE]":
                         outcome = "complete"
@@ -145,12 +153,13 @@ class Caller:
                             continue  # the usage chunk the proxy asked for, not the client
                     yield event
                 if outcome != "complete":
-                    outcome = "cut"
+                    outcome, why = "cut", "ended before [DONE]"
                     yield sse_error("the upstream's stream ended before [DONE]")
             except (aiohttp.ClientError, TimeoutError) as err:
                 outcome = "cut"
-                log.warning("stream from %s cut off: %s", upstream.name, type(err).__name__)
-                yield sse_error(f"the upstream's stream was cut off ({type(err).__name__})")
+                why = f"timeout ({err})" if isinstance(err, TimeoutError) else type(err).__name__
+                log.warning("stream from %s cut off: %s", upstream.name, why)
+                yield sse_error(f"the upstream's stream was cut off ({why})")
             finally:
                 reply.events.close()
                 complete = outcome == "complete" and "total_tokens" in usage
@@ -161,7 +170,10 @@ class Caller:
                 # A client that leaves cancels the response's scope, and every later await
                 # in it: the settle must run shielded or the lease and reservation stay held.
                 with anyio.CancelScope(shield=True):
-                    await settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+                    await asyncio.gather(
+                        settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens")),
+                        stream_ended(grant, outcome, why),
+                    )
 
         return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
 
@@ -176,7 +188,10 @@ class Caller:
         metrics.UPSTREAM_429.labels(upstream.name).inc()
         metrics.REQUESTS.labels(upstream.name, "rate_limited").inc()
         log.warning("upstream %s answered 429; pausing it for %.3f s", upstream.name, pause_s)
-        await settle(group, grant, 0, reply, used_request=False, pause_s=pause_s)
+        await asyncio.gather(
+            settle(group, grant, 0, reply, used_request=False, pause_s=pause_s),
+            upstream.circuit.rate_limited(probe=grant.probe),
+        )
 
     async def fail(self, group: Group, grant: Grant, outcome: str, attempts: Attempts, detail: str = "") -> None:
         upstream = grant.upstream
@@ -185,7 +200,10 @@ class Caller:
         attempts.failed[upstream.name] = f"{outcome} {detail}".strip()
         attempts.rate_limited_last = False
         self.admission.cool_down(upstream.name, self.settings.failure_cooldown_s)
-        await settle(group, grant, grant.lease.tokens, None)
+        await asyncio.gather(
+            settle(group, grant, grant.lease.tokens, None),
+            upstream.circuit.failed(attempts.failed[upstream.name], probe=grant.probe),
+        )
 
 
 async def settle(
@@ -216,6 +234,18 @@ async def settle(
         group.share.refund(grant.job, grant.share_tokens - used_tokens),
     )
     group.admitter.wake()
+
+
+async def stream_ended(grant: Grant, outcome: str, why: str) -> None:
+    """A stream's outcome for the circuit: whole, a success; cut by the upstream, a
+    failure; left by its client, neither (a probe's lease goes back)."""
+    circuit = grant.upstream.circuit
+    if outcome == "complete":
+        await circuit.succeeded()
+    elif outcome == "cut":
+        await circuit.failed(f"stream_cut {why}", probe=grant.probe)
+    elif grant.probe:
+        await circuit.release_probe()
 
 
 async def sse_events(lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -21,9 +21,15 @@ One call of `complete` makes at most `max_attempts` upstream calls:
 - 429: nothing was charged; the upstream is paused for every replica for `retry-after-ms`
   / `retry-after` (else exponential backoff with jitter), at most `max_backoff_s`, and the
   request waits in the queue again (any upstream of the group may take it).
-- 5xx, 401/403, a timeout or a connection error: the reservation stays charged (the
-  upstream may have counted it), the upstream is avoided by this replica for
-  `failure_cooldown_s`, and the request goes to another upstream of the group.
+- 5xx, 401/403, a 2xx that is not JSON, a timeout or a connection error: the reservation
+  stays charged (the upstream may have counted it), the upstream is avoided by this replica
+  for `failure_cooldown_s`, and the request goes to another upstream of the group. A hung
+  upstream fails by `first_byte_timeout_s`; a stream fails only when no byte comes for
+  `idle_timeout_s`, however long it runs.
+- Every outcome goes to the upstream's circuit (`circuit.py`), shared by all replicas: an
+  upstream that keeps failing (or answers nothing but 429 for `rate_limit_outage_s`) is sent
+  nothing until a probe finds it back, and a model whose every upstream is down is refused
+  at once with 503 `upstream_unavailable`, nothing reserved.
 - any other 4xx is the client's: passed through, with the API key redacted.
 Waiting for budget, over all attempts, ends at `queue_deadline_s` with a 429.
 """
@@ -42,17 +48,16 @@ from redis.exceptions import RedisError
 
 from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group, Need, exhausted
-from judge_proxy.budget import Budget, Limits
+from judge_proxy.budget import LEASE_MARGIN_S, Budget, Limits
 from judge_proxy.calls import Caller, Completion, settle
 from judge_proxy.errors import ProxyError
+from judge_proxy.health import Health
 from judge_proxy.queue import Admitter
 from judge_proxy.share import Share, Weights
 from judge_proxy.upstream import Upstream, UpstreamConfig, format_duration
 from services.config import JudgeProxySettings
 from services.stats import TrailingRate
 
-LEASE_MARGIN_S = 10.0
-"""A concurrency lease outlives its call's timeout by this much before Redis drops it."""
 BUDGET_SAMPLE_S = 5.0
 """How often the budget utilization gauge is brought up to date."""
 
@@ -67,6 +72,7 @@ class Gateway:
         rng = random.Random()
         self.admission = Admission(Weights(redis), rng)
         self.caller = Caller(settings, rng, self.admission)
+        self.health = Health(redis, settings, self.groups)
         self.setup_groups(configs)
         self.longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
         """A request's longest time upstream over all its attempts (what a reply kept
@@ -78,14 +84,14 @@ class Gateway:
                 config.tpm,
                 config.rpm,
                 config.max_concurrency,
-                config.timeout_s + LEASE_MARGIN_S,
+                config.quiet_bound_s + LEASE_MARGIN_S,
                 model=config.limit_model,
                 window_s=config.window_s,
                 pace_s=config.pace_s,
                 prompt_margin=config.prompt_margin,
                 prompt_ratio_band=config.prompt_ratio_band,
             )
-            upstream = Upstream(config, Budget(self.redis, config.name, limits))
+            upstream = Upstream(config, Budget(self.redis, config.name, limits), self.health.circuit(config))
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
                 self.groups[config.model] = Group(
@@ -97,6 +103,7 @@ class Gateway:
             group.share.add_upstream(config)
             metrics.BUDGET_TPM.labels(config.name).set(config.tpm)
             metrics.BUDGET_RPM.labels(config.name).set(config.rpm)
+            metrics.MODEL_AVAILABLE.labels(config.model).set(1)
 
     def group(self, model: str) -> Group:
         group = self.groups.get(model)
@@ -187,9 +194,6 @@ class Gateway:
                     metrics.PROMPT_RATIO.labels(upstream.name).set(view.prompt_ratio)
                     metrics.PROMPT_OUTLIERS.labels(upstream.name).set(view.prompt_outliers)
             await asyncio.sleep(every_s)
-
-    def health(self) -> tuple[bool, dict]:
-        return True, {"models": sorted(self.groups), "upstreams": [u.name for u in self.upstreams]}
 
     def structured(self, model: str) -> bool:
         """Whether `model`'s upstreams keep to a JSON schema in `response_format`."""

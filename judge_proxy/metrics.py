@@ -105,3 +105,14 @@ SHARE_WAITS = Counter(
     "Requests held back by their job's share of a model group's budget (counted once per request)",
     ["model", "job"],
 )
+UPSTREAM_STATE = Gauge(
+    "tandem_judge_upstream_state",
+    "The upstream's circuit as this replica last saw it: 0 closed, 1 half_open (a probe is out), 2 open (no call "
+    "is sent)",
+    ["upstream"],
+)
+MODEL_AVAILABLE = Gauge(
+    "tandem_judge_model_available",
+    "1 while some upstream of the model has its circuit closed, 0 when every one is open or half-open",
+    ["model"],
+)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from judge_proxy.gateway import LEASE_MARGIN_S, Gateway
+from judge_proxy.budget import LEASE_MARGIN_S
+from judge_proxy.gateway import Gateway
 from judge_proxy.judge import Judge
 from judge_proxy.memory import Memory, Slot
 from judge_proxy.upstream import UpstreamConfig, load_upstreams

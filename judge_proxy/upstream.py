@@ -9,13 +9,15 @@ a `SecretStr`: they are sent upstream and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import json
 import math
 import os
 import random
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, LimitModel
+from judge_proxy.circuit import Circuit
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -43,7 +46,16 @@ class UpstreamConfig(BaseModel):
     rpm: int = Field(gt=0, description="Requests per minute.")
     max_concurrency: int = Field(16, ge=1, description="Calls in flight at once, across all replicas.")
     weight: float = Field(1.0, gt=0, description="Share of the group's load when several have budget.")
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, description="Longest a whole call that is not a stream may take.")
+    first_byte_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for the reply's headers: a hung upstream fails by it. A reply that is not "
+        "a stream sends its headers when done, so for it this is a cap beside timeout_s.",
+    )
+    idle_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a stream may go without a byte; a stream still arriving is never cut."
+    )
     tokenizer: str | None = Field(None, description="Local tokenizer.json for prompt estimates; chars/4 when unset.")
     structured_output: bool = Field(
         False,
@@ -73,6 +85,12 @@ class UpstreamConfig(BaseModel):
         "to the local estimate stays inside; a call whose own ratio lies outside "
         "teaches nothing and is counted as an outlier.",
     )
+
+    @property
+    def quiet_bound_s(self) -> float:
+        """The longest a call goes on with nothing arriving, or a call that is not a stream
+        takes in all: what a concurrency lease or a probe outlasts (a stream renews its lease)."""
+        return max(self.timeout_s, self.first_byte_timeout_s, self.idle_timeout_s)
 
     @field_validator("prompt_ratio_band")
     @classmethod
@@ -200,11 +218,26 @@ class Reply:
     """A stream's open response (2xx to `stream: true`), its body unread; the reader closes it."""
 
 
+class UpstreamTimeout(TimeoutError):
+    """A call cut by one of its upstream's timeouts; the message says which."""
+
+
+@contextlib.asynccontextmanager
+async def cut_at(deadline: float, what: str) -> AsyncIterator[None]:
+    """The block, cut with `UpstreamTimeout(what)` at `deadline` (the event loop's clock)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            yield
+    except TimeoutError:
+        raise UpstreamTimeout(what) from None
+
+
 class Upstream:
-    def __init__(self, config: UpstreamConfig, budget: Budget) -> None:
+    def __init__(self, config: UpstreamConfig, budget: Budget, circuit: Circuit) -> None:
         self.config = config
         self.name = config.name
         self.budget = budget
+        self.circuit = circuit
         self.url = config.base_url.rstrip("/") + "/chat/completions"
         self._key = api_key(config)
         self.count_tokens = tokenizer_counter(config.tokenizer) if config.tokenizer else chars_over_4
@@ -232,8 +265,10 @@ class Upstream:
         if self._key is not None:
             headers["authorization"] = f"Bearer {self._key.get_secret_value()}"
         if self.http is None or self.http.closed:
+            # No timeout of aiohttp's: a total one cuts a stream still arriving, and its read
+            # timeout also bounds the wait for headers. `_post_once` and `lines` set their own.
             self.http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None),
                 connector=aiohttp.TCPConnector(limit=self.config.max_concurrency),
             )
         try:
@@ -248,11 +283,27 @@ class Upstream:
             return await self._post_once(payload, headers, stream)
 
     async def _post_once(self, payload: bytes, headers: dict[str, str], stream: bool) -> Reply:
-        response = await self.http.post(self.url, data=payload, headers=headers)
+        """Headers within `first_byte_timeout_s`; a whole reply that is not a stream within
+        `timeout_s` of the start."""
+        config = self.config
+        now = asyncio.get_running_loop().time()
+        first_byte_s = config.first_byte_timeout_s if stream else min(config.first_byte_timeout_s, config.timeout_s)
+        async with cut_at(now + first_byte_s, f"no first byte in {first_byte_s:g} s"):
+            response = await self.http.post(self.url, data=payload, headers=headers)
         if stream and 200 <= response.status < 300:
             return Reply(response.status, b"", response.headers, events=response)
-        async with response:
+        async with response, cut_at(now + config.timeout_s, f"reply not whole in {config.timeout_s:g} s"):
             return Reply(response.status, await response.read(), response.headers)
+
+    async def lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """A stream's lines as they arrive, cut when none comes for `idle_timeout_s`."""
+        idle_s = self.config.idle_timeout_s
+        while True:
+            async with cut_at(asyncio.get_running_loop().time() + idle_s, f"no byte in {idle_s:g} s"):
+                line = await response.content.readline()
+            if not line:
+                return
+            yield line
 
     async def aclose(self) -> None:
         if self.http is not None:
