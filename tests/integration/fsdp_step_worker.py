@@ -8,6 +8,7 @@ samples form pairs (chosen, rejected) and a shuffle moves whole pairs.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 
@@ -45,18 +46,28 @@ def fixed_batch(model_dir: str) -> list[Sample]:
     return samples
 
 
+def plain_sgd(trainer: Trainer) -> None:
+    """The trainer's AdamW swapped for plain SGD, so that (with no clipping) the step is the
+    learning rate times the gradient. AdamW's first step is about lr * sign(gradient): it
+    would hide a wrong scale of the gradient, which is what a wrong normalisation gives."""
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=trainer.spec.train.lr)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
+
+
 def main() -> None:
     model_dir, out, cap, shuffle, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo")
     algorithm = "dpo" if kind == "dpo" else "grpo"
     spec = RLJob(
         model=ModelSpec(path=model_dir),
-        train=TrainSpec(lr=1e-3, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5),
+        train=TrainSpec(lr=0.1, max_grad_norm=math.inf, max_tokens_per_rank=cap, algorithm=algorithm, dpo_beta=0.5),
     )
     trainer = Trainer(spec, torch.device("cpu"))
+    plain_sgd(trainer)
     samples = fixed_batch(model_dir)
     if kind == "dpo":
         trainer.start_rl()  # the reference: a frozen copy of the starting policy
+        plain_sgd(trainer)
         # An SFT step first moves the policy off the reference, so that the DPO step's
         # log ratios are not all 0 and the reference's logprobs matter.
         trainer.sft_step(samples)

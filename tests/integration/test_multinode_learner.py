@@ -89,12 +89,19 @@ def test_two_nodes_train_as_one_and_resume_on_either_count(tmp_path, tiny_model)
     two = run(tiny_model, tmp_path / "two", tmp_path / "ckpt-two", load=False, nodes=2)
     initial = load_file(tiny_model / "model.safetensors")
     assert max_difference(one["after-1"], initial) > 1e-4  # the step moved the weights
-    assert max_difference(one["after-1"], two["after-1"]) < 1e-5
-    assert max_difference(one["after-2"], two["after-2"]) < 1e-5
+    # AdamW (lr 1e-3, eps 1e-8) moves a weight by about lr * g / (|g| + eps): near g = 0 it
+    # turns the fp32 rounding of g, summed in another order over two ranks (2^-24 times
+    # gradients of ~1e-3: ~6e-11), into lr * 6e-11 / eps = 6e-6; AdamW steps of this model
+    # on 1 and 2 ranks differ by up to 1e-5. A wrong shard, or moments lost or misplaced on
+    # resume, moves weights by a good part of lr. 1e-4 = lr / 10 sits 10 times above the
+    # rounding and 10 times below such a bug.
+    bound = 1e-4
+    assert max_difference(one["after-1"], two["after-1"]) < bound
+    assert max_difference(one["after-2"], two["after-2"]) < bound
 
     # The two-node checkpoint on one node, the one-node checkpoint on two: the next step
     # is the uninterrupted run's.
     two_on_one = run(tiny_model, tmp_path / "two-on-one", tmp_path / "ckpt-two", load=True, nodes=1)
     one_on_two = run(tiny_model, tmp_path / "one-on-two", tmp_path / "ckpt-one", load=True, nodes=2)
-    assert max_difference(one["after-2"], two_on_one["after-2"]) < 1e-5
-    assert max_difference(one["after-2"], one_on_two["after-2"]) < 1e-5
+    assert max_difference(one["after-2"], two_on_one["after-2"]) < bound
+    assert max_difference(one["after-2"], one_on_two["after-2"]) < bound
