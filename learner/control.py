@@ -8,10 +8,11 @@ with an all-reduce, on whether it succeeded.
 With several ranks, a rank whose command raises cannot just go on to agree: the others
 may be waiting for it inside a collective of the default group (FSDP's gathers, DCP), and
 would wait there for the whole collective timeout. So it writes its error into the job's
-run folder (`rank-errors/`) and leaves: a follower exits at once, which breaks the group
-(gloo peers fail their collective on the closed connection; under NCCL torchrun tears the
-ranks down), and rank 0 raises `GroupBroken` for the driver to fail the job with every
-rank's error before the learner exits for its supervisor to start it afresh. A rank-error
+run folder (`rank-errors/`); if every rank's error is there within seconds, they all
+failed and agree as before. Otherwise it leaves: a follower exits at once, which breaks
+the group (gloo peers fail their collective on the closed connection; under NCCL torchrun
+tears the ranks down), and rank 0 raises `GroupBroken` for the driver to fail the job with
+every rank's error before the learner exits for its supervisor to start it afresh. A rank-error
 file that no rank 0 got to report (it was torn down first) fails the job when a restarted
 learner claims it, instead of resuming into the same fault.
 """
@@ -25,7 +26,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 import msgspec
 import torch
@@ -66,9 +67,9 @@ class GroupBroken(CommandFailed):
 
 RANK_ERRORS = "rank-errors"
 """The folder in a job's run folder where a failing rank leaves its error."""
-RANK_ERRORS_WAIT_S = 5.0
-"""How long rank 0 looks for the other ranks' error files after the group broke (a
-follower writes its file before it exits, so it is there by the time rank 0 notices)."""
+ALL_FAILED_WAIT_S = 5.0
+"""How long a failing rank waits for every rank's error file before it takes the group for
+broken (a failure every rank meets, a bad checkpoint, leaves them all at `agree`)."""
 
 
 class Control:
@@ -131,26 +132,43 @@ class Worker:
         except Exception as err:
             log.exception("rank %d: command %s failed", self.control.rank, command.kind)
             if self.control.world_size > 1 and command.kind not in ("end", "shutdown"):
-                self.leave_group(command, err)
+                self.report(command, err)
             error = err
-        if not self.control.agree(error is None):
+        if not self.agree(error is None, command):
             reason = f"{type(error).__name__}: {error}" if error else "see the other ranks' logs"
             raise CommandFailed(f"command {command.kind!r} failed on rank {self.control.rank}: {reason}")
         return result
 
-    def leave_group(self, command: Command, error: Exception) -> None:
-        """This rank's `command` raised while the others may wait for it in a collective:
-        leave its error for rank 0, then break the group (a follower exits; rank 0 raises
-        `GroupBroken` with every rank's error it can find)."""
-        rank, folder = self.control.rank, rank_errors_dir(self.settings.runs_dir, self.job_id)
-        message = f"rank {rank} failed in {command.kind!r}: {type(error).__name__}: {error}"
-        if rank != 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank-{rank}.txt").write_text(message[:4000])
+    def agree(self, ok: bool, command: Command) -> bool:
+        """Whether every rank succeeded; a rank that left the group (it failed and took the
+        group for broken) breaks it here too."""
+        try:
+            return self.control.agree(ok)
+        except RuntimeError as err:
+            self.leave(command, err)
+
+    def leave(self, command: Command, error: Exception) -> NoReturn:
+        """The group is broken: a follower exits, rank 0 raises `GroupBroken` with every
+        rank's error left in the run folder, its own last."""
+        if self.control.rank != 0:
             logging.shutdown()
             os._exit(1)
-        others = wait_for_rank_errors(folder, RANK_ERRORS_WAIT_S)
-        raise GroupBroken("; ".join([*others, message])) from error
+        found = rank_errors(rank_errors_dir(self.settings.runs_dir, self.job_id))
+        if not any(m.startswith("rank 0 ") for m in found):  # the agree broke: its first error
+            found.append(f"rank 0 failed in {command.kind!r}: {type(error).__name__}: {error}")
+        raise GroupBroken("; ".join(sorted(found, key=lambda m: m.startswith("rank 0 ")))) from error
+
+    def report(self, command: Command, error: Exception) -> None:
+        """This rank's `command` raised. Leave the error for rank 0 and see whether every
+        rank failed it too: then all of them are at `agree`, and the job fails as usual.
+        Otherwise some rank may be waiting in a collective for this one: break the group
+        (a follower exits; rank 0 raises `GroupBroken` with every rank's error)."""
+        rank, folder = self.control.rank, rank_errors_dir(self.settings.runs_dir, self.job_id)
+        message = f"rank {rank} failed in {command.kind!r}: {type(error).__name__}: {error}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank-{rank}.txt").write_text(message[:4000])
+        if len(wait_for_rank_errors(folder, self.control.world_size, ALL_FAILED_WAIT_S)) < self.control.world_size:
+            self.leave(command, error)
 
     def execute(self, command: Command) -> dict:
         match command.kind:
@@ -206,10 +224,9 @@ def rank_errors(folder: Path) -> list[str]:
     return [path.read_text() for path in sorted(folder.glob("rank-*.txt"))]
 
 
-def wait_for_rank_errors(folder: Path, timeout_s: float) -> list[str]:
-    """The other ranks' errors, waiting up to `timeout_s` for the first (none may come:
-    rank 0 may be the only one that failed)."""
+def wait_for_rank_errors(folder: Path, count: int, timeout_s: float) -> list[str]:
+    """The errors ranks left in `folder`, once `count` are there or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not (found := rank_errors(folder)) and time.monotonic() < deadline:
+    while len(found := rank_errors(folder)) < count and time.monotonic() < deadline:
         time.sleep(0.1)
     return found

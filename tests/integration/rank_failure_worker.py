@@ -1,9 +1,10 @@
-"""Two learner ranks under torchrun where rank 1 hits a bug inside an RL step, for
-tests/integration/test_rank_failure.py: python -m torch.distributed.run ... this file.
+"""Two learner ranks under torchrun meeting a failure, for tests/integration/test_rank_failure.py:
+python -m torch.distributed.run ... this file MODEL_DIR OUT.json MODE.
 
-Arguments: MODEL_DIR OUT.json. Rank 1's step raises before its first collective (as a
-CUDA OOM or a bug on one shard would), while rank 0 is inside the step's collectives.
-Rank 0 writes what it got ({"error", "seconds"}) to OUT.json.
+MODE `one`: rank 1's RL step raises before its first collective (as a CUDA OOM or a bug on
+one shard would) while rank 0 is inside the step's collectives. MODE `all`: every rank
+fails to build the job's trainer (no such model), then both go on to the next job.
+Rank 0 writes what it got ({"error", "kind", "seconds", "went_on"}) to OUT.json.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from fsdp_step_worker import fixed_batch
 
-from learner.control import Command, Control, GroupBroken, Worker
+from learner.control import Command, CommandFailed, Control, Worker
 from services.config import LearnerSettings, ModelSpec, RLJob, TrainSpec
 
 
@@ -26,28 +27,43 @@ def fail_on_this_shard(samples) -> dict:
     raise RuntimeError("a bug on rank 1's shard")
 
 
+def job(job_id: str, model_dir: str) -> Command:
+    spec = RLJob(name="broken", model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3))
+    return Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json())
+
+
 def main() -> None:
-    model_dir, out = sys.argv[1], sys.argv[2]
+    model_dir, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     settings = LearnerSettings()
     # The default collective timeout, as a learner runs with it: the failure must not wait it out.
     dist.init_process_group("gloo", timeout=timedelta(seconds=settings.collective_timeout_s))
     worker = Worker(settings, torch.device("cpu"), Control())
-    spec = RLJob(name="broken", model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3))
     if worker.control.rank != 0:
-        command = worker.control.broadcast(None)  # the job
-        worker._execute_and_agree(command)
-        worker.trainer.rl_step = fail_on_this_shard
+        if mode == "one":
+            worker._execute_and_agree(worker.control.broadcast(None))  # the job
+            worker.trainer.rl_step = fail_on_this_shard
         worker.follow()
         return
-    worker.run(Command(kind="job", job_id="broken-0000aaaa", spec_json=spec.model_dump_json()))
-    started = time.monotonic()
+    started, error, went_on = time.monotonic(), None, False
     try:
-        worker.run(Command(kind="rl", samples=fixed_batch(model_dir)))
-        error = ""
-    except GroupBroken as err:
-        error = str(err)
+        if mode == "one":
+            worker.run(job("broken-0000aaaa", model_dir))
+            started = time.monotonic()
+            worker.run(Command(kind="rl", samples=fixed_batch(model_dir)))
+        else:
+            worker.run(job("broken-0000aaaa", "/no/such/model"))
+    except CommandFailed as err:
+        error = err
+    seconds = time.monotonic() - started
+    if mode == "all":  # the ranks are still together: the next job runs
+        worker.run(job("next-0000bbbb", model_dir))
+        went_on = True
+        worker.run(Command(kind="shutdown"))
     with open(out, "w") as f:
-        json.dump({"error": error, "seconds": time.monotonic() - started}, f)
+        json.dump({"error": str(error), "kind": type(error).__name__, "seconds": seconds, "went_on": went_on}, f)
+    if mode == "all":
+        dist.destroy_process_group()
+        return
     os._exit(0)  # as the learner does: the group is broken, nothing to tear down
 
 

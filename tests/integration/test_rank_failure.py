@@ -21,25 +21,39 @@ from tandem.redis_embed import free_port
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("rank_failure_worker.py")
 FAILS_WITHIN_S = 60.0
-"""The issue's bound: rank 1 leaves at once and rank 0 looks 5 s for its error file."""
+"""The issue's bound. Arithmetic: rank 1 waits ALL_FAILED_WAIT_S (5 s) for rank 0's error
+file, then exits; rank 0's gather fails on the closed connection at once."""
+
+
+def run_ranks(tiny_model: Path, tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "rank0.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(WORKER), str(tiny_model), str(out), mode]
+    env = os.environ | {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(WORKER.parent)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=FAILS_WITHIN_S + 120)
+    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    return result, json.loads(out.read_text())
 
 
 def test_a_rank_raising_mid_step_fails_the_step_within_a_minute_naming_that_ranks_error(tiny_model, tmp_path):
-    out = tmp_path / "rank0.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), str(WORKER), str(tiny_model), str(out)]
-    env = os.environ | {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(WORKER.parent)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=FAILS_WITHIN_S + 120)
+    result, got = run_ranks(tiny_model, tmp_path, "one")
 
-    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
-    got = json.loads(out.read_text())
+    assert got["kind"] == "GroupBroken"
     assert got["seconds"] < FAILS_WITHIN_S
-    assert got["error"].startswith(
-        "rank 1 failed in 'rl': RuntimeError: a bug on rank 1's shard; rank 0 failed in 'rl'"
-    )
+    first, then = "rank 1 failed in 'rl': RuntimeError: a bug on rank 1's shard", "; rank 0 failed in 'rl': "
+    assert got["error"].startswith(first + then)
     assert result.returncode != 0  # torchrun reports the rank that left
     error_file = tmp_path / "runs" / "broken-0000aaaa" / "rank-errors" / "rank-1.txt"
     assert error_file.read_text() == "rank 1 failed in 'rl': RuntimeError: a bug on rank 1's shard"
+
+
+def test_a_command_every_rank_fails_fails_it_as_before_and_the_ranks_go_on_to_the_next_job(tiny_model, tmp_path):
+    result, got = run_ranks(tiny_model, tmp_path, "all")
+
+    assert got["kind"] == "CommandFailed"
+    assert got["error"].startswith("command 'job' failed on rank 0: ")
+    assert got["went_on"]
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 async def test_a_job_whose_rank_error_no_rank_0_reported_fails_with_it_instead_of_resuming(
