@@ -11,6 +11,12 @@ waits for data gets the current version in a new group at once. A server that le
 Each change of membership is logged, counted in the `rollout_servers` gauge and appended
 to the job's `servers` list (the API's events stream shows it): who joined, who left and
 why.
+
+A member that heartbeats but cannot join the weight group (a wrong advertised address, a
+firewall) would fail every broadcast for everyone: a member that did not even reach the
+learner's weight store in `EVICT_AFTER` failed updates is evicted, left out of plans until
+it restarts (its record's `started` changes). A publish that failed all its attempts is
+tried again while the learner waits for groups, so no version, 0 included, stays unsent.
 """
 
 from __future__ import annotations
@@ -38,10 +44,15 @@ SYNC_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 SERVERS = Gauge("tandem_learner_rollout_servers", "Rollout servers on the job (live, not draining)", ["job"])
+EVICT_AFTER = 2
+"""Failed updates a member may miss the weight store in before it is evicted."""
+REPUBLISH_EVERY_S = 10.0
+"""How often a publish that failed all its attempts is tried again while the learner waits."""
+PUBLISH_ATTEMPTS = 3
 
 
 class WeightPublisher:
-    COUNTS = ("weight_updates", "regroups", "sync_failures")
+    COUNTS = ("weight_updates", "regroups", "sync_failures", "evictions")
 
     def __init__(self, client: aioredis.Redis, job_id: str, settings: LearnerSettings, worker: Worker) -> None:
         self.redis = client
@@ -54,6 +65,12 @@ class WeightPublisher:
         """The servers the last membership record saw on the job."""
         self.unreadable: set[str] = set()
         """Ids of fleet records that did not decode, as last logged."""
+        self.strikes: dict[str, int] = {}
+        """Failed updates in a row in which a member never reached the weight store."""
+        self.evicted: dict[str, float] = {}
+        """Evicted members -> the `started` of the process that was evicted."""
+        self.unsent: tuple[int, float] | None = None
+        """(version, when) of a publish that failed all its attempts, to try again."""
 
     async def job_servers(self) -> list[protocol.ServerInfo]:
         infos, unreadable = protocol.decode_fleet(await self.redis.hgetall(Keys.rollout_servers))
@@ -70,7 +87,9 @@ class WeightPublisher:
         live = [
             server
             for server, info in infos.items()
-            if now - info.heartbeat < self.settings.server_timeout_s and not info.draining
+            if now - info.heartbeat < self.settings.server_timeout_s
+            and not info.draining
+            and self.evicted.get(server) != info.started
         ]
         if set(live) != self.members:
             await self.record_membership(live, infos, now)
@@ -84,6 +103,8 @@ class WeightPublisher:
             info = infos.get(server)
             if info is None:
                 left[server] = "exited"  # it removed its own record
+            elif self.evicted.get(server) == info.started:
+                left[server] = f"evicted: it did not reach the weight store in {EVICT_AFTER} updates"
             elif info.draining:
                 left[server] = "draining"
             else:
@@ -122,7 +143,7 @@ class WeightPublisher:
         the current version to a new membership (a server joined). A failed
         broadcast (a member died) is retried on the settled membership."""
         started = time.perf_counter()
-        for attempt in range(3):
+        for attempt in range(PUBLISH_ATTEMPTS):
             plan = self.worker.sender.plan(version, await self.live_servers() if servers is None else servers)
             await self.redis.hset(
                 Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}
@@ -133,21 +154,39 @@ class WeightPublisher:
             result = self.worker.run(Command(kind="sync", plan=plan))
             SYNC_SECONDS.labels(self.job_id).observe(result["seconds"])
             self.counts["regroups" if regroup or attempt else "weight_updates"] += 1
+            await self.judge_members(plan, result["unreached"] if result["failed"] else [])
             if not result["failed"]:
                 break
             self.counts["sync_failures"] += 1
             await self.settle_membership(since=time.time())
             servers = None
+        self.unsent = (version, time.monotonic()) if result["failed"] else None
         return result | {"seconds": time.perf_counter() - started}  # failed attempts included
+
+    async def judge_members(self, plan: protocol.WeightPlan, unreached: list[str]) -> None:
+        """Strikes for the plan's members that never reached the weight store (none after a
+        good update); a member with `EVICT_AFTER` is evicted."""
+        for server in plan.ranks:
+            self.strikes[server] = self.strikes.get(server, 0) + 1 if server in unreached else 0
+        infos = {info.server_id: info for info in await self.job_servers()}
+        for server in unreached:
+            if self.strikes[server] >= EVICT_AFTER and server in infos:
+                log.warning("evicting rollout server %s: it never reached the weight store", server)
+                self.evicted[server] = infos[server].started
+                self.counts["evictions"] += 1
 
     async def follow_membership(self, version: int) -> None:
         """While waiting for data: a server that joined since the last update gets the
-        current weights now, in a new group, instead of idling until the next step. One that
-        left needs nothing: the next update's group is formed without it."""
+        current weights now, in a new group, instead of idling until the next step, and a
+        version whose publish failed is sent again. One that left needs nothing: the next
+        update's group is formed without it."""
         if time.monotonic() - self.membership_checked < 1.0:
             return
         self.membership_checked = time.monotonic()
         servers = await self.live_servers()
-        if set(servers) - set(self.worker.sender.ranks):
+        if self.unsent is not None and time.monotonic() - self.unsent[1] > REPUBLISH_EVERY_S:
+            log.info("publishing version %d again: the last publish failed", version)
+            await self.publish(version, servers, regroup=True)
+        elif set(servers) - set(self.worker.sender.ranks):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
             await self.publish(version, servers, regroup=True)

@@ -74,7 +74,7 @@ class WeightSender:
             fetched += 1
             return policy.full_tensors(self.trainer.model, [t.name for t in bucket.tensors], self.dtype)
 
-        nbytes, failed = 0, False
+        nbytes, failed, unreached = 0, False, []
         if self.trainer.rank == 0 and plan.ranks:
             try:
                 if self.group is None:
@@ -88,6 +88,8 @@ class WeightSender:
                 log.exception("weight broadcast v%d (epoch %d) failed", plan.version, plan.epoch)
                 self.group = None
                 failed = True
+                unreached = weight_group.unreached(self.store, plan.epoch, plan.ranks)
         for bucket in plan.buckets[fetched:]:
             fetch(bucket)
-        return {"seconds": time.perf_counter() - started, "bytes": float(nbytes), "failed": float(failed)}
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "bytes": float(nbytes), "failed": float(failed), "unreached": unreached}

@@ -107,6 +107,7 @@ class RolloutServer:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
         self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.started = time.time()
         self.tool_catalog = load_catalog(settings.tool_catalog)
         # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
         # once (journal, streams); they wait for a free connection instead of failing with
@@ -216,6 +217,7 @@ class RolloutServer:
             inflight=len(self.inflight),
             engine=self.engine.model.path if self.engine else "",
             draining=self.drain_requested.is_set(),
+            started=self.started,
             **self.waiting_on(),
         )
         await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))

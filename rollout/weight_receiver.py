@@ -60,6 +60,7 @@ class WeightReceiverExtension:
             self._tandem_store_key = key
             self._tandem_epoch = None
         if self._tandem_epoch != plan.epoch:
+            weight_group.mark_reached(self._tandem_store, plan.epoch, rank)
             self._tandem_group = weight_group.open_group(
                 self._tandem_store, plan.backend, plan.epoch, rank, plan.world_size, plan.timeout_s
             )

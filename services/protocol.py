@@ -164,6 +164,9 @@ class ServerInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     draining: bool = False
     """Leaving: it takes no new task and no new weight group; the learner leaves it out of
     plans from the moment it reads this."""
+    started: float = 0.0
+    """Unix time this server process started: a restarted server is a new member (one the
+    learner evicted for never reaching the weight group gets another chance)."""
     waiting_on: str = ""
     """Why some of its episodes wait instead of failing: the judge proxy's reason for a
     model whose every upstream is down ("" when none waits). The learner pauses the job on it."""

@@ -92,6 +92,21 @@ def connect_store(host: str, port: int, timeout_s: float):
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def reached_key(epoch: int, rank: int) -> str:
+    return f"tandem/weights/epoch{epoch}/reached/{rank}"
+
+
+def mark_reached(store, epoch: int, rank: int) -> None:
+    """A receiver reached the learner's store for `epoch` (before joining its group): when
+    the group fails, the learner tells a member that never got this far from one that did."""
+    store.set(reached_key(epoch, rank), "1")
+
+
+def unreached(store, epoch: int, ranks: dict[str, int]) -> list[str]:
+    """The members (server -> rank) that never reached the store in `epoch`."""
+    return sorted(server for server, rank in ranks.items() if not store.check([reached_key(epoch, rank)]))
+
+
 def open_group(store, backend: str, epoch: int, rank: int, world_size: int, timeout_s: float):
     """Join epoch `epoch`'s group; blocks until all `world_size` ranks have joined."""
     from torch.distributed import PrefixStore
