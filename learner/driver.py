@@ -54,7 +54,7 @@ class Driver:
                 try:
                     await self.run_job(delivery.message.job_id)
                 except LearnerStopping:
-                    log.info("stopping: job %s checkpointed, left pending for --resume", self.current_job)
+                    log.info("stopping: job %s left RUNNING for --resume", self.current_job)
                     return
                 await queue.ack(delivery.entry_id)
                 if once:

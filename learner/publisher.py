@@ -115,12 +115,12 @@ class WeightPublisher:
         record = {"time": now, "servers": sorted(live), "joined": joined, "left": left}
         await self.redis.rpush(Keys.servers(self.job_id), json.dumps(record))
 
-    async def wait_for_servers(self, check_cancel: Callable[[], Awaitable[None]]) -> None:
+    async def wait_for_servers(self, check: Callable[[], Awaitable[None]]) -> None:
         """Until `min_rollout_servers` are on the job; fails when one reports it cannot serve
         the job, or none joins within `rollout_wait_s`."""
         deadline = time.monotonic() + self.settings.rollout_wait_s
         while len(await self.live_servers()) < self.settings.min_rollout_servers:
-            await check_cancel()
+            await check()  # a cancel or a stop (SIGTERM) ends the wait
             error = await self.redis.hget(Keys.job(self.job_id), "rollout_error")
             if error:
                 raise RuntimeError(f"a rollout server cannot serve this job: {error.decode()}")

@@ -67,9 +67,14 @@ class Run:
         (self.run_dir / checkpoint.SPEC).write_text(self.spec.model_dump_json(indent=2) + "\n")
 
     async def warm_start(self) -> None:
+        """The SFT steps before RL. A cancel ends the job between two of them; a stop
+        (SIGTERM) leaves it RUNNING with nothing dispatched, so `--resume` starts it over."""
         for step, batch in enumerate(warm_start.batches(self.spec), 1):
             metrics = self.worker.run(Command(kind="sft", samples=batch))
             await self.steps.write({"phase": "sft", "sft_step": step, **metrics}, self.step, self.version)
+            await self.check_cancel()
+            if self.learner.stop_requested:
+                raise LearnerStopping()
         if self.spec.warm_start.steps:  # the policy RL starts from, kept to evaluate against
             self.worker.run(Command(kind="export", path=str(self.run_dir / "policy-warm-start")))
 
@@ -77,6 +82,11 @@ class Run:
         if self.learner.stop_requested:
             await self.checkpoint(stopping=True)
             raise LearnerStopping()
+
+    async def check_waiting(self) -> None:
+        """While waiting for rollout servers: a cancel or a stop ends the wait."""
+        await self.check_cancel()
+        await self.check_stop()
 
     async def check_cancel(self) -> None:
         if await jobs.cancel_requested(self.redis, self.job_id):

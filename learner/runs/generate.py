@@ -110,7 +110,7 @@ class GenerateRun(RolloutFedRun):
         )
         await self.warm_start()
         await self.publish_datasets()
-        await self.publisher.wait_for_servers(self.check_cancel)
+        await self.publisher.wait_for_servers(self.check_waiting)
         await self.publisher.publish(self.version)
         self.steps.start_rl()
         total, done = self.spec.generate.conversations, 0

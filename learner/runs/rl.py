@@ -49,7 +49,7 @@ class RLRun(RolloutFedRun):
         )
         if not (resuming and await self.resume()):
             await self.start()
-        await self.publisher.wait_for_servers(self.check_cancel)
+        await self.publisher.wait_for_servers(self.check_waiting)
         await self.publisher.publish(self.version)
         await self.intake.read_backlog()
         self.steps.start_rl()

@@ -104,14 +104,22 @@ class Producer(threading.Thread):
         )
 
 
-def start_learner(redis_url: str, runs: Path, log: Path, resume: bool) -> subprocess.Popen:
-    env = os.environ | {
-        "TANDEM_REDIS_URL": redis_url,
-        "TANDEM_RUNS_DIR": str(runs),
-        "TANDEM_MIN_ROLLOUT_SERVERS": "0",
-        "TANDEM_METRICS_PORT": str(free_port()),
-        "PYTHONUNBUFFERED": "1",
-    }
+def start_learner(
+    redis_url: str, runs: Path, log: Path, resume: bool, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A learner (torchrun, 2 ranks) that trains on whatever arrives (no rollout server
+    needed), with `env` over those settings."""
+    env = (
+        os.environ
+        | {
+            "TANDEM_REDIS_URL": redis_url,
+            "TANDEM_RUNS_DIR": str(runs),
+            "TANDEM_MIN_ROLLOUT_SERVERS": "0",
+            "TANDEM_METRICS_PORT": str(free_port()),
+            "PYTHONUNBUFFERED": "1",
+        }
+        | (env or {})
+    )
     return subprocess.Popen(
         learner_command(2, resume=resume),
         env=env,
