@@ -534,7 +534,9 @@ async def job_events(client: aioredis.Redis, job_id: str):
             idle = 0.0
         if record["status"] != status:
             status = record["status"]
-            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error", "paused_reason")}
+            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error")}
+            if status == jobs.JobStatus.PAUSED.value:
+                body["paused_reason"] = record.get("paused_reason")
             yield f"event: status\ndata: {json.dumps(body)}\n\n"
             idle = 0.0
         if status in jobs.TERMINAL:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -203,6 +204,27 @@ async def test_a_stop_rule_is_streamed_as_a_health_event_and_named_in_the_status
     ]
     job = (await api.get(f"/v1/jobs/{job_id}")).json()
     assert (job["status"], job["error"], job["alerts"]) == ("FAILED", reason, [reason])
+
+
+async def test_a_paused_job_shows_why_and_since_when_and_a_cancel_reaches_it(api, redis_client):
+    from services import jobs
+
+    reason = "every upstream of model 'judge' is down: stand-in: HTTP 503 since 2026-11-26T09:00:00Z (5 failures)"
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.RUNNING)
+    before = time.time()
+    assert await jobs.pause(redis_client, job_id, reason)
+
+    job = (await api.get(f"/v1/jobs/{job_id}")).json()
+    assert (job["status"], job["paused_reason"]) == ("PAUSED", reason)
+    assert before <= job["paused_since"] <= time.time()
+    cancelled = (await api.post(f"/v1/jobs/{job_id}/cancel")).json()
+    assert cancelled["status"] == "PAUSED"  # the learner ends it at its next look
+    assert await jobs.cancel_requested(redis_client, job_id)
+
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.CANCELLED)
+    body = (await api.get(f"/v1/jobs/{job_id}/events")).text
+    assert '"status": "CANCELLED"' in body and "paused_reason" not in body
 
 
 async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
