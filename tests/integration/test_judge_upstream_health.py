@@ -35,9 +35,11 @@ async def replica(redis_url, redis_client, tmp_path):
         watcher = asyncio.create_task(app.state.proxy.gateway.health.watch(every_s=0.05))
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30)
         made.append((app, watcher, client))
-        names = {e["name"].encode() for e in entries}
-        while not names <= (await redis_client.hgetall(Keys.upstream_index)).keys():
-            await asyncio.sleep(0.01)
+
+        async def indexed() -> bool:
+            return {e["name"].encode() for e in entries} <= (await redis_client.hgetall(Keys.upstream_index)).keys()
+
+        await eventually(indexed, "the index to list the upstreams")
         return client
 
     yield make
@@ -45,6 +47,15 @@ async def replica(redis_url, redis_client, tmp_path):
         watcher.cancel()
         await client.aclose()
         await app.state.proxy.aclose()
+
+
+async def eventually(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Until the coroutine function `condition` returns true; a failure naming `what` after
+    `timeout_s` (a bound for a slow machine, not a wait that decides anything)."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 async def fault(server, mode: str, **options) -> None:
@@ -60,6 +71,10 @@ async def until_not_503(proxy: httpx.AsyncClient, body: dict, timeout_s: float =
             return response
         await asyncio.sleep(0.02)
     raise TimeoutError("the circuit never let a call through")
+
+
+async def has_requests(server, requests: int) -> bool:
+    return (await server.stats())["requests"] >= requests
 
 
 async def health(proxy: httpx.AsyncClient, name: str) -> dict:
@@ -165,8 +180,12 @@ async def test_429_forever_opens_the_circuit_only_after_rate_limit_outage_s(repl
     await fault(upstreams["a"], "429", retry_after_s=0.02)
 
     statuses = []
-    while not statuses or statuses[-1] != 503:
+
+    async def opened() -> bool:
         statuses.append((await proxy.post("/v1/chat/completions", json=chat())).status_code)
+        return statuses[-1] == 503
+
+    await eventually(opened, "the circuit to open")
     record = await redis_client.hgetall(Keys.upstream_health("a"))
 
     assert set(statuses[:-1]) == {429}  # pacing, not an outage, while the 429s last under 0.5 s
@@ -252,8 +271,7 @@ async def test_only_one_call_across_replicas_probes_a_half_open_upstream(replica
     await fault(upstreams["a"], "hang")
 
     probe = asyncio.create_task(until_not_503(first, chat()))
-    while (await upstreams["a"].stats())["requests"] < 2:  # the probe has reached the upstream
-        await asyncio.sleep(0.01)
+    await eventually(lambda: has_requests(upstreams["a"], 2), "the probe to reach the upstream")
     others = [await proxy.post("/v1/chat/completions", json=chat()) for proxy in (first, second, second)]
     await fault(upstreams["a"], "none")  # the hung probe is answered
 
@@ -299,10 +317,10 @@ async def test_a_replica_with_no_calls_sees_the_outage_by_its_timer(replica, ups
     await fault(upstreams["a"], "5xx")
     await first.post("/v1/chat/completions", json=chat())
 
-    deadline = time.monotonic() + 5
-    while (await idle.get("/healthz")).json()["status"] != "degraded":
-        assert time.monotonic() < deadline, "the idle replica never saw the outage"
-        await asyncio.sleep(0.02)
+    async def degraded() -> bool:
+        return (await idle.get("/healthz")).json()["status"] == "degraded"
+
+    await eventually(degraded, "the idle replica to see the outage")
 
     assert (await upstreams["a"].stats())["requests"] == 1
 

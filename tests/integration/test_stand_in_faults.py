@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -33,9 +34,11 @@ async def fault(http: httpx.AsyncClient, mode: str, **options) -> None:
     (await http.post("/admin/fault", json={"mode": mode, **options})).raise_for_status()
 
 
-async def arrived(http: httpx.AsyncClient, requests: int) -> None:
-    """Until the stand-in has seen `requests` chat calls."""
+async def arrived(http: httpx.AsyncClient, requests: int, timeout_s: float = 10.0) -> None:
+    """Until the stand-in has seen `requests` chat calls (a failure after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
     while (await http.get("/admin/stats")).json()["requests"] < requests:
+        assert time.monotonic() < deadline, f"fewer than {requests} calls arrived"
         await asyncio.sleep(0.01)
 
 

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from devtools.provider import count_prompt_tokens
 from judge_proxy.budget import Budget, Limits
 from judge_proxy.calls import outcome_of
+from judge_proxy.circuit import Circuit, CircuitSettings
 from judge_proxy.upstream import (
     Upstream,
     UpstreamConfig,
@@ -98,7 +99,9 @@ def test_backoff_doubles_per_attempt_with_jitter_and_stops_at_the_cap():
 def upstream(name: str, weight: float = 1.0) -> Upstream:
     """An upstream object; nothing here connects to it or to Redis."""
     config = UpstreamConfig(name=name, model="m", base_url="http://127.0.0.1:9/v1", tpm=1000, rpm=10, weight=weight)
-    return Upstream(config, Budget(aioredis.from_url("redis://127.0.0.1:9"), name, Limits(1000, 10, 1, 1.0)))
+    client = aioredis.from_url("redis://127.0.0.1:9")
+    circuit = Circuit(client, name, "m", CircuitSettings(5, 120.0, 10.0, 80.0), on_change=lambda: None)
+    return Upstream(config, Budget(client, name, Limits(1000, 10, 1, 1.0)), circuit)
 
 
 def test_the_reservation_is_the_prompt_estimate_at_the_learned_ratio_plus_every_completion_at_its_maximum():
