@@ -572,7 +572,16 @@ def test_dashboard_metrics_are_registered_by_tandem_or_vllm(path):
 
 
 DASHBOARD_TOPICS = {
-    "training": ["reward_mean", "loss", "mismatch_kl", "grad_norm", "importance_weight_mean", "staleness"],
+    "training": [
+        "reward_mean",
+        "loss",
+        "mismatch_kl",
+        "grad_norm",
+        "importance_weight_mean",
+        "staleness",
+        "seconds_since_progress",
+        "job_paused",
+    ],
     "rollout": [
         "generated_tokens_total",
         "num_requests_running",
@@ -580,10 +589,17 @@ DASHBOARD_TOPICS = {
         "episode_seconds",
         "weight_sync_seconds",
     ],
-    "judge": ["tokens_total", "budget_tokens_per_minute", "queue_wait_seconds", "upstream_429_total"],
+    "judge": [
+        "tokens_total",
+        "budget_tokens_per_minute",
+        "queue_wait_seconds",
+        "upstream_429_total",
+        "upstream_state",
+        "model_available",
+    ],
     "queues": ["queue_depth", "queue_pending", "queue_dead_letters"],
 }
-"""What issue 6 asks each dashboard to show, as metric-name fragments."""
+"""What issues 6 and 48 ask each dashboard to show, as metric-name fragments."""
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARD_TOPICS))
