@@ -11,10 +11,13 @@ arrives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services import protocol
 from services.config import ModelSpec
@@ -79,6 +82,24 @@ def engine_options(
     return options
 
 
+RESUME_WAIT_S = 5.0
+"""How long the end of a pause waits for vLLM to confirm the resume. vLLM carries out the
+resume in order once it is sent, confirmed or not; a wedged engine never confirms, and a
+server exiting (its update cancelled) must not wait on it."""
+
+RELOAD_BYTES_PER_S = 50e6
+"""The slowest read of a model's weights `reload_timeout_s` allows: below any disk a model
+is served from (a network volume reads 100 MB/s and more)."""
+RELOAD_FIXED_S = 60.0
+"""The part of a reload that does not grow with the weights (vLLM's bookkeeping, a cold cache)."""
+
+
+def reload_timeout_s(folder: str) -> float:
+    """How long a reload of the weights in `folder` may take before the engine counts as wedged."""
+    weight_bytes = sum(file.stat().st_size for file in Path(folder).glob("*.safetensors"))
+    return RELOAD_FIXED_S + weight_bytes / RELOAD_BYTES_PER_S
+
+
 class Engine:
     def __init__(self, llm, model: ModelSpec) -> None:
         self.llm = llm
@@ -90,12 +111,27 @@ class Engine:
         self.busy = BusyClock()
         """Time with at least one request generating. In `keep` mode a request frozen
         through a weight update counts as busy; in `abort` mode it does not."""
+        self.requests = 0
+        """Requests submitted to vLLM and not yet finished (`generate` and `score`)."""
+        self.progress_at = time.monotonic()
+        """When vLLM last produced output, or a request found none in flight, or the
+        workers came back from a weight update or reload (monotonic clock)."""
+        self._in_collective = False
+        """Set while the workers are in a weight update's or a reload's collective call."""
 
     @property
     def dead(self) -> bool:
         """vLLM's engine process died (a crash, the OOM killer): every request fails from
         then on, and only a new process brings the engine back."""
         return self.llm is not None and bool(self.llm.errored)
+
+    def stalled_s(self) -> float:
+        """Seconds vLLM has produced nothing while requests are in flight: a wedged engine
+        (alive, not errored) grows it without bound. 0 when idle, and while the workers are
+        in a weight update or reload, which waits on the learner or the disk instead."""
+        if self.requests == 0 or self._in_collective:
+            return 0.0
+        return time.monotonic() - self.progress_at
 
     @classmethod
     def start(
@@ -145,7 +181,7 @@ class Engine:
             request = TokensPrompt(prompt_token_ids=prompt + out.tokens)
             self.busy.start()
             try:
-                async for chunk in self.llm.generate(request, params, uuid.uuid4().hex):
+                async for chunk in self._outputs(request, params):
                     completion = chunk.outputs[0]
                     tag = submitted if self._pause_mode == "abort" else self.version
                     out.tokens += completion.token_ids
@@ -164,41 +200,78 @@ class Engine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, uuid.uuid4().hex):
+        async for output in self._outputs(TokensPrompt(prompt_token_ids=tokens), params):
             final = output  # a streamed request: the last output holds the whole prompt's logprobs
         return [0.0] + [entry[token].logprob for entry, token in zip(final.prompt_logprobs[1:], tokens[1:])]
+
+    async def _outputs(self, request, params):
+        """vLLM's streamed outputs for one request, each noted as progress."""
+        if self.requests == 0:
+            self.progress_at = time.monotonic()
+        self.requests += 1
+        try:
+            async for output in self.llm.generate(request, params, uuid.uuid4().hex):
+                self.progress_at = time.monotonic()
+                yield output
+        finally:
+            self.requests -= 1
 
     async def update_weights(
         self, plan: protocol.WeightPlan, plan_bytes: bytes, first_rank: int, pause_mode: str
     ) -> dict:
         """Pause, receive the broadcast into every worker, reload, resume."""
         self._pause_mode = pause_mode
-        self._serving.clear()
-        await self.llm.pause_generation(mode=pause_mode, clear_cache=pause_mode == "abort")
-        try:
+        async with self._paused(pause_mode):
+            # vLLM's uni executor ignores this timeout: ServedJob.update's deadline bounds the call.
             timeout = plan.timeout_s * (len(plan.buckets) + 1)
-            results = await self.llm.collective_rpc("tandem_receive", timeout=timeout, args=(plan_bytes, first_rank))
+            async with self._collective():
+                results = await self.llm.collective_rpc(
+                    "tandem_receive", timeout=timeout, args=(plan_bytes, first_rank)
+                )
             # Kept requests hold KV computed by the old weights: preempting them makes the
             # engine recompute it with the new ones (the prefix cache cannot be reset while
             # any request holds blocks, and vLLM then only warns).
             await self.llm.reset_prefix_cache(reset_running_requests=pause_mode == "keep")
             self.version = plan.version
             return results[0]
-        finally:
-            await self.llm.resume_generation()
-            self._serving.set()
 
     async def reload_from_disk(self, path: str) -> None:
-        """Back to the weights in `path` (a new job on the same model), version 0."""
-        self._serving.clear()
-        await self.llm.pause_generation(mode="abort", clear_cache=True)
-        try:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        """Back to the weights in `path` (a new job on the same model), version 0; a
+        TimeoutError after `reload_timeout_s(path)` (vLLM's own `timeout` bounds nothing in
+        its uni executor)."""
+        async with asyncio.timeout(reload_timeout_s(path)), self._paused("abort"):
+            async with self._collective():
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
             await self.llm.reset_prefix_cache()
             self.version = 0
+
+    @contextlib.asynccontextmanager
+    async def _paused(self, mode: str):
+        """Generation paused for the block; new requests wait for it to end."""
+        self._serving.clear()
+        try:
+            await self.llm.pause_generation(mode=mode, clear_cache=mode == "abort")
+            yield
         finally:
-            await self.llm.resume_generation()
+            # Serving first (vLLM queues what arrives until the resume): should the pause
+            # or the resume never return (a wedged engine, cut off by the caller's
+            # deadline), the requests let in show the wedge in `stalled_s`.
             self._serving.set()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RESUME_WAIT_S):
+                    await self.llm.resume_generation()
+
+    @contextlib.asynccontextmanager
+    async def _collective(self):
+        """A call into every worker that waits on something outside the engine (the
+        learner's broadcast, the disk): no stall however long it takes, and in-flight
+        requests count their stall from its end."""
+        self._in_collective = True
+        try:
+            yield
+        finally:
+            self._in_collective = False
+            self.progress_at = time.monotonic()
 
     def shutdown(self) -> None:
         import gc
