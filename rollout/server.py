@@ -151,12 +151,19 @@ class RolloutServer:
         return self.job.job_id if self.job else ""
 
     def health(self) -> tuple[bool, dict]:
-        alive = self.engine is None or not self.engine.dead
-        return alive, {
+        """Not ok once the engine died or is wedged (the server is exiting); degraded, with
+        why, once the engine has produced nothing for half of `engine_stall_s`."""
+        engine, stall_s = self.engine, self.settings.engine_stall_s
+        stalled_s = engine.stalled_s() if engine else 0.0
+        condition = {"status": "ok"}
+        if stalled_s > stall_s / 2:
+            condition = {"status": "degraded", "reason": f"the engine has {stall_reason(engine)}"}
+        return (engine is None or not engine.dead) and stalled_s <= stall_s, {
             "server_id": self.server_id,
             "job": self.job_id,
-            "version": self.engine.version if self.engine else -1,
+            "version": engine.version if engine else -1,
             "inflight": len(self.inflight),
+            **condition,
         }
 
     async def run(self) -> None:
@@ -229,9 +236,8 @@ class RolloutServer:
 
     async def heartbeat(self) -> None:
         while not self.stopping:
-            if self.engine is not None and self.engine.dead:
-                # Heartbeats would keep its held tasks from being reclaimed, forever.
-                raise EngineDied(f"the inference engine of {self.engine.model.path} died")
+            if self.engine is not None:
+                check_engine(self.engine, self.settings.engine_stall_s)
             if await self.redis.sismember(Keys.rollout_drain, self.server_id):
                 if not self.drain_requested.is_set():
                     self.request_drain(then_exit=False)
@@ -577,6 +583,27 @@ class _JobEnded(Exception):
 
 class EngineDied(Exception):
     """The server's vLLM engine is gone; the server cannot serve again in this process."""
+
+
+class EngineWedged(EngineDied):
+    """The server's vLLM engine is alive but has produced nothing for `engine_stall_s` with
+    requests in flight; nothing in this process brings it back."""
+
+
+def check_engine(engine: Engine, stall_s: float) -> None:
+    """EngineDied when the engine died, EngineWedged when it stalled past `stall_s`: the
+    server's heartbeats would otherwise keep its held tasks from being reclaimed, forever."""
+    if engine.dead:
+        raise EngineDied(f"the inference engine of {engine.model.path} died")
+    if engine.stalled_s() > stall_s:
+        raise EngineWedged(
+            f"the inference engine of {engine.model.path} is wedged: it has {stall_reason(engine)} "
+            f"(engine_stall_s {stall_s:g} s)"
+        )
+
+
+def stall_reason(engine: Engine) -> str:
+    return f"produced nothing for {engine.stalled_s():.0f} s with {engine.requests} requests in flight"
 
 
 class _Drained(Exception):

@@ -837,6 +837,13 @@ class RolloutSettings(_ToolSettings):
         description="A draining server (SIGTERM, `tandem drain`) finishes its tasks for at most this long, "
         "then hands the rest back to the other servers (their journals keep the turns played).",
     )
+    engine_stall_s: float = Field(
+        300.0,
+        gt=0,
+        description="A vLLM engine that produces nothing this long with requests in flight is wedged: the "
+        "server exits with status 1 (its supervisor starts a new one) and its tasks are reclaimed. Long, "
+        "because a big model's prefill on a busy GPU is not a wedge; `/healthz` says degraded at half.",
+    )
 
 
 class LearnerSettings(_ProcessSettings):
