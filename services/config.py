@@ -764,10 +764,11 @@ class JudgeProxySettings(_ProcessSettings):
         "JSON), across replicas, that open an upstream's circuit: no call is sent to it until a probe succeeds.",
     )
     rate_limit_outage_s: float = Field(
-        120.0,
+        60.0,
         gt=0,
         description="An upstream that has answered nothing but 429 for this long is down (an exhausted "
-        "quota), and its circuit opens; shorter runs of 429 are pacing.",
+        "quota), and its circuit opens; shorter runs of 429 are pacing. A minute: twice the longest pause "
+        "a 429 buys (max_backoff_s), and a job waiting on it shows PAUSED within the minute it is down.",
     )
     circuit_open_s: float = Field(
         10.0, gt=0, description="How long an open circuit sends nothing before one call probes the upstream."
