@@ -39,7 +39,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from learner.control import Command, Control, GroupBroken, Worker
+    from learner.control import Command, Control, GroupBroken, RankLost, Worker
     from learner.driver import Driver
 
     on_gpu = torch.cuda.is_available()
@@ -56,11 +56,11 @@ def main() -> None:
             signal.signal(signal.SIGTERM, lambda *_: driver.request_stop())
             try:
                 asyncio.run(driver.serve())
-            except GroupBroken:
-                # The job is FAILED with every rank's error. The other ranks have left or
-                # wait in a collective that will never end: no shutdown to send them, no
-                # group to destroy. Exit for torchrun to tear them down and a supervisor
-                # to start the learner afresh.
+            except (GroupBroken, RankLost):
+                # The job is FAILED with every rank's error (or, a rank killed, left RUNNING
+                # to resume). The other ranks have left or wait in a collective that will
+                # never end: no shutdown to send them, no group to destroy. Exit for torchrun
+                # to tear them down and a supervisor to start the learner afresh.
                 logging.getLogger(__name__).critical("the learner's ranks cannot go on together; exiting")
                 logging.shutdown()
                 os._exit(1)

@@ -65,6 +65,20 @@ class GroupBroken(CommandFailed):
     cannot go on together. The message names every rank's error known to rank 0."""
 
 
+class RankLost(CommandFailed):
+    """A rank left the group without leaving an error (killed): nothing to fail the job
+    with; the learner exits for its supervisor, and the restarted learner resumes."""
+
+
+LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+"""How a gloo collective reports a peer that vanished: the error is the group's, not this
+rank's, and names no fault of the job. (Under NCCL torchrun tears the ranks down first.)"""
+
+
+def is_lost_peer(error: Exception) -> bool:
+    return any(sign in str(error) for sign in LOST_PEER_SIGNS)
+
+
 RANK_ERRORS = "rank-errors"
 """The folder in a job's run folder where a failing rank leaves its error."""
 ALL_FAILED_WAIT_S = 5.0
@@ -148,13 +162,20 @@ class Worker:
             self.leave(command, err)
 
     def leave(self, command: Command, error: Exception) -> NoReturn:
-        """The group is broken: a follower exits, rank 0 raises `GroupBroken` with every
-        rank's error left in the run folder, its own last."""
+        """The group is broken. A follower exits. Rank 0 raises `GroupBroken` with every
+        rank's error left in the run folder, its own last; or `RankLost` when no other rank
+        left one and its own error is the broken connection: a peer died without a word
+        (the OOM killer, a lost node), and a restarted learner resumes the job."""
         if self.control.rank != 0:
             logging.shutdown()
             os._exit(1)
-        found = rank_errors(rank_errors_dir(self.settings.runs_dir, self.job_id))
-        if not any(m.startswith("rank 0 ") for m in found):  # the agree broke: its first error
+        folder = rank_errors_dir(self.settings.runs_dir, self.job_id)
+        found = rank_errors(folder)
+        others = [m for m in found if not m.startswith("rank 0 ")]
+        if not others and is_lost_peer(error):
+            (folder / "rank-0.txt").unlink(missing_ok=True)  # not a fault of this job's to report
+            raise RankLost(f"a learner rank left the group without an error ({type(error).__name__}: {error})")
+        if len(others) == len(found):  # the agree broke: rank 0's first error
             found.append(f"rank 0 failed in {command.kind!r}: {type(error).__name__}: {error}")
         raise GroupBroken("; ".join(sorted(found, key=lambda m: m.startswith("rank 0 ")))) from error
 

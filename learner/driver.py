@@ -9,7 +9,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from learner.control import Command, GroupBroken, Worker, rank_errors, rank_errors_dir
+from learner.control import Command, GroupBroken, RankLost, Worker, rank_errors, rank_errors_dir
 from learner.runs import run_for
 from learner.runs.base import JobCancelled, LearnerStopping
 from learner.step_log import JobUnhealthy
@@ -80,6 +80,8 @@ class Driver:
             await self.current_run.run(resuming)
         except LearnerStopping:
             self.worker.run(Command(kind="end"))
+            raise
+        except RankLost:  # a rank was killed: the job stays RUNNING for the restarted learner
             raise
         except GroupBroken as err:  # the ranks cannot go on together: report, then exit
             await self.end_job(job_id, jobs.JobStatus.FAILED, str(err))

@@ -2,8 +2,9 @@
 python -m torch.distributed.run ... this file MODEL_DIR OUT.json MODE.
 
 MODE `one`: rank 1's RL step raises before its first collective (as a CUDA OOM or a bug on
-one shard would) while rank 0 is inside the step's collectives. MODE `all`: every rank
-fails to build the job's trainer (no such model), then both go on to the next job.
+one shard would) while rank 0 is inside the step's collectives. MODE `killed`: rank 1 is
+SIGKILLed there instead (the OOM killer), leaving no error. MODE `all`: every rank fails
+to build the job's trainer (no such model), then both go on to the next job.
 Rank 0 writes what it got ({"error", "kind", "seconds", "went_on"}) to OUT.json.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -27,6 +29,10 @@ def fail_on_this_shard(samples) -> dict:
     raise RuntimeError("a bug on rank 1's shard")
 
 
+def killed_on_this_shard(samples) -> dict:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def job(job_id: str, model_dir: str) -> Command:
     spec = RLJob(name="broken", model=ModelSpec(path=model_dir), train=TrainSpec(lr=1e-3))
     return Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json())
@@ -39,14 +45,16 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=settings.collective_timeout_s))
     worker = Worker(settings, torch.device("cpu"), Control())
     if worker.control.rank != 0:
-        if mode == "one":
+        if mode in ("one", "killed"):
             worker._execute_and_agree(worker.control.broadcast(None))  # the job
-            worker.trainer.rl_step = fail_on_this_shard
+            worker.trainer.rl_step = fail_on_this_shard if mode == "one" else killed_on_this_shard
         worker.follow()
         return
+    # As the learner's rank 0: torchrun's SIGTERM (sent when another rank dies) only asks it to stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     started, error, went_on = time.monotonic(), None, False
     try:
-        if mode == "one":
+        if mode in ("one", "killed"):
             worker.run(job("broken-0000aaaa", model_dir))
             started = time.monotonic()
             worker.run(Command(kind="rl", samples=fixed_batch(model_dir)))

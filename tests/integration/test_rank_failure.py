@@ -47,6 +47,17 @@ def test_a_rank_raising_mid_step_fails_the_step_within_a_minute_naming_that_rank
     assert error_file.read_text() == "rank 1 failed in 'rl': RuntimeError: a bug on rank 1's shard"
 
 
+def test_a_rank_killed_mid_step_is_a_lost_rank_not_a_job_failure_and_leaves_no_error_to_report(tiny_model, tmp_path):
+    """The OOM killer or a lost node: no rank raised, so nothing fails the job; the learner
+    exits at once for its supervisor, and the restarted learner resumes the job."""
+    result, got = run_ranks(tiny_model, tmp_path, "killed")
+
+    assert got["kind"] == "RankLost"
+    assert got["seconds"] < FAILS_WITHIN_S
+    assert got["error"].startswith("a learner rank left the group without an error")
+    assert not list((tmp_path / "runs" / "broken-0000aaaa" / "rank-errors").glob("rank-*.txt"))
+
+
 def test_a_command_every_rank_fails_fails_it_as_before_and_the_ranks_go_on_to_the_next_job(tiny_model, tmp_path):
     result, got = run_ranks(tiny_model, tmp_path, "all")
 
