@@ -6,7 +6,10 @@ through `learner.control`.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
+import redis
 import redis.asyncio as aioredis
 
 from learner.control import Command, GroupBroken, RankLost, Worker, rank_errors, rank_errors_dir
@@ -43,6 +46,7 @@ class Driver:
     async def serve(self, once: bool = False) -> None:
         """Claim and run jobs one at a time (a job left pending by a crash comes first)."""
         serve_metrics(self.settings.metrics_port, self.health)
+        threading.Thread(target=self.beat, name="learner-heartbeat", daemon=True).start()
         queue = await StreamConsumer(
             self.redis, Keys.jobs_pending, "learners", "learner", protocol.JobRef, Keys.jobs_pending + ":dead"
         ).setup()
@@ -61,6 +65,19 @@ class Driver:
                     return
             if self.stop_requested:
                 return
+
+    def beat(self) -> None:
+        """On a thread of its own, so that a long step does not silence it: the running
+        job's `learner_seen`, every `jobs.LEARNER_BEAT_S`. A learner that died, or was
+        never restarted, shows as silent in the job's record (`jobs.learner_silence`)."""
+        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5.0)
+        while True:
+            if self.current_job:
+                try:
+                    client.hset(Keys.job(self.current_job), "learner_seen", time.time())
+                except redis.RedisError as err:  # an outage: the calls on the loop wait it out
+                    log.debug("learner heartbeat: %s", err)
+            time.sleep(jobs.LEARNER_BEAT_S)
 
     async def run_job(self, job_id: str) -> None:
         claimed = await claim_job(self.redis, job_id, self.settings)

@@ -61,6 +61,26 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") ->
     return job_id
 
 
+LEARNER_BEAT_S = 5.0
+"""How often the learner running a job writes its `learner_seen`."""
+LEARNER_SILENT_S = 30.0
+"""A RUNNING or PAUSED job whose learner was not heard from for this long says so."""
+
+
+def learner_silence(record: dict, now: float) -> str | None:
+    """Why nobody moves a RUNNING or PAUSED job, when its learner has gone silent (died, or
+    was never restarted: nothing else writes the record); None while it beats."""
+    if record["status"] not in ("RUNNING", "PAUSED"):
+        return None
+    seen = float(record.get("learner_seen") or record.get("started") or now)
+    if now - seen <= LEARNER_SILENT_S:
+        return None
+    return (
+        f"the learner has not been heard from for {now - seen:.0f}s: it is down or was not restarted "
+        "(`tandem learner --resume` continues the job from its last checkpoint)"
+    )
+
+
 def is_job_id(job_id: str) -> bool:
     return JOB_ID.fullmatch(job_id) is not None
 
@@ -74,9 +94,10 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
     record = {k.decode(): v.decode() for k, v in raw.items()}
     if "spec" not in record:
         return None
-    for key in ("created", "started", "finished", "paused_since"):
+    for key in ("created", "started", "finished", "paused_since", "learner_seen"):
         if key in record:
             record[key] = float(record[key])
+    record["warning"] = learner_silence(record, time.time())
     for key in ("version", "step"):
         record[key] = int(record.get(key, 0))
     record["spec"] = json.loads(record["spec"])

@@ -104,6 +104,8 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
 
 
 def _phase(record: dict, history: list[dict]) -> str:
+    if record.get("warning"):
+        return record["warning"]
     if record["status"] == "PAUSED":
         return f"paused: {record.get('paused_reason', '')}"
     if record["status"] != "RUNNING":

@@ -52,6 +52,9 @@ class JobView(BaseModel):
     error: str | None = None
     paused_reason: str | None = Field(None, description="PAUSED: what the job waits on, as the learner sees it.")
     paused_since: float | None = None
+    warning: str | None = Field(
+        None, description="RUNNING or PAUSED, but nothing moves it: its learner has gone silent, and why."
+    )
     metrics: dict = Field(default_factory=dict, description="The latest step's metrics.")
     alerts: list[str] = Field(default_factory=list, description="Health rules that fired, oldest first.")
     spec: JobSpec

@@ -227,6 +227,23 @@ async def test_a_paused_job_shows_why_and_since_when_and_a_cancel_reaches_it(api
     assert '"status": "CANCELLED"' in body and "paused_reason" not in body
 
 
+async def test_a_running_job_whose_learner_went_silent_says_so_and_one_that_beats_does_not(api, redis_client):
+    from services import jobs
+
+    job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.RUNNING)
+    await redis_client.hset(Keys.job(job_id), "learner_seen", time.time() - 2)
+    assert (await api.get(f"/v1/jobs/{job_id}")).json()["warning"] is None
+
+    await redis_client.hset(Keys.job(job_id), "learner_seen", time.time() - jobs.LEARNER_SILENT_S - 10)
+    warning = (await api.get(f"/v1/jobs/{job_id}")).json()["warning"]
+    assert warning.startswith("the learner has not been heard from for 4")  # 40 s, give or take a second
+    assert "--resume" in warning
+
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.FAILED, "x")
+    assert (await api.get(f"/v1/jobs/{job_id}")).json()["warning"] is None  # an ended job waits on nobody
+
+
 async def test_checkpoints_the_learner_recorded_are_listed(api, redis_client):
     import json
 

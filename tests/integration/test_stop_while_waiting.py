@@ -79,8 +79,9 @@ def test_sigterm_while_waiting_for_rollout_servers_stops_at_once(redis_url, tiny
     job_id = create_job(redis_url, job(tiny_model, warm_start_steps=0, checkpoint_every=1))
 
     def waiting_for_servers(client) -> bool:
-        """The step-0 checkpoint is written just before the wait for servers begins."""
-        return client.llen(Keys.checkpoints(job_id)) >= 1
+        """The step-0 checkpoint is written just before the wait for servers begins; and
+        the learner's heartbeat, every 5 s, is in the record (nothing else moves it now)."""
+        return client.llen(Keys.checkpoints(job_id)) >= 1 and client.hget(Keys.job(job_id), "learner_seen")
 
     seconds, record = stop_when(redis_url, job_id, tmp_path, waiting_for_servers, {"TANDEM_MIN_ROLLOUT_SERVERS": "1"})
 
