@@ -69,6 +69,10 @@ class WeightPublisher:
         """Failed updates in a row in which a member never reached the weight store."""
         self.evicted: dict[str, float] = {}
         """Evicted members -> the `started` of the process that was evicted."""
+        self.started_of: dict[str, float] = {}
+        """Live members -> their process's `started`, as last seen."""
+        self.restarted: set[str] = set()
+        """Members restarted under the same id since the last plan: they need a new epoch."""
         self.unsent: tuple[int, float] | None = None
         """(version, when) of a publish that failed all its attempts, to try again."""
 
@@ -91,13 +95,19 @@ class WeightPublisher:
             and not info.draining
             and self.evicted.get(server) != info.started
         ]
-        if set(live) != self.members:
-            await self.record_membership(live, infos, now)
+        restarted = {s for s in live if s in self.started_of and self.started_of[s] != infos[s].started}
+        self.started_of = {server: infos[server].started for server in live}
+        if set(live) != self.members or restarted:
+            self.restarted |= restarted
+            await self.record_membership(live, infos, now, restarted)
         return live
 
-    async def record_membership(self, live: list[str], infos: dict[str, protocol.ServerInfo], now: float) -> None:
-        """Who joined and who left (and why) into the log, the gauge and the job's `servers` list."""
-        joined = sorted(set(live) - self.members)
+    async def record_membership(
+        self, live: list[str], infos: dict[str, protocol.ServerInfo], now: float, restarted: set[str]
+    ) -> None:
+        """Who joined (a server restarted under its old id joins anew) and who left (and
+        why) into the log, the gauge and the job's `servers` list."""
+        joined = sorted((set(live) - self.members) | restarted)
         left = {}
         for server in sorted(self.members - set(live)):
             info = infos.get(server)
@@ -144,7 +154,9 @@ class WeightPublisher:
         broadcast (a member died) is retried on the settled membership."""
         started = time.perf_counter()
         for attempt in range(PUBLISH_ATTEMPTS):
-            plan = self.worker.sender.plan(version, await self.live_servers() if servers is None else servers)
+            members = await self.live_servers() if servers is None else servers
+            fresh, self.restarted = bool(self.restarted), set()
+            plan = self.worker.sender.plan(version, {s: self.started_of.get(s, 0.0) for s in members}, fresh)
             await self.redis.hset(
                 Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}
             )
@@ -187,6 +199,6 @@ class WeightPublisher:
         if self.unsent is not None and time.monotonic() - self.unsent[1] > REPUBLISH_EVERY_S:
             log.info("publishing version %d again: the last publish failed", version)
             await self.publish(version, servers, regroup=True)
-        elif set(servers) - set(self.worker.sender.ranks):
+        elif self.restarted or set(servers) - set(self.worker.sender.ranks):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
             await self.publish(version, servers, regroup=True)

@@ -43,9 +43,10 @@ class WeightSender:
         self.buffers: list = [None, None]
         """Pack buffers, kept across updates (reallocating costs page faults every time)."""
 
-    def plan(self, version: int, members: list[str]) -> WeightPlan:
-        """Rank 0: the plan for this update; a new epoch if the members changed."""
-        if set(members) != set(self.ranks) or self.group is None:
+    def plan(self, version: int, members: dict[str, float], fresh: bool = False) -> WeightPlan:
+        """Rank 0: the plan for this update to `members` (server id -> its process's
+        `started`); a new epoch if the members changed or `fresh` (one restarted)."""
+        if fresh or set(members) != set(self.ranks) or self.group is None:
             self.epoch += 1
             self.ranks = {server: rank for rank, server in enumerate(sorted(members), start=1)}
             self.group = None
@@ -61,6 +62,7 @@ class WeightSender:
             ranks=dict(self.ranks),
             buckets=self.buckets,
             timeout_s=self.timeout_s,
+            started=dict(members),
         )
 
     def send(self, plan: WeightPlan) -> dict[str, float]:

@@ -480,6 +480,8 @@ class ServedJob:
         key = (plan.session, plan.epoch, plan.version)
         if key == self.synced_plan or server_id not in plan.ranks:
             return
+        if plan.started.get(server_id, self.server.started) != self.server.started:
+            return  # made for the process this id had before a restart: the learner plans anew
         async with self.updating:
             await self.update(plan, plan_bytes, key)
 

@@ -127,6 +127,9 @@ class WeightPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Rollout server id -> its rank in the weight group (the learner is rank 0)."""
     buckets: list[Bucket]
     timeout_s: float
+    started: dict[str, float] = {}
+    """Rollout server id -> the `ServerInfo.started` of the process the plan is for: a
+    server restarted under the same id ignores a plan made for the process before it."""
 
 
 class JobEvent(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

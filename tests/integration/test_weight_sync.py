@@ -69,7 +69,7 @@ def learner_logprobs(trainer: Trainer, tokens: list[int]) -> list[float]:
 
 
 async def broadcast(engine, sender: WeightSender, version: int, server: str = "server-a") -> dict:
-    plan = sender.plan(version, [server])
+    plan = sender.plan(version, {server: 0.0})
     sent, received = await asyncio.gather(
         asyncio.to_thread(sender.send, plan),
         engine.update_weights(plan, protocol.encode(plan), plan.ranks[server], "abort"),
@@ -144,7 +144,7 @@ async def test_keep_mode_continues_a_generation_on_the_new_weights(engine, train
     sender = WeightSender(trainer, "job-sync-5", bucket_mib=512, timeout_s=30, advertise_host="127.0.0.1", store_port=0)
     generating = asyncio.create_task(engine.generate(prompt, 400, 1.0, [], ignore_eos=True))  # runs its length
     await asyncio.sleep(0.3)
-    plan = sender.plan(7, ["server-a"])
+    plan = sender.plan(7, {"server-a": 0.0})
     await asyncio.gather(
         asyncio.to_thread(sender.send, plan),
         engine.update_weights(plan, protocol.encode(plan), plan.ranks["server-a"], "keep"),
