@@ -35,8 +35,9 @@ with no fault, measured from its first RL step as if a fault were injected there
 Measured from the moment of injection, by polling the job's record every 0.5 s (the
 timeline, kept for the plot): the seconds until the record shows the fault (PAUSED with a
 reason, FAILED with an error; for a fault the system absorbs, the next RL step); what the
-job did (went on / paused / failed, with the reason, or stalled: RUNNING at one step for
-SILENT_S or more without a pause); tasks lost (entries dead-lettered, and
+job did (went on / paused / failed / warned: RUNNING with the record's `warning` that its
+learner went silent, with the reason; or stalled: RUNNING at one step for SILENT_S or more
+with no reason shown); tasks lost (entries dead-lettered, and
 tasks dispatched but neither trained, dropped as over-stale nor dead-lettered: this also
 counts the tasks in flight when the job ended, so compare with the baseline); groups
 trained twice (task ids repeated in the history); judge calls paid twice (idempotency keys
@@ -303,7 +304,7 @@ class Timeline(threading.Thread):
             t = time.monotonic() - self.started
             try:
                 record = self.api.get(f"/v1/jobs/{self.job_id}").json()
-                reason = record.get("paused_reason") or record.get("error") or ""
+                reason = record.get("paused_reason") or record.get("error") or record.get("warning") or ""
                 self.samples.append((t, record["status"], record["step"], reason))
             except (httpx.HTTPError, ValueError, KeyError):
                 self.samples.append((t, None, self.samples[-1][2] if self.samples else 0, ""))
@@ -427,11 +428,14 @@ def summarize(result: dict) -> dict:
     before = [s for s in known if s[0] <= t0]
     step0 = before[-1][2] if before else 0
     after = [s for s in known if s[0] > t0]
-    shown = next((s for s in after if s[1] in ("PAUSED", "FAILED") or s[2] > step0), None)
+    shown = next((s for s in after if s[1] in ("PAUSED", "FAILED") or s[2] > step0 or s[3]), None)
     paused = next((s for s in after if s[1] == "PAUSED"), None)
     failed = next((s for s in after if s[1] == "FAILED"), None)
+    warned = next((s for s in after if s[1] == "RUNNING" and s[3]), None)
     silent_s = longest_silent_running(before[-1:] + after, t0)
     did, reason = ("failed", failed[3]) if failed else ("paused", paused[3]) if paused else ("went on", "")
+    if did == "went on" and warned:
+        did, reason = "warned", warned[3]
     if did == "went on" and silent_s >= SILENT_S:
         did = "stalled"
     final = known[-1] if known else (0.0, None, 0, "")
@@ -440,7 +444,7 @@ def summarize(result: dict) -> dict:
     resumed = next((s for s in known if s[0] > result["cleared_s"] and s[2] > step_at_clear), None)
     return {
         "shown_after_s": round(shown[0] - t0, 1) if shown else None,
-        "shown_as": (shown[1] if shown[1] != "RUNNING" else "next step") if shown else None,
+        "shown_as": (shown[1] if shown[1] != "RUNNING" else "warning" if shown[3] else "next step") if shown else None,
         "did": did,
         "reason": reason,
         "final_status": final[1],
@@ -459,15 +463,16 @@ def stuck_note(result: dict) -> str:
 
 
 def longest_silent_running(samples: list, t0: float) -> float:
-    """The longest stretch from `t0` that the record said RUNNING at one step (no reason
-    shown, no progress), in seconds; `samples` start with the state at `t0`."""
+    """The longest stretch from `t0` that the record said RUNNING at one step with no reason
+    shown (a learner gone silent is a reason: the record's `warning`), in seconds;
+    `samples` start with the state at `t0`."""
     longest, start, state = 0.0, t0, None
-    for t, status, step, _ in samples:
-        if (status, step) != state:
-            if state is not None and state[0] == "RUNNING":
+    for t, status, step, reason in samples:
+        if (status, step, bool(reason)) != state:
+            if state is not None and state[0] == "RUNNING" and not state[2]:
                 longest = max(longest, t - start)
-            start, state = max(t, t0), (status, step)
-    if state is not None and state[0] == "RUNNING":
+            start, state = max(t, t0), (status, step, bool(reason))
+    if state is not None and state[0] == "RUNNING" and not state[2]:
         longest = max(longest, samples[-1][0] - start)
     return longest
 
