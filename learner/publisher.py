@@ -108,17 +108,7 @@ class WeightPublisher:
         """Who joined (a server restarted under its old id joins anew) and who left (and
         why) into the log, the gauge and the job's `servers` list."""
         joined = sorted((set(live) - self.members) | restarted)
-        left = {}
-        for server in sorted(self.members - set(live)):
-            info = infos.get(server)
-            if info is None:
-                left[server] = "exited"  # it removed its own record
-            elif self.evicted.get(server) == info.started:
-                left[server] = f"evicted: it did not reach the weight store in {EVICT_AFTER} updates"
-            elif info.draining:
-                left[server] = "draining"
-            else:
-                left[server] = f"no heartbeat for {now - info.heartbeat:.0f}s"
+        left = {s: why_left(infos.get(s), self.evicted.get(s), now) for s in sorted(self.members - set(live))}
         self.members = set(live)
         SERVERS.labels(self.job_id).set(len(live))
         log.info("rollout servers: %d (joined %s, left %s)", len(live), joined or "-", left or "-")
@@ -202,3 +192,15 @@ class WeightPublisher:
         elif self.restarted or set(servers) - set(self.worker.sender.ranks):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
             await self.publish(version, servers, regroup=True)
+
+
+def why_left(info: protocol.ServerInfo | None, evicted_started: float | None, now: float) -> str:
+    """Why a member is no longer on the job, from its record (`evicted_started`: the
+    `started` of the process the learner evicted under its id, if any)."""
+    if info is None:
+        return "exited"  # it removed its own record
+    if evicted_started == info.started:
+        return f"evicted: it did not reach the weight store in {EVICT_AFTER} updates"
+    if info.draining:
+        return "draining"
+    return f"no heartbeat for {now - info.heartbeat:.0f}s"

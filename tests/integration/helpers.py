@@ -23,7 +23,7 @@ from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
 from services.tokenization import ChatTokenizer
-from tandem.launcher import learner_command, served_model  # noqa: F401 (tests import served_model here)
+from tandem.launcher import learner_command, process_tree, served_model  # noqa: F401 (tests import served_model here)
 from tandem.redis_embed import free_port
 
 
@@ -37,6 +37,28 @@ def create_job(redis_url: str, spec: JobSpec) -> str:
         return job_id
 
     return asyncio.run(create())
+
+
+def job_ended(api: httpx.Client, job_id: str, timeout_s: float = 300) -> dict:
+    """The job's record once it has ended (through the API), polling every half second."""
+    return wait_for(
+        lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in jobs.TERMINAL and r,
+        timeout_s,
+        "the job to end",
+        interval_s=0.5,
+    )
+
+
+def engine_of(stack, api: httpx.Client, job_id: str, server: str) -> list:
+    """`server`'s engine processes (its only children) once the job has trained a step and
+    the server serves it ([] before: a wait_for condition)."""
+    port = stack.ports.rollout[int(server.rsplit("-", 1)[1])]
+    if (
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json().get("job") != job_id
+        or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1
+    ):
+        return []
+    return process_tree(stack.processes[server].pid)[1:]
 
 
 def rl_steps(client: redis.Redis, job_id: str) -> list[dict]:

@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 import pytest
-from helpers import wait_for
+from helpers import engine_of, job_ended, wait_for
 
 from rollout.engine import RESUME_WAIT_S
 from rollout.server import EngineWedged, RolloutServer, check_engine
@@ -98,19 +98,12 @@ def test_a_server_whose_engine_wedges_exits_and_its_tasks_train_elsewhere(tmp_pa
     with Stack(tmp_path / "logs", ports=Ports.free(rollout_servers=2), extra_env=env) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
-        health = f"http://127.0.0.1:{stack.ports.rollout[1]}/healthz"
-
-        def engine_of_victim() -> list:
-            """rollout-1's engine processes (its only children), once the job trains: the
-            learner waits for both servers, so rollout-1 has joined and taken tasks."""
-            if (
-                httpx.get(health, timeout=2).json().get("job") != job_id
-                or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1
-            ):
-                return []
-            return process_tree(stack.processes["rollout-1"].pid)[1:]
-
-        engine = wait_for(engine_of_victim, 180, "rollout-1 to serve the job with its engine", interval_s=0.5)
+        engine = wait_for(
+            lambda: engine_of(stack, api, job_id, "rollout-1"),
+            180,
+            "rollout-1 to serve the job with its engine",
+            interval_s=0.5,
+        )
         victim = stack.processes.pop("rollout-1")
         try:
             with stopped(engine):
@@ -119,12 +112,7 @@ def test_a_server_whose_engine_wedges_exits_and_its_tasks_train_elsewhere(tmp_pa
                 exit_s = time.monotonic() - wedged_at
         finally:
             kill_all(engine + process_tree(victim.pid))
-        final = wait_for(
-            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
-            300,
-            "the job to end",
-            interval_s=0.5,
-        )
+        final = job_ended(api, job_id)
         stack.check_alive()
         history = api.get(f"/v1/jobs/{job_id}/history").json()
 

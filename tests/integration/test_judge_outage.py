@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 import redis
-from helpers import stand_in_upstreams, wait_for
+from helpers import job_ended, stand_in_upstreams, wait_for
 from test_judge_replay import calls_by_task, job_spec
 
 from services.queues import Keys
@@ -102,12 +102,7 @@ def test_a_dead_provider_pauses_the_job_visibly_and_its_return_resumes_it_to_suc
         held = api.get(f"/v1/jobs/{job_id}").json()
 
         httpx.post(f"{provider}/admin/fault", json={"mode": "none"}).raise_for_status()
-        final = wait_for(
-            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
-            300,
-            "the job to end",
-            interval_s=0.5,
-        )
+        final = job_ended(api, job_id)
         paid = httpx.get(f"{provider}/admin/request-tags").json()
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         dead = client.xlen(Keys.dead(job_id))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from helpers import wait_for
+from helpers import job_ended, wait_for
 
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 
@@ -42,12 +42,7 @@ def test_the_only_server_restarted_under_its_old_id_gets_weights_and_the_job_suc
         kill_all(process_tree(stack.processes.pop("rollout-0").pid))  # the server and its engine
         stack.spawn_rollout(0, stack.ports.rollout[0])  # the same name, so the same server id
 
-        final = wait_for(
-            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
-            300,
-            "the job to end",
-            interval_s=0.5,
-        )
+        final = job_ended(api, job_id)
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         memberships = api.get(f"/v1/jobs/{job_id}/servers").json()
 

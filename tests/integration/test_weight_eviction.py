@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 import redis
-from helpers import wait_for
+from helpers import job_ended
 
 from services import protocol
 from services.queues import Keys
@@ -62,14 +62,7 @@ def test_a_server_that_never_reaches_the_weight_store_is_evicted_and_the_job_suc
         beating = threading.Thread(target=keep_heartbeating, args=(system.redis_url, job_id, stop), daemon=True)
         beating.start()
         try:
-            final = wait_for(
-                lambda: (
-                    (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r
-                ),
-                180,
-                "the job to end",
-                interval_s=0.5,
-            )
+            final = job_ended(api, job_id, timeout_s=180)
             memberships = [
                 json.loads(r) for r in redis.Redis.from_url(system.redis_url).lrange(Keys.servers(job_id), 0, -1)
             ]
