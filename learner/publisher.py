@@ -71,8 +71,9 @@ class WeightPublisher:
         """Evicted members -> the `started` of the process that was evicted."""
         self.started_of: dict[str, float] = {}
         """Live members -> their process's `started`, as last seen."""
-        self.restarted: set[str] = set()
-        """Members restarted under the same id since the last plan: they need a new epoch."""
+        self.planned: dict[str, float] = {}
+        """The last plan's members -> the `started` it was made for: a live server missing
+        here, or here with another `started` (restarted under the same id), needs a plan."""
         self.unsent: tuple[int, float] | None = None
         """(version, when) of a publish that failed all its attempts, to try again."""
 
@@ -98,7 +99,6 @@ class WeightPublisher:
         restarted = {s for s in live if s in self.started_of and self.started_of[s] != infos[s].started}
         self.started_of = {server: infos[server].started for server in live}
         if set(live) != self.members or restarted:
-            self.restarted |= restarted
             await self.record_membership(live, infos, now, restarted)
         return live
 
@@ -145,8 +145,10 @@ class WeightPublisher:
         started = time.perf_counter()
         for attempt in range(PUBLISH_ATTEMPTS):
             members = await self.live_servers() if servers is None else servers
-            fresh, self.restarted = bool(self.restarted), set()
-            plan = self.worker.sender.plan(version, {s: self.started_of.get(s, 0.0) for s in members}, fresh)
+            processes = {s: self.started_of.get(s, 0.0) for s in members}
+            fresh = any(self.planned.get(s, t) != t for s, t in processes.items())  # one restarted
+            plan = self.worker.sender.plan(version, processes, fresh)
+            self.planned = processes
             await self.redis.hset(
                 Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}
             )
@@ -189,7 +191,7 @@ class WeightPublisher:
         if self.unsent is not None and time.monotonic() - self.unsent[1] > REPUBLISH_EVERY_S:
             log.info("publishing version %d again: the last publish failed", version)
             await self.publish(version, servers, regroup=True)
-        elif self.restarted or set(servers) - set(self.worker.sender.ranks):
+        elif any(self.planned.get(s) != self.started_of.get(s) for s in servers):
             log.info("rollout servers changed to %s: re-sending version %d", sorted(servers), version)
             await self.publish(version, servers, regroup=True)
 

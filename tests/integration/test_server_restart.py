@@ -40,12 +40,16 @@ def test_the_only_server_restarted_under_its_old_id_gets_weights_and_the_job_suc
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
         wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["step"] >= 1, 240, "the first RL step")
         kill_all(process_tree(stack.processes.pop("rollout-0").pid))  # the server and its engine
+        # Gone from the job before it is back (and no step since: no server), as a container
+        # restarting under its supervisor's back-off is; its last plan still names its id.
+        paused = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] == "PAUSED" and r, 60, "PAUSED")
         stack.spawn_rollout(0, stack.ports.rollout[0])  # the same name, so the same server id
 
         final = job_ended(api, job_id)
         history = api.get(f"/v1/jobs/{job_id}/history").json()
         memberships = api.get(f"/v1/jobs/{job_id}/servers").json()
 
+    assert paused["paused_reason"] == "no rollout server is on the job"
     assert final["status"] == "SUCCEEDED", final.get("error")
     trained = [task_id for record in history if record["phase"] == "rl" for task_id in record["task_ids"]]
     assert len(trained) == len(set(trained)) == 6 * 2
