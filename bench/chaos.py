@@ -384,6 +384,7 @@ def run_fault(fault: Fault, args: argparse.Namespace, out: Path) -> dict:
     return {
         "fault": fault.name,
         "hold_s": hold_s,
+        "commit": code_version(),
         **events,
         **books,
         **paid(tags),
@@ -454,6 +455,14 @@ def summarize(result: dict) -> dict:
         "longest_silent_running_s": round(silent_s, 1),
         "total_s": round(final[0], 1),
     }
+
+
+def code_version() -> str:
+    """The commit the run measured (with `+dirty` for changes not committed): `--add` keeps
+    runs of several, and a row must say which code it measured."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def stuck_note(result: dict) -> str:

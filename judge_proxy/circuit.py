@@ -159,6 +159,10 @@ class Circuit:
         await self._release([self.key])
 
     async def succeeded(self) -> None:
+        """A success closes the circuit and ends a streak; with neither to end as this call's
+        gate read the record, there is nothing to write (no round trip on a healthy call)."""
+        if self.seen.state == "closed" and self.seen.since == 0:
+            return
         await self.record("ok", "", probe=False)
 
     async def failed(self, reason: str, *, probe: bool) -> None:

@@ -69,6 +69,8 @@ class WeightPublisher:
         """Failed updates in a row in which a member never reached the weight store."""
         self.evicted: dict[str, float] = {}
         """Evicted members -> the `started` of the process that was evicted."""
+        self.live: list[protocol.ServerInfo] = []
+        """The records of the servers `live_servers` last found live."""
         self.started_of: dict[str, float] = {}
         """Live members -> their process's `started`, as last seen."""
         self.planned: dict[str, float] = {}
@@ -89,13 +91,14 @@ class WeightPublisher:
         `server_timeout_s`. Any change since the last call is recorded."""
         now = time.time()
         infos = {info.server_id: info for info in await self.job_servers()}
-        live = [
-            server
+        self.live = [
+            info
             for server, info in infos.items()
             if now - info.heartbeat < self.settings.server_timeout_s
             and not info.draining
             and self.evicted.get(server) != info.started
         ]
+        live = [info.server_id for info in self.live]
         restarted = {s for s in live if s in self.started_of and self.started_of[s] != infos[s].started}
         self.started_of = {server: infos[server].started for server in live}
         if set(live) != self.members or restarted:

@@ -29,7 +29,7 @@ from prometheus_client import Gauge
 from learner.dispatcher import Dispatcher
 from learner.publisher import WeightPublisher
 from learner.step_log import JobUnhealthy
-from services import jobs, protocol
+from services import jobs
 from services.config import JobSpec, LearnerSettings
 from services.queues import Keys
 
@@ -151,7 +151,8 @@ class Watchdog:
 
     async def waiting_on(self) -> tuple[str, float, str] | None:
         """What the job waits on, its bound and the bound's name; None when nothing."""
-        servers = [info for info in await self.publisher.job_servers() if self.is_live(info)]
+        await self.publisher.live_servers()
+        servers = self.publisher.live
         waits = [info for info in servers if info.waiting_on]
         if waits and self.clock() - self.progress_at >= PAUSE_AFTER_S:
             first = min(waits, key=lambda info: info.waiting_since)
@@ -159,9 +160,6 @@ class Watchdog:
         if not servers and self.settings.min_rollout_servers > 0:
             return "no rollout server is on the job", self.settings.rollout_wait_s, "rollout_wait_s"
         return None
-
-    def is_live(self, info: protocol.ServerInfo) -> bool:
-        return time.time() - info.heartbeat < self.settings.server_timeout_s and not info.draining
 
     async def hold(self, reason: str, bound_s: float, bound: str) -> None:
         """PAUSED with `reason` (the newest one, if it changed); fails past the bound."""
@@ -185,7 +183,7 @@ class Watchdog:
 
     async def explain(self, idle_s: float) -> str:
         """Why the job stopped progressing, as far as the system can tell."""
-        servers = len([info for info in await self.publisher.job_servers() if self.is_live(info)])
+        servers = len(await self.publisher.live_servers())
         return (
             f"no step and no admitted group for {idle_s:.0f}s (train.stall_timeout_s="
             f"{self.train.stall_timeout_s:.0f}); {servers} rollout server(s) on the job; "

@@ -1,10 +1,10 @@
 """Judge upstreams' health as the judge proxies record it in Redis, for any process to read.
 
 Every judge proxy replica keeps each upstream's circuit in one shared hash
-(`judge_proxy/circuit.py` writes it, on Redis's clock); the learner reads it to tell a job
-that waits on a dead provider from one that is merely slow. This module owns the record's
-fields and the words an outage is reported in, so the proxy's 503 and the learner's reason
-read the same. It imports nothing of the proxy.
+(`judge_proxy/circuit.py` writes it, on Redis's clock). This module owns the record's
+fields and the words an outage is reported in: the proxy's 503 carries them, a rollout
+server's waiting judge call reports them in its heartbeat, and the learner pauses the job
+with them. It imports nothing of the proxy, so any process can read the record.
 
 Hash `tandem:judge:upstream:{name}` (absent: never failed, closed):
 - `model`: the model name clients ask for;
@@ -26,7 +26,7 @@ Hash `tandem:judge:upstreams`: upstream name -> model, for every upstream a prox
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,17 +107,3 @@ async def read(client: redis.Redis, index: dict[str, str]) -> list[UpstreamHealt
             pipe.hgetall(Keys.upstream_health(name))
         records = await pipe.execute()
     return [UpstreamHealth.from_hash(name, model, r) for (name, model), r in zip(index.items(), records)]
-
-
-async def outages(client: redis.Redis, models: Collection[str]) -> dict[str, Outage]:
-    """The models in `models` whose every upstream's circuit is open (or half-open), per the
-    index; a model no proxy has registered is not reported."""
-    index = {k.decode(): v.decode() for k, v in (await client.hgetall(Keys.upstream_index)).items()}
-    wanted = {name: model for name, model in index.items() if model in models}
-    healths = await read(client, wanted) if wanted else []
-    found = {}
-    for model in set(wanted.values()):
-        outage = outage_of(model, (h for h in healths if wanted[h.name] == model))
-        if outage is not None:
-            found[model] = outage
-    return found

@@ -16,7 +16,7 @@ from test_judge_proxy import chat, entry, sample, servers, upstreams  # noqa: F4
 from judge_proxy.app import create_app
 from services.config import JudgeProxySettings
 from services.queues import Keys
-from services.upstream_health import outages
+from services.upstream_health import Outage, outage_of, read
 from tandem.redis_embed import free_port
 
 DOWN = "every upstream of model 'judge' is down: "
@@ -323,6 +323,15 @@ async def test_a_replica_with_no_calls_sees_the_outage_by_its_timer(replica, ups
     await eventually(degraded, "the idle replica to see the outage")
 
     assert (await upstreams["a"].stats())["requests"] == 1
+
+
+async def outages(client, models: list[str]) -> dict[str, Outage]:
+    """The models of `models` whose every upstream is down, read from the shared records
+    through the proxies' index, as any process can (`services.upstream_health`)."""
+    index = {k.decode(): v.decode() for k, v in (await client.hgetall(Keys.upstream_index)).items()}
+    healths = await read(client, {name: model for name, model in index.items() if model in models})
+    found = {model: outage_of(model, [h for h in healths if h.model == model]) for model in models}
+    return {model: outage for model, outage in found.items() if outage is not None}
 
 
 async def test_outages_reader_reports_a_model_only_when_every_upstream_is_open(replica, upstreams, redis_client):

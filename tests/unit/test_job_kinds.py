@@ -46,3 +46,20 @@ def test_each_kind_keeps_its_own_rules():
     assert errors({"model": MODEL, "train": {"data": "pairs.jsonl"}})[0][1].endswith(
         "train.data is read by offline jobs only (kind: offline)"
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stall_timeout_s", 0),
+        ("stall_timeout_s", -5),
+        ("stall_timeout_s", 1e12),  # a "never" that would make the stall bound meaningless
+        ("stall_timeout_s", "soon"),
+        ("max_dead_share", 0),
+        ("max_dead_share", 1.5),
+    ],
+)
+def test_the_progress_bounds_refuse_values_that_disarm_or_break_them_naming_the_field(field, value):
+    with pytest.raises(ValidationError) as refused:
+        parse_job_spec({"model": {"path": "/models/tiny"}, "train": {field: value}})
+    assert any(error["loc"][-1] == field for error in refused.value.errors())
