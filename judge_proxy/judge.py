@@ -26,6 +26,7 @@ from judge_proxy.rubrics import (
     verdict_schema,
 )
 from services.judge_api import GroupJudgeResult, JudgeResult, reply_model
+from services.quoting import quote_tag
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Judge:
             data = await self.llm.ask(body, rubric.max_tokens, job=job, tag=tag and tag + "/strict" * strict)
             raws.append(content_of(data))
             add_usage(usage, data.get("usage"))
-            verdict = parse_verdict(rubric, raws[-1])
+            verdict = parse_verdict(rubric, raws[-1], quote_tag([messages]))
             if verdict is not None:
                 metrics.VERDICTS.labels(rubric.name, "parsed_on_retry" if strict else "parsed").inc()
                 return (
@@ -222,7 +223,7 @@ class GroupVerdicts:
         }
         verdicts = [
             JudgeResult(score=v.score, criteria=v.criteria, verdict=v.verdict, raw=text, usage={}, **provenance)
-            for v in parse_group_verdicts(self.rubric, text, len(distinct))
+            for v in parse_group_verdicts(self.rubric, text, len(distinct), quote_tag(distinct))
         ]
         await self.judge.memory.store({slot: v.model_dump_json().encode() for slot, v in zip(slots, verdicts) if slot})
         return verdicts

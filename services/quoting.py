@@ -6,7 +6,8 @@ being quoted. A turn cannot hold the closing tag, since it would have to contain
 of itself, so no turn can end its quote, or the transcript, early. The digest is a
 function of the text, so the same request renders the same prompt every time (the
 judge's cache and a provider's prefix cache still match). `quoted_turns` reads the turns
-back, as the stand-in provider does.
+back, as the stand-in provider does; `unquoted` is a model's answer without the turns it
+quoted back, so that what a quoted turn says is never read as the answer's own words.
 
 Reading what a model wrote is here too: its Markdown fenced blocks (`fenced_blocks`) and
 the JSON object a reply holds among other text (`json_object`).
@@ -44,6 +45,15 @@ def turn_pattern(tag: str) -> re.Pattern:
 def quoted_turns(text: str, tag: str) -> list[tuple[str, str]]:
     """The (role, text) pairs quoted with `tag` in `text`, in order."""
     return turn_pattern(tag).findall(text)
+
+
+def unquoted(text: str, tag: str) -> str:
+    """`text` with every turn quoted with `tag` (opening tag to closing tag) cut out; `text`
+    itself when `tag` is empty. Only the prompt's writer and the model answering know the tag,
+    so no quoted turn can cut the answer's own words."""
+    if not tag:
+        return text
+    return re.sub(rf"<{tag}\b[^>]*>.*?</{tag}>", "\n", text, flags=re.DOTALL)
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:

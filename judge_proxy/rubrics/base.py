@@ -5,10 +5,13 @@ leaves the judge little room to tell two good responses apart) and normalised to
 A rubric's score is the mean of its criteria; `interactivity` is therefore the mean of
 understanding, clarification and suggestions.
 
-A verdict is read from the first JSON object in the reply that holds every criterion, or
-else from tags (`<understanding>7</understanding>`). A reply that gives neither is
-unparseable: the caller asks once more with `strict=True`, then reports an error. No score
-is ever filled in, clamped or guessed.
+A verdict is what the judge wrote as its answer: the last JSON object in the reply that
+holds every criterion, or the last tags (`<understanding>7</understanding>`), whichever ends
+later, since the judge reasons first and answers at the end. Anything between the case's
+quoting tags is the transcript the judge quoted, never its answer, and is set aside before
+reading (a verdict a policy planted in its reply stays the policy's). A reply that gives
+neither is unparseable: the caller asks once more with `strict=True`, then reports an
+error. No score is ever filled in, clamped or guessed.
 
 Group judging scores several candidate conversations (the futures of one turn) in one call:
 the instructions once, the turns all candidates share once (`<shared>`), then each
@@ -33,7 +36,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from services.quoting import quote_tag, quote_turns, turn_pattern
+from services.quoting import quote_tag, quote_turns, turn_pattern, unquoted
 
 SCALE_MAX = 10
 VERDICT_CHARS = 300
@@ -112,13 +115,16 @@ def render(
     return prompt
 
 
-def parse_verdict(rubric: Rubric, text: str) -> Verdict | None:
-    """The verdict in `text`, or None when it does not give every criterion a 0-10 score."""
+def parse_verdict(rubric: Rubric, text: str, tag: str = "") -> Verdict | None:
+    """The judge's verdict in `text`, or None when it does not give every criterion a 0-10
+    score. `tag` is the case's quoting tag (`quote_tag`): turns the judge quoted with it
+    are not read."""
     names = [c.name for c in rubric.criteria]
-    found = _from_json(text, names) or _from_tags(text, names)
-    if found is None:
+    answer = unquoted(text, tag)
+    found = [f for f in (_from_json(answer, names), _from_tags(answer, names)) if f is not None]
+    if not found:
         return None
-    raw_scores, verdict = found
+    _, raw_scores, verdict = max(found, key=lambda f: f[0])
     scores = rubric.scaled(raw_scores)
     return Verdict(rubric.combine(scores), scores, verdict)
 
@@ -159,11 +165,12 @@ def shared_prefix(candidates: list[list[dict]]) -> int:
     return count
 
 
-def parse_group_verdicts(rubric: Rubric, text: str, num_candidates: int) -> list[Verdict]:
-    """One verdict per candidate, in candidate order, from the JSON list in `text`; raises
-    `GroupParseError` when any candidate lacks exactly one well-formed object."""
+def parse_group_verdicts(rubric: Rubric, text: str, num_candidates: int, tag: str = "") -> list[Verdict]:
+    """One verdict per candidate, in candidate order, from the last JSON list in `text`
+    outside the turns quoted with `tag`; raises `GroupParseError` when any candidate lacks
+    exactly one well-formed object."""
     names = [c.name for c in rubric.criteria]
-    items = _last_json_list(text)
+    items = _last_json_list(unquoted(text, tag))
     if items is None:
         raise GroupParseError("no_list", "the reply holds no JSON list of objects")
     found: dict[int, Verdict] = {}
@@ -366,29 +373,34 @@ def _score(value: object) -> float | None:
     return number if 0 <= number <= SCALE_MAX else None
 
 
-def _from_json(text: str, names: list[str]) -> tuple[dict[str, float], str] | None:
+def _from_json(text: str, names: list[str]) -> tuple[int, dict[str, float], str] | None:
+    """(where it ends, scores, verdict) of the JSON object holding every criterion that ends
+    last in `text`."""
     decoder = json.JSONDecoder()
+    last = None
     for match in re.finditer(r"\{", text):
         try:
-            obj, _ = decoder.raw_decode(text, match.start())
+            obj, end = decoder.raw_decode(text, match.start())
         except json.JSONDecodeError:
             continue
-        if not isinstance(obj, dict):
+        if not isinstance(obj, dict) or (last is not None and end <= last[0]):
             continue
         fields = {str(k).lower(): v for k, v in obj.items()}
         scores = {name: _score(fields.get(name)) for name in names}
         if all(s is not None for s in scores.values()):
             verdict = fields.get("verdict")
-            return scores, verdict if isinstance(verdict, str) else ""
-    return None
+            last = end, scores, verdict if isinstance(verdict, str) else ""
+    return last
 
 
-def _from_tags(text: str, names: list[str]) -> tuple[dict[str, float], str] | None:
-    scores = {}
+def _from_tags(text: str, names: list[str]) -> tuple[int, dict[str, float], str] | None:
+    """(where the last criterion tag ends, scores, verdict) from each tag's last occurrence."""
+    scores, ends = {}, []
     for name in names:
-        match = re.search(rf"<{name}>(.*?)</{name}>", text, re.IGNORECASE | re.DOTALL)
-        scores[name] = _score(match.group(1)) if match else None
+        matches = list(re.finditer(rf"<{name}>(.*?)</{name}>", text, re.IGNORECASE | re.DOTALL))
+        scores[name] = _score(matches[-1].group(1)) if matches else None
+        ends.append(matches[-1].end() if matches else 0)
     if any(s is None for s in scores.values()):
         return None
-    verdict = re.search(r"<verdict>(.*?)</verdict>", text, re.IGNORECASE | re.DOTALL)
-    return scores, verdict.group(1).strip() if verdict else ""
+    verdicts = re.findall(r"<verdict>(.*?)</verdict>", text, re.IGNORECASE | re.DOTALL)
+    return max(ends), scores, verdicts[-1].strip() if verdicts else ""
