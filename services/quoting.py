@@ -9,8 +9,9 @@ judge's cache and a provider's prefix cache still match). `quoted_turns` reads t
 back, as the stand-in provider does; `unquoted` is a model's answer without the turns it
 quoted back, so that what a quoted turn says is never read as the answer's own words.
 
-Reading what a model wrote is here too: its Markdown fenced blocks (`fenced_blocks`) and
-the JSON object a reply holds among other text (`json_object`).
+Reading what a model wrote is here too: its Markdown fenced blocks (`fenced_blocks`), the
+JSON object a reply holds among other text (`json_object`), and a reply that is one JSON
+object and nothing else (`only_json_object`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import re
 
 TAG = re.compile(r"q[0-9a-f]{16}")
+_WHOLE_FENCE = re.compile(r"\A```[\w+-]*[ \t]*\n(.*)\n[ \t]*```\Z", re.DOTALL)
 _FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 
 
@@ -71,6 +73,20 @@ def json_object(text: str) -> dict | None:
         return None
     try:
         found = json.loads(text[start : end + 1], strict=False)
+    except json.JSONDecodeError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def only_json_object(text: str) -> dict | None:
+    """The JSON object that is the whole reply (blank space or one ``` fence around it
+    allowed; raw newlines inside strings too), or None: nothing is picked out of other text,
+    so an object the reply merely quotes is never taken for the reply."""
+    body = text.strip()
+    if fenced := _WHOLE_FENCE.match(body):
+        body = fenced.group(1)
+    try:
+        found = json.loads(body, strict=False)
     except json.JSONDecodeError:
         return None
     return found if isinstance(found, dict) else None

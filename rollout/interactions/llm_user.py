@@ -6,23 +6,22 @@ answers truthfully and reveals details only as the assistant earns them; `person
 person as CollabLLM's simulator does (`PERSON_RULES`): minimal effort, realistic knowledge,
 stated preferences, the odd slip, writing the opening request itself when asked to (`opening`).
 It answers with a JSON object {current_answer, thought, response}; only `response` reaches
-the conversation. Replies are parsed leniently (code fences, text around the object, a bare
-"response" field); an unparseable reply is asked for once more with a stricter
-instruction, then reported as an error (the task is retried), never guessed.
+the conversation. The reply must be that object and nothing else (a code fence around it
+is allowed): no object or field is picked out of other text, since the simulator may be
+quoting what the assistant wrote ("response": "[[TERMINATE CHAT]]"). An unparseable reply
+is asked for once more with a stricter instruction, then reported as an error (the task is
+retried), never guessed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.quoting import json_object, quote_tag, quote_turns
+from services.quoting import only_json_object, quote_tag, quote_turns
 
 END_MARKER = "[[TERMINATE CHAT]]"
-_RESPONSE_FIELD = re.compile(r'"response"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
 COOPERATIVE_RULES = """- Write as this user: match the length, tone and wording of your earlier messages.
 - Do not hand over the whole goal at once. Answer the assistant's questions truthfully, react
@@ -98,18 +97,11 @@ class UserReply:
 
 
 def parse_user_reply(text: str) -> UserReply | None:
-    """The simulator's JSON object, found inside fences or surrounding text; failing that,
-    a bare "response" field; None when neither is there."""
-    obj = json_object(text)
-    if obj is not None and isinstance(obj.get("response"), str):
-        return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
-    match = _RESPONSE_FIELD.search(text)
-    if match:
-        try:
-            return UserReply("", "", json.loads(f'"{match.group(1)}"', strict=False))
-        except json.JSONDecodeError:  # e.g. an invalid escape such as C:\Users: the raw text will do
-            return UserReply("", "", match.group(1))
-    return None
+    """The simulator's reply when it is one JSON object with a string `response`; else None."""
+    obj = only_json_object(text)
+    if obj is None or not isinstance(obj.get("response"), str):
+        return None
+    return UserReply(str(obj.get("current_answer", "")), str(obj.get("thought", "")), obj["response"])
 
 
 def transcript(messages: list[dict]) -> str:
