@@ -779,9 +779,18 @@ def _proxy(program: _Program, name: str):
     return call
 
 
+_ITERATION_ENDS = ("StopIteration", "StopAsyncIteration")
+"""Exceptions that end an iteration: raised in a test by `map`'s function, they would end
+`all(map(...))` early and make it true. Like a generator since PEP 479, the evaluator
+raises them as RuntimeError, so a call that raised one can only fail its test."""
+
+
 def _exception(type_name: str, message: str) -> Exception:
     """The builtin exception of that name (so `except ValueError` works in a test), or a
-    plain Exception; never a BaseException such as SystemExit, which would stop the evaluator."""
+    plain Exception; never a BaseException such as SystemExit, which would stop the evaluator,
+    nor one that ends an iteration."""
+    if type_name in _ITERATION_ENDS:
+        return RuntimeError(f"the solution raised {type_name}: {message}")
     cls = getattr(builtins, type_name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:

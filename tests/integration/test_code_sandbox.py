@@ -106,6 +106,21 @@ def test_printing_pass_lines_does_not_forge_passes():
 
 
 @pytest.mark.parametrize(
+    "test",
+    [
+        "assert all(map(lambda x: double(x) == 2 * x, [1, 2, 3]))",
+        "assert all(double(x) == 2 * x for x in [1, 2, 3])",
+        "assert list(map(double, [1, 2])) == []",
+        "assert [double(x) for x in [1]] == [2]",
+    ],
+)
+def test_a_solution_raising_stop_iteration_fails_tests_that_iterate_over_its_calls(test):
+    stopper = "def double(x):\n    raise StopIteration\n"
+    result = run_tests(stopper, [test, "assert double(2) == 4"], SLOWER)
+    assert (result.passed, result.total, result.error) == (0, 2, None)
+
+
+@pytest.mark.parametrize(
     ("solution", "error"),
     [
         ("def broken(:\n", "solution failed to load: SyntaxError: invalid syntax (<solution>, line 1)"),
