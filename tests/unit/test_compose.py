@@ -90,18 +90,21 @@ def compose_variables() -> list[tuple[str, str | None]]:
     return [(match.group(1), match.group(2)) for match in variable_uses()]
 
 
-def interpolate(node, documented: dict[str, str]):
-    """Values (not keys) with each variable replaced by its default, else its documented value
-    (else empty, as compose does; the .env.example test names it)."""
+def interpolate(node, documented: dict[str, str], chosen: dict[str, str] | None = None):
+    """Values (not keys) with each variable replaced by the operator's `chosen` value, else its
+    default, else its documented value (else empty, as compose does; the .env.example test
+    names it)."""
     if isinstance(node, dict):
-        return {key: interpolate(value, documented) for key, value in node.items()}
+        return {key: interpolate(value, documented, chosen) for key, value in node.items()}
     if isinstance(node, list):
-        return [interpolate(item, documented) for item in node]
+        return [interpolate(item, documented, chosen) for item in node]
     if not isinstance(node, str):
         return node
 
     def value(match: re.Match) -> str:
         name, default, _ = VARIABLE_BODY.fullmatch(match.group(1)).groups()
+        if (chosen or {}).get(name):
+            return chosen[name]
         return default if default is not None else documented.get(name, "")
 
     return VARIABLE.sub(value, node)
@@ -383,6 +386,43 @@ def test_published_ports_are_the_ports_the_healthchecks_probe():
     assert {"api", "judge-proxy", "prometheus", "grafana"} <= set(published)
     for name, ports in published.items():
         assert {container_port(p) for p in ports} == {health_url(services()[name])[1]}, name
+
+
+MONITORING = ("prometheus", "grafana")
+"""Services with no authentication of their own (Prometheus) or an anonymous viewer (Grafana)."""
+
+
+def published_addresses(chosen: dict[str, str]) -> dict[str, set[str]]:
+    """service -> the host addresses its ports bind to, with the operator's `chosen` variables."""
+    rendered = interpolate(raw_compose(), read_env_file(ROOT / ".env.example") | SECRETS, chosen)
+    return {
+        name: {spec.rsplit(":", 2)[0] for spec in service["ports"]}
+        for name, service in rendered["services"].items()
+        if service.get("ports")
+    }
+
+
+def test_publishing_the_api_leaves_prometheus_and_grafana_on_loopback():
+    published = published_addresses({"TANDEM_PUBLISH_ADDRESS": "0.0.0.0"})
+    assert published["api"] == published["judge-proxy"] == {"0.0.0.0"}
+    assert all(published[name] == {"127.0.0.1"} for name in MONITORING), published
+
+
+def test_prometheus_and_grafana_are_published_by_their_own_variable_only():
+    assert all(addresses == {"127.0.0.1"} for addresses in published_addresses({}).values())
+    published = published_addresses({"TANDEM_MONITORING_ADDRESS": "0.0.0.0"})
+    assert {name: published[name] for name in MONITORING} == {name: {"0.0.0.0"} for name in MONITORING}
+    assert published["api"] == published["judge-proxy"] == {"127.0.0.1"}
+
+
+def test_grafana_lets_anonymous_viewers_in_only_when_the_operator_opts_in():
+    def grafana(chosen: dict[str, str]) -> dict[str, str]:
+        rendered = interpolate(raw_compose(), read_env_file(ROOT / ".env.example") | SECRETS, chosen)
+        return environment(rendered["services"]["grafana"])
+
+    assert grafana({})["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    opted_in = grafana({"GRAFANA_ANONYMOUS": "true"})
+    assert (opted_in["GF_AUTH_ANONYMOUS_ENABLED"], opted_in["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
 
 
 def test_every_service_with_an_http_endpoint_has_a_healthcheck():

@@ -643,6 +643,12 @@ def test_grafana_mounts_every_dashboard_file_unchanged_from_one_configmap():
     assert password == {"name": SECRET, "key": "GRAFANA_ADMIN_PASSWORD"}
 
 
+def test_grafana_lets_no_anonymous_viewer_in():
+    grafana = of_kind(render("base"), "Deployment")["tandem-grafana"]
+    (container,) = pod_spec(grafana)["containers"]
+    assert literal_env(container)["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
 def test_grafanas_datasource_is_the_prometheus_service_with_the_uid_the_dashboards_name():
     objects = render("base")
     grafana = of_kind(objects, "Deployment")["tandem-grafana"]
