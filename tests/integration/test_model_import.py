@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tandem.models import KNOWN, ModelFetchError, fetch_gguf, get, provenance
+from tandem.models import KNOWN, ModelFetchError, fetch_gguf, file_digests, get, provenance
 from tandem.redis_embed import free_port
 
 pytestmark = pytest.mark.slow
@@ -105,6 +105,7 @@ def test_import_records_where_the_weights_came_from(gguf_file, imported):
     assert record["source_file"] == gguf_file.name and record["source_sha256"] == PINNED.file_sha256
     assert set(record["converter"]) == {"transformers", "gguf", "torch", "tandem"}
     assert json.loads((imported / "config.json").read_text())["dtype"] == "float32"
+    assert record["files"] == file_digests(imported) and "model.safetensors" in record["files"]
 
 
 def test_import_refuses_an_existing_folder(gguf_file, imported):
