@@ -20,6 +20,9 @@ like user turns: whatever the template makes of a `tool` message (its own turn, 
 turn wrapping `<tool_response>`), the delta holds exactly that. A template that does not show
 tools at all (SmolLM2's) gets them in the system turn instead, with how to call them in the
 job's parser's format (`TOOL_PROMPTS`), in every rendering alike.
+
+Every rendering has a deadline (`services.chat_template`): the template comes with the
+model folder, and one that loops is refused instead of holding the process.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Literal
+
+from services.chat_template import within_deadline
 
 CheckMode = Literal["strict", "ignore_strippable", "off"]
 BASE = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}]
@@ -80,8 +85,10 @@ class ChatTokenizer:
         tools = self.tools
         if self._tool_prompt is not None:
             messages, tools = _with_system_text(messages, self._tool_prompt), None
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        ids = within_deadline(
+            lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
         )
         return list(ids)
 
@@ -92,8 +99,9 @@ class ChatTokenizer:
         return ChatTokenizer(self.tokenizer, self.check_mode, tools, parser)
 
     def _template_ignores_tools(self) -> bool:
-        plain = self.tokenizer.apply_chat_template(BASE, tokenize=False)
-        return plain == self.tokenizer.apply_chat_template(BASE, tools=self.tools, tokenize=False)
+        plain = within_deadline(lambda: self.tokenizer.apply_chat_template(BASE, tokenize=False))
+        with_tools = within_deadline(lambda: self.tokenizer.apply_chat_template(BASE, tools=self.tools, tokenize=False))
+        return plain == with_tools
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """Tokens of a context that the assistant answers next; of one that ends with an
