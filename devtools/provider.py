@@ -36,7 +36,12 @@ taken one per chat request: `{"content": "..."}` answers with that text, `{"stat
 `{"delay_s": 1.5}` waits that long first, `{"model": ...}` names the reply's model (any JSON value, as a
 hostile provider might), `{"cut_after": 2}` breaks a stream's connection
 after that many content chunks (charging the whole reservation) and `{"token_delay_s": 0.1}`
-paces a stream's chunks. `GET /admin/stats` gives the counters,
+paces a stream's chunks. A provider that misbehaves in its reply: `{"usage": {...}}` reports
+these `usage` fields instead of its own (any JSON values; it still charges what it counted),
+`{"padding_bytes": N}` adds a string of N bytes to the reply (a stream: as one event before
+the first chunk), written a piece at a time so the stand-in never holds it whole
+(`padded_bytes_sent` counts what went out), and `{"nesting": N}` adds a value N arrays deep.
+`GET /admin/stats` gives the counters,
 `GET /admin/requests` the last request bodies, `GET /admin/request-tags` how many admitted
 requests came with each `X-Client-Request-Id` (the proxy sends its clients' idempotency
 keys there),
@@ -245,6 +250,30 @@ class Window:
         return self.charges[-1].at + self.window_s - self.now if self.charges else 0.0
 
 
+PAD = b"x" * 65536
+"""A piece of a padded reply."""
+
+
+def as_reported(reply: dict, script: dict) -> dict:
+    """`reply` with the `usage` fields the script has it report instead of its own."""
+    return {**reply, "usage": {**reply["usage"], **script.get("usage", {})}}
+
+
+def padded_json(value: dict, script: dict) -> Iterator[bytes]:
+    """`value`'s JSON with a `nested` field `script["nesting"]` arrays deep and a `padding`
+    string of `script["padding_bytes"]` bytes, in pieces of at most `len(PAD)` for the padding."""
+    members = [json.dumps(value).encode()[1:-1]] if value else []
+    depth = script.get("nesting", 0)
+    if depth:
+        members.append(b'"nested": ' + b"[" * depth + b"]" * depth)
+    yield b"{" + b", ".join([*members, b'"padding": "'])
+    left = script.get("padding_bytes", 0)
+    while left > 0:
+        yield PAD[: min(left, len(PAD))]
+        left -= len(PAD)
+    yield b'"}'
+
+
 def count_tokens(text: str) -> int:
     return len(WORD.findall(text))
 
@@ -301,6 +330,7 @@ class LocalUpstream:
             "rejected_429": 0,
             "scripted_errors": 0,
             "streams_cut": 0,
+            "padded_bytes_sent": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "tokens_accepted": 0,
@@ -470,7 +500,20 @@ class LocalUpstream:
             await self.sleep(latency_s)
         self.stats["latency_s_total"] += latency_s
         self.done(reply, charge)
-        return JSONResponse(reply, headers=self.limit_headers())
+        sent = as_reported(reply, script)
+        if script.get("padding_bytes") or script.get("nesting"):
+            body = self.counted(padded_json(sent, script))
+            return StreamingResponse(body, media_type="application/json", headers=self.limit_headers())
+        return JSONResponse(sent, headers=self.limit_headers())
+
+    async def counted(self, pieces: Iterable[bytes]) -> AsyncIterator[bytes]:
+        """`pieces` as they are written, counted in `padded_bytes_sent`. Each waits a turn of
+        the event loop: once the client has gone, uvicorn drops a write without one, and the
+        disconnect would end the reply only after all of it was counted."""
+        for piece in pieces:
+            self.stats["padded_bytes_sent"] += len(piece)
+            yield piece
+            await asyncio.sleep(0)
 
     def done(self, reply: dict, charge: Charge) -> None:
         usage = reply["usage"]
@@ -498,6 +541,9 @@ class LocalUpstream:
         per_token_s = script.get("token_delay_s", per_token_s)
         cut_after = script.get("cut_after")
         await self.sleep(first_token_s)
+        if script.get("padding_bytes") or script.get("nesting"):
+            async for piece in self.counted([b"data: ", *padded_json({}, script), b"\n\n"]):
+                yield piece
         sent = 0
         for choice in reply["choices"]:
             index = choice["index"]
@@ -516,7 +562,7 @@ class LocalUpstream:
                     await self.sleep(per_token_s)
             yield event([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
         if include_usage:
-            yield event([], usage=reply["usage"])
+            yield event([], usage=as_reported(reply, script)["usage"])
         yield b"data: [DONE]\n\n"
         self.done(reply, charge)
 

@@ -128,6 +128,14 @@ class UpstreamBudget(BaseModel):
     limit_model: str
     prompt_ratio: float = Field(description="Learned prompt tokens the upstream counts per estimated one.")
     prompt_outliers: int = Field(0, description="Calls outside the prompt-ratio band, not learned from.")
+    prompt_calls: int = Field(0, description="Calls the prompt ratio was learned from.")
+    usage_outliers: int = Field(
+        0, description="Replies reporting more tokens than their request could cost, charged that bound instead."
+    )
+    pace_tokens: float | None = Field(
+        None, description="A paced window's pacing bucket: tokens it holds now (null for a bucket or no pacing)."
+    )
+    pace_requests: float | None = Field(None, description="Requests the pacing bucket holds now.")
 
 
 class BudgetResponse(BaseModel):
@@ -207,7 +215,7 @@ def chat_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Jud
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         job = authorize(request)
-        body = await json_object(request)
+        body = await json_object(request, settings.max_request_bytes)
         chat = validated(ChatRequest, body)
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
         priority = priority_of(request)
@@ -240,7 +248,7 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
     @router.post("/v1/judge", response_model=JudgeResult)
     async def judge(request: Request) -> JudgeResult:
         job = authorize(request)
-        ask = validated(JudgeRequest, await json_object(request))
+        ask = validated(JudgeRequest, await json_object(request, settings.max_request_bytes))
         rubric = rubric_for(ask.rubric, ask.reference)
         return await proxy.judge.single(
             rubric,
@@ -255,7 +263,7 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
     @router.post("/v1/judge/group", response_model=GroupJudgeResult)
     async def judge_group(request: Request) -> GroupJudgeResult:
         job = authorize(request)
-        ask = validated(GroupJudgeRequest, await json_object(request))
+        ask = validated(GroupJudgeRequest, await json_object(request, settings.max_request_bytes))
         rubric = rubric_for(ask.rubric, ask.reference)
         candidates = [[t.model_dump() for t in c] for c in ask.candidates]
         return await proxy.judge.group(
@@ -389,14 +397,33 @@ def client_auth(tokens: str) -> Callable[[Request], str]:
     return check
 
 
-async def json_object(request: Request) -> dict:
+async def json_object(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object: 413 for a body over `max_bytes` (read no further), 400 for
+    one that is not a JSON object or nests past the parser's recursion limit."""
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await capped_body(request, max_bytes))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProxyError(400, f"malformed JSON body: {err}", "invalid_request_error") from None
+    except RecursionError:
+        raise ProxyError(400, "malformed JSON body: nested too deep", "invalid_request_error") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "the JSON body must be an object", "invalid_request_error")
     return body
+
+
+async def capped_body(request: Request, max_bytes: int) -> bytes:
+    """The body, or 413 once it says or proves to be over `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    pieces, size = [], 0
+    if not (declared.isdigit() and int(declared) > max_bytes):
+        async for piece in request.stream():
+            size += len(piece)
+            if size > max_bytes:
+                break
+            pieces.append(piece)
+        else:
+            return b"".join(pieces)
+    raise ProxyError(413, f"the request body is over {max_bytes} bytes", "request_too_large")
 
 
 def validated(model: type[BaseModel], body: dict) -> Any:

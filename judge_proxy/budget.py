@@ -108,6 +108,15 @@ end
 local function cost_of(state, prompt, fixed, margin)
   return math.ceil(prompt * ratio_of(state) * (1 + margin)) + fixed
 end
+-- What a settle charges: what the upstream reported (bounded by the caller), at most `tpm`
+-- (no call costs more), never below 0.
+local function charged(used_tokens, tpm)
+  return math.max(0, math.min(used_tokens, tpm))
+end
+-- The counts a peek shows beside the levels: prompt outliers, calls learned from, usage outliers.
+local function counters(state)
+  return {num(state, 'prompt_outliers', 0), num(state, 'prompt_calls', 0), num(state, 'usage_outliers', 0)}
+end
 local function free_lease(leases, now, max_concurrency, lease_id, ttl)
   redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
   if redis.call('ZCARD', leases) >= max_concurrency then return false end
@@ -147,12 +156,12 @@ _BUCKET = (
 local function refilled(key, tpm, rpm, now)
   local s = redis.call('HMGET', key, 'tokens', 'requests', 'ts', 'paused_until')
   local dt = math.max(now - (tonumber(s[3]) or now), 0)
-  local tokens = math.min(tpm, (tonumber(s[1]) or tpm) + dt * tpm / 60)
+  local tokens = math.min(tpm, math.max(-tpm, tonumber(s[1]) or tpm) + dt * tpm / 60)
   local requests = math.min(rpm, (tonumber(s[2]) or rpm) + dt * rpm / 60)
   return tokens, requests, tonumber(s[4]) or 0
 end
-local function store(key, tokens, requests, now)
-  redis.call('HSET', key, 'tokens', string.format('%.6f', tokens),
+local function store(key, tokens, requests, now, tpm)  -- never owing more than one call can take
+  redis.call('HSET', key, 'tokens', string.format('%.6f', math.max(tokens, -tpm)),
              'requests', string.format('%.6f', requests), 'ts', string.format('%.6f', now))
 end
 """
@@ -171,7 +180,7 @@ local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
 local wait = math.max(paused_until - now, (cost - tokens) * 60 / tpm, (1 - requests) * 60 / rpm, 0)
 if wait > 0 then return {0, tostring(wait), cost} end
 if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
-store(KEYS[1], tokens - cost, requests - 1, now)
+store(KEYS[1], tokens - cost, requests - 1, now, tpm)
 return {1, '0', cost, tostring(tokens - cost), tostring(requests - 1),
         tostring((tpm - tokens + cost) * 60 / tpm), tostring((rpm - requests + 1) * 60 / rpm)}
 """
@@ -184,14 +193,14 @@ _BUCKET_SETTLE = (
 --   remaining_tokens, remaining_requests ('' = unknown), reset_tokens_s, reset_requests_s (unused here),
 --   pause_s, prompt_estimate, prompt_counted, ratio_min_weight, ratio_low, ratio_high
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local used_tokens, used_requests = tonumber(ARGV[4]), tonumber(ARGV[5])
+local used_tokens, used_requests = charged(tonumber(ARGV[4]), tpm), tonumber(ARGV[5])
 local now = now_s()
 local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
 tokens = math.min(tpm, tokens + tonumber(ARGV[3]) - used_tokens)
 requests = math.min(rpm, requests + 1 - used_requests)
 if ARGV[7] ~= '' then tokens = math.min(tokens, tonumber(ARGV[7])) end
 if ARGV[8] ~= '' then requests = math.min(requests, tonumber(ARGV[8])) end
-store(KEYS[1], tokens, requests, now)
+store(KEYS[1], tokens, requests, now, tpm)
 finish_settle(KEYS[1], KEYS[2], now, ARGV[6], used_tokens, used_requests, tonumber(ARGV[11]),
               tonumber(ARGV[12]), tonumber(ARGV[13]))
 return tostring(tokens)
@@ -201,7 +210,7 @@ return tostring(tokens)
 _BUCKET_PEEK = (
     _BUCKET
     + """
--- KEYS: state, leases. ARGV: tpm, rpm, ratio_low, ratio_high. Reads only.
+-- KEYS: state, leases. ARGV: tpm, rpm, pace_s (unused here), ratio_low, ratio_high. Reads only.
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
 local tokens, requests, paused_until = refilled(KEYS[1], tpm, rpm, now)
@@ -209,7 +218,7 @@ local totals = redis.call('HMGET', KEYS[1], 'used_tokens_total', 'used_requests_
 return {tostring(tokens), tostring(requests), tostring(math.max(paused_until - now, 0)),
         redis.call('ZCOUNT', KEYS[2], now, '+inf'), tonumber(totals[1]) or 0, tonumber(totals[2]) or 0,
         tostring((tpm - tokens) * 60 / tpm), tostring((rpm - requests) * 60 / rpm), tostring(ratio_of(KEYS[1])),
-        num(KEYS[1], 'prompt_outliers', 0)}
+        counters(KEYS[1]), '', ''}
 """
 )
 
@@ -255,12 +264,12 @@ local function paced(state, tpm, rpm, pace_s, now)
   local s = redis.call('HMGET', state, 'pace_tokens', 'pace_requests', 'pace_ts')
   local cap_tokens, cap_requests = tpm * pace_s / 60, math.max(rpm * pace_s / 60, 1)
   local dt = math.max(now - (tonumber(s[3]) or now), 0)
-  local tokens = math.min(cap_tokens, (tonumber(s[1]) or cap_tokens) + dt * tpm / 60)
+  local tokens = math.min(cap_tokens, math.max(-tpm, tonumber(s[1]) or cap_tokens) + dt * tpm / 60)
   local requests = math.min(cap_requests, (tonumber(s[2]) or cap_requests) + dt * rpm / 60)
   return tokens, requests, cap_tokens, cap_requests
 end
-local function store_pace(state, tokens, requests, now)
-  redis.call('HSET', state, 'pace_tokens', string.format('%.6f', tokens),
+local function store_pace(state, tokens, requests, now, tpm)  -- owing at most one call, as a bucket
+  redis.call('HSET', state, 'pace_tokens', string.format('%.6f', math.max(tokens, -tpm)),
              'pace_requests', string.format('%.6f', requests), 'pace_ts', string.format('%.6f', now))
 end
 local function enter(state, window, entries, entry, leaves_at, tokens, requests)
@@ -294,7 +303,7 @@ end
 if wait > 0 then return {0, tostring(wait), cost} end
 if not free_lease(KEYS[2], now, max_concurrency, ARGV[7], tonumber(ARGV[8])) then return {0, '-1', cost} end
 enter(KEYS[1], KEYS[3], KEYS[4], ARGV[7], now + tonumber(ARGV[9]), cost, 1)
-if pace_s > 0 then store_pace(KEYS[1], pace_tokens - cost, pace_requests - 1, now) end
+if pace_s > 0 then store_pace(KEYS[1], pace_tokens - cost, pace_requests - 1, now, tpm) end
 return {1, '0', cost, tostring(tpm - used_tokens - cost), tostring(rpm - used_requests - 1), ARGV[9], ARGV[9]}
 """
 )
@@ -306,13 +315,13 @@ _WINDOW_SETTLE = (
 --   lease_id, remaining_tokens, remaining_requests, reset_tokens_s, reset_requests_s ('' = unknown),
 --   pause_s, prompt_estimate, prompt_counted, window_s, pace_s, ratio_min_weight, ratio_low, ratio_high
 local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local used_tokens, used_requests, entry = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local used_tokens, used_requests, entry = charged(tonumber(ARGV[4]), tpm), tonumber(ARGV[5]), ARGV[6]
 local window_s, pace_s = tonumber(ARGV[14]), tonumber(ARGV[15])
 local now = now_s()
 if pace_s > 0 then  -- what the upstream did not charge goes back to the pacing bucket too
   local tokens, requests, cap_tokens, cap_requests = paced(KEYS[1], tpm, rpm, pace_s, now)
   store_pace(KEYS[1], math.min(cap_tokens, tokens + tonumber(ARGV[3]) - used_tokens),
-             math.min(cap_requests, requests + 1 - used_requests), now)
+             math.min(cap_requests, requests + 1 - used_requests), now, tpm)
 end
 local in_tokens, in_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
 local held = redis.call('HMGET', KEYS[4], 't:' .. entry, 'r:' .. entry)
@@ -328,13 +337,14 @@ if held[1] then  -- still in the window: it now holds what the upstream charged
   in_tokens = in_tokens + used_tokens - tonumber(held[1])
   in_requests = in_requests + used_requests - tonumber(held[2])
 end
--- The upstream says less is left than this window holds: hold the difference until its reset.
+-- The upstream says less is left than this window holds: hold the difference until its reset
+-- (a negative count is none left).
 for _, limit in ipairs({{7, 9, tpm - in_tokens, 'tokens'}, {8, 10, rpm - in_requests, 'requests'}}) do
   local remaining, reset = ARGV[limit[1]], ARGV[limit[2]]
   if remaining ~= '' and tonumber(remaining) < limit[3] then
     local hold = window_s
     if reset ~= '' then hold = math.min(window_s, tonumber(reset)) end
-    local excess = limit[3] - tonumber(remaining)
+    local excess = limit[3] - math.max(tonumber(remaining), 0)
     local clamp = 'clamp-' .. limit[4] .. ':' .. entry
     if limit[4] == 'tokens' then enter(KEYS[1], KEYS[3], KEYS[4], clamp, now + hold, excess, 0)
     else enter(KEYS[1], KEYS[3], KEYS[4], clamp, now + hold, 0, excess) end
@@ -358,19 +368,24 @@ return redis.call('ZADD', KEYS[1], 'XX', 'GT', now + tonumber(ARGV[2]), ARGV[1])
 _WINDOW_PEEK = (
     _WINDOW
     + """
--- KEYS: state, leases, window, entries. ARGV: tpm, rpm, ratio_low, ratio_high. Drops expired
--- entries, changes nothing else.
-local tpm, rpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- KEYS: state, leases, window, entries. ARGV: tpm, rpm, pace_s, ratio_low, ratio_high. Drops
+-- expired entries, changes nothing else.
+local tpm, rpm, pace_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_s()
 local used_tokens, used_requests = expire(KEYS[1], KEYS[3], KEYS[4], now)
 local s = redis.call('HMGET', KEYS[1], 'paused_until', 'used_tokens_total', 'used_requests_total')
 local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
 local reset = 0
 if #last > 0 then reset = math.max(tonumber(last[2]) - now, 0) end
+local pace_tokens, pace_requests = '', ''
+if pace_s > 0 then
+  local tokens, requests = paced(KEYS[1], tpm, rpm, pace_s, now)
+  pace_tokens, pace_requests = tostring(tokens), tostring(requests)
+end
 return {tostring(tpm - used_tokens), tostring(rpm - used_requests),
         tostring(math.max((tonumber(s[1]) or 0) - now, 0)), redis.call('ZCOUNT', KEYS[2], now, '+inf'),
         tonumber(s[2]) or 0, tonumber(s[3]) or 0, tostring(reset), tostring(reset), tostring(ratio_of(KEYS[1])),
-        num(KEYS[1], 'prompt_outliers', 0)}
+        counters(KEYS[1]), pace_tokens, pace_requests}
 """
 )
 
@@ -410,6 +425,8 @@ class Lease:
     """The prompt's own estimate (before the learned ratio), to learn from its `usage`."""
     reserved_at: float = 0.0
     """`time.monotonic()` when it was reserved."""
+    fixed_tokens: int = 0
+    """Every completion at its maximum (`n * max_tokens`), reserved beside the prompt."""
 
 
 @dataclass(frozen=True)
@@ -450,6 +467,14 @@ class BudgetView:
     """Learned: prompt tokens the upstream counts per estimated one."""
     prompt_outliers: int = 0
     """Calls whose own counted/estimated lay outside the band, so taught the ratio nothing."""
+    prompt_calls: int = 0
+    """Calls the ratio was learned from."""
+    usage_outliers: int = 0
+    """Replies that reported more `total_tokens` than their request could cost (`Budget.most`),
+    so were charged that instead."""
+    pace_tokens: float | None = None
+    """What the pacing bucket of a paced window holds (None without one)."""
+    pace_requests: float | None = None
 
 
 class Budget:
@@ -467,6 +492,7 @@ class Budget:
         }[limits.model]
         self._reserve, self._settle, self._peek = (client.register_script(s) for s in scripts)
         self._restamp = client.register_script(_RESTAMP)
+        self._client = client
         self.prompt_ratio = 1.0
         """The learned ratio as last seen by this replica (for estimates outside Redis)."""
         self.seen: Seen | None = None
@@ -500,7 +526,7 @@ class Budget:
         if ok:
             now = time.monotonic()
             self.seen = Seen(*map(float, left), at=now)
-            return Admission(Lease(lease_id, int(cost), prompt_estimate, now), 0.0, int(cost))
+            return Admission(Lease(lease_id, int(cost), prompt_estimate, now, fixed_tokens), 0.0, int(cost))
         wait_s = float(wait)  # -1: only the concurrency cap blocks; -2: the cost is over the limit
         return Admission(None, {-1.0: CONCURRENCY_POLL_S, -2.0: math.inf}.get(wait_s, wait_s), int(cost))
 
@@ -515,11 +541,30 @@ class Budget:
         another `lease_ttl_s`."""
         await self._restamp([self.keys[1]], [lease.lease_id, self.limits.lease_ttl_s])
 
+    def most(self, lease: Lease) -> int:
+        """The most `lease`'s call can cost: its prompt counted at the top of the ratio band
+        and every completion at its maximum, or what was reserved when that is more. The
+        upstream's count of a prompt beyond the band's top is an outlier (`finish_settle`),
+        and no completion is longer than the `max_tokens` sent."""
+        return max(
+            lease.tokens, math.ceil(lease.prompt_estimate * self.limits.prompt_ratio_band[1]) + lease.fixed_tokens
+        )
+
+    def billed(self, lease: Lease, reported: int | None) -> tuple[int, bool]:
+        """What a reply reporting `reported` total tokens is charged, and whether the report
+        was an outlier: the report up to `most`, and `most` above it; all that was reserved
+        when there is no report or it is negative (the upstream may have charged it)."""
+        if reported is None or reported < 0:
+            return lease.tokens, False
+        most = self.most(lease)
+        return min(reported, most), reported > most
+
     async def settle(
         self,
         lease: Lease,
         used_tokens: int,
         *,
+        usage_outlier: bool = False,
         used_request: bool = True,
         prompt_tokens: int | None = None,
         remaining_tokens: float | None = None,
@@ -529,7 +574,10 @@ class Budget:
         pause_s: float = 0.0,
     ) -> float:
         """Reconcile a lease with what the upstream charged (`prompt_tokens`: its count of
-        the prompt, from `usage`); returns the tokens left."""
+        the prompt, from `usage`; `usage_outlier`: its report was over `most`, and counted);
+        returns the tokens left."""
+        if usage_outlier:
+            await self._client.hincrby(self.keys[0], "usage_outliers", 1)
         args = [
             self.limits.tpm,
             self.limits.rpm,
@@ -551,18 +599,14 @@ class Budget:
         return float(await self._settle(self.keys, args))
 
     async def view(self) -> BudgetView:
-        (
-            tokens,
-            requests,
-            paused,
-            inflight,
-            used_tokens,
-            used_requests,
-            tokens_reset,
-            requests_reset,
-            ratio,
-            outliers,
-        ) = await self._peek(self.keys, [self.limits.tpm, self.limits.rpm, *self.limits.prompt_ratio_band])
+        """Every part of the shared state: levels, pause, leases, totals, the learned ratio
+        and its counts, and a paced window's pacing bucket."""
+        limits = self.limits
+        args = [limits.tpm, limits.rpm, limits.pace_s, *limits.prompt_ratio_band]
+        levels = await self._peek(self.keys, args)
+        tokens, requests, paused, inflight, used_tokens, used_requests, tokens_reset, requests_reset, ratio = levels[:9]
+        prompt_outliers, prompt_calls, usage_outliers = levels[9]
+        pace_tokens, pace_requests = (float(p) if p else None for p in levels[10:])
         self.prompt_ratio = float(ratio)
         self.seen = Seen(float(tokens), float(requests), float(tokens_reset), float(requests_reset), time.monotonic())
         return BudgetView(
@@ -575,7 +619,11 @@ class Budget:
             float(tokens_reset),
             float(requests_reset),
             float(ratio),
-            int(outliers),
+            int(prompt_outliers),
+            int(prompt_calls),
+            int(usage_outliers),
+            pace_tokens,
+            pace_requests,
         )
 
 

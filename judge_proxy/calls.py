@@ -23,6 +23,7 @@ from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group
 from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
+from judge_proxy.replies import ReplyRefused, decoded, too_large
 from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
@@ -93,6 +94,8 @@ class Caller:
             reply, outcome, detail = None, "timeout", f"({err})"
         except aiohttp.ClientError as err:
             reply, outcome, detail = None, "connect_error", type(err).__name__
+        except ReplyRefused as err:
+            reply, outcome, detail = None, "server_error", str(err)
         else:
             outcome, detail = outcome_of(reply.status), f"HTTP {reply.status}"
         elapsed_s = time.perf_counter() - started
@@ -111,19 +114,16 @@ class Caller:
         return None
 
     async def succeed(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts) -> Completion | None:
-        upstream, lease = grant.upstream, grant.lease
+        upstream = grant.upstream
         try:
-            data = msgspec.json.decode(reply.body)
-        except msgspec.DecodeError:
-            await self.fail(group, grant, "server_error", attempts, detail="reply is not JSON")
+            data = decoded(reply.body)
+        except (msgspec.DecodeError, ReplyRefused) as err:
+            detail = str(err) if isinstance(err, ReplyRefused) else "reply is not JSON"
+            await self.fail(group, grant, "server_error", attempts, detail=detail)
             return None
         await upstream.circuit.succeeded()
-        usage = _usage(data)
-        used = usage.get("total_tokens", lease.tokens)  # no usage: it may have charged all we reserved
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
-        _record_usage(upstream.name, lease.tokens, used)
-        metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-        settle_later = functools.partial(settle, group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"))
+        settle_later = functools.partial(charge, group, grant, reply, attempts, _usage(data))
         return Completion(upstream.name, reply.body, data, settle_later, upstream_s=attempts.upstream_s)
 
     def relay(
@@ -131,51 +131,9 @@ class Caller:
     ) -> Completion:
         """A stream's completion: its events pass through as they arrive; the budget is
         settled when it ends, however it ends."""
-        upstream, lease = grant.upstream, grant.lease
-        metrics.REQUESTS.labels(upstream.name, "ok").inc()
-
-        async def events() -> AsyncIterator[bytes]:
-            usage: dict[str, int] = {}
-            outcome, why = "client_closed", ""
-            renewed = time.monotonic()
-            try:
-                async for event in sse_events(upstream.lines(reply.events)):
-                    if time.monotonic() - renewed > LEASE_MARGIN_S:  # see `Budget.renew`
-                        await upstream.budget.renew(lease)
-                        renewed = time.monotonic()
-                    data = sse_data(event)
-                    if data == "[DONE]":
-                        outcome = "complete"
-                    elif data:
-                        chunk = _json_or_none(data)
-                        usage = _usage(chunk) or usage
-                        if usage and not client_wants_usage and chunk.get("choices") == []:
-                            continue  # the usage chunk the proxy asked for, not the client
-                    yield event
-                if outcome != "complete":
-                    outcome, why = "cut", "ended before [DONE]"
-                    yield sse_error("the upstream's stream ended before [DONE]")
-            except (aiohttp.ClientError, TimeoutError) as err:
-                outcome = "cut"
-                why = f"timeout ({err})" if isinstance(err, TimeoutError) else type(err).__name__
-                log.warning("stream from %s cut off: %s", upstream.name, why)
-                yield sse_error(f"the upstream's stream was cut off ({why})")
-            finally:
-                reply.events.close()
-                complete = outcome == "complete" and "total_tokens" in usage
-                used = usage["total_tokens"] if complete else lease.tokens
-                metrics.STREAMS.labels(upstream.name, outcome).inc()
-                _record_usage(upstream.name, lease.tokens, used)
-                metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-                # A client that leaves cancels the response's scope, and every later await
-                # in it: the settle must run shielded or the lease and reservation stay held.
-                with anyio.CancelScope(shield=True):
-                    await asyncio.gather(
-                        settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens")),
-                        stream_ended(grant, outcome, why),
-                    )
-
-        return Completion(upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events())
+        metrics.REQUESTS.labels(grant.upstream.name, "ok").inc()
+        events = relayed(group, grant, reply, attempts, client_wants_usage)
+        return Completion(grant.upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events)
 
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
         upstream = grant.upstream
@@ -206,6 +164,73 @@ class Caller:
         )
 
 
+async def relayed(
+    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
+) -> AsyncIterator[bytes]:
+    """A stream's events as they arrive; an error event when it breaks off (the upstream's
+    connection, a timeout, an event the proxy refuses), and the budget settled at the end:
+    by its `usage` when whole, else all it reserved."""
+    upstream, lease = grant.upstream, grant.lease
+    usage: dict[str, int] = {}
+    outcome, why = "client_closed", ""
+    renewed = time.monotonic()
+    try:
+        async for event in sse_events(upstream.lines(reply.events), upstream.max_reply_bytes):
+            if time.monotonic() - renewed > LEASE_MARGIN_S:  # see `Budget.renew`
+                await upstream.budget.renew(lease)
+                renewed = time.monotonic()
+            data = sse_data(event)
+            if data == "[DONE]":
+                outcome = "complete"
+            elif data:
+                chunk = _json_or_none(data)
+                usage = _usage(chunk) or usage
+                if usage and not client_wants_usage and chunk.get("choices") == []:
+                    continue  # the usage chunk the proxy asked for, not the client
+            yield event
+        if outcome != "complete":
+            outcome, why = "cut", "ended before [DONE]"
+            yield sse_error("the upstream's stream ended before [DONE]")
+    except (aiohttp.ClientError, TimeoutError, ReplyRefused) as err:
+        outcome, why = "cut", broken(err)
+        log.warning("stream from %s cut off: %s", upstream.name, why)
+        yield sse_error(f"the upstream's stream was cut off ({why})")
+    finally:
+        reply.events.close()
+        metrics.STREAMS.labels(upstream.name, outcome).inc()
+        # A client that leaves cancels the response's scope, and every later await in it:
+        # the settle must run shielded or the lease and reservation stay held.
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(
+                charge(group, grant, reply, attempts, usage if outcome == "complete" else {}),
+                stream_ended(grant, outcome, why),
+            )
+
+
+def broken(err: Exception) -> str:
+    """Why a stream broke off, for its error event and the circuit."""
+    if isinstance(err, TimeoutError):
+        return f"timeout ({err})"
+    return str(err) if isinstance(err, ReplyRefused) else type(err).__name__
+
+
+async def charge(group: Group, grant: Grant, reply: Reply, attempts: Attempts, usage: dict[str, int]) -> None:
+    """Settle a call the upstream answered with what its `usage` reports, bounded by what
+    the request could cost (`Budget.billed`): no report, all that was reserved."""
+    upstream, lease = grant.upstream, grant.lease
+    used, outlier = upstream.budget.billed(lease, usage.get("total_tokens"))
+    if outlier:
+        log.warning(
+            "upstream %s reported %d tokens, over the %d its request could cost",
+            upstream.name,
+            usage["total_tokens"],
+            used,
+        )
+    _record_usage(upstream.name, lease.tokens, used)
+    metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
+    await settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"), usage_outlier=outlier)
+
+
 async def settle(
     group: Group,
     grant: Grant,
@@ -215,6 +240,7 @@ async def settle(
     used_request: bool = True,
     pause_s: float = 0.0,
     prompt_tokens: int | None = None,
+    usage_outlier: bool = False,
 ) -> None:
     """Charge what the upstream charged (`used_tokens`), in its budget and in the job's
     share (whatever either reserved beyond it goes back), and let the queue try again."""
@@ -224,6 +250,7 @@ async def settle(
             grant.lease,
             used_tokens,
             used_request=used_request,
+            usage_outlier=usage_outlier,
             pause_s=pause_s,
             prompt_tokens=prompt_tokens,
             remaining_tokens=remaining(headers, "tokens"),
@@ -248,12 +275,18 @@ async def stream_ended(grant: Grant, outcome: str, why: str) -> None:
         await circuit.release_probe()
 
 
-async def sse_events(lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Server-sent events, each with the blank line that ends it, from a stream of lines."""
+async def sse_events(lines: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:
+    """Server-sent events, each with the blank line that ends it, from a stream of lines;
+    `ReplyRefused` for an event over `max_bytes`."""
     event: list[bytes] = []
+    size = 0
     async for line in lines:
         event.append(line)
+        size += len(line)
+        if size > max_bytes:
+            raise too_large(max_bytes)
         if not line.strip():
+            size = 0
             if len(event) > 1:
                 yield b"".join(event)
             event = []
@@ -274,11 +307,12 @@ def sse_error(message: str) -> bytes:
 
 
 def _json_or_none(data: str) -> dict:
+    """An event's JSON object, or {}; `ReplyRefused` when it nests too deep."""
     try:
-        decoded = msgspec.json.decode(data)
+        value = decoded(data)
     except msgspec.DecodeError:
         return {}
-    return decoded if isinstance(decoded, dict) else {}
+    return value if isinstance(value, dict) else {}
 
 
 def _usage(data: dict) -> dict[str, int]:

@@ -91,7 +91,8 @@ class Gateway:
                 prompt_margin=config.prompt_margin,
                 prompt_ratio_band=config.prompt_ratio_band,
             )
-            upstream = Upstream(config, Budget(self.redis, config.name, limits), self.health.circuit(config))
+            budget = Budget(self.redis, config.name, limits)
+            upstream = Upstream(config, budget, self.health.circuit(config), self.settings.max_reply_bytes)
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
                 self.groups[config.model] = Group(
@@ -193,6 +194,7 @@ class Gateway:
                     metrics.BUDGET_UTILIZATION.labels(upstream.name).set(tokens_per_s * 60 / upstream.config.tpm)
                     metrics.PROMPT_RATIO.labels(upstream.name).set(view.prompt_ratio)
                     metrics.PROMPT_OUTLIERS.labels(upstream.name).set(view.prompt_outliers)
+                    metrics.USAGE_OUTLIERS.labels(upstream.name).set(view.usage_outliers)
             await asyncio.sleep(every_s)
 
     def structured(self, model: str) -> bool:

@@ -70,6 +70,12 @@ PROMPT_OUTLIERS = Gauge(
     "nothing (all replicas)",
     ["upstream"],
 )
+USAGE_OUTLIERS = Gauge(
+    "tandem_judge_usage_outliers",
+    "Replies whose usage.total_tokens was more than their request could cost (its prompt at the ratio band's top "
+    "and every completion at max_tokens), so were charged that instead (all replicas)",
+    ["upstream"],
+)
 MEMORY = Counter(
     "tandem_judge_memory_total",
     "Requests the proxy could answer from memory, by kind (cache: identical temperature-0 request; replay: same "

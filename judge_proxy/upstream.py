@@ -23,10 +23,12 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from aiohttp.http_exceptions import LineTooLong
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, LimitModel
 from judge_proxy.circuit import Circuit
+from judge_proxy.replies import read_capped, too_large
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -233,8 +235,10 @@ async def cut_at(deadline: float, what: str) -> AsyncIterator[None]:
 
 
 class Upstream:
-    def __init__(self, config: UpstreamConfig, budget: Budget, circuit: Circuit) -> None:
+    def __init__(self, config: UpstreamConfig, budget: Budget, circuit: Circuit, max_reply_bytes: int) -> None:
         self.config = config
+        self.max_reply_bytes = max_reply_bytes
+        """The most of a reply (of a stream: of one line) read (`judge_proxy.replies`)."""
         self.name = config.name
         self.budget = budget
         self.circuit = circuit
@@ -284,7 +288,7 @@ class Upstream:
 
     async def _post_once(self, payload: bytes, headers: dict[str, str], stream: bool) -> Reply:
         """Headers within `first_byte_timeout_s`; a whole reply that is not a stream within
-        `timeout_s` of the start."""
+        `timeout_s` of the start, and `ReplyRefused` past `max_reply_bytes` of it."""
         config = self.config
         now = asyncio.get_running_loop().time()
         first_byte_s = config.first_byte_timeout_s if stream else min(config.first_byte_timeout_s, config.timeout_s)
@@ -293,14 +297,18 @@ class Upstream:
         if stream and 200 <= response.status < 300:
             return Reply(response.status, b"", response.headers, events=response)
         async with response, cut_at(now + config.timeout_s, f"reply not whole in {config.timeout_s:g} s"):
-            return Reply(response.status, await response.read(), response.headers)
+            return Reply(response.status, await read_capped(response, self.max_reply_bytes), response.headers)
 
     async def lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """A stream's lines as they arrive, cut when none comes for `idle_timeout_s`."""
+        """A stream's lines as they arrive, cut when none comes for `idle_timeout_s`;
+        `ReplyRefused` for a line over `max_reply_bytes`."""
         idle_s = self.config.idle_timeout_s
         while True:
             async with cut_at(asyncio.get_running_loop().time() + idle_s, f"no byte in {idle_s:g} s"):
-                line = await response.content.readline()
+                try:
+                    line = await response.content.readline(max_line_length=self.max_reply_bytes)
+                except LineTooLong:
+                    raise too_large(self.max_reply_bytes) from None
             if not line:
                 return
             yield line

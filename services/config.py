@@ -785,6 +785,19 @@ class JudgeProxySettings(_ProcessSettings):
     idempotency_ttl_s: float = Field(
         3600.0, ge=0, description="How long a reply is kept for a retry with the same Idempotency-Key; 0 = off."
     )
+    max_reply_bytes: int = Field(
+        8 << 20,
+        ge=1 << 16,
+        description="The most of an upstream's reply (of a stream: of one line or event) the proxy reads; a "
+        "reply over it is the upstream's failure, a 502 naming the cap. 8 MiB: a reply of 1,024 tokens with 20 "
+        "top logprobs each is about 1.3 MB.",
+    )
+    max_request_bytes: int = Field(
+        8 << 20,
+        ge=1 << 10,
+        description="The largest request body the proxy reads; a larger one is refused with 413 before the rest "
+        "of it is read.",
+    )
 
     @model_validator(mode="after")
     def _auth_or_loopback(self) -> JudgeProxySettings:

@@ -10,6 +10,8 @@ import contextlib
 import json
 import math
 import time
+import tracemalloc
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +20,8 @@ from devtools.provider import LocalUpstreamConfig, serve_in_thread
 from devtools.provider import create_app as local_upstream_app
 from judge_proxy.app import create_app
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, Limits
+from judge_proxy.replies import MAX_REPLY_DEPTH
+from judge_proxy.upstream import estimate_prompt_tokens
 from services.config import JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port
@@ -36,10 +40,10 @@ def provider():
         yield stack.enter_context(serve_in_thread(local_upstream_app(config), free_port()))
 
 
-@pytest.fixture
-async def proxy(provider, redis_url, redis_client, tmp_path):
-    """The proxy over the stand-in, as a bucket of 100,000 tokens a minute; waits for budget
-    end after 5 s."""
+@contextlib.asynccontextmanager
+async def proxy_over(provider: str, redis_url: str, tmp_path, limit_model: str = "bucket", **settings):
+    """The proxy over the stand-in, its one upstream 100,000 tokens a minute in `limit_model`;
+    waits for budget end after 5 s."""
     async with httpx.AsyncClient() as admin:
         (await admin.post(f"{provider}/admin/reset")).raise_for_status()
     upstream = {
@@ -49,15 +53,24 @@ async def proxy(provider, redis_url, redis_client, tmp_path):
         "base_url": f"{provider}/v1",
         "tpm": 100_000,
         "rpm": 6000,
-        "limit_model": "bucket",
+        "limit_model": limit_model,
     }
     (tmp_path / "upstreams.json").write_text(json.dumps({"upstreams": [upstream]}))
     app = create_app(
-        JudgeProxySettings(redis_url=redis_url, upstreams=str(tmp_path / "upstreams.json"), queue_deadline_s=5.0)
+        JudgeProxySettings(
+            redis_url=redis_url, upstreams=str(tmp_path / "upstreams.json"), queue_deadline_s=5.0, **settings
+        )
     )
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30) as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=60) as client:
         yield client
     await app.state.proxy.aclose()
+
+
+@pytest.fixture
+async def proxy(provider, redis_url, redis_client, tmp_path):
+    """The proxy over the stand-in, as a bucket."""
+    async with proxy_over(provider, redis_url, tmp_path) as client:
+        yield client
 
 
 def ordinary() -> dict:
@@ -183,3 +196,184 @@ async def test_calls_at_the_bands_edge_move_the_ratio_no_further_than_the_edge(r
 
     assert view.prompt_ratio == pytest.approx(HIGH)
     assert ordinary_cost == math.ceil(480 * HIGH) + 20
+
+
+# Providers are not trusted for their own bill, nor for the size and shape of their replies.
+
+CAP_BYTES = 1 << 20
+"""The reply cap of the tests below (the default is larger)."""
+
+
+async def script(provider: str, *replies: dict) -> None:
+    async with httpx.AsyncClient() as admin:
+        (await admin.post(f"{provider}/admin/script", json={"replies": list(replies)})).raise_for_status()
+
+
+async def stand_in_stats(provider: str) -> dict:
+    async with httpx.AsyncClient() as admin:
+        return (await admin.get(f"{provider}/admin/stats")).json()
+
+
+def most_an_ordinary_call_costs() -> int:
+    """Its prompt at the band's top (with the reservation's margin) and its 20 completion tokens."""
+    return math.ceil(estimate_prompt_tokens(ordinary()["messages"]) * HIGH * 1.05) + 20
+
+
+@pytest.mark.parametrize("limit_model", ["bucket", "window"])
+async def test_a_reply_claiming_1e15_tokens_is_charged_at_most_what_its_request_could_cost_and_other_jobs_go_on(
+    provider, redis_url, redis_client, tmp_path, limit_model
+):
+    # Charged as reported, it left the budget (and, in a window, its pacing bucket) at -1e15:
+    # every job's calls waited for budget until their deadline, for good.
+    async with proxy_over(provider, redis_url, tmp_path, limit_model) as proxy:
+        before = await budget_of(proxy)
+        await script(provider, {"usage": {"total_tokens": 10**15}})
+        lying = await proxy.post("/v1/chat/completions", json=ordinary(), headers={"x-tandem-job": "liar"})
+        after = await budget_of(proxy)
+        others = [
+            await proxy.post("/v1/chat/completions", json=ordinary(), headers={"x-tandem-job": "other"})
+            for _ in range(3)
+        ]
+
+    assert lying.status_code == 200
+    assert 0 < before["available_tokens"] - after["available_tokens"] <= most_an_ordinary_call_costs()
+    assert after["used_tokens_total"] <= most_an_ordinary_call_costs()
+    assert after["usage_outliers"] == 1
+    if limit_model == "window":
+        assert 0 < before["pace_tokens"] - after["pace_tokens"] <= most_an_ordinary_call_costs()
+    assert [r.status_code for r in others] == [200] * 3
+
+
+@pytest.mark.parametrize("reported", [-5, "lots", 1e15, None])
+async def test_usage_that_is_negative_or_not_an_integer_is_charged_as_the_reservation(proxy, provider, reported):
+    await script(provider, {"usage": {"total_tokens": reported}})
+    reply = await proxy.post("/v1/chat/completions", json=ordinary())
+    budget = await budget_of(proxy)
+    reserved = math.ceil(estimate_prompt_tokens(ordinary()["messages"]) * 1.05) + 20  # at the ratio of 1
+
+    assert reply.status_code == 200
+    assert budget["used_tokens_total"] == reserved
+    assert budget["usage_outliers"] == 0
+
+
+@pytest.mark.parametrize("limit_model", ["bucket", "window"])
+async def test_a_budget_never_owes_more_than_one_call_can_take(redis_client, limit_model):
+    # The floor holds even for a charge or an `x-ratelimit-remaining` no bound caught, and
+    # for a state an older replica left deep below it: the budget owes at most `tpm` (no
+    # call costs more), so it is whole again within two minutes.
+    tpm = 60_000
+    budget = Budget(redis_client, f"floor-{limit_model}", Limits(tpm, 600, 10, 30.0, limit_model))
+    lease = (await budget.reserve(100)).lease
+    await budget.settle(lease, 10**15, remaining_tokens=-1e15)
+    charged = await budget.view()
+    await redis_client.hset(Keys.judge_budget(f"floor-{limit_model}"), mapping={"tokens": -1e15, "pace_tokens": -1e15})
+    poisoned = await budget.view()
+
+    for view in (charged, poisoned):
+        assert view.available_tokens >= -tpm - 1
+        assert view.pace_tokens is None or view.pace_tokens >= -tpm - 1
+
+
+def socket_buffers_bytes() -> int:
+    """The most a loopback connection holds in flight: the sender's and the receiver's largest
+    socket buffers (Linux's autotuning limits), and 1 MiB for what uvicorn and aiohttp buffer."""
+    sizes = [int(Path(f"/proc/sys/net/ipv4/tcp_{kind}").read_text().split()[2]) for kind in ("wmem", "rmem")]
+    return sum(sizes) + (1 << 20)
+
+
+async def test_a_reply_over_the_size_cap_is_a_502_naming_it_and_no_more_of_it_is_read(provider, redis_url, tmp_path):
+    # Read whole, 64 MB relayed cost the proxy 193 MB. Now it holds at most the cap, and a
+    # copy of it joined: 2 MiB, with aiohttp's buffer (128 KiB) and the rest of the call well
+    # under 2 MiB more. The stand-in writes no more than the cap and what the sockets hold.
+    size = 2 * (CAP_BYTES + socket_buffers_bytes())
+    async with proxy_over(provider, redis_url, tmp_path, max_reply_bytes=CAP_BYTES) as proxy:
+        await script(provider, {"padding_bytes": size})
+        tracemalloc.start()
+        try:
+            start, _ = tracemalloc.get_traced_memory()
+            reply = await proxy.post("/v1/chat/completions", json=ordinary())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        await asyncio.sleep(0.5)  # the stand-in notices the closed connection
+        sent = (await stand_in_stats(provider))["padded_bytes_sent"]
+
+    assert reply.status_code == 502
+    assert f"over {CAP_BYTES} bytes" in reply.json()["error"]["message"]
+    assert peak - start < 2 * CAP_BYTES + (2 << 20)
+    assert sent <= CAP_BYTES + socket_buffers_bytes()
+
+
+async def test_a_streamed_event_over_the_size_cap_ends_the_stream_with_an_error_naming_it(
+    provider, redis_url, tmp_path
+):
+    async with proxy_over(provider, redis_url, tmp_path, max_reply_bytes=CAP_BYTES) as proxy:
+        await script(provider, {"padding_bytes": 4 * CAP_BYTES})
+        reply = await proxy.post("/v1/chat/completions", json={**ordinary(), "stream": True})
+        budget = await budget_of(proxy)
+
+    assert reply.status_code == 200  # the headers went before the event
+    assert f"over {CAP_BYTES} bytes" in reply.text.splitlines()[-2]
+    assert "[DONE]" not in reply.text
+    assert budget["inflight"] == 0  # settled
+
+
+async def test_a_reply_nested_deeper_than_the_cap_is_a_502_naming_it(proxy, provider):
+    # msgspec gave up at Python's recursion limit, and the proxy answered 500.
+    await script(provider, {"nesting": 100_000})
+    reply = await proxy.post("/v1/chat/completions", json=ordinary())
+
+    assert reply.status_code == 502
+    assert f"nested deeper than {MAX_REPLY_DEPTH}" in reply.json()["error"]["message"]
+
+
+async def test_a_streamed_event_nested_deeper_than_the_cap_ends_the_stream_with_an_error_naming_it(proxy, provider):
+    await script(provider, {"nesting": 5000})
+    reply = await proxy.post("/v1/chat/completions", json={**ordinary(), "stream": True})
+
+    assert reply.status_code == 200
+    assert f"nested deeper than {MAX_REPLY_DEPTH}" in reply.text.splitlines()[-2]
+
+
+async def test_a_reply_nested_as_deep_as_the_cap_passes(proxy, provider):
+    await script(provider, {"nesting": MAX_REPLY_DEPTH - 1})  # inside the reply's own object
+    reply = await proxy.post("/v1/chat/completions", json=ordinary())
+
+    assert reply.status_code == 200
+    assert reply.json()["nested"] is not None
+
+
+async def test_a_request_over_the_body_limit_is_a_413_read_no_further(provider, redis_url, tmp_path):
+    big = {**ordinary(), "messages": [{"role": "user", "content": "x" * 8192}]}
+
+    async def chunked():  # no content-length: the limit counts what arrives
+        yield json.dumps(big).encode()
+
+    async with proxy_over(provider, redis_url, tmp_path, max_request_bytes=4096) as proxy:
+        declared = await proxy.post("/v1/chat/completions", json=big)
+        streamed = await proxy.post("/v1/chat/completions", content=chunked())
+        judged = await proxy.post("/v1/judge", json={"rubric": "helpfulness", "messages": big["messages"]})
+        small = await proxy.post("/v1/chat/completions", json=ordinary())
+
+    assert [declared.status_code, streamed.status_code, judged.status_code] == [413] * 3
+    assert declared.json()["error"]["code"] == "request_too_large"
+    assert "over 4096 bytes" in declared.json()["error"]["message"]
+    assert small.status_code == 200
+    assert (await stand_in_stats(provider))["requests"] == 1
+
+
+async def test_a_request_nested_too_deep_is_a_400(proxy):
+    reply = await proxy.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+
+    assert reply.status_code == 400
+
+
+async def test_the_budget_shows_the_pacing_bucket(provider, redis_url, tmp_path):
+    async with proxy_over(provider, redis_url, tmp_path, "window") as proxy:
+        fresh = await budget_of(proxy)
+        await proxy.post("/v1/chat/completions", json=ordinary())
+        after = await budget_of(proxy)
+
+    assert fresh["pace_tokens"] == pytest.approx(100_000 * 6 / 60)  # pace_s's worth at tpm / 60
+    assert fresh["pace_requests"] == pytest.approx(6000 * 6 / 60)
+    assert after["pace_tokens"] < fresh["pace_tokens"]

@@ -101,7 +101,7 @@ def upstream(name: str, weight: float = 1.0) -> Upstream:
     config = UpstreamConfig(name=name, model="m", base_url="http://127.0.0.1:9/v1", tpm=1000, rpm=10, weight=weight)
     client = aioredis.from_url("redis://127.0.0.1:9")
     circuit = Circuit(client, name, "m", CircuitSettings(5, 120.0, 10.0, 80.0), on_change=lambda: None)
-    return Upstream(config, Budget(client, name, Limits(1000, 10, 1, 1.0)), circuit)
+    return Upstream(config, Budget(client, name, Limits(1000, 10, 1, 1.0)), circuit, max_reply_bytes=1 << 20)
 
 
 def test_the_reservation_is_the_prompt_estimate_at_the_learned_ratio_plus_every_completion_at_its_maximum():
