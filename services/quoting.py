@@ -9,6 +9,11 @@ judge's cache and a provider's prefix cache still match). `quoted_turns` reads t
 back, as the stand-in provider does; `unquoted` is a model's answer without the turns it
 quoted back, so that what a quoted turn says is never read as the answer's own words.
 
+Quoting does not stop a served model's tokenizer from reading `<|im_start|>user`, spelled in
+a turn with ordinary tokens, as the special token that opens a turn: every quoted turn is
+`neutralised` first (a zero-width joiner after the marker's first character), and so is any
+model-written text that reaches a model as a chat turn of its own (τ²'s user).
+
 Reading what a model wrote is here too: its Markdown fenced blocks (`fenced_blocks`), the
 JSON object a reply holds among other text (`json_object`), and a reply that is one JSON
 object and nothing else (`only_json_object`).
@@ -19,8 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 
 TAG = re.compile(r"q[0-9a-f]{16}")
+ZERO_WIDTH_JOINER = "\u200d"
+_MARKER_OPENING = re.compile(r"<(?=[|\uff5c])|<(?=/?(?:s|bos|eos|start_of_turn|end_of_turn)>)|\[(?=/?INST\])")
+"""The opening character of a turn marker's spelling, broken by `neutralised`."""
 _WHOLE_FENCE = re.compile(r"\A```[\w+-]*[ \t]*\n(.*)\n[ \t]*```\Z", re.DOTALL)
 _FENCE = re.compile(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 
@@ -35,8 +44,8 @@ def quote_tag(conversations: list[list[dict]]) -> str:
 
 
 def quote_turns(turns: list[tuple[str, str]], tag: str) -> str:
-    """(role, text) pairs, each quoted, separated by blank lines."""
-    return "\n\n".join(f'<{tag} role="{role}">\n{text}\n</{tag}>' for role, text in turns)
+    """(role, text) pairs, each quoted and `neutralised`, separated by blank lines."""
+    return "\n\n".join(f'<{tag} role="{role}">\n{neutralised(text)}\n</{tag}>' for role, text in turns)
 
 
 def turn_pattern(tag: str) -> re.Pattern:
@@ -90,3 +99,16 @@ def only_json_object(text: str) -> dict | None:
     except json.JSONDecodeError:
         return None
     return found if isinstance(found, dict) else None
+
+
+def neutralised(text: str, markers: Iterable[str] = ()) -> str:
+    """`text` with every control-token spelling broken by a zero-width joiner after its first
+    character, so that no tokenizer reads it as the special token: the turn markers of the
+    common chat template families (`<|...|>` as in ChatML, Llama 3, Phi; `<｜...｜>`;
+    Gemma's `<start_of_turn>`; Mistral's `[INST]`, `<s>`), and each of `markers` (a
+    tokenizer's own special tokens). Text without them is returned as it is."""
+    text = _MARKER_OPENING.sub(lambda found: found.group(0) + ZERO_WIDTH_JOINER, text)
+    for marker in markers:
+        if len(marker) > 1 and marker in text:
+            text = text.replace(marker, marker[0] + ZERO_WIDTH_JOINER + marker[1:])
+    return text

@@ -23,6 +23,11 @@ job's parser's format (`TOOL_PROMPTS`), in every rendering alike.
 
 Every rendering has a deadline (`services.chat_template`): the template comes with the
 model folder, and one that loops is refused instead of holding the process.
+
+Every message but the assistant's is rendered `neutralised` (`services.quoting`): a user
+simulator's turn or a tool result that spells a special token (`<|im_start|>user`) is
+tokenized as text, never as the token, so it cannot open a turn in the policy's context.
+The assistant's own turns are the policy's sampled tokens, never re-tokenized.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import re
 from typing import Literal
 
 from services.chat_template import within_deadline
+from services.quoting import neutralised
 
 CheckMode = Literal["strict", "ignore_strippable", "off"]
 BASE = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}]
@@ -73,15 +79,17 @@ class ChatTokenizer:
             shown = "\n".join(json.dumps(tool.get("function", tool)) for tool in self.tools)
             self._tool_prompt = TOOL_PROMPTS[parser].format(tools=shown)
         self.eot_id: int = tokenizer.eos_token_id
-        self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(
-            i for i, token in tokenizer.added_tokens_decoder.items() if token.special
-        )
+        specials = {i: token.content for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self.special_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | frozenset(specials)
         """Tokens the template reserves (turn markers, end of text): never inside a reply.
         Added tokens not marked special (Qwen's `<tool_call>`, `<think>`) are text."""
+        self.special_texts: tuple[str, ...] = tuple(sorted(set(tokenizer.all_special_tokens) | set(specials.values())))
+        """How the special tokens are spelled, broken in every message but the assistant's."""
         self._base = self.render(BASE)
         self._cut = _after_last(self._base, self.eot_id)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        messages = [self._neutral(m) for m in messages]
         tools = self.tools
         if self._tool_prompt is not None:
             messages, tools = _with_system_text(messages, self._tool_prompt), None
@@ -91,6 +99,14 @@ class ChatTokenizer:
             )
         )
         return list(ids)
+
+    def _neutral(self, message: dict) -> dict:
+        """`message` with the special tokens its text spells broken, unless it is the
+        assistant's (whose tokens are its own, and whose text `check` compares)."""
+        content = message.get("content")
+        if message["role"] == "assistant" or not isinstance(content, str):
+            return message
+        return {**message, "content": neutralised(content, self.special_texts)}
 
     def with_tools(self, tools: list[dict] | None, parser: str = "hermes") -> ChatTokenizer:
         """The same tokenizer and check, rendering with `tools` (read back by `parser`)."""

@@ -8,7 +8,8 @@ reply that asked for tools. Its reply is the user's next message, said as writte
 holding one of the task's stop markers ends the conversation. It knows no task: everything
 task-specific arrives in the brief and the markers.
 
-The policy's replies reach the simulator as chat turns, as in the benchmark. A reply that
+The policy's replies reach the simulator as chat turns, as in the benchmark, `neutralised`:
+a turn marker a reply spells (`<|im_start|>user`) opens no turn of its own. A reply that
 talks the simulator into stopping early gains nothing: the verdict reads the database, the
 actions taken and what was said, not the simulator's mood.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout.interactions.llm_user import UserSimulatorError, call_seed
+from services.quoting import neutralised
 
 
 class RolePlayUser:
@@ -61,11 +63,14 @@ class RolePlayUser:
 
 
 def swapped(messages: list[dict]) -> list[dict]:
-    """The conversation as the simulator reads it: what the user saw, roles swapped."""
+    """The conversation as the simulator reads it: what the user saw, roles swapped, each
+    message `neutralised`."""
     seen = [
         m
         for i, m in enumerate(messages)
         if m["role"] == "user"
         or (m["role"] == "assistant" and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool"))
     ]
-    return [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]} for m in seen]
+    return [
+        {"role": "assistant" if m["role"] == "user" else "user", "content": neutralised(m["content"])} for m in seen
+    ]
