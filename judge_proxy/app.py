@@ -9,7 +9,8 @@
 - `POST /v1/judge/group`: `{rubric, candidates: [[message...]...], reference?, model?, cache?}`
   -> `{results: [verdict...], usage, fallback, remembered}`: every candidate scored in one
   judge call where the reply allows (`judge_proxy.judge.GroupVerdicts`).
-- `GET /v1/budget`: limits and shared usage per upstream (never keys).
+- `GET /v1/budget`: limits and every part of the shared state per upstream (levels, the
+  pacing bucket, leases, totals, the learned ratio and the outlier counts; never keys).
 - `GET /v1/upstreams`: each upstream's circuit (state, since, failures, reason, seconds to
   the next probe) and whether each model is available, with the reason when not.
 - `/metrics`, `/healthz` (always 200: `status` is `degraded`, with the reasons, while every
@@ -29,8 +30,10 @@ else a new one; log lines of the request carry it), and on chat replies `X-Tande
 `x-ratelimit-limit|remaining|reset-requests|tokens` for the budget the model's upstreams
 share across all replicas. Errors have OpenAI's shape, `{"error": {"message", "type",
 "param", "code"}}`: malformed JSON or a bad field 400 (`param` and the message name the
-field), unknown model, rubric or route 404, no budget before the deadline 429 with
-`Retry-After`, failing upstreams 502, every upstream of the model down 503
+field), a body over `max_request_bytes` 413, a model group a job may not use
+(`job_models`) 403, unknown model, rubric or route 404, no budget before the deadline 429
+with `Retry-After`, failing upstreams 502 (a reply over `max_reply_bytes` or nested too deep
+among the failures), every upstream of the model down 503
 `upstream_unavailable` with `Retry-After` (the next probe), the budget store unreachable 503.
 """
 
@@ -217,6 +220,7 @@ def chat_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Jud
         job = authorize(request)
         body = await json_object(request, settings.max_request_bytes)
         chat = validated(ChatRequest, body)
+        model_for(settings, job, chat.model)
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
         priority = priority_of(request)
         tag = request.headers.get("idempotency-key", "")
@@ -254,7 +258,7 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
             rubric,
             [t.model_dump() for t in ask.messages],
             ask.reference,
-            ask.model or settings.judge_model,
+            model_for(settings, job, ask.model or settings.judge_model),
             job,
             cache=ask.cache,
             idempotency_key=request.headers.get("idempotency-key"),
@@ -270,13 +274,24 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
             rubric,
             candidates,
             ask.reference,
-            ask.model or settings.judge_model,
+            model_for(settings, job, ask.model or settings.judge_model),
             job,
             cache=ask.cache,
             idempotency_key=request.headers.get("idempotency-key"),
         )
 
     return router
+
+
+def model_for(settings: JudgeProxySettings, job: str, model: str) -> str:
+    """`model`, when the caller may ask for it: a call charged to a job only for a model group
+    in `job_models` (when set); 403 otherwise."""
+    allowed = [m.strip() for m in settings.job_models.split(",") if m.strip()]
+    if job and allowed and model not in allowed:
+        raise ProxyError(
+            403, f"a job may not use model {model!r}; jobs may use {allowed}", "permission_denied", param="model"
+        )
+    return model
 
 
 def rubric_for(name: str, reference: str | None) -> Rubric:

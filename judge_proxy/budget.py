@@ -31,7 +31,10 @@ so replicas agree on refills and expiries and no interleaving can over-admit:
   and says how long to wait, or that the cost (at the ratio learned by now) is more than the
   limit and never fits;
 - `settle` replaces what was reserved with what the upstream charged (`usage`): more than
-  reserved is charged, and later admissions wait for it. It then clamps the state to the
+  reserved is charged, and later admissions wait for it, but never more than the request
+  could cost (`Budget.billed`: a report over it is a usage outlier) nor than `tpm`. No level
+  (a bucket's, a pacing bucket's) owes more than `tpm`, the most one call can cost, so a
+  state poisoned by a report from before that bound is whole again within two minutes. It then clamps the state to the
   upstream's `x-ratelimit-remaining-*` when those say less is left (in a window, the
   difference is held until the upstream's `x-ratelimit-reset-*` says it is gone, at most
   a window), learns the prompt ratio, and an upstream 429 pauses the upstream for every

@@ -12,12 +12,13 @@ Settling charges the share what the upstream charged, like the budget.
 
 One call of `complete` makes at most `max_attempts` upstream calls:
 - 2xx: the reply is passed through; once it is sent, `usage.total_tokens` settles the
-  reservation, `usage.prompt_tokens` teaches the upstream's prompt ratio (`budget.py`) and
-  the reply's `x-ratelimit-remaining-*`/`reset-*` clamp the shared budget. A stream
-  (`stream: true`) is relayed event by event as it arrives; the proxy asks the upstream for
-  `usage` in its last chunk (`stream_options.include_usage`, dropped again when the client
-  did not ask) and settles when the stream ends. A stream cut off midway (the upstream's
-  connection or the client's) settles all it reserved, and is counted.
+  reservation (at most what the request could cost, `Budget.billed`), `usage.prompt_tokens`
+  teaches the upstream's prompt ratio (`budget.py`) and the reply's
+  `x-ratelimit-remaining-*`/`reset-*` clamp the shared budget. A stream (`stream: true`) is
+  relayed event by event as it arrives; the proxy asks the upstream for `usage` in its last
+  chunk (`stream_options.include_usage`, dropped again when the client did not ask) and
+  settles when the stream ends. A stream cut off midway (the upstream's connection or the
+  client's) settles all it reserved, and is counted.
 - 429: nothing was charged; the upstream is paused for every replica for `retry-after-ms`
   / `retry-after` (else exponential backoff with jitter), at most `max_backoff_s`, and the
   request waits in the queue again (any upstream of the group may take it).

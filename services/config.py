@@ -798,6 +798,12 @@ class JudgeProxySettings(_ProcessSettings):
         description="The largest request body the proxy reads; a larger one is refused with 413 before the rest "
         "of it is read.",
     )
+    job_models: str = Field(
+        "",
+        description="Comma-separated model groups a call charged to a job (a job's credential, or X-Tandem-Job "
+        "without client_tokens) may use; others get 403. Empty: every group this proxy serves. Calls with a "
+        "plain client token (the operator's own) may use every group.",
+    )
 
     @model_validator(mode="after")
     def _auth_or_loopback(self) -> JudgeProxySettings:

@@ -1,7 +1,11 @@
-"""The learned prompt ratio cannot be poisoned: requests that hide billed prompt in tool
-calls and schemas, or calls an upstream counts far off the estimate, leave it inside its
-band, and a request refused as too large changes nothing the next request meets. On a real
-Redis, with the proxy in front of a stand-in provider that bills every part of a request."""
+"""The judge budget cannot be poisoned. The learned prompt ratio: requests that hide billed
+prompt in tool calls and schemas, or calls an upstream counts far off the estimate, leave it
+inside its band, and a request refused as too large changes nothing the next request meets.
+The provider's bill: a reply is charged at most what its request could cost, and no budget
+owes more than one call. Nor is a provider trusted for the size or shape of its replies, a
+client for the size of its request, or a job for the model groups it asks for. On a real
+Redis, with the proxy in front of a stand-in provider that bills every part of a request
+and misbehaves when scripted to."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from judge_proxy.app import create_app
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, Limits
 from judge_proxy.replies import MAX_REPLY_DEPTH
 from judge_proxy.upstream import estimate_prompt_tokens
+from services.auth import job_credential
 from services.config import JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port
@@ -377,3 +382,22 @@ async def test_the_budget_shows_the_pacing_bucket(provider, redis_url, tmp_path)
     assert fresh["pace_tokens"] == pytest.approx(100_000 * 6 / 60)  # pace_s's worth at tpm / 60
     assert fresh["pace_requests"] == pytest.approx(6000 * 6 / 60)
     assert after["pace_tokens"] < fresh["pace_tokens"]
+
+
+async def test_a_job_may_use_only_the_model_groups_the_operator_lets_jobs_use(provider, redis_url, tmp_path):
+    # Unrestricted, a job's credential could spend any group's budget (an evaluation model's,
+    # say) by naming it as its judge_model or user_model.
+    as_job = {"authorization": f"Bearer {job_credential('secret', 'job-1')}"}
+    as_operator = {"authorization": "Bearer secret"}
+    settings = {"client_tokens": "secret", "job_models": "user-simulator"}
+    async with proxy_over(provider, redis_url, tmp_path, **settings) as proxy:
+        chat = await proxy.post("/v1/chat/completions", json=ordinary(), headers=as_job)
+        judged = await proxy.post(
+            "/v1/judge", json={"rubric": "interactivity", "messages": ordinary()["messages"]}, headers=as_job
+        )
+        operator = await proxy.post("/v1/chat/completions", json=ordinary(), headers=as_operator)
+
+    assert [chat.status_code, judged.status_code] == [403, 403]
+    assert chat.json()["error"]["param"] == "model"
+    assert "'judge'" in chat.json()["error"]["message"]
+    assert operator.status_code == 200
