@@ -23,7 +23,7 @@ from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group
 from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
-from judge_proxy.replies import ReplyRefused, decoded, too_large
+from judge_proxy.replies import ReplyRefused, decoded, over_cap
 from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
@@ -284,7 +284,7 @@ async def sse_events(lines: AsyncIterator[bytes], max_bytes: int) -> AsyncIterat
         event.append(line)
         size += len(line)
         if size > max_bytes:
-            raise too_large(max_bytes)
+            raise over_cap(max_bytes)
         if not line.strip():
             size = 0
             if len(event) > 1:

@@ -26,7 +26,8 @@ class ReplyRefused(Exception):
     """An upstream's reply the proxy will not read or relay; the message says why."""
 
 
-def too_large(cap_bytes: int) -> ReplyRefused:
+def over_cap(cap_bytes: int) -> ReplyRefused:
+    """The refusal of a reply (or a stream's line or event) over `cap_bytes`."""
     return ReplyRefused(f"reply over {cap_bytes} bytes")
 
 
@@ -43,7 +44,7 @@ async def read_capped(response: aiohttp.ClientResponse, cap_bytes: int) -> bytes
         else:
             return b"".join(pieces)
     response.close()
-    raise too_large(cap_bytes)
+    raise over_cap(cap_bytes)
 
 
 def too_deep(body: bytes) -> bool:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, LimitModel
 from judge_proxy.circuit import Circuit
-from judge_proxy.replies import read_capped, too_large
+from judge_proxy.replies import over_cap, read_capped
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -308,7 +308,7 @@ class Upstream:
                 try:
                     line = await response.content.readline(max_line_length=self.max_reply_bytes)
                 except LineTooLong:
-                    raise too_large(self.max_reply_bytes) from None
+                    raise over_cap(self.max_reply_bytes) from None
             if not line:
                 return
             yield line
