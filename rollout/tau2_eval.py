@@ -97,7 +97,7 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
         async with slots:
             started = time.monotonic()
             episode = await runner.run(example, task_set.context(example), f"eval/{spec.task.domain}/{example}/{trial}")
-            verdict = await asyncio.to_thread(task_set.verdict, example, episode) if episode.well_formed() else None
+            verdict = await task_set.verdict(example, episode) if episode.well_formed() else None
         done["episodes"] += 1
         progress(done["episodes"], total, spec.task.domain)
         return {

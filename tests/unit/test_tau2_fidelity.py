@@ -171,7 +171,7 @@ async def test_the_oracle_and_a_do_nothing_agent_get_the_benchmarks_verdict(doma
         verdicts = []
         for episode in (oracle, idle):
             assert episode.end == "user_ended" and episode.well_formed(), (task.id, episode.end)
-            ours = checks(task_set.verdict(example, episode))
+            ours = checks(await task_set.verdict(example, episode))
             assert ours == checks(reference(evaluate, task_set, example, episode)), task.id
             verdicts.append(ours)
         # Every expected call reached the benchmark's environment: none was refused by the

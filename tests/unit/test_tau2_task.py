@@ -3,6 +3,8 @@ scores, worlds that fork, the role-played user, and pass^k."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -75,30 +77,37 @@ def episode_of(task: Tau2Task, example: int, end: str, failures: int = 0) -> Epi
         ("user_ended", MAX_ERRORS, "too_many_errors"),
     ],
 )
-def test_only_a_conversation_the_user_ended_is_judged_on_its_merits(end, failures, reason):
+async def test_only_a_conversation_the_user_ended_is_judged_on_its_merits(end, failures, reason):
     task = mock()
     nothing_expected = [t.id for t in task.tasks].index("create_task_1_nl_eval")  # passes if judged at all
     episode = episode_of(task, nothing_expected, end, failures)
     assert termination(episode) == reason
-    assert task.verdict(nothing_expected, episode).reward == (1.0 if reason == "user_stop" else 0.0)
+    assert (await task.verdict(nothing_expected, episode)).reward == (1.0 if reason == "user_stop" else 0.0)
 
 
-def test_a_forked_world_changes_apart_from_the_one_it_came_from():
+def completed(task_id: str) -> tuple[str, dict]:
+    return "update_task_status", {"task_id": task_id, "status": "completed"}
+
+
+async def test_a_forked_world_changes_apart_from_the_one_it_came_from():
     task = mock()
     world = task.world(0)
     fork = world.fork()
-    fork.call("create_task", {"user_id": "user_1", "title": "Only in the fork"})
-    titles = {t.title for t in world.environment.tools.db.tasks.values()}
-    assert "Only in the fork" not in titles and len(fork.calls) == 1 and not world.calls
+    created = json.loads((await fork.call("create_task", {"user_id": "user_1", "title": "Only in the fork"})).content)
+    assert (await fork.call(*completed(created["task_id"]))).error is False
+    assert (await world.call(*completed(created["task_id"]))).error is True  # no such task here
+    assert len(fork.calls) == 2 and len(world.calls) == 1
+    assert world.fork().calls == world.calls and world.fork().process.sock is not world.process.sock
 
 
-def test_a_task_with_a_history_starts_from_it_and_its_world_holds_what_the_history_did():
+async def test_a_task_with_a_history_starts_from_it_and_its_world_holds_what_the_history_did():
     task = mock()
     example = [t.id for t in task.tasks].index("update_task_with_message_history")
     context = task.context(example)
     assert [m["role"] for m in context] == ["system", "user", "assistant", "tool", "assistant"]
     assert context[2]["content"].startswith('<tool_call>{"name": "create_task"')
-    assert "task_2" in task.world(example).environment.tools.db.tasks
+    assert (await task.world(example).call(*completed("task_2"))).error is False
+    assert (await task.world(0).call(*completed("task_2"))).error is True
 
 
 class Client:
@@ -180,7 +189,6 @@ async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that
     task = mock()
     box = ToolBox.of_task(TASK_TOOLS, task.tools())
     usage = ToolUsage(world=task.world(0))
-    before = usage.world.environment.get_db_hash()
     results = await box.run(
         Parsed(
             calls=[
@@ -193,7 +201,9 @@ async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that
     )
     assert [r.failure for r in results] == ["tool_error", "bad_arguments", "unknown_tool"]
     assert results[0].content.startswith("error: ") and "task_999" in results[0].content
-    assert len(usage.world.calls) == 1 and usage.world.environment.get_db_hash() == before
+    assert len(usage.world.calls) == 1
+    (created,) = await box.run(Parsed(calls=[ToolCall("create_task", {"user_id": "user_1", "title": "t"})]), usage)
+    assert created.ok and json.loads(created.content)["task_id"] == "task_2"  # the database held one task still
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ only the loop around them, which is its own episode loop:
   ends with an assistant message has the user speak first (`EpisodeRunner.run`).
 - **Tools**: the domain's tools, their schemas from the benchmark's definitions, each call
   executed by the benchmark's environment against the episode's own copy of the database
-  (`Tau2World`: the domain's database with the task's initial state applied; a forked
-  episode goes on with a copy).
+  (`worlds.Tau2World`: the domain's database with the task's initial state applied, in a
+  worker process of its own; a forked episode goes on with a copy).
 - **User**: the LLM user simulator through the judge proxy, briefed as the benchmark briefs
   its own (its simulation guidelines and the task's scenario) and ending as the benchmark
   ends a conversation, on ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE###
@@ -23,23 +23,31 @@ only the loop around them, which is its own episode loop:
   or retail domains does). As in the benchmark, a conversation the user did not end (a
   turn or token limit, or `MAX_ERRORS` failed tool calls) scores 0.
 
+The benchmark's code that a policy's calls steer (tools, evaluators) runs in worker
+processes the tool box's deadline can stop (`worlds`, `worker`), never on the rollout
+server's event loop; a world whose call was stopped is lost, and its verdict is 0.
+
 What differs from the benchmark's own loop, each for a reason: a call the tool box refuses
 (unreadable, an unknown tool, arguments the schema rejects, over the episode's limits) never
 reaches the environment, so it is not in the trajectory, though it counts as an error; a
 failed call reads `error: ...` rather than `Error: ...`; assistant messages that asked for
-tools are not shown to the user, so their text does not count as said. The telecom domain,
+tools are not shown to the user, so their text does not count as said; `calculate` refuses
+an expression whose value would pass 4096 bits (`arithmetic`), which the benchmark computes
+for as long as it takes (and then fails to turn into a float). The telecom domain,
 whose user acts on a phone through tools of their own, is not supported.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib
 import json
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from rollout.tasks.tau2 import worlds
+from rollout.tasks.tau2.wire import WireError
+from rollout.tasks.tau2.worlds import Tau2World, WorldHost
 from rollout.tools.base import ToolError
 from services.tau2_splits import task_ids
 
@@ -57,35 +65,11 @@ which you must follow exactly. Each of your replies either writes to the user or
 never both; the user sees only the replies written to them. Use only the tools you are given."""
 
 
-def _quiet() -> None:
+def quiet() -> None:
     """The benchmark logs through loguru at import and on every call; Tandem has its own logs."""
     from loguru import logger
 
     logger.disable("tau2")
-
-
-class Tau2World:
-    """One episode's environment: the domain's database as the task starts, changed by the
-    episode's calls, and the calls with the benchmark's answers in order."""
-
-    def __init__(self, environment) -> None:
-        self.environment = environment
-        self.calls: list[tuple] = []
-        """(the benchmark's ToolCall, its ToolMessage) for every call that reached it."""
-
-    def fork(self) -> Tau2World:
-        forked = Tau2World(copy.deepcopy(self.environment))
-        forked.calls = list(self.calls)
-        return forked
-
-    def call(self, name: str, arguments: dict):
-        """The benchmark's answer (a ToolMessage) to a call of the agent's."""
-        from tau2.data_model.message import ToolCall
-
-        call = ToolCall(id=f"call_{len(self.calls)}", name=name, arguments=arguments, requestor="assistant")
-        answer = self.environment.get_response(call)
-        self.calls.append((call, answer))
-        return answer
 
 
 class Tau2Tool:
@@ -100,7 +84,7 @@ class Tau2Tool:
         return self._schema
 
     async def call(self, arguments: dict, world: Tau2World) -> str:
-        answer = world.call(self.name, arguments)
+        answer = await world.call(self.name, arguments)
         if answer.error:
             raise ToolError(answer.content.removeprefix("Error: "))
         return answer.content
@@ -123,7 +107,7 @@ class Tau2Task:
     """What the benchmark's user writes to end a conversation (`tau2.user.base`)."""
 
     def __init__(self, spec: TaskSpec) -> None:
-        _quiet()
+        quiet()
         self.domain = spec.domain
         self.name = f"tau2-{spec.domain}"
         self._module = importlib.import_module(f"tau2.domains.{spec.domain}.environment")
@@ -137,8 +121,8 @@ class Tau2Task:
                     "verdict (the benchmark's `all` evaluation) leaves out"
                 )
         self.environment = self._module.get_environment()
-        """The domain as it ships: every world, and each environment the verdict builds,
-        starts as a copy of it (loading the airline database takes twice as long)."""
+        """The domain as it ships, for its policy, its tools' schemas and demonstrations
+        (the benchmark's own calls); episodes' calls run in the worker (`host`)."""
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -175,37 +159,45 @@ class Tau2Task:
     def tools(self) -> list[Tau2Tool]:
         return [Tau2Tool(tool.name, tool.openai_schema) for tool in self.environment.get_tools()]
 
+    @cached_property
+    def host(self) -> WorldHost:
+        """The worker every world and verdict of the domain is forked from."""
+        return WorldHost(self.domain)
+
     def world(self, example: int) -> Tau2World:
-        """A fresh world for the task: the shipped database with its initial state applied."""
-        environment = copy.deepcopy(self.environment)
-        state = self.tasks[example].initial_state
-        environment.set_state(
-            initialization_data=state and state.initialization_data,
-            initialization_actions=state and state.initialization_actions,
-            message_history=self._history(example),
-        )
-        return Tau2World(environment)
+        """A fresh world for the task: the shipped database with its initial state applied,
+        in a process of its own."""
+        process = self.host.spawn()
+        process.tell({"op": "world", "task": self.tasks[example].id})
+        return Tau2World(process)
 
     async def score(self, example: int, messages: list[dict], episode: Episode | None = None) -> float:
         if episode is None:
             raise ValueError("a τ² verdict needs the episode (its end and its tool calls)")
-        return (await asyncio.to_thread(self.verdict, example, episode)).reward
+        return (await self.verdict(example, episode)).reward
 
-    def verdict(self, example: int, episode: Episode):
-        """The benchmark's RewardInfo for the episode's conversation. Where its evaluators
-        raise (an assertion about a record the agent never made), 0 with the error, as the
-        benchmark's runner scores a failed sample (`skip_failed_samples`)."""
+    async def verdict(self, example: int, episode: Episode):
+        """The benchmark's RewardInfo for the episode's conversation (`judged`), computed in
+        a worker process; 0 naming why for a world that was lost or a verdict that did not
+        finish within `worlds.VERDICT_TIMEOUT_S`."""
         from tau2.data_model.simulation import RewardInfo
 
+        lost = episode.tool_use.world.lost
+        if lost:
+            return RewardInfo(reward=0.0, info={"error": f"the conversation's environment was lost: {lost}"})
+        message = {
+            "op": "verdict",
+            "task": self.tasks[example].id,
+            "trajectory": [m.model_dump(mode="json") for m in self.trajectory(example, episode)],
+            "ended": termination(episode),
+        }
         try:
-            return evaluate(
-                self._fresh_environment, self.tasks[example], self.trajectory(example, episode), termination(episode)
-            )
-        except Exception as exc:  # noqa: BLE001 - the benchmark's code on the policy's conversation
-            return RewardInfo(reward=0.0, info={"error": f"{type(exc).__name__}: {exc}"})
-
-    def _fresh_environment(self, solo_mode: bool = False):
-        return copy.deepcopy(self.environment)
+            return RewardInfo.model_validate(await self.host.verdict(message))
+        except TimeoutError:
+            reason = f"the verdict did not finish within {worlds.VERDICT_TIMEOUT_S:g} s"
+        except (OSError, WireError) as exc:
+            reason = f"the verdict's process failed ({exc})"
+        return RewardInfo(reward=0.0, info={"error": reason})
 
     def trajectory(self, example: int, episode: Episode) -> list:
         """The conversation as the benchmark's messages: the task's history, then each
@@ -252,10 +244,13 @@ class Tau2Task:
         criteria = task.evaluation_criteria
         actions = (criteria.actions or []) if criteria else []
         if actions:
-            world = self.world(example)
+            from tau2.data_model.message import ToolCall
+
+            environment = start(copy.deepcopy(self.environment), task)
             messages.append({"role": "assistant", "content": hermes_calls([(a.name, a.arguments) for a in actions])})
             for action in actions:
-                answer = world.call(action.name, action.arguments)
+                call = ToolCall(id=action.action_id, name=action.name, arguments=action.arguments)
+                answer = environment.get_response(call)
                 content = f"error: {answer.content.removeprefix('Error: ')}" if answer.error else answer.content
                 messages.append({"role": "tool", "name": action.name, "content": content})
         said = (criteria.communicate_info or []) if criteria else []
@@ -269,8 +264,24 @@ class Tau2Task:
         return messages
 
     def _history(self, example: int) -> list:
-        state = self.tasks[example].initial_state
-        return list(state.message_history) if state is not None and state.message_history else []
+        return history(self.tasks[example])
+
+
+def history(task) -> list:
+    """The task's message history: the conversation it starts in, if any."""
+    state = task.initial_state
+    return list(state.message_history) if state is not None and state.message_history else []
+
+
+def start(environment, task):
+    """`environment`, a copy of the shipped one, with the task's initial state applied."""
+    state = task.initial_state
+    environment.set_state(
+        initialization_data=state and state.initialization_data,
+        initialization_actions=state and state.initialization_actions,
+        message_history=history(task),
+    )
+    return environment
 
 
 def termination(episode: Episode) -> str:
@@ -281,6 +292,18 @@ def termination(episode: Episode) -> str:
     if episode.end == "user_ended":
         return "user_stop"
     return "max_steps" if episode.end in ("max_turns", "max_tokens") else "agent_error"
+
+
+def judged(environment_constructor, task, trajectory: list, how_it_ended: str):
+    """The benchmark's RewardInfo (`evaluate`). Where its evaluators raise (an assertion
+    about a record the agent never made), 0 with the error, as the benchmark's runner scores
+    a failed sample (`skip_failed_samples`)."""
+    from tau2.data_model.simulation import RewardInfo
+
+    try:
+        return evaluate(environment_constructor, task, trajectory, how_it_ended)
+    except Exception as exc:  # noqa: BLE001 - the benchmark's code on the policy's conversation
+        return RewardInfo(reward=0.0, info={"error": f"{type(exc).__name__}: {exc}"})
 
 
 def evaluate(environment_constructor, task, trajectory: list, how_it_ended: str):
