@@ -21,6 +21,7 @@ import pytest
 from rollout.episode import Episode
 from rollout.server import TASK_TOOLS
 from rollout.tasks.tau2 import Tau2Task, worlds
+from rollout.tasks.tau2.arithmetic import _guarded
 from rollout.tools.base import ToolCall
 from rollout.tools.box import TaskToolLimits, ToolBox, ToolUsage
 from rollout.tools.parsers import Parsed
@@ -97,6 +98,35 @@ async def test_the_verdict_replays_a_refused_power_in_time():
     assert stall < MAX_STALL_S
     assert verdict.info is None or "error" not in verdict.info, verdict.info  # the evaluators ran to the end
     assert verdict.db_check is not None and verdict.reward == 0.0  # the task expects changes none made
+
+
+def outcome(calculate, expression: str) -> tuple:
+    try:
+        return ("answer", calculate(None, expression))
+    except Exception as exc:  # noqa: BLE001 - the benchmark's errors are what is compared
+        return ("error", type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["2 + 2", "2**10 / (3 - 1)", "7 // 2", "1.05**3 * 100", "-(3 - 10) * .5", "9**-9**8", "2**4095", "3**2000"]
+    + ["1/0", "2 +", "abc", "2.0**5000", "1/0 + 9**9**8", "+".join(["1"] * 2000)],
+)
+def test_calculate_answers_as_the_benchmark_does_where_it_computes_in_bounded_time(expression):
+    from tau2.domains.retail.tools import RetailTools
+
+    assert outcome(_guarded(RetailTools.calculate), expression) == outcome(RetailTools.calculate, expression)
+
+
+@pytest.mark.parametrize(
+    "expression", ["9**9**8", "2**4096", "3**2585", "(9**300) * 9**300 * 9**300 * 9**300 * 9**300"]
+)
+def test_calculate_refuses_an_integer_over_4096_bits_before_computing_it(expression):
+    from tau2.domains.retail.tools import RetailTools
+
+    started = time.monotonic()
+    assert outcome(_guarded(RetailTools.calculate), expression)[2].startswith("the result is too large")
+    assert time.monotonic() - started < MAX_STALL_S
 
 
 @pytest.fixture

@@ -47,17 +47,34 @@ def check(expression: str) -> None:
     _value(tree.body)
 
 
-def _value(node: ast.AST):
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _bounded(node.value)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
-        return UNARY[type(node.op)](_value(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
-        left, right = _value(node.left), _value(node.right)
-        if isinstance(node.op, ast.Pow):
-            _check_power(left, right)
-        return _bounded(BINARY[type(node.op)](left, right))
-    raise ValueError("calculate takes numbers, the operators + - * / and parentheses")
+def _value(tree: ast.AST):
+    """The tree's value, computed as Python does (left operand first), without recursion:
+    the parser admits sums of a few thousand terms, deeper than Python's call stack."""
+    results, stack = [], [(tree, False)]
+    while stack:
+        node, operands_done = stack.pop()
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            results.append(_bounded(node.value))
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
+            if operands_done:
+                results.append(UNARY[type(node.op)](results.pop()))
+            else:
+                stack += [(node, True), (node.operand, False)]
+        elif isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+            if operands_done:
+                right, left = results.pop(), results.pop()
+                results.append(_binary(node.op, left, right))
+            else:
+                stack += [(node, True), (node.right, False), (node.left, False)]
+        else:
+            raise ValueError("calculate takes numbers, the operators + - * / and parentheses")
+    return results.pop()
+
+
+def _binary(op: ast.operator, left, right):
+    if isinstance(op, ast.Pow):
+        _check_power(left, right)
+    return _bounded(BINARY[type(op)](left, right))
 
 
 def _check_power(base, exponent) -> None:
