@@ -1,10 +1,11 @@
-"""Learner rank 0: claims jobs one at a time and runs each with the run of its kind
+"""Learner rank 0: claims jobs one at a time, tenant by tenant, and runs each with the run of its kind
 (`learner.runs`). Only this rank talks to Redis; the training work is done by every rank
 through `learner.control`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -19,9 +20,11 @@ from learner.step_log import JobUnhealthy
 from services import jobs, protocol
 from services.config import JobSpec, LearnerSettings, parse_job_spec
 from services.metrics import serve_metrics
-from services.queues import Keys, StreamConsumer, connect
+from services.queues import Keys, connect
 
 log = logging.getLogger(__name__)
+QUEUE_POLL_S = 1.0
+"""How often an idle learner looks for a queued job."""
 
 
 class Driver:
@@ -44,27 +47,28 @@ class Driver:
         return True, {"job": self.current_job, **condition}
 
     async def serve(self, once: bool = False) -> None:
-        """Claim and run jobs one at a time (a job left pending by a crash comes first)."""
+        """Claim and run jobs one at a time: first those a stopped learner left RUNNING or
+        PAUSED, then the queued ones, tenant by tenant (`jobs.next_pending`)."""
         serve_metrics(self.settings.metrics_port, self.health)
         threading.Thread(target=self.beat, name="learner-heartbeat", daemon=True).start()
-        queue = await StreamConsumer(
-            self.redis, Keys.jobs_pending, "learners", "learner", protocol.JobRef, Keys.jobs_pending + ":dead"
-        ).setup()
-        backlog = await queue.read_own_pending(1)
+        left_running = await jobs.running_jobs(self.redis)
         while True:
-            deliveries = backlog or await queue.read(1, block_ms=1000)
-            backlog = []
-            for delivery in deliveries:
+            job_id = left_running.pop(0) if left_running else await self.next_job()
+            if job_id is not None:
                 try:
-                    await self.run_job(delivery.message.job_id)
+                    await self.run_job(job_id)
                 except LearnerStopping:
                     log.info("stopping: job %s left RUNNING for --resume", self.current_job)
                     return
-                await queue.ack(delivery.entry_id)
                 if once:
                     return
+            elif not self.stop_requested:
+                await asyncio.sleep(QUEUE_POLL_S)
             if self.stop_requested:
                 return
+
+    async def next_job(self) -> str | None:
+        return await jobs.next_pending(self.redis, self.settings.pending_ttl_s, self.settings.job_retention_s)
 
     def beat(self) -> None:
         """On a thread of its own, so that a long step does not silence it: the running

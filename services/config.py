@@ -18,6 +18,12 @@ from services.presets import PRESETS
 
 JOB_NAME = r"[A-Za-z0-9_.-]{1,128}"
 """A job's name (a job spec's `name`); job ids are a name, a dash and 8 hex digits."""
+PATH_CHARS = 4096
+"""The longest file path a job spec may name (Linux's PATH_MAX)."""
+TEXT_CHARS = 8000
+"""The longest free text a job spec may carry in one field (a prompt, a rubric, a description)."""
+MODEL_NAME_CHARS = 256
+"""The longest model name a job spec may ask the judge proxy for."""
 
 
 class _Strict(BaseModel):
@@ -28,7 +34,7 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str = Field(min_length=1, description="Local Hugging Face model folder.")
+    path: str = Field(min_length=1, max_length=PATH_CHARS, description="Local Hugging Face model folder.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int = Field(1024, ge=64, le=131072)
 
@@ -62,7 +68,7 @@ class TaskSpec(_Strict):
         description="tau2: the domain's task split (base: all its tasks; the mock domain's train and "
         "test are Tandem's, 6 and 3 of its 9 tasks).",
     )
-    data: str | None = Field(None, description="JSONL file; the built-in fixture when unset.")
+    data: str | None = Field(None, max_length=PATH_CHARS, description="JSONL file; the built-in fixture when unset.")
     num_examples: int = Field(
         512,
         ge=1,
@@ -90,7 +96,7 @@ class TaskSpec(_Strict):
     )
     system_prompt: str | None = Field(
         None,
-        max_length=8000,
+        max_length=TEXT_CHARS,
         description=(
             "A system message before every context (`reward.preset: collabllm` sets CollabLLM's collaborative "
             "prompt); the user simulator and the judge never see it."
@@ -98,6 +104,7 @@ class TaskSpec(_Strict):
     )
     contexts: str | None = Field(
         None,
+        max_length=PATH_CHARS,
         description=(
             "JSONL of conversations ({messages, example}, e.g. a generate job's sft.jsonl): every prefix ending "
             "with a user turn becomes a context, so every turn j is trained; num_examples caps how many."
@@ -227,9 +234,11 @@ class RewardSpec(_Strict):
         ),
     )
     extrinsic_weight: float = Field(1.0, ge=0.0)
-    judge_rubric: str | None = Field(None, description="Judge-proxy rubric for R_llm.")
+    judge_rubric: str | None = Field(None, max_length=TEXT_CHARS, description="Judge-proxy rubric for R_llm.")
     judge_weight: float = Field(1.0, ge=0.0)
-    judge_model: str | None = Field(None, description="Model name at the judge proxy; its default if unset.")
+    judge_model: str | None = Field(
+        None, max_length=MODEL_NAME_CHARS, description="Model name at the judge proxy; its default if unset."
+    )
     judge_reference: bool = Field(
         False,
         description=(
@@ -241,6 +250,7 @@ class RewardSpec(_Strict):
     user_model: str = Field(
         "user-simulator",
         min_length=1,
+        max_length=MODEL_NAME_CHARS,
         description="Model name at the judge proxy that plays the user (LLM-user tasks).",
     )
     tool_format_weight: float = Field(
@@ -347,6 +357,7 @@ class TrainSpec(LossSpec):
     seed: int = 0
     data: str | None = Field(
         None,
+        max_length=PATH_CHARS,
         description=(
             "offline jobs: the JSONL of preference pairs to train on (a generate job's pairs.jsonl); "
             "batch_size pairs per step, reshuffled every pass."
@@ -360,6 +371,7 @@ class WarmStartSpec(_Strict):
     lr: float = Field(3e-3, gt=0.0, le=1.0)
     data: str | None = Field(
         None,
+        max_length=PATH_CHARS,
         description="JSONL of {messages: [...]}, required when steps > 0 "
         "(`tandem demonstrations` writes a built-in task's).",
     )
@@ -385,9 +397,15 @@ class McpServerSpec(_Strict):
     """Where an MCP server is: a command started as a child speaking MCP over stdio, or the
     URL of a streamable-HTTP endpoint. Tools naming the same server share one session."""
 
-    command: list[str] | None = Field(None, min_length=1, description="stdio: the program and its arguments.")
-    env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment for the program.")
-    url: str | None = Field(None, pattern=r"^https?://", description="Streamable HTTP: the endpoint's URL.")
+    command: list[Annotated[str, Field(max_length=PATH_CHARS)]] | None = Field(
+        None, min_length=1, max_length=256, description="stdio: the program and its arguments."
+    )
+    env: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=PATH_CHARS)]] = Field(
+        default_factory=dict, max_length=64, description="stdio: extra environment for the program."
+    )
+    url: str | None = Field(
+        None, pattern=r"^https?://", max_length=PATH_CHARS, description="Streamable HTTP: the endpoint's URL."
+    )
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerSpec:
@@ -407,7 +425,9 @@ class ToolSpec(_Strict):
 
     name: str = Field(pattern=TOOL_NAME, description="What the model calls it (for mcp: the server's tool name).")
     kind: Literal["calculator", "python", "search", "mcp"]
-    description: str | None = Field(None, description="Replaces the built-in description shown to the model.")
+    description: str | None = Field(
+        None, max_length=TEXT_CHARS, description="Replaces the built-in description shown to the model."
+    )
     timeout_s: float = Field(10.0, gt=0, le=3600, description="A call running longer is cut and reported.")
     max_concurrency: int = Field(
         8,
@@ -418,7 +438,9 @@ class ToolSpec(_Strict):
     )
     max_calls: int = Field(4, ge=1, le=1024, description="Calls of this tool one episode may make.")
     data: str | None = Field(
-        None, description="search: JSONL of {id, title, text} documents; the built-in fixture when unset."
+        None,
+        max_length=PATH_CHARS,
+        description="search: JSONL of {id, title, text} documents; the built-in fixture when unset.",
     )
     top_k: int = Field(3, ge=1, le=50, description="search: documents returned per query.")
     server: Annotated[str, Field(pattern=CATALOG_NAME)] | McpServerSpec | None = Field(
@@ -444,7 +466,9 @@ class ToolsSpec(_Strict):
         "is a JSON call object or list (Llama 3.x).",
     )
     tools: list[ToolSpec] = Field(default_factory=list, max_length=64, description="Inline tools.")
-    file: str | None = Field(None, description="YAML or JSON file with a `tools:` list, added to the inline ones.")
+    file: str | None = Field(
+        None, max_length=PATH_CHARS, description="YAML or JSON file with a `tools:` list, added to the inline ones."
+    )
     max_calls_per_episode: int = Field(8, ge=1, le=4096, description="All tools together, per episode.")
     max_rounds_per_turn: int = Field(
         4, ge=1, le=256, description="Replies with calls in one assistant turn before it must answer."
@@ -670,6 +694,12 @@ class _ProcessSettings(BaseSettings):
     job_retention_s: float = Field(
         7 * 86400.0, gt=0, description="How long an ended job's records, streams and history stay in Redis."
     )
+    pending_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="A job still PENDING this long after it was submitted ends FAILED, expired in the queue "
+        "(the API and the learner both expire them; set both alike).",
+    )
 
     SECRETS: ClassVar[frozenset[str]] = frozenset({"tokens", "client_tokens", "judge_token"})
 
@@ -713,6 +743,18 @@ class ApiSettings(_ToolSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
+    max_spec_bytes: int = Field(
+        64 << 10, ge=1024, description="The largest job spec, as stored (JSON bytes), a tenant may submit (413 above)."
+    )
+    max_pending_jobs: int = Field(
+        16, ge=1, description="PENDING jobs one tenant may have queued at once (429 for the next)."
+    )
+    max_event_streams: int = Field(
+        8, ge=1, description="Event streams (`/v1/jobs/{id}/events`) one tenant may hold open at once (429 above)."
+    )
+    max_tools_file_bytes: int = Field(
+        256 << 10, ge=1024, description="The largest `tools.file` the API reads to check a spec (422 above)."
+    )
     tokens: str = Field(
         "", description="'token:tenant,...'; empty: no auth, and then the API listens on loopback only (local use)."
     )

@@ -1,11 +1,13 @@
 """Job records in Redis (`job:{id}` hashes) and their lifecycle.
 
 PENDING -> RUNNING <-> PAUSED -> SUCCEEDED | FAILED | CANCELLED. The API creates a record
-and queues the id on `jobs:pending`; the learner claims it, moves it to RUNNING (and into
-the `jobs:running` set rollout servers watch), writes progress after every step, and ends
-it. A job whose progress waits on something outside it (a judge upstream that is down,
-no rollout server) is PAUSED with `paused_reason` and `paused_since` (`learner.watchdog`);
-it stays in `jobs:running`, so its servers keep their tasks, and goes back to RUNNING by
+and queues the id on its tenant's queue (`jobs:queued:{tenant}`, at most `max_pending` of
+them); the learner picks the next job tenant by tenant (`next_pending`), claims it, moves it
+to RUNNING (and into the `jobs:running` set rollout servers watch), writes progress after
+every step, and ends it. A job still PENDING after `pending_ttl_s` ends FAILED, expired.
+A job whose progress waits on something outside it (a judge upstream that is down, no
+rollout server) is PAUSED with `paused_reason` and `paused_since` (`learner.watchdog`); it
+stays in `jobs:running`, so its servers keep their tasks, and goes back to RUNNING by
 itself when what it waited on is back.
 """
 
@@ -14,14 +16,15 @@ from __future__ import annotations
 import enum
 import json
 import re
+import sys
 import time
 import uuid
+from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
-from services import protocol
 from services.config import JOB_NAME, JobSpec, parse_job_spec_json
-from services.queues import FIELD, Keys
+from services.queues import Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 RETENTION_S = 7 * 86400.0
@@ -40,7 +43,24 @@ class JobStatus(str, enum.Enum):  # noqa: UP042 (StrEnum formats differently; ke
     CANCELLED = "CANCELLED"
 
 
-async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") -> str:
+class QueueFull(Exception):
+    """The tenant has `max_pending` jobs queued already."""
+
+
+# The quota check and the queueing are one script, so concurrent submissions cannot both
+# take the last place.
+CREATE_LUA = """
+if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('HSETNX', KEYS[4], ARGV[4], 0)
+return 1
+"""
+
+
+async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "", max_pending: int = sys.maxsize) -> str:
+    """A new PENDING job on `tenant`'s queue; QueueFull when `max_pending` are queued there."""
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     now = time.time()
     record = {
@@ -53,12 +73,41 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "") ->
         "version": 0,
         "step": 0,
     }
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hset(Keys.job(job_id), mapping=record)
-        pipe.zadd(Keys.jobs_index, {job_id: now})
-        pipe.xadd(Keys.jobs_pending, {FIELD: protocol.encode(protocol.JobRef(job_id=job_id))})
-        await pipe.execute()
+    created = await client.register_script(CREATE_LUA)(
+        keys=[Keys.job(job_id), Keys.jobs_index, Keys.jobs_queued(tenant), Keys.jobs_served],
+        args=[job_id, now, max_pending, tenant, *[item for pair in record.items() for item in pair]],
+    )
+    if not created:
+        raise QueueFull(f"tenant {tenant!r} has {max_pending} jobs pending already (TANDEM_MAX_PENDING_JOBS)")
     return job_id
+
+
+async def expire_pending(
+    client: aioredis.Redis, tenants: Iterable[str], ttl_s: float, retention_s: float = RETENTION_S
+) -> None:
+    """End FAILED, with the reason, each of the tenants' jobs still PENDING `ttl_s` after it
+    was submitted (one the learner claimed meanwhile is left alone)."""
+    reason = f"expired in the queue: still PENDING {ttl_s:.0f}s after it was submitted (TANDEM_PENDING_TTL_S)"
+    for tenant in tenants:
+        for job_id in await client.zrangebyscore(Keys.jobs_queued(tenant), "-inf", time.time() - ttl_s):
+            await set_status(
+                client, job_id.decode(), JobStatus.FAILED, reason, retention_s, only_from=JobStatus.PENDING
+            )
+
+
+async def next_pending(client: aioredis.Redis, ttl_s: float, retention_s: float = RETENTION_S) -> str | None:
+    """The PENDING job to start next, after expiring those older than `ttl_s`: the oldest job
+    of the tenant the learner served least recently (never served first, then the one whose
+    job waited longer). So each tenant with a job queued gets its turn, however many jobs
+    another has queued."""
+    served = {tenant.decode(): float(at) for tenant, at in (await client.hgetall(Keys.jobs_served)).items()}
+    await expire_pending(client, served, ttl_s, retention_s)
+    async with client.pipeline(transaction=False) as pipe:
+        for tenant in served:
+            pipe.zrange(Keys.jobs_queued(tenant), 0, 0, withscores=True)
+        heads = await pipe.execute()
+    waiting = [(at, head[0][1], head[0][0].decode()) for at, head in zip(served.values(), heads) if head]
+    return min(waiting)[2] if waiting else None
 
 
 LEARNER_BEAT_S = 5.0
@@ -145,34 +194,42 @@ async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
 
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never
 # changes again, so the learner's claim (PENDING -> RUNNING) and a cancel cannot both win.
+# A job leaving PENDING leaves its tenant's queue in the same script; a job's first start
+# marks its tenant served. Each change is announced on the job's `changed` channel.
 _ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"
 SET_STATUS_LUA = (
     _ENDED
     + """
 local current = redis.call('HGET', KEYS[1], 'status')
-if not current or ended[current] then return 0 end
+if not current or ended[current] or (ARGV[6] ~= '' and current ~= ARGV[6]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[4])
 if ARGV[1] == 'RUNNING' then
-  redis.call('HSETNX', KEYS[1], 'started', ARGV[2])
+  if redis.call('HSETNX', KEYS[1], 'started', ARGV[2]) == 1 then
+    redis.call('HSET', KEYS[4], redis.call('HGET', KEYS[1], 'tenant') or '', ARGV[2])
+  end
   redis.call('HDEL', KEYS[1], 'paused_reason', 'paused_since')
   redis.call('SADD', KEYS[2], ARGV[4])
 elseif ended[ARGV[1]] then
   redis.call('HSET', KEYS[1], 'finished', ARGV[2])
   redis.call('SREM', KEYS[2], ARGV[4])
-  for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+  for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
+redis.call('PUBLISH', KEYS[5], ARGV[1])
 return 1
 """
 )
 CANCEL_LUA = """
-local current = redis.call('HGET', KEYS[1], 'status')
+local current = redis.call('HGET', KEYS[3], 'status')
 if current == 'PENDING' then
-  redis.call('HSET', KEYS[1], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
-  for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+  redis.call('HSET', KEYS[3], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
+  redis.call('ZREM', KEYS[1], ARGV[3])
+  for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+  redis.call('PUBLISH', KEYS[2], 'CANCELLED')
   return 'CANCELLED'
 elseif current == 'RUNNING' or current == 'PAUSED' then
-  redis.call('HSET', KEYS[1], 'cancel_requested', 1)
+  redis.call('HSET', KEYS[3], 'cancel_requested', 1)
 end
 return current
 """
@@ -186,6 +243,7 @@ elseif current ~= 'PAUSED' then
   return 0
 end
 redis.call('HSET', KEYS[1], 'paused_reason', ARGV[1])
+redis.call('PUBLISH', KEYS[2], 'PAUSED')
 return 1
 """
 
@@ -207,24 +265,44 @@ def job_keys(job_id: str) -> list[str]:
 
 
 async def set_status(
-    client: aioredis.Redis, job_id: str, status: JobStatus, error: str = "", retention_s: float = RETENTION_S
+    client: aioredis.Redis,
+    job_id: str,
+    status: JobStatus,
+    error: str = "",
+    retention_s: float = RETENTION_S,
+    only_from: JobStatus | None = None,
 ) -> bool:
     """Move the job to `status` (RUNNING joins `jobs:running`, an end leaves it) unless it
-    has already ended; True when it moved. An end sets every key of the job to expire after
-    `retention_s`. A learner whose claim lost to a cancel finds the job CANCELLED with
-    `cancel_requested` set, so it stops at its first cancel check."""
+    has already ended, or is not `only_from` when that is given; True when it moved. An end
+    sets every key of the job to expire after `retention_s`. A learner whose claim lost to a
+    cancel finds the job CANCELLED with `cancel_requested` set, so it stops at its first
+    cancel check."""
     moved = await client.register_script(SET_STATUS_LUA)(
-        keys=[Keys.job(job_id), Keys.jobs_running, *job_keys(job_id)],
-        args=[status.value, time.time(), error[:4000], job_id, int(retention_s)],
+        keys=[
+            Keys.job(job_id),
+            Keys.jobs_running,
+            await queue_of(client, job_id),
+            Keys.jobs_served,
+            Keys.job_changed(job_id),
+            *job_keys(job_id),
+        ],
+        args=[status.value, time.time(), error[:4000], job_id, int(retention_s), only_from.value if only_from else ""],
     )
     return moved == 1
+
+
+async def queue_of(client: aioredis.Redis, job_id: str) -> str:
+    """The queue of the job's tenant (a job's tenant never changes)."""
+    return Keys.jobs_queued((await client.hget(Keys.job(job_id), "tenant") or b"").decode())
 
 
 async def pause(client: aioredis.Redis, job_id: str, reason: str) -> bool:
     """A RUNNING job waits on something outside it: PAUSED with `reason`, since now (a job
     PAUSED already keeps its `paused_since` and takes the newer reason). False when the job
     is neither (it ended, or a cancel ended it first). `set_status(RUNNING)` lifts it."""
-    paused = await client.register_script(PAUSE_LUA)(keys=[Keys.job(job_id)], args=[reason[:4000], time.time()])
+    paused = await client.register_script(PAUSE_LUA)(
+        keys=[Keys.job(job_id), Keys.job_changed(job_id)], args=[reason[:4000], time.time()]
+    )
     return paused == 1
 
 
@@ -233,7 +311,10 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
     then expire after `retention_s`), a RUNNING one gets `cancel_requested` (the learner ends
     it CANCELLED at its next check), an ended one is left alone. Returns the status it leaves
     (None without a record)."""
-    status = await client.register_script(CANCEL_LUA)(keys=job_keys(job_id), args=[time.time(), int(retention_s)])
+    status = await client.register_script(CANCEL_LUA)(
+        keys=[await queue_of(client, job_id), Keys.job_changed(job_id), *job_keys(job_id)],
+        args=[time.time(), int(retention_s), job_id],
+    )
     return status.decode() if status else None
 
 
@@ -276,6 +357,7 @@ if length > keep then
   redis.call('LTRIM', KEYS[1], length - keep, -1)
   redis.call('HINCRBY', KEYS[2], 'history_dropped', length - keep)
 end
+redis.call('PUBLISH', KEYS[3], 'step')
 """
 
 
@@ -288,7 +370,9 @@ return {first, redis.call('LRANGE', KEYS[1], first - dropped, -1)}
 
 async def append_history(client: aioredis.Redis, job_id: str, record: str, keep: int) -> None:
     """Append a step record, keeping the newest `keep` in Redis."""
-    await client.register_script(APPEND_HISTORY_LUA)(keys=[Keys.history(job_id), Keys.job(job_id)], args=[record, keep])
+    await client.register_script(APPEND_HISTORY_LUA)(
+        keys=[Keys.history(job_id), Keys.job(job_id), Keys.job_changed(job_id)], args=[record, keep]
+    )
 
 
 async def history_dropped(client: aioredis.Redis, job_id: str) -> int:

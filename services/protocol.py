@@ -86,13 +86,6 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return any(s.advantage != 0.0 for s in self.samples)
 
 
-class JobRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """An entry of `jobs:pending`: a submitted job for a learner to claim."""
-
-    schema: int = SCHEMA
-    job_id: str
-
-
 class TensorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     """Checkpoint (Hugging Face) parameter name."""

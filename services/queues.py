@@ -41,8 +41,10 @@ RELEASED_IDLE_MS = 10**10
 class Keys:
     """The Redis key layout of DESIGN.md, in one place."""
 
-    jobs_pending = PREFIX + "jobs:pending"
     jobs_index = PREFIX + "jobs"
+    jobs_served = PREFIX + "jobs:served"
+    """Tenant -> when the learner last started one of its jobs (0: never yet); every tenant
+    that has submitted a job is here. The learner serves the least recently served first."""
     jobs_running = PREFIX + "jobs:running"
     rollout_servers = PREFIX + "rollout:servers"
     rollout_drain = PREFIX + "rollout:drain"
@@ -50,8 +52,18 @@ class Keys:
     until removed from this set."""
 
     @staticmethod
+    def jobs_queued(tenant: str) -> str:
+        """The tenant's PENDING job ids by submission time: its queue (`jobs.next_pending`)."""
+        return f"{PREFIX}jobs:queued:{tenant}"
+
+    @staticmethod
     def job(job_id: str) -> str:
         return f"{PREFIX}job:{job_id}"
+
+    @staticmethod
+    def job_changed(job_id: str) -> str:
+        """Pub/sub: the job's status or history changed (what its event streams wait on)."""
+        return f"{PREFIX}job:{job_id}:changed"
 
     @staticmethod
     def tasks(job_id: str) -> str:

@@ -9,7 +9,12 @@ Auth: with `settings.tokens` set ("token:tenant,..."), every /v1 route needs
 jobs (403 for another tenant's). Tokens are compared in constant time and never logged.
 A tenant's spec may name files only under `settings.path_roots` (422 naming the field
 otherwise), so it cannot train from another job's checkpoint or read the learner's files.
-Bodies over `max_body_bytes` get 413.
+Bodies over `max_body_bytes` get 413, specs over `max_spec_bytes` (as stored) too.
+
+Quotas, per tenant: at most `max_pending_jobs` PENDING jobs (429 for the next; a job still
+PENDING after `pending_ttl_s` ends FAILED, expired), and `max_event_streams` event streams
+open at once in this process (429). A `tools.file` is read off the event loop, and only up
+to `max_tools_file_bytes` (422 naming the field above it).
 
 The rollout-server routes act on the shared fleet, not on a tenant's job: with tokens set,
 only the tenants in `settings.operators` may use them (403 for others).
@@ -18,7 +23,6 @@ only the tenants in `settings.operators` may use them (403 for others).
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import time
 from pathlib import Path
@@ -33,6 +37,7 @@ from pydantic import BaseModel, Field
 from starlette.routing import Match
 
 from services import jobs, preference, protocol
+from services.api.events import JobChanges, StreamSlots, job_events
 from services.auth import match_bearer
 from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
@@ -114,8 +119,6 @@ REDIS_CONNECTION_WAIT_S = 10.0
 FORGET_SERVER_S = 3600.0
 """A server record this old is a dead server's (a live one rewrites it every few seconds):
 the fleet listing deletes it."""
-SSE_POLL_S = 0.5
-SSE_KEEPALIVE_S = 15.0
 
 
 def parse_tokens(spec: str) -> dict[str, str]:
@@ -161,7 +164,7 @@ def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, root
             tool.data = confined_path(tool.data, roots, ("body", "tools", "tools", index, "data"))
     tools = spec.tools
     if tools.file is not None and Path(tools.file).is_file():
-        tools = _resolved_tools(spec)
+        tools = _resolved_tools(spec, settings.max_tools_file_bytes)
         for index, tool in enumerate(tools.tools[num_inline:]):
             if tool.data is not None and roots is not None:
                 confined_path(tool.data, roots, ("body", "tools", "file"), f"tool {index} of the file: data ")
@@ -173,10 +176,17 @@ def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, root
     return spec
 
 
-def _resolved_tools(spec: JobSpec) -> ToolsSpec:
+def _resolved_tools(spec: JobSpec, max_bytes: int) -> ToolsSpec:
+    """The spec's tools with its tools file's added, or a 422 naming `tools.file`: a file
+    over `max_bytes` is not read (a large file is no tools file, and parsing it is slow)."""
     try:
+        size_bytes = Path(spec.tools.file).stat().st_size
+        if size_bytes > max_bytes:
+            raise ValueError(
+                f"tools.file is {size_bytes} bytes; a tools file is at most {max_bytes} (TANDEM_MAX_TOOLS_FILE_BYTES)"
+            )
         return with_file_tools(spec.tools)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body", "tools", "file"), "input": spec.tools.file, "msg": str(exc)}]
         ) from None
@@ -220,6 +230,15 @@ def check_judge_weight(spec: JobSpec, settings: ApiSettings) -> None:
                     "msg": f"must be at most {settings.max_judge_weight:g} on this server",
                 }
             ]
+        )
+
+
+def check_spec_size(spec: JobSpec, settings: ApiSettings) -> None:
+    """A 413 for a spec whose stored form (its JSON) is over `max_spec_bytes`."""
+    size_bytes = len(spec.model_dump_json().encode())
+    if size_bytes > settings.max_spec_bytes:
+        raise HTTPException(
+            413, f"the job spec is {size_bytes} bytes; at most {settings.max_spec_bytes} (TANDEM_MAX_SPEC_BYTES)"
         )
 
 
@@ -288,6 +307,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.tokens = parse_tokens(settings.tokens)
     app.state.path_roots = [Path(root.strip()).resolve() for root in settings.path_roots.split(",") if root.strip()]
     app.state.tool_catalog = load_catalog(settings.tool_catalog)
+    app.state.job_changes = JobChanges(app.state.redis)
+    app.state.stream_slots = StreamSlots(settings.max_event_streams)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
     app.add_exception_handler(405, method_not_allowed)
@@ -322,8 +343,16 @@ def tenant(request: Request) -> str:
     return tokens[token]
 
 
+async def expire_own(request: Request, who: str) -> None:
+    """End the caller's jobs that have waited in the queue past `pending_ttl_s`, so that
+    what it reads and its quota say so even while no learner looks at the queue."""
+    settings = request.app.state.settings
+    await jobs.expire_pending(request.app.state.redis, [who], settings.pending_ttl_s, settings.job_retention_s)
+
+
 async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
     """The job's record, if it exists (404) and belongs to the caller (403)."""
+    await expire_own(request, who)
     record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
     if record is None:
         raise HTTPException(404, f"no job {job_id!r}")
@@ -340,23 +369,31 @@ def jobs_router() -> APIRouter:
         "/v1/jobs",
         status_code=201,
         response_model=JobCreated,
-        responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}},
+        responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}, 429: {"model": Error}},
     )
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
+        settings = request.app.state.settings
         # Without tokens the API listens on loopback only: it is the operator's own (local use).
         roots = request.app.state.path_roots if request.app.state.tokens else None
         if roots is not None:
             spec = confine_paths(spec, roots)
-        check_judge_weight(spec, request.app.state.settings)
-        spec = check_tools(spec, request.app.state.settings, request.app.state.tool_catalog, roots)
-        check_pairs_file(spec)
-        job_id = await jobs.create_job(request.app.state.redis, spec, tenant=who)
+        check_judge_weight(spec, settings)
+        check_spec_size(spec, settings)
+        # Files are read on a thread: a slow read or parse does not stall other requests.
+        spec = await asyncio.to_thread(check_tools, spec, settings, request.app.state.tool_catalog, roots)
+        await asyncio.to_thread(check_pairs_file, spec)
+        await expire_own(request, who)
+        try:
+            job_id = await jobs.create_job(request.app.state.redis, spec, who, settings.max_pending_jobs)
+        except jobs.QueueFull as exc:
+            raise HTTPException(429, str(exc)) from None
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
 
     @router.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
     async def list_jobs(
         request: Request, limit: int = Query(100, ge=1, le=1000), who: str = Depends(tenant)
     ) -> list[JobView]:
+        await expire_own(request, who)
         return [JobView(**r) for r in await jobs.list_jobs(request.app.state.redis, who, limit)]
 
     @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
@@ -371,12 +408,19 @@ def jobs_router() -> APIRouter:
         await jobs.cancel(client, record["id"], request.app.state.settings.job_retention_s)
         return JobView(**await jobs.get_job(client, record["id"]))
 
-    @router.get("/v1/jobs/{job_id}/events", responses=ERRORS | {200: {"content": {"text/event-stream": {}}}})
-    async def events(request: Request, record: dict = Depends(owned)) -> StreamingResponse:
+    @router.get(
+        "/v1/jobs/{job_id}/events",
+        responses=ERRORS | {429: {"model": Error}, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def events(request: Request, record: dict = Depends(owned), who: str = Depends(tenant)) -> StreamingResponse:
         """Server-sent events: `status` on every status change, `step` for every SFT/RL step
         record, `health` for every health rule that fired, `servers` for every change in the
-        rollout servers on the job, until the job ends."""
-        return StreamingResponse(job_events(request.app.state.redis, record["id"]), media_type="text/event-stream")
+        rollout servers on the job, until the job ends. A tenant holds at most
+        `max_event_streams` at once (429)."""
+        slots: StreamSlots = request.app.state.stream_slots
+        slots.take(who)
+        stream = job_events(request.app.state.redis, record["id"], request.app.state.job_changes)
+        return StreamingResponse(slots.held_by(who, stream), media_type="text/event-stream")
 
     return router
 
@@ -486,66 +530,3 @@ async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
         for method in route.methods
     }
     return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(sorted(allowed))})
-
-
-class SentHistory:
-    """Where an event stream is in a job's history: the global index of the next record to
-    send, and the newest records sent (`RECENT` of them), to notice a resumed learner that
-    trimmed the records after its checkpoint and wrote those steps again."""
-
-    RECENT = 256
-
-    def __init__(self) -> None:
-        self.next_index = 0
-        self.recent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.RECENT)
-
-    async def new(self, client: aioredis.Redis, job_id: str) -> list[bytes]:
-        """The records not sent yet. Rewritten ones are sent again, from where the history
-        parts from what was sent (or from the oldest record still remembered)."""
-        first, current = await jobs.read_history(client, job_id, self.recent[-1][0] if self.recent else 0)
-        if self.recent and not still_there(*self.recent[-1], first, current):
-            first, current = await jobs.read_history(client, job_id, self.recent[0][0])
-            while self.recent and not still_there(*self.recent[-1], first, current):
-                self.next_index = self.recent.pop()[0]  # rewritten: send it again
-        new = [(index, raw) for index, raw in enumerate(current, first) if index >= self.next_index]
-        self.recent.extend(new)
-        if new:
-            self.next_index = new[-1][0] + 1
-        return [raw for _, raw in new]
-
-
-def still_there(index: int, raw: bytes, first: int, current: list[bytes]) -> bool:
-    """Whether the record sent as `index` is unchanged in `current` (the history from global
-    index `first`): dropped from the head counts as unchanged, trimmed or rewritten not."""
-    position = index - first
-    return position < 0 or (position < len(current) and current[position] == raw)
-
-
-async def job_events(client: aioredis.Redis, job_id: str):
-    """The event stream of one job (polls Redis; ends after the terminal status)."""
-    status, sent, idle, memberships = None, SentHistory(), 0.0, 0
-    while True:
-        record = await jobs.get_job(client, job_id)
-        for raw in await client.lrange(Keys.servers(job_id), memberships, -1):
-            yield f"event: servers\ndata: {raw.decode()}\n\n"
-            memberships += 1
-            idle = 0.0
-        for raw in await sent.new(client, job_id):
-            yield f"event: step\ndata: {raw.decode()}\n\n"
-            for message in json.loads(raw).get("health", []):
-                yield f"event: health\ndata: {json.dumps({'message': message})}\n\n"
-            idle = 0.0
-        if record["status"] != status:
-            status = record["status"]
-            body = {k: record.get(k) for k in ("id", "status", "step", "version", "error")}
-            if status == jobs.JobStatus.PAUSED.value:
-                body["paused_reason"] = record.get("paused_reason")
-            yield f"event: status\ndata: {json.dumps(body)}\n\n"
-            idle = 0.0
-        if status in jobs.TERMINAL:
-            return
-        if idle >= SSE_KEEPALIVE_S:
-            yield ": keep-alive\n\n"
-            idle = 0.0
-        await asyncio.sleep(SSE_POLL_S)
-        idle += SSE_POLL_S

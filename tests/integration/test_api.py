@@ -32,7 +32,7 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
     assert job["status"] == "PENDING" and job["spec"]["model"]["path"] == "/models/tiny"
     assert job["spec"]["train"]["max_staleness"] == 1  # defaults filled in
     assert [j["id"] for j in (await api.get("/v1/jobs")).json()] == [job_id]
-    assert await redis_client.xlen(Keys.jobs_pending) == 1
+    assert await redis_client.zrange(Keys.jobs_queued(""), 0, -1) == [job_id.encode()]
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ async def test_a_malformed_spec_gets_422_naming_the_field(api, redis_client, spe
 
     assert response.status_code == 422
     assert field in [error["loc"] for error in response.json()["detail"]]
-    assert await redis_client.xlen(Keys.jobs_pending) == 0
+    assert await redis_client.keys(Keys.jobs_queued("*")) == []
 
 
 async def test_malformed_json_gets_422_and_the_api_keeps_serving(api):
@@ -260,14 +260,14 @@ async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_clien
     import asyncio
     import json
 
-    from services.api import app as api_app
+    from services.api import events as api_events
 
-    monkeypatch.setattr(api_app, "SSE_POLL_S", 0.01)
+    monkeypatch.setattr(api_events, "SSE_IDLE_POLL_S", 0.01)
     job_id = await jobs.create_job(redis_client, parse_job_spec(SPEC))
     await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
     history = Keys.history(job_id)
     await redis_client.rpush(history, *[json.dumps({"step": s, "run": 1}) for s in (1, 2, 3)])
-    events = api_app.job_events(redis_client, job_id)
+    events = api_events.job_events(redis_client, job_id, api_events.JobChanges(redis_client))
     first = [await anext(events) for _ in range(4)]  # three steps, then the status
 
     # The learner crashed after step 3 and resumed from its step-1 checkpoint: it trims the
@@ -284,9 +284,9 @@ async def test_steps_a_resumed_learner_runs_again_are_streamed_again(redis_clien
 async def test_a_history_redis_keeps_only_in_part_is_paged_by_its_global_index(api, redis_client, monkeypatch):
     import asyncio
 
-    from services.api import app as api_app
+    from services.api import events as api_events
 
-    monkeypatch.setattr(api_app, "SSE_POLL_S", 0.01)
+    monkeypatch.setattr(api_events, "SSE_IDLE_POLL_S", 0.01)
     job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
     await redis_client.hset(Keys.job(job_id), "status", "RUNNING")
     for step in range(1, 9):
@@ -294,7 +294,7 @@ async def test_a_history_redis_keeps_only_in_part_is_paged_by_its_global_index(a
 
     from_zero = await api.get(f"/v1/jobs/{job_id}/history", params={"start": 0})
     from_six = await api.get(f"/v1/jobs/{job_id}/history", params={"start": 6})
-    events = api_app.job_events(redis_client, job_id)
+    events = api_events.job_events(redis_client, job_id, api_events.JobChanges(redis_client))
     streamed = [json.loads((await anext(events)).split("data: ", 1)[1])["step"] for _ in range(5)]
     await anext(events)  # the status
     # A resume back to record 5 (step 6): steps 6-8 run again; then one more step.
@@ -358,7 +358,7 @@ async def test_a_tenants_path_outside_the_roots_gets_422_naming_the_field(confin
 
     assert response.status_code == 422
     assert ["body", *field] in [error["loc"] for error in response.json()["detail"]]
-    assert await redis_client.xlen(Keys.jobs_pending) == 0
+    assert await redis_client.keys(Keys.jobs_queued("*")) == []
 
 
 async def test_a_tenants_paths_inside_the_roots_are_accepted_as_resolved(confined, files):
@@ -391,7 +391,7 @@ async def test_a_tools_file_that_holds_no_valid_tools_gets_422_naming_tools_file
     assert response.status_code == 422
     [error] = response.json()["detail"]
     assert error["loc"] == ["body", "tools", "file"] and "abacus" in error["msg"]
-    assert await redis_client.xlen(Keys.jobs_pending) == 0
+    assert await redis_client.keys(Keys.jobs_queued("*")) == []
 
 
 async def test_an_offline_jobs_pairs_file_with_a_bad_row_gets_422_naming_train_data_and_the_line(
@@ -427,7 +427,7 @@ async def test_a_job_kind_without_what_it_needs_gets_422_saying_what(api, redis_
 
     assert response.status_code == 422
     assert says in json.dumps(response.json()["detail"])
-    assert await redis_client.xlen(Keys.jobs_pending) == 0
+    assert await redis_client.keys(Keys.jobs_queued("*")) == []
 
 
 async def register_server(redis_client, server_id: str, job_id: str = "", age_s: float = 0.0) -> None:
