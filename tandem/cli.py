@@ -159,8 +159,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    from services.jobs import is_job_id
     from tandem.models import export_job
 
+    if not is_job_id(args.job_id):  # a path ('../other/job') would export a folder outside the runs folder
+        sys.exit(f"tandem export: {args.job_id!r} is not a job id (a job's name, a dash and 8 hex digits)")
     try:
         out = export_job(Path(args.runs_dir), args.job_id, args.step, Path(args.dir))
     except (FileNotFoundError, FileExistsError) as err:
