@@ -184,7 +184,7 @@ class Stack:
         def reached():
             # PAUSED is a live state: a job whose only rollout server is restarting pauses,
             # naming why, and goes on when the server is back.
-            live = ("QUEUED", "RUNNING", "PAUSED")
+            live = ("PENDING", "RUNNING", "PAUSED")
             assert self.job(job_id)["status"] in live, f"{self.job(job_id)}\n{self.diagnosis()}"
             return (done := self.rl_steps(job_id)) >= step and done
 
