@@ -61,6 +61,7 @@ from judge_proxy.errors import ProxyError, UpstreamClientError
 from judge_proxy.gateway import Gateway
 from judge_proxy.proxy import Proxy
 from judge_proxy.queue import PRIORITIES
+from judge_proxy.replies import joined_within
 from judge_proxy.rubrics import RUBRICS, Rubric
 from services.auth import credential_job, match_bearer
 from services.config import JudgeProxySettings
@@ -429,15 +430,10 @@ async def json_object(request: Request, max_bytes: int) -> dict:
 async def capped_body(request: Request, max_bytes: int) -> bytes:
     """The body, or 413 once it says or proves to be over `max_bytes`."""
     declared = request.headers.get("content-length", "")
-    pieces, size = [], 0
     if not (declared.isdigit() and int(declared) > max_bytes):
-        async for piece in request.stream():
-            size += len(piece)
-            if size > max_bytes:
-                break
-            pieces.append(piece)
-        else:
-            return b"".join(pieces)
+        body = await joined_within(request.stream(), max_bytes)
+        if body is not None:
+            return body
     raise ProxyError(413, f"the request body is over {max_bytes} bytes", "request_too_large")
 
 

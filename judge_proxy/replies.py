@@ -8,6 +8,7 @@ failure (`calls.py`): a 502 naming the reason, or a stream's error event."""
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from itertools import accumulate
 
 import aiohttp
@@ -34,17 +35,24 @@ def over_cap(cap_bytes: int) -> ReplyRefused:
 async def read_capped(response: aiohttp.ClientResponse, cap_bytes: int) -> bytes:
     """The whole body; `ReplyRefused` once it says or proves to be over `cap_bytes`, and the
     connection closed, so no more of it is read."""
-    size, pieces = 0, []
     if (response.content_length or 0) <= cap_bytes:
-        async for piece in response.content.iter_any():
-            size += len(piece)
-            if size > cap_bytes:
-                break
-            pieces.append(piece)
-        else:
-            return b"".join(pieces)
+        body = await joined_within(response.content.iter_any(), cap_bytes)
+        if body is not None:
+            return body
     response.close()
     raise over_cap(cap_bytes)
+
+
+async def joined_within(pieces: AsyncIterator[bytes], cap_bytes: int) -> bytes | None:
+    """The pieces joined, or None as soon as they come to more than `cap_bytes` (the rest
+    is not read)."""
+    size, kept = 0, []
+    async for piece in pieces:
+        size += len(piece)
+        if size > cap_bytes:
+            return None
+        kept.append(piece)
+    return b"".join(kept)
 
 
 def too_deep(body: bytes) -> bool:
