@@ -28,7 +28,7 @@ from tandem.redis_embed import free_port
 
 
 def create_job(redis_url: str, spec: JobSpec) -> str:
-    """Submit `spec` as the API would (a record and a `jobs:pending` entry); its id."""
+    """Submit `spec` as the API would (a record and an entry in its tenant's queue); its id."""
 
     async def create() -> str:
         client = aioredis.from_url(redis_url)
