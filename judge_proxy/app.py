@@ -63,6 +63,7 @@ from judge_proxy.proxy import Proxy
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.replies import joined_within
 from judge_proxy.rubrics import RUBRICS, Rubric
+from judge_proxy.upstream import Upstream
 from services.auth import credential_job, match_bearer
 from services.config import JudgeProxySettings
 from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
@@ -319,6 +320,21 @@ async def completion_response(gateway: Gateway, completion: Completion, model: s
     )
 
 
+def upstream_budget(upstream: Upstream, view: object) -> UpstreamBudget:
+    """One upstream's configured limits beside its shared budget state (`Budget.view`)."""
+    config = upstream.config
+    return UpstreamBudget(
+        name=upstream.name,
+        model=config.model,
+        tpm=config.tpm,
+        rpm=config.rpm,
+        max_concurrency=config.max_concurrency,
+        weight=config.weight,
+        limit_model=config.limit_model,
+        **vars(view),
+    )
+
+
 def info_router(gateway: Gateway, authorize: Callable[[Request], None]) -> APIRouter:
     """What the proxy serves: its models (OpenAI's list) and its upstreams' budgets."""
     router = APIRouter()
@@ -342,21 +358,7 @@ def info_router(gateway: Gateway, authorize: Callable[[Request], None]) -> APIRo
     async def budget(request: Request) -> BudgetResponse:
         authorize(request)
         views = await asyncio.gather(*(u.budget.view() for u in gateway.upstreams))
-        return BudgetResponse(
-            upstreams=[
-                UpstreamBudget(
-                    name=u.name,
-                    model=u.config.model,
-                    tpm=u.config.tpm,
-                    rpm=u.config.rpm,
-                    max_concurrency=u.config.max_concurrency,
-                    weight=u.config.weight,
-                    limit_model=u.config.limit_model,
-                    **vars(view),
-                )
-                for u, view in zip(gateway.upstreams, views)
-            ]
-        )
+        return BudgetResponse(upstreams=[upstream_budget(u, view) for u, view in zip(gateway.upstreams, views)])
 
     @router.get("/v1/upstreams", response_model=UpstreamsResponse)
     async def upstreams(request: Request) -> UpstreamsResponse:

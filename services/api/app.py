@@ -361,6 +361,22 @@ async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> di
     return record
 
 
+async def admitted(spec: JobSpec, request: Request) -> JobSpec:
+    """`spec` as the API stores it, once every check of a submission passed (4xx naming the
+    field otherwise): paths confined, judge weight, size, tools and pairs files."""
+    settings = request.app.state.settings
+    # Without tokens the API listens on loopback only: it is the operator's own (local use).
+    roots = request.app.state.path_roots if request.app.state.tokens else None
+    if roots is not None:
+        spec = confine_paths(spec, roots)
+    check_judge_weight(spec, settings)
+    check_spec_size(spec, settings)
+    # Files are read on a thread: a slow read or parse does not stall other requests.
+    spec = await asyncio.to_thread(check_tools, spec, settings, request.app.state.tool_catalog, roots)
+    await asyncio.to_thread(check_pairs_file, spec)
+    return spec
+
+
 def jobs_router() -> APIRouter:
     """The job routes: submit, list, read, cancel, events."""
     router = APIRouter()
@@ -373,15 +389,7 @@ def jobs_router() -> APIRouter:
     )
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         settings = request.app.state.settings
-        # Without tokens the API listens on loopback only: it is the operator's own (local use).
-        roots = request.app.state.path_roots if request.app.state.tokens else None
-        if roots is not None:
-            spec = confine_paths(spec, roots)
-        check_judge_weight(spec, settings)
-        check_spec_size(spec, settings)
-        # Files are read on a thread: a slow read or parse does not stall other requests.
-        spec = await asyncio.to_thread(check_tools, spec, settings, request.app.state.tool_catalog, roots)
-        await asyncio.to_thread(check_pairs_file, spec)
+        spec = await admitted(spec, request)
         await expire_own(request, who)
         try:
             job_id = await jobs.create_job(request.app.state.redis, spec, who, settings.max_pending_jobs)
