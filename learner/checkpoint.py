@@ -13,7 +13,6 @@ would have.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from learner import durable
 from learner.trainer import Trainer
 
 META = "meta.json"
@@ -62,47 +62,63 @@ def prune(runs_dir: str | Path, job_id: str, keep: int) -> list[Path]:
     return doomed
 
 
-def _state(trainer: Trainer) -> dict:
-    model, optim = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model, "optim": optim}
+def _state(trainer: Trainer, with_optimizer: bool) -> dict:
+    """The state dicts a checkpoint holds; the optimizer's only `with_optimizer`.
+
+    An optimizer that has not stepped yet has no state, and none is saved for it (meta
+    `optimizer_state` false): torch's `get_state_dict` would make one by stepping it on zero
+    gradients, turning AdamW's first real update into its second (0.742x as large at betas
+    0.9, 0.99) and shifting its bias correction for tens of steps after."""
+    model, optim = get_state_dict(trainer.model, trainer.optimizer if with_optimizer else [])
+    state = {"model": model} | ({"optim": optim} if with_optimizer else {})
     if trainer.reference is not None:
         state["reference"], _ = get_state_dict(trainer.reference, [])
     return state
 
 
 def save(trainer: Trainer, path: Path, meta: dict) -> None:
-    """All ranks: write the shards and RNG; rank 0 then writes meta.json atomically.
+    """All ranks: write the shards and RNG; rank 0 then writes meta.json, the commit marker,
+    atomically and durably (temp file, fsync, rename, folder fsync; DCP syncs its shards).
 
     A checkpoint already complete at this step (a stop right after a scheduled checkpoint)
     holds exactly the current state, since only a training step changes it: only its meta
     is replaced. Rewriting its shards in place, a kill could leave them torn under the old
     meta.json; removing that first would make a kill fall back to an older checkpoint
     whose trained groups this one has already acknowledged."""
+    with_optimizer = bool(trainer.optimizer.state)  # the same on every rank: all step together
     if not (path / META).exists():
         path.mkdir(parents=True, exist_ok=True)
-        dcp.save(_state(trainer), checkpoint_id=str(path))
-        save_file({"cpu": torch.get_rng_state()}, path / f"rng-{trainer.rank}.safetensors")
+        dcp.save(_state(trainer, with_optimizer), checkpoint_id=str(path))
+        rng = path / f"rng-{trainer.rank}.safetensors"
+        save_file({"cpu": torch.get_rng_state()}, rng)
+        durable.fsync(rng)
     dist.barrier()
     if trainer.rank == 0:
-        meta = meta | {"scheduler": trainer.scheduler.state_dict()}
-        tmp = path / (META + ".tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, path / META)
+        meta = meta | {"scheduler": trainer.scheduler.state_dict(), "optimizer_state": with_optimizer}
+        durable.write_text(path / META, json.dumps(meta))
+        durable.fsync(path.parent)  # the step folder's own entry
     dist.barrier()
 
 
 def load(trainer: Trainer, path: Path) -> dict:
-    """All ranks: restore shards, optimizer, reference, RNG and scheduler; returns the meta."""
-    state = _state(trainer)
+    """All ranks: restore shards, optimizer (left fresh when the checkpoint was written
+    before its first step), reference, RNG and scheduler; returns the meta."""
+    meta = json.loads((path / META).read_text())
+    with_optimizer = meta.get("optimizer_state", True)
+    state = _state(trainer, with_optimizer)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer if with_optimizer else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
     if trainer.reference is not None:
         set_state_dict(trainer.reference, [], model_state_dict=state["reference"], optim_state_dict={})
     # Resumed on more ranks than wrote the checkpoint (a learner on more nodes): the new
     # ranks take rank 0's generator; the training step itself draws no random numbers.
     rng = path / f"rng-{trainer.rank}.safetensors"
     torch.set_rng_state(load_file(rng if rng.exists() else path / "rng-0.safetensors")["cpu"])
-    meta = json.loads((path / META).read_text())
     trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,23 @@ def test_saving_again_at_a_complete_step_replaces_only_its_meta(trainer, tmp_pat
     assert torch.equal(trainer.model.weight, saved)
 
 
+def test_the_commit_marker_is_flushed_to_disk_then_renamed_and_its_folder_flushed(trainer, tmp_path, monkeypatch):
+    """A power loss right after `save` must not leave a meta.json that names shards or an
+    RNG file still in the page cache, nor lose the meta's rename: every file of the
+    checkpoint is flushed, then the meta's folder and the folder holding it."""
+    flushed: list[int] = []  # inodes, in the order os.fsync saw them
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    path = checkpoint.checkpoint_dir(tmp_path, "j", 3)
+
+    checkpoint.save(trainer, path, {"step": 3})
+
+    inode = {p: p.stat().st_ino for p in [*path.iterdir(), path, path.parent]}
+    assert set(inode.values()) <= set(flushed), sorted(p.name for p in inode if inode[p] not in flushed)
+    assert flushed.index(inode[path / checkpoint.META]) < flushed.index(inode[path]) < flushed.index(inode[path.parent])
+    assert sorted(p.name for p in path.iterdir() if p.name.endswith(".tmp")) == []
+
+
 def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_torn_older_ones(tmp_path):
     def folder(step: int, complete: bool):
         path = checkpoint.checkpoint_dir(tmp_path, "job-1", step)
@@ -56,3 +74,33 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_torn_older_ones
     assert sorted(p.name for p in paths[0].parent.iterdir()) == ["step-000010", "step-000015", "step-000020"]
     assert checkpoint.latest(tmp_path, "job-1") == paths[15]
     assert checkpoint.prune(tmp_path, "job-1", keep=2) == []
+
+
+def test_a_step_zero_checkpoint_leaves_training_bit_for_bit_as_without_one(tiny_model, process_group, tmp_path):
+    """A save before the first step, and a resume from it, must not touch the optimizer:
+    torch's `get_state_dict` gives an AdamW that has not stepped a state by stepping it on
+    zero gradients, which would make the first real update AdamW's second (0.742x as large
+    at betas 0.9, 0.99) and shift the bias correction of every step after it."""
+    from test_numeric_guards import batch, parameters
+
+    from learner.trainer import Trainer
+    from services.config import ModelSpec, RLJob, TrainSpec
+
+    spec = RLJob(model=ModelSpec(path=str(tiny_model)), train=TrainSpec(lr=0.01, seed=3))
+    path = checkpoint.checkpoint_dir(tmp_path, "j", 0)
+
+    def trained(before_the_first_step) -> dict[str, torch.Tensor]:
+        trainer = Trainer(spec, torch.device("cpu"))
+        trainer.start_rl()
+        before_the_first_step(trainer)
+        trainer.rl_step(batch())
+        trainer.rl_step(batch(advantage=-0.5))
+        return parameters(trainer)
+
+    straight = trained(lambda trainer: None)
+    saved = trained(lambda trainer: checkpoint.save(trainer, path, {"step": 0}))
+    resumed = trained(lambda trainer: checkpoint.load(trainer, path))
+
+    for name, parameter in straight.items():
+        assert torch.equal(saved[name], parameter), name
+        assert torch.equal(resumed[name], parameter), name
