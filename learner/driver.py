@@ -6,6 +6,7 @@ through `learner.control`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -17,7 +18,8 @@ from learner.control import Command, GroupBroken, RankLost, Worker, rank_errors,
 from learner.runs import run_for
 from learner.runs.base import JobCancelled, LearnerStopping
 from learner.step_log import JobUnhealthy
-from services import jobs, protocol
+from learner.torchrun import note_job, take_exit
+from services import job_lease, jobs, protocol
 from services.config import JobSpec, LearnerSettings, parse_job_spec
 from services.metrics import serve_metrics
 from services.queues import Keys, connect
@@ -35,6 +37,8 @@ class Driver:
         self.current_job = ""
         self.current_run = None
         self.stop_requested = False
+        self.holder = job_lease.holder_id()
+        self.lease: job_lease.Lease | None = None
 
     def request_stop(self) -> None:
         """Called from the SIGTERM handler: finish the step, checkpoint, exit."""
@@ -68,22 +72,55 @@ class Driver:
                 return
 
     async def next_job(self) -> str | None:
+        """A RUNNING or PAUSED job no learner holds any more (its learner died, froze past
+        the lease, or stopped) when this one resumes jobs; else the next queued one."""
+        if self.settings.resume:
+            left = await job_lease.unheld(self.redis, await jobs.running_jobs(self.redis))
+            if left:
+                return left[0]
         return await jobs.next_pending(self.redis, self.settings.pending_ttl_s, self.settings.job_retention_s)
 
     def beat(self) -> None:
-        """On a thread of its own, so that a long step does not silence it: the running
-        job's `learner_seen`, every `jobs.LEARNER_BEAT_S`. A learner that died, or was
-        never restarted, shows as silent in the job's record (`jobs.learner_silence`)."""
+        """On a thread of its own, so that a long step does not silence it: the lease on
+        the held job renewed and the running job's `learner_seen`, every
+        `jobs.LEARNER_BEAT_S` or a third of the lease, if shorter. A learner that died, or
+        was never restarted, shows as silent in the job's record (`jobs.learner_silence`)
+        and loses its lease."""
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5.0)
         while True:
-            if self.current_job:
-                try:
-                    client.hset(Keys.job(self.current_job), "learner_seen", time.time())
-                except redis.RedisError as err:  # an outage: the calls on the loop wait it out
-                    log.debug("learner heartbeat: %s", err)
-            time.sleep(jobs.LEARNER_BEAT_S)
+            lease, job_id = self.lease, self.current_job
+            try:
+                if lease is not None and not job_lease.renew(client, lease, self.settings.lease_ttl_s):
+                    log.error("job %s: lease lost, another learner holds it; its writes here are refused", job_id)
+                elif job_id:
+                    client.hset(Keys.job(job_id), "learner_seen", time.time())
+            except redis.RedisError as err:  # an outage: the calls on the loop wait it out
+                log.debug("learner heartbeat: %s", err)
+            time.sleep(min(jobs.LEARNER_BEAT_S, self.settings.lease_ttl_s / 3))
 
     async def run_job(self, job_id: str) -> None:
+        """Run the job unless another learner holds it: under a lease, whose token every
+        write of the job carries (`job_lease`). A stop leaves the job marked as stopped on
+        request, so the learner that takes it up next counts no crash."""
+        lease = await job_lease.acquire(self.redis, job_id, self.holder, self.settings.lease_ttl_s)
+        if lease is None:
+            log.info("skipping job %s: another learner holds it", job_id)
+            return
+        self.lease, stopped = lease, False
+        try:
+            with job_lease.holding(lease):
+                await self.run_held(job_id)
+        except job_lease.LeaseLost as err:
+            log.error("%s; leaving it to that learner", err)
+        except LearnerStopping:
+            stopped = True
+            raise
+        finally:
+            self.lease = None
+            with contextlib.suppress(redis.RedisError):  # unreleased, it lapses after its TTL
+                await job_lease.release(self.redis, lease, stopped)
+
+    async def run_held(self, job_id: str) -> None:
         claimed = await claim_job(self.redis, job_id, self.settings)
         if claimed is None:
             return
@@ -94,6 +131,7 @@ class Driver:
             return
         log.info("%s job %s: %s", "resuming" if resuming else "running", job_id, spec.model_dump_json())
         self.current_job = job_id
+        note_job(job_id)
         status, error = jobs.JobStatus.SUCCEEDED, ""
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
@@ -103,6 +141,10 @@ class Driver:
             self.worker.run(Command(kind="end"))
             raise
         except RankLost:  # a rank was killed: the job stays RUNNING for the restarted learner
+            raise
+        except job_lease.LeaseLost:  # another learner runs the job now: leave it as it is
+            self.worker.run(Command(kind="end"))
+            self.current_job, self.current_run = "", None
             raise
         except GroupBroken as err:  # the ranks cannot go on together: report, then exit
             await self.end_job(job_id, jobs.JobStatus.FAILED, str(err))
@@ -125,6 +167,7 @@ class Driver:
         for path in rank_errors_dir(self.settings.runs_dir, job_id).glob("rank-*.txt"):
             path.unlink()
         self.current_job, self.current_run = "", None
+        note_job("")
         log.info("job %s %s %s", job_id, status.value, error)
 
 
@@ -149,5 +192,29 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
         return None
     if not await jobs.set_status(client, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
         log.info("job %s was cancelled before it started", job_id)
+    if crash_loop := await count_crash(client, record, settings):
+        await jobs.set_status(client, job_id, jobs.JobStatus.FAILED, crash_loop, settings.job_retention_s)
+        return None
         return None
     return spec, resuming
+
+
+async def count_crash(client: aioredis.Redis, record: dict, settings: LearnerSettings) -> str:
+    """Count the claim of a job its learner left RUNNING or PAUSED as a restart, with how
+    that learner ended (torchrun's record of its ranks' exits, `learner.torchrun`). The
+    reason to fail the job when its learner has now died `max_crashes_per_step` times
+    after the same step, else ''."""
+    if record["status"] not in (jobs.JobStatus.RUNNING.value, jobs.JobStatus.PAUSED.value):
+        return ""
+    last_seen = record.get("learner_seen") or record.get("started") or 0.0
+    last_exit = take_exit(settings.runs_dir, record["id"], not_before=last_seen)
+    crashes, step = await job_lease.count_restart(client, record["id"], last_exit)
+    if crashes == 0:  # it stopped on request (SIGTERM): no crash
+        return ""
+    log.warning("job %s: restart %d after step %d; the last learner ended: %s", record["id"], crashes, step, last_exit)
+    if crashes < settings.max_crashes_per_step:
+        return ""
+    return (
+        f"the learner died {crashes} times in a row after step {step} without completing another "
+        f"(max_crashes_per_step={settings.max_crashes_per_step}); the last exit: {last_exit}"
+    )

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from learner import durable
+
 log = logging.getLogger(__name__)
 
 
@@ -123,15 +125,17 @@ def export(model: torch.nn.Module, source: str, out_dir: str, rank: int) -> None
 def save_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, out_dir: Path) -> None:
     """`state` (full tensors of `model`) as a Hugging Face folder, with the config, tokenizer
     and generation config of the model at `source`. A weight tied to another (SmolLM2's
-    lm_head is its embedding) is saved once, as transformers and vLLM expect."""
+    lm_head is its embedding) is saved once, as transformers and vLLM expect. Written beside
+    `out_dir` and renamed into place (`durable.replaced_folder`): a reader of `out_dir` (a
+    rollout server, `tandem export`) finds the old export or the new one whole, never a mix."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items() if k not in tied}, out_dir / "model.safetensors")
-    AutoConfig.from_pretrained(source).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)
-    generation = Path(source) / "generation_config.json"
-    if generation.exists():
-        (out_dir / generation.name).write_text(generation.read_text())
+    with durable.replaced_folder(out_dir) as staging:
+        save_file({k: v.contiguous() for k, v in state.items() if k not in tied}, staging / "model.safetensors")
+        AutoConfig.from_pretrained(source).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+        generation = Path(source) / "generation_config.json"
+        if generation.exists():
+            (staging / generation.name).write_text(generation.read_text())

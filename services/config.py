@@ -938,3 +938,15 @@ class LearnerSettings(_ProcessSettings):
         "upstream is down before it fails with the proxy's reason.",
     )
     resume: bool = Field(False, description="Continue RUNNING jobs from their last checkpoint.")
+    lease_ttl_s: float = Field(
+        30.0,
+        ge=1.0,
+        description="How long a learner's hold on its job lasts unless renewed (every third of it, at most "
+        "every 5 s): another learner takes a job over this long after its learner died or froze.",
+    )
+    max_crashes_per_step: int = Field(
+        3,
+        ge=1,
+        description="A job whose learner died this many times at the same step (no step completed between) "
+        "ends FAILED with the last exit reason instead of resuming again; a SIGTERM stop is no crash.",
+    )

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from services.config import JOB_NAME, JobSpec, parse_job_spec_json
 from services.queues import Keys
+from services import job_lease
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 RETENTION_S = 7 * 86400.0
@@ -201,9 +202,11 @@ SET_STATUS_LUA = (
     _ENDED
     + """
 local current = redis.call('HGET', KEYS[1], 'status')
+    + job_lease.FENCE_CHECK
 if not current or ended[current] or (ARGV[6] ~= '' and current ~= ARGV[6]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[4])
+if fenced(KEYS[1], ARGV[7]) then return 0 end
 if ARGV[1] == 'RUNNING' then
   if redis.call('HSETNX', KEYS[1], 'started', ARGV[2]) == 1 then
     redis.call('HSET', KEYS[4], redis.call('HGET', KEYS[1], 'tenant') or '', ARGV[2])
@@ -235,7 +238,10 @@ return current
 """
 
 
-PAUSE_LUA = """
+PAUSE_LUA = (
+    job_lease.FENCE_CHECK
+    + """
+if fenced(KEYS[1], ARGV[3]) then return 0 end
 local current = redis.call('HGET', KEYS[1], 'status')
 if current == 'RUNNING' then
   redis.call('HSET', KEYS[1], 'status', 'PAUSED', 'paused_since', ARGV[2])
@@ -273,7 +279,8 @@ async def set_status(
     only_from: JobStatus | None = None,
 ) -> bool:
     """Move the job to `status` (RUNNING joins `jobs:running`, an end leaves it) unless it
-    has already ended, or is not `only_from` when that is given; True when it moved. An end
+    has already ended, or is not `only_from` when that is given, or the lease this task
+    holds on it was lost (`job_lease.holding`); True when it moved. An end
     sets every key of the job to expire after `retention_s`. A learner whose claim lost to a
     cancel finds the job CANCELLED with `cancel_requested` set, so it stops at its first
     cancel check."""
@@ -286,7 +293,15 @@ async def set_status(
             Keys.job_changed(job_id),
             *job_keys(job_id),
         ],
-        args=[status.value, time.time(), error[:4000], job_id, int(retention_s), only_from.value if only_from else ""],
+        args=[
+            status.value,
+            time.time(),
+            error[:4000],
+            job_id,
+            int(retention_s),
+            only_from.value if only_from else "",
+            job_lease.fence_of(job_id),
+        ],
     )
     return moved == 1
 
@@ -301,7 +316,7 @@ async def pause(client: aioredis.Redis, job_id: str, reason: str) -> bool:
     PAUSED already keeps its `paused_since` and takes the newer reason). False when the job
     is neither (it ended, or a cancel ended it first). `set_status(RUNNING)` lifts it."""
     paused = await client.register_script(PAUSE_LUA)(
-        keys=[Keys.job(job_id), Keys.job_changed(job_id)], args=[reason[:4000], time.time()]
+        keys=[Keys.job(job_id), Keys.job_changed(job_id)], args=[reason[:4000], time.time(), job_lease.fence_of(job_id)]
     )
     return paused == 1
 
@@ -321,14 +336,10 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
 async def record_progress(
     client: aioredis.Redis, job_id: str, step: int, version: int, metrics: dict[str, float]
 ) -> None:
-    await client.hset(
-        Keys.job(job_id),
-        mapping={
-            "step": step,
-            "version": version,
-            "metrics": json.dumps(metrics),
-            "updated": time.time(),
-        },
+    """The job's step, version and last step's numbers; LeaseLost when the lease this
+    task holds on the job was lost."""
+    written = await client.register_script(RECORD_PROGRESS_LUA)(
+        keys=[Keys.job(job_id)], args=[step, version, json.dumps(metrics), time.time(), job_lease.fence_of(job_id)]
     )
 
 
@@ -350,7 +361,10 @@ async def running_jobs(client: aioredis.Redis) -> list[str]:
 # The history list keeps a job's newest records; `history_dropped` in the job's record counts
 # those dropped from its head, so a record's global index (its place in the whole history,
 # as `metrics.jsonl` in the run folder keeps it) is `history_dropped` + its index in the list.
-APPEND_HISTORY_LUA = """
+APPEND_HISTORY_LUA = (
+    job_lease.FENCE_CHECK
+    + """
+if fenced(KEYS[2], ARGV[3]) then return 0 end
 local length = redis.call('RPUSH', KEYS[1], ARGV[1])
 local keep = tonumber(ARGV[2])
 if length > keep then
@@ -369,9 +383,11 @@ return {first, redis.call('LRANGE', KEYS[1], first - dropped, -1)}
 
 
 async def append_history(client: aioredis.Redis, job_id: str, record: str, keep: int) -> None:
-    """Append a step record, keeping the newest `keep` in Redis."""
-    await client.register_script(APPEND_HISTORY_LUA)(
-        keys=[Keys.history(job_id), Keys.job(job_id), Keys.job_changed(job_id)], args=[record, keep]
+    """Append a step record, keeping the newest `keep` in Redis; LeaseLost when the lease
+    this task holds on the job was lost."""
+    appended = await client.register_script(APPEND_HISTORY_LUA)(
+        keys=[Keys.history(job_id), Keys.job(job_id), Keys.job_changed(job_id)],
+        args=[record, keep, job_lease.fence_of(job_id)],
     )
 
 
@@ -399,7 +415,13 @@ async def trim_history(client: aioredis.Redis, job_id: str, length: int) -> None
 async def read_history(client: aioredis.Redis, job_id: str, start: int) -> tuple[int, list[bytes]]:
     """The records from global index `start` on, or from the oldest kept when that was
     dropped; and the global index of the first one returned."""
+    if not written:
+        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; step {step} is not recorded")
     first, records = await client.register_script(READ_HISTORY_LUA)(
         keys=[Keys.history(job_id), Keys.job(job_id)], args=[start]
     )
     return int(first), records
+return 1
+)
+    if not appended:
+        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; its step record is not kept")

@@ -215,7 +215,7 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     exported then, `train.export_every`, or else its checkpoint), or without a step the
     final policy (or, while the job runs, its newest checkpoint). `provenance.json` names
     the job, the step, what it was made from and the base model's own provenance."""
-    from learner import checkpoint
+    from learner import checkpoint, durable
     from services.config import parse_job_spec_json
 
     job_dir = Path(runs_dir) / job_id
@@ -226,19 +226,20 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     exported = job_dir / "policy" if step is None else job_dir / "policies" / f"step-{step:06d}"
     if step is None and not exported.is_dir():
         step = (checkpoint.steps(runs_dir, job_id) or [0])[-1]  # none at all: export names what it has
-    if exported.is_dir():
-        shutil.copytree(exported, out_dir)
-        made_from = str(exported)
-    else:
-        checkpoint.export(runs_dir, job_id, step, out_dir)
-        made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
-    base = parse_job_spec_json((job_dir / checkpoint.SPEC).read_text()).model.path
-    record = {
-        "job": job_id,
-        "step": step,
-        "made_from": made_from,
-        "base_model": base,
-        "base_provenance": provenance(Path(base)),
-    }
-    (Path(out_dir) / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+    with durable.replaced_folder(out_dir) as staging:  # a kill leaves no half-made `out_dir`
+        if exported.is_dir():
+            shutil.copytree(exported, staging, dirs_exist_ok=True)
+            made_from = str(exported)
+        else:
+            checkpoint.export(runs_dir, job_id, step, staging)
+            made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
+        base = parse_job_spec_json((job_dir / checkpoint.SPEC).read_text()).model.path
+        record = {
+            "job": job_id,
+            "step": step,
+            "made_from": made_from,
+            "base_model": base,
+            "base_provenance": provenance(Path(base)),
+        }
+        (staging / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
     return Path(out_dir)
