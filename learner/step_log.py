@@ -9,6 +9,7 @@ since they need the last few of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -195,6 +196,17 @@ def llm_spend(samples: list[protocol.Sample]) -> dict[str, float]:
     return spend
 
 
+def keep_lines(path: Path, count: int) -> None:
+    """Cut the file at `path`, if there is one, after its first `count` lines."""
+    if not path.exists():
+        return
+    with open(path, "r+b") as f:
+        for _ in range(count):
+            if not f.readline():
+                return
+        f.truncate()
+
+
 class StepLog:
     """One job's step records (file, Redis history, gauges), its idle-time accounting and
     its health rules."""
@@ -221,8 +233,12 @@ class StepLog:
         return await jobs.history_length(self.redis, self.job_id)
 
     async def trim(self, length: int) -> None:
-        """Keep the first `length` history records: those a checkpoint covers."""
+        """Keep the first `length` history records, in Redis and in `metrics.jsonl`: those a
+        checkpoint covers, so that the steps a resumed run trains again are recorded once.
+        The file's lines are the same records in the same order (`write` appends to both,
+        the file first), and all of them are whole before a checkpoint is written."""
         await jobs.trim_history(self.redis, self.job_id, length)
+        await asyncio.to_thread(keep_lines, self.path, length)
 
     async def write(self, record: dict, step: int, version: int) -> None:
         record["time"] = time.time()
