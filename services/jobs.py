@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from services import job_lease
 from services.config import JOB_NAME, JobSpec, parse_job_spec_json
 from services.queues import Keys
-from services import job_lease
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 RETENTION_S = 7 * 86400.0
@@ -200,13 +200,13 @@ async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
 _ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"
 SET_STATUS_LUA = (
     _ENDED
+    + job_lease.FENCE_CHECK
     + """
 local current = redis.call('HGET', KEYS[1], 'status')
-    + job_lease.FENCE_CHECK
 if not current or ended[current] or (ARGV[6] ~= '' and current ~= ARGV[6]) then return 0 end
+if fenced(KEYS[1], ARGV[7]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[4])
-if fenced(KEYS[1], ARGV[7]) then return 0 end
 if ARGV[1] == 'RUNNING' then
   if redis.call('HSETNX', KEYS[1], 'started', ARGV[2]) == 1 then
     redis.call('HSET', KEYS[4], redis.call('HGET', KEYS[1], 'tenant') or '', ARGV[2])
@@ -252,6 +252,7 @@ redis.call('HSET', KEYS[1], 'paused_reason', ARGV[1])
 redis.call('PUBLISH', KEYS[2], 'PAUSED')
 return 1
 """
+)
 
 
 def job_keys(job_id: str) -> list[str]:
@@ -333,6 +334,16 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
     return status.decode() if status else None
 
 
+RECORD_PROGRESS_LUA = (
+    job_lease.FENCE_CHECK
+    + """
+if fenced(KEYS[1], ARGV[5]) then return 0 end
+redis.call('HSET', KEYS[1], 'step', ARGV[1], 'version', ARGV[2], 'metrics', ARGV[3], 'updated', ARGV[4])
+return 1
+"""
+)
+
+
 async def record_progress(
     client: aioredis.Redis, job_id: str, step: int, version: int, metrics: dict[str, float]
 ) -> None:
@@ -341,6 +352,8 @@ async def record_progress(
     written = await client.register_script(RECORD_PROGRESS_LUA)(
         keys=[Keys.job(job_id)], args=[step, version, json.dumps(metrics), time.time(), job_lease.fence_of(job_id)]
     )
+    if not written:
+        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; step {step} is not recorded")
 
 
 async def add_alert(client: aioredis.Redis, job_id: str, message: str) -> None:
@@ -372,7 +385,9 @@ if length > keep then
   redis.call('HINCRBY', KEYS[2], 'history_dropped', length - keep)
 end
 redis.call('PUBLISH', KEYS[3], 'step')
+return 1
 """
+)
 
 
 READ_HISTORY_LUA = """
@@ -389,6 +404,8 @@ async def append_history(client: aioredis.Redis, job_id: str, record: str, keep:
         keys=[Keys.history(job_id), Keys.job(job_id), Keys.job_changed(job_id)],
         args=[record, keep, job_lease.fence_of(job_id)],
     )
+    if not appended:
+        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; its step record is not kept")
 
 
 async def history_dropped(client: aioredis.Redis, job_id: str) -> int:
@@ -415,13 +432,7 @@ async def trim_history(client: aioredis.Redis, job_id: str, length: int) -> None
 async def read_history(client: aioredis.Redis, job_id: str, start: int) -> tuple[int, list[bytes]]:
     """The records from global index `start` on, or from the oldest kept when that was
     dropped; and the global index of the first one returned."""
-    if not written:
-        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; step {step} is not recorded")
     first, records = await client.register_script(READ_HISTORY_LUA)(
         keys=[Keys.history(job_id), Keys.job(job_id)], args=[start]
     )
     return int(first), records
-return 1
-)
-    if not appended:
-        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; its step record is not kept")

@@ -182,12 +182,13 @@ def kill_all(processes: list) -> None:
 def learner_command(
     ranks: int, resume: bool = True, nodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "tandem-learner"
 ) -> list[str]:
-    """torchrun with `ranks` processes per node (`rendezvous_args` says how nodes meet);
-    locally a restarted learner resumes its job."""
+    """torchrun with `ranks` processes per node (`rendezvous_args` says how nodes meet),
+    keeping how its ranks ended for the restarted learner (`learner.torchrun`); locally a
+    restarted learner resumes its job."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "learner.torchrun",
         *rendezvous_args(nodes, rdzv_endpoint, rdzv_id),
         f"--nproc-per-node={ranks}",
         "-m",

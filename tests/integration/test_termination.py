@@ -26,7 +26,7 @@ def test_sigterm_to_the_demo_stops_every_process_it_started(tmp_path):
         wait_for(lambda: "submitted" in demo.stdout.readline(), 240, "the stack to be up and the job submitted")
         started = psutil.Process(demo.pid).children(recursive=True)
         names = {" ".join(p.cmdline()[1:4]) for p in started}
-        assert any("cli rollout" in n for n in names) and any("torch.distributed.run" in n for n in names), names
+        assert any("cli rollout" in n for n in names) and any("learner.torchrun" in n for n in names), names
 
         demo.send_signal(signal.SIGTERM)
 
