@@ -1,0 +1,54 @@
+"""The GPU machine's prepared command (bench/gpu_check.py) works before a GPU sees it: its
+`--device cpu` dry run reports every section, and the wheels it needs there fit beside the tree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ["versions", "matmul", "packing", "steps", "memory", "weights", "tests_gpu"]
+TRAVEL_LIMIT_BYTES = 64 << 20
+"""What may travel to the GPU machine: the tracked tree and the carried wheel folder together."""
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_reports_every_section_ok_or_a_named_skip(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+
+    assert [r["section"] for r in rows] == SECTIONS, done.stdout + done.stderr
+    for row in rows:
+        assert row["status"] == "ok" or (row["status"] == "skip" and row["reason"]), row
+    assert done.returncode == 0
+    by_name = {r["section"]: r for r in rows}
+    # fp32 on CPU: packing and the varlen stand-in change nothing but summation order.
+    packing = by_name["packing"]
+    assert packing["float32.probe_packs"] is True
+    assert packing["float32.packed_vs_padded"]["max_abs"] < 1e-5
+    assert packing["float32.varlen_vs_padded"]["max_abs"] < 1e-5
+    steps = by_name["steps"]
+    for key in ("plain_transformers", "packed.sft", "packed.rl", "padded.sft", "padded.rl", "varlen.sft", "varlen.rl"):
+        assert steps[key]["tokens_per_s"] > 0, key
+    weights = by_name["weights"]
+    assert weights["gloo_two_process.1mib"]["bytes"] == weights["bytes"]  # every byte, checksum matched
+
+
+def test_wheel_folder_fits_beside_the_tree():
+    wheels = ROOT / ".whl"
+    if not wheels.is_dir():
+        pytest.skip(".whl/ absent: scripts/gpu_wheels.sh makes it")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree_bytes = sum((ROOT / p).stat().st_size for p in tracked.decode().split("\0") if p and (ROOT / p).is_file())
+    wheel_bytes = sum(f.stat().st_size for f in wheels.rglob("*") if f.is_file())
+    assert wheel_bytes + tree_bytes < TRAVEL_LIMIT_BYTES, (wheel_bytes, tree_bytes)
