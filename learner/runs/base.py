@@ -4,6 +4,10 @@ and says how it checkpoints; `learner.runs.run_for` picks the run of a job's kin
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +18,9 @@ from learner.control import Command, Worker
 from learner.step_log import StepLog
 from services import jobs
 from services.config import JobSpec, LearnerSettings
+from services.queues import Keys
+
+log = logging.getLogger(__name__)
 
 
 class JobCancelled(Exception):
@@ -67,12 +74,13 @@ class Run:
         (self.run_dir / checkpoint.SPEC).write_text(self.spec.model_dump_json(indent=2) + "\n")
 
     async def warm_start(self) -> None:
-        """The SFT steps before RL. A cancel ends the job between two of them; a stop
-        (SIGTERM) leaves it RUNNING with nothing dispatched, so `--resume` starts it over."""
+        """The SFT steps before RL. A cancel ends the job between two of them, keeping
+        nothing; a stop (SIGTERM) leaves it RUNNING with nothing dispatched. Either way a
+        resume starts it over."""
         for step, batch in enumerate(warm_start.batches(self.spec), 1):
             metrics = self.worker.run(Command(kind="sft", samples=batch))
             await self.steps.write({"phase": "sft", "sft_step": step, **metrics}, self.step, self.version)
-            await self.check_cancel()
+            await self.check_cancel(keep=False)
             if self.learner.stop_requested:
                 raise LearnerStopping()
         if self.spec.warm_start.steps:  # the policy RL starts from, kept to evaluate against
@@ -88,6 +96,31 @@ class Run:
         await self.check_cancel()
         await self.check_stop()
 
-    async def check_cancel(self) -> None:
+    async def check_cancel(self, keep: bool = True) -> None:
+        """A cancel ends the job (`JobCancelled`); with `keep`, after `on_cancel` keeps what
+        it has (not in the warm start, which a resume starts over)."""
         if await jobs.cancel_requested(self.redis, self.job_id):
+            if keep:
+                await self.on_cancel()
             raise JobCancelled()
+
+    async def on_cancel(self) -> None:
+        """What a cancelled job keeps before it ends: what a stop keeps (its checkpoint), so
+        `tandem resume` continues it as it would a stopped one."""
+        await self.checkpoint(stopping=True)
+
+    def export_policy(self) -> None:
+        """The policy as it stands, as the job's model (`runs/<job>/policy`; all ranks)."""
+        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+
+    async def record_checkpoint(self, path: Path) -> None:
+        """The checkpoint at `path` (at this step) is complete: listed on the job's record,
+        and all but the newest `settings.keep_checkpoints` deleted, on disk and from the list."""
+        await self.redis.rpush(
+            Keys.checkpoints(self.job_id),
+            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
+        )
+        keep = self.settings.keep_checkpoints
+        for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
+            log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
+        await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)

@@ -18,7 +18,6 @@ from learner import checkpoint, policy
 from learner.control import Command
 from learner.runs.base import Run
 from services import preference, protocol
-from services.queues import Keys
 
 
 def step_pairs(num_pairs: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -57,7 +56,7 @@ class OfflineRun(Run):
                 await self.check_stop()
         if train.checkpoint_every and self.step % train.checkpoint_every:
             await self.checkpoint()
-        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+        self.export_policy()
 
     async def train_pairs(self, samples: list[protocol.Sample], num_pairs: int) -> None:
         started = time.perf_counter()
@@ -77,14 +76,17 @@ class OfflineRun(Run):
 
     async def checkpoint(self, stopping: bool = False) -> None:
         """Always written when called, a stop's (`stopping`) too: nothing waits on it to be
-        acknowledged, since an offline job reads its pairs from a file."""
+        acknowledged, since an offline job reads its pairs from a file. Older ones are
+        pruned as an RL job's are."""
         path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
         meta = {"step": self.step, "version": self.version, "history_length": await self.steps.length()}
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
-        await self.redis.rpush(
-            Keys.checkpoints(self.job_id),
-            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
-        )
+        await self.record_checkpoint(path)
+
+    async def on_cancel(self) -> None:
+        """A checkpoint to resume from, and the policy trained so far as the job's model."""
+        await super().on_cancel()
+        self.export_policy()
 
     async def resume(self) -> bool:
         path = checkpoint.latest(self.settings.runs_dir, self.job_id)

@@ -11,7 +11,6 @@ writes and resumes from.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -67,7 +66,7 @@ class RLRun(RolloutFedRun):
                 await self.check_stop()
         if not every or self.step % every:
             await self.checkpoint()
-        self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
+        self.export_policy()
 
     async def start(self) -> None:
         """A fresh start: the warm start, then the step-0 checkpoint RL begins from."""
@@ -133,14 +132,12 @@ class RLRun(RolloutFedRun):
         }
         self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
         await self.intake.acks.flush()
-        await self.redis.rpush(
-            Keys.checkpoints(self.job_id),
-            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
-        )
-        keep = self.settings.keep_checkpoints
-        for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
-            log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
-        await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)
+        await self.record_checkpoint(path)
+
+    async def on_cancel(self) -> None:
+        """A checkpoint to resume from, and the policy trained so far as the job's model."""
+        await super().on_cancel()
+        self.export_policy()
 
     async def resume(self) -> bool:
         """Continue from the newest complete checkpoint: restore every rank's state and the

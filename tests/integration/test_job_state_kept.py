@@ -1,0 +1,88 @@
+"""What a job leaves on disk, on the real learner (torchrun, 2 ranks) with offline DPO jobs
+(no rollout server): checkpoints pruned to `keep_checkpoints`, and a cancel that keeps a
+checkpoint and the policy. A module of its own: its learner must be the only one reading
+the job queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from helpers import create_job, start_learner, wait_for
+from safetensors.torch import load_file
+from test_dpo_jobs import asking_pairs, finish
+
+from learner import checkpoint
+from services import jobs
+from services.config import ModelSpec, OfflineJob, TrainSpec
+from services.queues import Keys
+
+pytestmark = pytest.mark.slow
+KEEP = 2
+
+
+@pytest.fixture(scope="module")
+def learner(redis_url, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("state-learner")
+    redis.Redis.from_url(redis_url).flushdb()
+    env = {"TANDEM_KEEP_CHECKPOINTS": str(KEEP)}
+    process = start_learner(redis_url, workdir / "runs", workdir / "learner.log", resume=False, env=env)
+    yield workdir
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=60)
+
+
+@pytest.fixture
+def offline_job(tiny_model, tokenizer, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in asking_pairs(tokenizer, 10)))
+
+    def spec(**train) -> OfflineJob:
+        train = {"algorithm": "dpo", "data": str(pairs), "batch_size": 2, "lr": 1e-3} | train
+        return OfflineJob(kind="offline", model=ModelSpec(path=str(tiny_model), max_model_len=512), train=train)
+
+    return spec
+
+
+def test_an_offline_job_keeps_only_its_newest_checkpoints(learner, redis_url, offline_job):
+    job_id = create_job(redis_url, offline_job(num_steps=5, checkpoint_every=1))
+
+    record = finish(redis_url, job_id, learner)
+
+    assert record["status"] == "SUCCEEDED", record["log"]
+    assert checkpoint.steps(learner / "runs", job_id) == [4, 5]
+    listed = redis.Redis.from_url(redis_url).lrange(Keys.checkpoints(job_id), 0, -1)
+    assert [json.loads(entry)["step"] for entry in listed] == [4, 5]
+
+
+def test_a_cancelled_job_keeps_a_checkpoint_of_its_last_step_and_exports_its_policy(
+    learner, redis_url, offline_job, tmp_path
+):
+    """Cancelled after two steps of 10,000 (milliseconds each: it cannot end first), with
+    periodic checkpoints off: it ends CANCELLED with a checkpoint at the last step it
+    trained, and `runs/<job>/policy` holds that checkpoint's policy."""
+    client = redis.Redis.from_url(redis_url)
+    job_id = create_job(redis_url, offline_job(num_steps=10_000, checkpoint_every=0))
+    wait_for(lambda: client.llen(Keys.history(job_id)) >= 2, 120, "two steps")
+
+    async def cancel() -> None:
+        async with aioredis.from_url(redis_url) as async_client:
+            await jobs.cancel(async_client, job_id)
+
+    asyncio.run(cancel())
+    record = finish(redis_url, job_id, learner)
+
+    assert record["status"] == "CANCELLED", record["log"]
+    last_step = record["history"][-1]["step"]
+    assert 2 <= last_step < 10_000
+    assert checkpoint.steps(learner / "runs", job_id) == [last_step]
+    exported = load_file(learner / "runs" / job_id / "policy" / "model.safetensors")
+    from_checkpoint = checkpoint.export(learner / "runs", job_id, last_step, tmp_path / "from-checkpoint")
+    expected = load_file(from_checkpoint / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    assert all(exported[name].equal(expected[name]) for name in expected)
