@@ -253,12 +253,14 @@ def make_trainer(ctx: Context, dtype: str, max_tokens_per_rank: int):
 def make_samples(rng: random.Random, count: int, lengths: tuple[int, int], vocab: int) -> list:
     from services.protocol import Sample
 
+    uniform = -math.log(vocab)  # what a random-init policy gives any token, about
+
     def sample(i: int, n: int) -> Sample:
         return Sample(
             sample_id=str(i),
             tokens=[rng.randrange(vocab) for _ in range(n)],
             mask=[0] + [1] * (n - 1),
-            logprobs=[-3.0] * n,
+            logprobs=[uniform] * n,
             versions=[0] * n,
             reward=0.0,
             advantage=rng.choice([-1.0, 1.0]),
@@ -304,10 +306,13 @@ def _varlen_kernel(q, k, v, cu_seqlens, scale):
 
     from torch.nn.attention.varlen import varlen_attn
 
+    # Its keywords changed between torch releases: causality was `is_causal`, then a window.
     params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kwargs |= {"scale": scale} if "scale" in params else {}
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **causal)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, **kwargs)
 
 
 def _varlen_reference(q, k, v, bounds: list[int], scale):
@@ -347,7 +352,8 @@ def versions(ctx: Context) -> None:
         props = torch.cuda.get_device_properties(0)
         ctx.put("cuda", torch.version.cuda)
         ctx.put("cudnn", torch.backends.cudnn.version())
-        ctx.put("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+        nccl = torch.cuda.nccl.version()
+        ctx.put("nccl", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
         ctx.put("gpu", props.name)
         ctx.put("capability", f"{props.major}.{props.minor}")
         ctx.put("sms", props.multi_processor_count)
@@ -722,7 +728,7 @@ def gloo_two_process(ctx: Context, buckets: list, tensors: dict) -> dict:
         rounds.append(time.perf_counter() - started)
     receiver.join(timeout=30)
     expected = checksum([(t.name, tensors[t.name]) for b in buckets for t in b.tensors])
-    if any(r != expected for r in received):
+    if not all(math.isclose(r, expected, rel_tol=1e-9) for r in received):
         raise AssertionError(f"receiver checksum {received} != sender's {expected}")
     return {"buckets": len(buckets), "bytes": sent, "seconds": rounds, "gb_per_s": round(sent / min(rounds) / 1e9, 2)}
 
