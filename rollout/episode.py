@@ -5,10 +5,11 @@ output ids and delta-tokenized user turns (`services.tokenization`). Generated t
 decoded for the user simulator and the judge but never re-encoded.
 
 Every turn has a name, the episode's `trace` and the number of messages before it
-(`task12/s3/f1/t4`). A policy turn is looked up in the task's journal before it is
-generated and recorded after; a user turn is asked for under its name as the idempotency
-key (`rollout.journal`), so a task taken over from a dead server replays the same
-conversation without paying for its calls again.
+(`task12/s3/f1/t4`). A policy reply and a reply's tool results are looked up in the task's
+journal before they are generated or called, and recorded after; a user turn is asked for
+under its name as the idempotency key (`rollout.journal`), so a task taken over from a dead
+server replays the same conversation without paying for its calls again. The journal gives
+a turn back only after the same tokens it followed when it was recorded.
 
 With a tool box, an assistant turn may take several replies: a reply the tool box's parser
 finds calls in is followed by the results as `tool` messages (delta-tokenized like a user
@@ -27,8 +28,8 @@ from rollout.engine import Engine, Generation
 from rollout.interactions.base import UserSimulator
 from rollout.journal import Journal
 from rollout.tools.base import World
-from rollout.tools.box import ToolBox, ToolUsage, tool_message
-from rollout.tools.parsers import parse_reply
+from rollout.tools.box import ToolBox, ToolResult, ToolUsage, tool_message
+from rollout.tools.parsers import Parsed, parse_reply
 from services.config import RolloutSpec
 from services.tokenization import ChatTokenizer
 
@@ -62,7 +63,8 @@ class Episode:
     trace: str = ""
     """Where this conversation sits in its task (`task12/s3`, a future `task12/s3/f1`)."""
     journal: Journal | None = None
-    """The task's journal of policy turns; None to generate every turn afresh."""
+    """The task's journal of policy replies and tool results; None to generate and call
+    every turn afresh."""
     tool_use: ToolUsage = field(default_factory=ToolUsage)
     """The tool calls made in this episode and their results."""
 
@@ -161,7 +163,7 @@ class EpisodeRunner:
             calls = await parse_reply(self.tools.parse, episode.messages[-1]["content"])
             if not calls or episode.tool_use.total >= self.tools.spec.max_calls_per_episode:
                 return True
-            results = await self.tools.run(calls, episode.tool_use)
+            results = await self.run_tools(episode, calls)
             if not self.append_turn(episode, [tool_message(r) for r in results]):
                 return False
         return True
@@ -201,16 +203,27 @@ class EpisodeRunner:
         return True
 
     async def generate(self, episode: Episode, budget: int, temperature: float | None = None) -> Generation:
-        """The next policy turn: from the task's journal, or the engine's (then recorded)."""
-        name = episode.turn_name()
-        journal = episode.journal
-        if journal is not None and (recorded := journal.recall(name)) is not None:
+        """The next policy reply: the journal's, when it recorded one after these very
+        tokens, or else the engine's (then recorded)."""
+        name, journal = episode.turn_name(), episode.journal
+        if journal is not None and (recorded := journal.recall(name, episode.tokens, Generation)) is not None:
             return recorded
         temperature = self.spec.temperature if temperature is None else temperature
         gen = await self.engine.generate(episode.tokens, budget, temperature, [self.chat.eot_id])
         if journal is not None:
-            await journal.record(name, gen)
+            await journal.record(name, episode.tokens, gen)
         return gen
+
+    async def run_tools(self, episode: Episode, calls: Parsed) -> list[ToolResult]:
+        """The results of the calls in the episode's last reply, recorded in its journal; the
+        results it recorded after these very tokens stand in for calls to tools that do not
+        act on the episode's world (`ToolBox.run`)."""
+        name, journal = episode.turn_name(), episode.journal
+        recorded = journal.recall(name, episode.tokens, list[ToolResult]) if journal is not None else None
+        results = await self.tools.run(calls, episode.tool_use, recorded)
+        if journal is not None:
+            await journal.record(name, episode.tokens, results)
+        return results
 
     async def user_turn(self, episode: Episode, example: int) -> bool:
         """Append the simulated user's reply; False when the conversation is over."""

@@ -549,7 +549,9 @@ class ServedJob:
         try:
             if not 0 <= task.example < len(task_set):
                 raise BadTask(f"example {task.example} outside the task set (size {len(task_set)})")
-            journal = await Journal.open(self.server.redis, self.job_id, task.task_id)
+            journal = await Journal.open(
+                self.server.redis, self.job_id, task.task_id, self.server.settings.idempotency_ttl_s
+            )
             group = await self.rollout.group(task, journal)
             group.elapsed_s = time.perf_counter() - started
             group.dispatched_version = task.dispatched_version

@@ -779,7 +779,21 @@ class ApiSettings(_ToolSettings):
         return self
 
 
-class JudgeProxySettings(_ProcessSettings):
+class _ReplaySettings(_ProcessSettings):
+    """How long a taken-over episode can be replayed: read by the judge proxy (its replay
+    memory) and by rollout servers (their task journals), so that a journal never outlives
+    the simulator and judge replies its turns followed."""
+
+    idempotency_ttl_s: float = Field(
+        3600.0,
+        ge=0,
+        description="How long the judge proxy keeps a reply for a retry with the same Idempotency-Key, and a "
+        "rollout server a task's journal (its policy replies and tool results) after the last write; set the "
+        "proxy and the rollout servers alike. 0 = off: a taken-over task plays afresh.",
+    )
+
+
+class JudgeProxySettings(_ReplaySettings):
     host: str = "127.0.0.1"
     port: int = 8001
     upstreams: str = Field("", description="YAML/JSON file listing upstreams; empty = none.")
@@ -824,9 +838,6 @@ class JudgeProxySettings(_ProcessSettings):
         description="How long a job's verdicts (and temperature-0 chat replies) are remembered for "
         "identical requests; 0 = no cache.",
     )
-    idempotency_ttl_s: float = Field(
-        3600.0, ge=0, description="How long a reply is kept for a retry with the same Idempotency-Key; 0 = off."
-    )
     max_reply_bytes: int = Field(
         8 << 20,
         ge=1 << 16,
@@ -853,7 +864,7 @@ class JudgeProxySettings(_ProcessSettings):
         return self
 
 
-class RolloutSettings(_ToolSettings):
+class RolloutSettings(_ToolSettings, _ReplaySettings):
     server_id: str = ""
     metrics_port: int = 8002
     judge_url: str = "http://127.0.0.1:8001"

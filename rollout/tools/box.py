@@ -168,10 +168,13 @@ class ToolBox:
         """The OpenAI function schemas, for the chat template's `tools` argument."""
         return [tool.schema() for tool in self.tools.values()]
 
-    async def run(self, parsed: Parsed, usage: ToolUsage) -> list[ToolResult]:
+    async def run(self, parsed: Parsed, usage: ToolUsage, recorded: list[ToolResult] | None = None) -> list[ToolResult]:
         """Every call of one reply, concurrently; recorded in `usage`. The results of the
         readable calls come in the reply's order (refused ones in their place), then one
-        per unreadable call."""
+        per unreadable call. `recorded` is what an earlier run of this very reply returned
+        (a task's journal): its results stand in for calls to tools that do not act on the
+        episode's world, which are not made again. World tools run again, since the world
+        they change is rebuilt by replaying them (they are functions of it)."""
         results: list[ToolResult | None] = []
         admitted: list[tuple[int, ToolCall]] = []
         for call in parsed.calls:
@@ -180,7 +183,7 @@ class ToolBox:
                 admitted.append((len(results), call))
                 usage.calls[call.name] += 1
             results.append(refused)
-        ran = await asyncio.gather(*(self._call(call, usage.world) for _, call in admitted))
+        ran = await asyncio.gather(*(self._answer(index, call, usage.world, recorded) for index, call in admitted))
         for (index, _), result in zip(admitted, ran):
             results[index] = result
         results += [
@@ -214,6 +217,14 @@ class ToolBox:
                 call, f"error: at most {self.spec.max_calls_per_episode} tool calls per conversation", "call_limit"
             )
         return None
+
+    async def _answer(
+        self, index: int, call: ToolCall, world: World | None, recorded: list[ToolResult] | None
+    ) -> ToolResult:
+        """The result of the reply's call at `index`: the recorded one, or the tool's."""
+        if recorded is not None and not getattr(self.tools[call.name], "acts_on_world", False):
+            return recorded[index]
+        return await self._call(call, world)
 
     async def _call(self, call: ToolCall, world: World | None) -> ToolResult:
         """Wait for a slot of the tool, run it under its timeout; the wait counts in the time."""

@@ -4,7 +4,8 @@
     python mcp_test_server.py --http PORT  # streamable HTTP at http://127.0.0.1:PORT/mcp
 
 Tools: `add(a, b)` answers the sum as text, `echo(text)` answers its text, `slow(seconds)`
-sleeps first, `fail()` always answers an error result (isError) the client must surface.
+sleeps first, `fail()` always answers an error result (isError) the client must surface,
+`tick()` answers how many calls of it this server has had (a tool whose answer changes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ async def slow(seconds: float) -> str:
 @server.tool(description="Always fail with an error the caller should read.")
 def fail() -> str:
     raise ToolError("this tool always fails")
+
+
+ticks = 0
+
+
+@server.tool(description="Count this call: answers how many calls of tick this server has had.")
+def tick() -> str:
+    global ticks
+    ticks += 1
+    return f"tick {ticks}"
 
 
 def main() -> None:

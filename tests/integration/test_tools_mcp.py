@@ -84,7 +84,7 @@ async def test_an_error_result_raises_tool_error_carrying_the_server_s_text():
 
 
 async def test_a_tool_the_server_does_not_serve_is_a_value_error_naming_it_and_what_is_served():
-    with pytest.raises(ValueError, match=r"serves no tool 'multiply'; it serves: add, echo, fail, slow"):
+    with pytest.raises(ValueError, match=r"serves no tool 'multiply'; it serves: add, echo, fail, slow, tick"):
         await open_mcp_tools([mcp_spec("add"), mcp_spec("multiply")])
 
     assert server_children() == []
