@@ -82,6 +82,13 @@ class Dispatcher:
             self._record_admission(version)
             self.next_task_id = task_id + 1
 
+    async def skip_dispatched(self, version: int) -> None:
+        """A resumed run: `skip_past` the newest task in the job's tasks stream (trimming
+        always leaves the newest entry there)."""
+        last = await self.client.xrevrange(Keys.tasks(self.job_id), count=1)
+        if last:
+            self.skip_past(protocol.decode(last[0][1][FIELD], protocol.Task).task_id, version)
+
     def _record_admission(self, version: int) -> None:
         """Tasks from `next_task_id` on are admitted at `version`. Versions more than
         `max_staleness` behind it are forgotten: the learner asks about none of them again."""

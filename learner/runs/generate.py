@@ -11,26 +11,39 @@ what they bring, a batch at a time, into the job's `dataset/` folder:
                  `train.data`), with the context and both responses as text too
 
 Both are listed in `job:{id}:datasets` (the API's `/datasets`) with their row counts. The
-policy never changes, so every task is admitted at once and sampled by version 0. A
-generate job does not resume: a learner restarted with `--resume` fails it, and the rows
-written so far stay on disk.
+policy never changes, so every task is admitted at once and sampled by version 0.
+
+The files are the job's state (`DatasetFiles`): a batch's rows are appended and fsynced,
+then a line in `runs/<job>/written.jsonl` commits them (the batch's task ids, each file's
+size after it, the dispatcher's state), and only then are the batch's groups acknowledged.
+A resumed run cuts each file back to the last committed size (rows of a batch cut short,
+a torn line), takes the committed tasks as done and collects only the rest: the groups of
+an uncommitted batch are still pending in the trajectory stream and come again. A warm
+start is kept as the step-0 checkpoint, so a resumed run plays the same policy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
 import time
 from pathlib import Path
 
 from prometheus_client import Counter
 
+from learner import checkpoint
+from learner import pairs as pair_picking
+from learner.control import Command
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from learner.runs.rollout_fed import RolloutFedRun
-from learner import pairs as pair_picking
-from services import preference, protocol
+from services import preference, protocol, retention
 from services.queues import Keys
 from services.stats import mean_by_key
+
+log = logging.getLogger(__name__)
 
 GENERATED = Counter("tandem_learner_generated_rows_total", "Rows a generate job wrote", ["job", "dataset"])
 DATASETS = {
@@ -38,6 +51,8 @@ DATASETS = {
     "pairs": "per turn, the best and the worst response by MR: {context_ids, chosen_ids, rejected_ids, "
     "chosen_score, rejected_score, turn, example, task_id, context, chosen_text, rejected_text}",
 }
+LEDGER = "written.jsonl"
+"""In the run folder: one line per committed batch (`DatasetFiles.append`)."""
 
 
 def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> tuple[dict | None, list[dict], int]:
@@ -80,6 +95,73 @@ def group_rows(group: protocol.TrajectoryGroup, example: int, margin: float) -> 
     return sft, pairs, without
 
 
+def complete_lines(path: Path) -> list[dict]:
+    """The JSON lines of `path` that were written whole; a torn last line (a write a kill
+    cut short, with no newline) is cut off the file. A missing file holds none."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    return [json.loads(line) for line in whole.splitlines()]
+
+
+def append_synced(path: Path, lines: list[str]) -> int:
+    """Append `lines` to `path`, on disk when this returns; the file's size after them."""
+    with open(path, "ab") as f:
+        f.write("".join(lines).encode())
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+class DatasetFiles:
+    """A generate job's output files and the ledger that says how much of them is
+    committed: what a resumed run trusts."""
+
+    def __init__(self, run_dir: Path) -> None:
+        folder = run_dir / "dataset"
+        self.paths = {name: folder / f"{name}.jsonl" for name in DATASETS}
+        self.ledger = run_dir / LEDGER
+        self.rows = dict.fromkeys(DATASETS, 0)
+        """Committed rows per file."""
+        self.task_ids: set[int] = set()
+        """Tasks whose rows are committed (a task may have none)."""
+        self.dispatcher: dict | None = None
+        """The dispatcher's state at the last commit (None: no commit yet)."""
+
+    def start(self) -> None:
+        """A fresh run: every file empty."""
+        self.paths["sft"].parent.mkdir(parents=True, exist_ok=True)
+        for path in (*self.paths.values(), self.ledger):
+            path.write_bytes(b"")
+
+    def recover(self) -> None:
+        """A resumed run: the committed state, each file cut back to its committed size
+        (what follows belongs to a batch whose groups were never acknowledged)."""
+        self.paths["sft"].parent.mkdir(parents=True, exist_ok=True)
+        entries = complete_lines(self.ledger)
+        last = entries[-1] if entries else {"bytes": dict.fromkeys(DATASETS, 0), "rows": self.rows, "dispatcher": None}
+        for name, path in self.paths.items():
+            with open(path, "a+b") as f:
+                f.truncate(last["bytes"][name])
+        self.rows = dict(last["rows"])
+        self.task_ids = {task_id for entry in entries for task_id in entry["task_ids"]}
+        self.dispatcher = last["dispatcher"]
+
+    def append(self, rows: dict[str, list[dict]], task_ids: list[int], dispatcher: dict) -> None:
+        """The batch's rows on disk, then the ledger line that commits them; its groups may
+        be acknowledged once this returns."""
+        sizes = {name: append_synced(self.paths[name], [json.dumps(r) + "\n" for r in rows[name]]) for name in DATASETS}
+        for name in DATASETS:
+            self.rows[name] += len(rows[name])
+        self.task_ids.update(task_ids)
+        entry = {"task_ids": task_ids, "bytes": sizes, "rows": self.rows, "dispatcher": dispatcher}
+        append_synced(self.ledger, [json.dumps(entry) + "\n"])
+
+
 class AllAtOnce(Dispatcher):
     """A generate job's dispatcher: the policy never changes, so every task is admitted at once."""
 
@@ -93,62 +175,82 @@ class GenerateRun(RolloutFedRun):
     dispatcher_class = AllAtOnce
 
     async def run(self, resuming: bool = False) -> None:
-        if resuming:
-            raise RuntimeError(
-                f"a generate job does not resume; submit it again (the rows written so far are in "
-                f"{self.run_dir / 'dataset'})"
-            )
-        folder = self.run_dir / "dataset"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.files = {name: folder / f"{name}.jsonl" for name in DATASETS}
-        for path in self.files.values():
-            path.write_text("")
-        self.counts_written = dict.fromkeys(DATASETS, 0)
+        self.make_run_dir()
+        self.files = DatasetFiles(self.run_dir)
+        self.files.recover() if resuming else self.files.start()
         trajectories = await self.trajectories()
         self.intake = BatchIntake(
             self.job_id, self.spec.train, trajectories, self.dispatcher, Acks(trajectories, deferred=False)
         )
-        await self.warm_start()
+        if resuming:
+            await self.resume()
+        await self.start_policy(resuming)
         await self.publish_datasets()
         await self.publisher.wait_for_servers(self.check_waiting)
         await self.publisher.publish(self.version)
+        await self.intake.read_backlog()
         self.steps.start_rl()
-        total, done = self.spec.generate.conversations, 0
-        while done < total:
+        total = self.spec.generate.conversations
+        while len(self.files.task_ids) < total:
             await self.check_cancel()
             waited = time.monotonic()
-            batch = await self.intake.collect(
-                self.version, self.while_waiting, size=min(self.spec.train.batch_size, total - done)
-            )
-            done += len(batch)
-            await self.write(batch, done, time.monotonic() - waited)
+            size = min(self.spec.train.batch_size, total - len(self.files.task_ids))
+            batch = await self.intake.collect(self.version, self.while_waiting, size=size)
+            await self.write(batch, time.monotonic() - waited)
 
-    async def write(self, batch: list, done: int, wait_s: float) -> None:
-        """The batch's rows appended to the files, its entries settled, a history record."""
+    async def resume(self) -> None:
+        """Continue from the files' last commit: its tasks are done, and the dispatcher
+        goes on from its state then, past every task already in the stream."""
+        self.intake.ledger.trained = set(self.files.task_ids)
+        if self.files.dispatcher is not None:
+            self.dispatcher.load_state(self.files.dispatcher)
+        await self.dispatcher.skip_dispatched(self.version)
+        log.info("resuming generate job %s: %d conversations written", self.job_id, len(self.files.task_ids))
+
+    async def start_policy(self, resuming: bool) -> None:
+        """The policy that plays the conversations: the warm start's, kept as the step-0
+        checkpoint so that a resumed run plays with the same weights. The checkpoint is
+        written before any task is dispatched; a run stopped before it starts over."""
+        if not self.spec.warm_start.steps:
+            return
+        path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, 0)
+        if resuming and path == checkpoint.latest(self.settings.runs_dir, self.job_id):
+            self.worker.run(Command(kind="load", path=str(path)))
+            return
+        if resuming:
+            await self.steps.trim(0)  # the cut-short warm start's records
+        await self.warm_start()
+        self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps({"step": 0, "version": 0})))
+
+    async def write(self, batch: list, wait_s: float) -> None:
+        """The batch's rows committed to the files, then its entries acknowledged, the
+        streams trimmed of what every reader has acknowledged, and a history record."""
         groups: list[protocol.TrajectoryGroup] = [d.message for d in batch]
-        sft_rows, pair_rows, without = [], [], 0
+        rows: dict[str, list[dict]] = {name: [] for name in DATASETS}
+        without = 0
         for group in groups:
             sft, pairs, missing = group_rows(
                 group, self.dispatcher.example(group.task_id), self.spec.generate.pair_margin
             )
-            sft_rows += [sft] if sft else []
-            pair_rows += pairs
+            rows["sft"] += [sft] if sft else []
+            rows["pairs"] += pairs
             without += missing
-        for name, rows in (("sft", sft_rows), ("pairs", pair_rows)):
-            with open(self.files[name], "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-            self.counts_written[name] += len(rows)
-            GENERATED.labels(self.job_id, name).inc(len(rows))
+        await asyncio.to_thread(self.files.append, rows, [g.task_id for g in groups], self.dispatcher.state())
+        for name in DATASETS:
+            GENERATED.labels(self.job_id, name).inc(len(rows[name]))
         await self.publish_datasets()
         await self.intake.trained_on(batch)
-        spreads = [p["chosen_score"] - p["rejected_score"] for p in pair_rows]
+        for stream in (Keys.tasks(self.job_id), Keys.trajectories(self.job_id)):
+            await retention.trim_acked(self.redis, stream)
+        done = len(self.files.task_ids)
+        spreads = [p["chosen_score"] - p["rejected_score"] for p in rows["pairs"]]
         record = {
             "phase": "generate",
             "step": done,
             "version": self.version,
             "conversations": done,
-            "sft_rows": self.counts_written["sft"],
-            "pairs": self.counts_written["pairs"],
+            "sft_rows": self.files.rows["sft"],
+            "pairs": self.files.rows["pairs"],
             "turns_without_pair": without,
             "pair_score_gap_mean": sum(spreads) / max(len(spreads), 1),
             "responses": sum(len(g.samples) for g in groups),
@@ -159,8 +261,8 @@ class GenerateRun(RolloutFedRun):
         await self.steps.write(record, done, self.version)
 
     async def checkpoint(self, stopping: bool = False) -> None:
-        """Nothing to keep, a stop's included: the rows are on disk as they come, and the
-        job does not resume."""
+        """Nothing more to keep, a stop's included: every committed batch is on disk
+        (`DatasetFiles`), and the warm start's policy is the step-0 checkpoint."""
 
     async def publish_datasets(self) -> None:
         await self.redis.hset(
@@ -169,10 +271,10 @@ class GenerateRun(RolloutFedRun):
                 name: json.dumps(
                     {
                         "path": str(Path(path).resolve()),
-                        "rows": self.counts_written[name],
+                        "rows": self.files.rows[name],
                         "description": DATASETS[name],
                     }
                 )
-                for name, path in self.files.items()
+                for name, path in self.files.paths.items()
             },
         )

@@ -1,20 +1,28 @@
 """A generate job through the whole system (API, learner, a rollout server on the real
 vLLM engine): MR-ranked conversations become an SFT file and a pairs file, listed by the
-API, and both load as the data of a later offline DPO job."""
+API, and both load as the data of a later offline DPO job. A generate job stopped mid-run
+resumes with every row written exactly once."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import wait_for
+import redis
+from helpers import Producer, create_job, start_learner, wait_for
 from transformers import AutoTokenizer
 
+from learner.runs.generate import group_rows
 from rollout.tasks import clarify
+from services import jobs, protocol
+from services.config import parse_job_spec
 from services.preference import load_pairs
-from tandem.launcher import Ports, Stack
+from services.queues import Keys
+from tandem.launcher import Ports, Stack, kill_all, process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -88,3 +96,87 @@ def test_a_generated_dataset_round_trips_through_an_offline_dpo_job(tmp_path, ti
         steps = [h for h in api.get(f"/v1/jobs/{offline_id}/history").json() if h["phase"] == "offline"]
         assert [h["step"] for h in steps] == [1, 2]
         assert (tmp_path / "runs" / offline_id / "policy" / "model.safetensors").exists()
+
+
+class ConversationProducer(Producer):
+    """The deterministic producer's groups as ranked conversations: each names its task in
+    a well-formed conversation, so every task writes one SFT row, and pairs wherever its
+    samples' rewards differ."""
+
+    def group(self, task: protocol.Task) -> protocol.TrajectoryGroup:
+        group = super().group(task)
+        group.conversation = [
+            {"role": "user", "content": f"task {task.task_id}"},
+            {"role": "assistant", "content": "ok"},
+        ]
+        group.conversation_metrics = {"well_formed": 1.0}
+        return group
+
+
+def records(client: redis.Redis, job_id: str, phase: str) -> list[dict]:
+    return [r for r in map(json.loads, client.lrange(Keys.history(job_id), 0, -1)) if r["phase"] == phase]
+
+
+@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_generate_job_stopped_mid_run_resumes_with_every_row_exactly_once(
+    redis_url, tiny_model, tokenizer, tmp_path, interrupt
+):
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    demonstrations = tmp_path / "demonstrations.jsonl"
+    demonstrations.write_text(
+        "".join(json.dumps({"messages": m}) + "\n" for m in clarify.demonstrations(8, seed=1, ask_share=0.5))
+    )
+    spec = parse_job_spec(
+        {
+            "kind": "generate",
+            "model": {"path": str(tiny_model), "max_model_len": 512},
+            "warm_start": {"steps": 2, "batch_size": 4, "data": str(demonstrations)},
+            "rollout": {"group_size": 2, "max_total_tokens": 256},
+            "reward": {"mode": "multiturn"},
+            "train": {"batch_size": 2},
+            "generate": {"conversations": 8},
+        }
+    )
+    job_id = create_job(redis_url, spec)
+    producer = ConversationProducer(redis_url, job_id, tokenizer, gate=4)  # two batches, then the learner waits
+    producer.start()
+    runs, log = tmp_path / "runs", tmp_path / "learner.log"
+    learner = start_learner(redis_url, runs, log, resume=False)
+    try:
+        wait_for(lambda: len(records(client, job_id, "generate")) == 2, 240, "two batches written")
+        if interrupt == signal.SIGKILL:
+            kill_all(process_tree(learner.pid))
+        else:
+            os.killpg(learner.pid, interrupt)
+        learner.wait(timeout=120)
+        assert client.hget(Keys.job(job_id), "status") == b"RUNNING"  # left for --resume
+        producer.gate = 8
+        learner = start_learner(redis_url, runs, log, resume=True)
+        wait_for(lambda: client.hget(Keys.job(job_id), "status").decode() in jobs.TERMINAL, 240, "the job to end")
+        assert client.hget(Keys.job(job_id), "status") == b"SUCCEEDED", log.read_text()[-3000:]
+    finally:
+        producer.stop.set()
+        os.killpg(learner.pid, signal.SIGTERM)
+        learner.wait(timeout=60)
+
+    folder = runs / job_id / "dataset"
+    sft = [json.loads(line) for line in (folder / "sft.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
+    tasks = [protocol.Task(job_id=job_id, task_id=t, example=0, group_size=2, dispatched_version=0) for t in range(8)]
+    expected_pairs = [
+        (task.task_id, p["turn"], p["chosen_score"], p["rejected_score"])
+        for task in tasks
+        for p in group_rows(producer.group(task), 0, 0.0)[1]
+    ]
+    assert sorted(r["task_id"] for r in sft) == list(range(8))
+    assert sorted((r["task_id"], r["turn"], r["chosen_score"], r["rejected_score"]) for r in pairs) == expected_pairs
+    listed = {k.decode(): json.loads(v)["rows"] for k, v in client.hgetall(Keys.datasets(job_id)).items()}
+    assert listed == {"sft": 8, "pairs": len(expected_pairs)}
+    # The warm start ran once: the resumed run played the step-0 checkpoint's policy.
+    assert len(records(client, job_id, "sft")) == 2
+    assert records(client, job_id, "generate")[-1]["conversations"] == 8
+    # Every group was acknowledged before its batch's trim, which keeps only the newest
+    # entry; the producer acknowledges a task right after its group, so at most one more.
+    assert client.xlen(Keys.trajectories(job_id)) == 1
+    assert client.xlen(Keys.tasks(job_id)) <= 2
