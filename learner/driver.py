@@ -22,7 +22,7 @@ from learner.torchrun import note_job, take_exit
 from services import job_lease, jobs, protocol
 from services.config import JobSpec, LearnerSettings, parse_job_spec
 from services.metrics import serve_metrics
-from services.queues import Keys, connect
+from services.queues import Keys, connect, refused_for_memory, when_redis_has_room
 
 log = logging.getLogger(__name__)
 QUEUE_POLL_S = 1.0
@@ -155,20 +155,37 @@ class Driver:
             status, error = jobs.JobStatus.FAILED, str(err)
         except Exception as err:
             log.exception("job %s failed", job_id)
-            status, error = jobs.JobStatus.FAILED, f"{type(err).__name__}: {err}"
+            status, error = jobs.JobStatus.FAILED, failure_reason(err)
         self.worker.run(Command(kind="end"))
         await self.end_job(job_id, status, error)
 
     async def end_job(self, job_id: str, status: jobs.JobStatus, error: str) -> None:
         """The job ended: its status and reason, the stop event, and its rank errors
-        (reported now) cleared."""
-        await jobs.set_status(self.redis, job_id, status, error, self.settings.job_retention_s)
+        (reported now) cleared. A Redis at its memory cap is waited for, not crashed on: a
+        restarted learner would train the job again into the same refusal."""
+        await when_redis_has_room(
+            lambda: jobs.set_status(self.redis, job_id, status, error, self.settings.job_retention_s),
+            f"the end of job {job_id}",
+        )
         await self.redis.publish(Keys.events(job_id), protocol.encode(protocol.JobEvent(kind="stop")))
         for path in rank_errors_dir(self.settings.runs_dir, job_id).glob("rank-*.txt"):
             path.unlink()
         self.current_job, self.current_run = "", None
         note_job("")
         log.info("job %s %s %s", job_id, status.value, error)
+
+
+def failure_reason(error: Exception) -> str:
+    """Why a job failed, for its record. A Redis refusal at its memory cap says what to do:
+    FAILED rather than PAUSED, since Redis, with nothing left to evict, makes no room by
+    itself, and a resume continues the job exactly from its checkpoint once room is made."""
+    reason = f"{type(error).__name__}: {error}"
+    if refused_for_memory(error):
+        return (
+            f"Redis is full: at its memory cap (maxmemory) with nothing left to evict, it refused a write. "
+            f"Make room (raise maxmemory, delete ended jobs), then resume the job. {reason}"
+        )
+    return reason
 
 
 async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettings) -> tuple[JobSpec, bool] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 PREFIX = "tandem:"
 FIELD = b"m"
 M = TypeVar("M", bound=msgspec.Struct)
+T = TypeVar("T")
 
 
 DEAD_MAXLEN = 10_000
@@ -197,6 +199,31 @@ def connect(
     } | options
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s, **options)
     return aioredis.Redis(connection_pool=pool)
+
+
+REDIS_FULL_RETRY_S = 5.0
+"""How often a write Redis refused at its memory cap is tried again (`when_redis_has_room`)."""
+
+
+def refused_for_memory(error: BaseException) -> bool:
+    """Whether Redis refused a write for being at its memory cap (`maxmemory`, nothing left
+    to evict): as a command's error, or inside a script (Redis 6 wraps it in a script error)."""
+    return isinstance(error, ResponseError) and "command not allowed when used memory > 'maxmemory'" in str(error)
+
+
+async def when_redis_has_room(write: Callable[[], Awaitable[T]], what: str) -> T:
+    """`write()`, tried again every `REDIS_FULL_RETRY_S` for as long as Redis refuses it at
+    its memory cap (a refused command or script wrote nothing, so trying again is safe). For
+    what a process must record before it goes on (a job's end): it waits for room, saying
+    so in its log, rather than crash and be restarted into the same refusal."""
+    while True:
+        try:
+            return await write()
+        except ResponseError as error:
+            if not refused_for_memory(error):
+                raise
+            log.error("Redis is full (maxmemory) and refused %s; trying again in %.0f s", what, REDIS_FULL_RETRY_S)
+        await asyncio.sleep(REDIS_FULL_RETRY_S)
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""What a job leaves on disk, on the real learner (torchrun, 2 ranks) with offline DPO jobs
-(no rollout server): checkpoints pruned to `keep_checkpoints`, and a cancel that keeps a
-checkpoint and the policy. A module of its own: its learner must be the only one reading
-the job queue."""
+"""What a job leaves behind, on the real learner (torchrun, 2 ranks) with offline DPO jobs
+(no rollout server): checkpoints pruned to `keep_checkpoints`, a cancel that keeps a
+checkpoint and the policy, and a Redis at its memory cap that fails the job by name
+instead of crashing the learner. A module of its own: its learner must be the only one
+reading the job queue."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -19,7 +21,7 @@ from test_dpo_jobs import asking_pairs, finish
 
 from learner import checkpoint
 from services import jobs
-from services.config import ModelSpec, OfflineJob, TrainSpec
+from services.config import ModelSpec, OfflineJob
 from services.queues import Keys
 
 pytestmark = pytest.mark.slow
@@ -32,7 +34,7 @@ def learner(redis_url, tmp_path_factory):
     redis.Redis.from_url(redis_url).flushdb()
     env = {"TANDEM_KEEP_CHECKPOINTS": str(KEEP)}
     process = start_learner(redis_url, workdir / "runs", workdir / "learner.log", resume=False, env=env)
-    yield workdir
+    yield SimpleNamespace(dir=workdir, runs=workdir / "runs", process=process)
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(timeout=60)
 
@@ -52,10 +54,10 @@ def offline_job(tiny_model, tokenizer, tmp_path):
 def test_an_offline_job_keeps_only_its_newest_checkpoints(learner, redis_url, offline_job):
     job_id = create_job(redis_url, offline_job(num_steps=5, checkpoint_every=1))
 
-    record = finish(redis_url, job_id, learner)
+    record = finish(redis_url, job_id, learner.dir)
 
     assert record["status"] == "SUCCEEDED", record["log"]
-    assert checkpoint.steps(learner / "runs", job_id) == [4, 5]
+    assert checkpoint.steps(learner.runs, job_id) == [4, 5]
     listed = redis.Redis.from_url(redis_url).lrange(Keys.checkpoints(job_id), 0, -1)
     assert [json.loads(entry)["step"] for entry in listed] == [4, 5]
 
@@ -75,14 +77,37 @@ def test_a_cancelled_job_keeps_a_checkpoint_of_its_last_step_and_exports_its_pol
             await jobs.cancel(async_client, job_id)
 
     asyncio.run(cancel())
-    record = finish(redis_url, job_id, learner)
+    record = finish(redis_url, job_id, learner.dir)
 
     assert record["status"] == "CANCELLED", record["log"]
     last_step = record["history"][-1]["step"]
     assert 2 <= last_step < 10_000
-    assert checkpoint.steps(learner / "runs", job_id) == [last_step]
-    exported = load_file(learner / "runs" / job_id / "policy" / "model.safetensors")
-    from_checkpoint = checkpoint.export(learner / "runs", job_id, last_step, tmp_path / "from-checkpoint")
+    assert checkpoint.steps(learner.runs, job_id) == [last_step]
+    exported = load_file(learner.runs / job_id / "policy" / "model.safetensors")
+    from_checkpoint = checkpoint.export(learner.runs, job_id, last_step, tmp_path / "from-checkpoint")
     expected = load_file(from_checkpoint / "model.safetensors")
     assert exported.keys() == expected.keys()
     assert all(exported[name].equal(expected[name]) for name in expected)
+
+
+def test_redis_at_its_memory_cap_fails_the_job_by_name_and_the_learner_lives_on(learner, redis_url, offline_job):
+    """Redis refuses every write that grows it (maxmemory below what it holds, nothing to
+    evict): the step's record is refused, and so is the job's end, which the learner waits
+    to write rather than crash and be restarted into the same refusal. With room made, the
+    job ends FAILED naming maxmemory, its history has no step twice, the learner still runs."""
+    client = redis.Redis.from_url(redis_url)
+    job_id = create_job(redis_url, offline_job(num_steps=10_000, checkpoint_every=0))
+    wait_for(lambda: client.llen(Keys.history(job_id)) >= 2, 120, "two steps")
+    log = learner.dir / "learner.log"
+    client.config_set("maxmemory", 1)
+    try:
+        wait_for(lambda: f"refused the end of job {job_id}" in log.read_text(), 60, "the learner to wait for room")
+    finally:
+        client.config_set("maxmemory", 0)
+    record = finish(redis_url, job_id, learner.dir)
+
+    assert record["status"] == "FAILED", record["log"]
+    assert "Redis is full: at its memory cap (maxmemory)" in record["error"]
+    steps = [h["step"] for h in record["history"]]
+    assert steps == list(range(1, len(steps) + 1))
+    assert learner.process.poll() is None
