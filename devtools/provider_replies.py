@@ -85,13 +85,16 @@ def user_reply(system: str, transcript: str) -> str | None:
 
 
 def role_play_reply(system: str, messages: list[dict]) -> str:
-    """The request the scenario describes, or the stop marker once the user has spoken (its
-    own messages come as `assistant` turns: the roles are swapped)."""
-    if any(m.get("role") == "assistant" for m in messages):
-        return STOP_MARKER
+    """The request the scenario describes, or the stop marker once the user has made it
+    (its own messages come as `assistant` turns: the roles are swapped). Messages of a
+    task's history the user said earlier are not that request: a task that starts from one
+    is asked for all the same."""
     scenario = system.split("<scenario>", 1)[1].split("</scenario>", 1)[0]
     instructions = scenario.split("Instructions:", 1)[-1]
-    return " ".join(instructions.split()) or "I need help."
+    request = " ".join(instructions.split()) or "I need help."
+    if any(m.get("role") == "assistant" and m.get("content") == request for m in messages):
+        return STOP_MARKER
+    return request
 
 
 # ---- extraction ----------------------------------------------------------------------

@@ -160,6 +160,7 @@ def rl_record(
         "samples": len(samples),
         "trained_tokens": sum(sum(s.mask) for s in samples),
         "zero_spread_share": sum(not g.has_spread() for g in groups) / len(groups),
+        "untrained_groups": sum(not any(1 in s.mask for s in g.samples) for g in groups),
         "task_ids": sorted(g.task_id for g in groups),
         "unversioned_tokens": sum(1 for s in samples for v, m in zip(s.versions, s.mask) if m and v < 0),
         "step_seconds": step_seconds,

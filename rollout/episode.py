@@ -113,12 +113,13 @@ class Episode:
 
     def malformed_reason(self) -> str:
         """Why the format filter rejects this episode: `truncated`, `wrong_stop`,
-        `special_token` (a policy turn that cannot be continued ended it) or `empty` (no
-        reply, or a blank one); "" when it passes."""
+        `special_token` (a policy turn that cannot be continued ended it) or `empty` (the
+        policy took no turn after the context, or a reply is blank); "" when it passes. The
+        context's own assistant messages (a greeting, a task's history) are not the policy's."""
         if self.end in MALFORMED_ENDS:
             return self.end
         replies = [m["content"] for m in self.messages if m["role"] == "assistant"]
-        return "" if replies and all(r.strip() for r in replies) else "empty"
+        return "" if self.num_turns and all(r.strip() for r in replies) else "empty"
 
     def well_formed(self) -> bool:
         return not self.malformed_reason()

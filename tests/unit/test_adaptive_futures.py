@@ -132,7 +132,10 @@ async def test_a_group_waits_for_every_first_round_and_a_wait_holds_no_reward_sl
     runner, slots = FixedFutures(script), asyncio.Semaphore(1)
     plan = GroupFutures(OTHERS, 3, slots)
     spec = OTHERS.model_copy(update={"judge_rubric": None})
-    responses = [Episode(messages=[{"role": "assistant", "content": "m"}], tokens=[], trace=f"/s{i}") for i in range(3)]
+    responses = [
+        Episode(messages=[{"role": "assistant", "content": "m"}], tokens=[], num_turns=1, trace=f"/s{i}")
+        for i in range(3)
+    ]
     results = await asyncio.wait_for(
         asyncio.gather(
             *(score_response(runner, r, ScoreTask(), 0, spec, futures=plan, index=i) for i, r in enumerate(responses))

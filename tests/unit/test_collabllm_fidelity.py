@@ -175,7 +175,7 @@ class RecordingJudge:
 
 async def test_the_judge_is_not_shown_the_reference_or_the_system_prompt_unless_asked():
     conversation = [{"role": "system", "content": COLLABORATIVE_SYSTEM_PROMPT}, *chat("q", "a")]
-    episode = Episode(messages=conversation, tokens=[], policy_tokens=0)
+    episode = Episode(messages=conversation, tokens=[], num_turns=1, policy_tokens=0)
     judge = RecordingJudge()
     spec = preset("math_chat").reward
     await conversation_rewards(Nothing(), 0, [episode], spec, judge)
@@ -221,6 +221,7 @@ async def test_mr_under_the_preset_is_the_mean_of_the_papers_r_star():
         ],
         tokens=[0] * 40,
         context_len=30,
+        num_turns=1,
         policy_tokens=10,
     )
     runner = Futures(

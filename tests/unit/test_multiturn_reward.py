@@ -23,7 +23,7 @@ def conversation(*replies: str, policy_tokens: int, end: str = "user_ended") -> 
         if i:
             messages.append({"role": "user", "content": clarify.clarification(TARGET.target)})
         messages.append({"role": "assistant", "content": reply})
-    return Episode(messages=messages, tokens=[], end=end, policy_tokens=policy_tokens)
+    return Episode(messages=messages, tokens=[], end=end, num_turns=len(replies), policy_tokens=policy_tokens)
 
 
 class RecordingJudge:

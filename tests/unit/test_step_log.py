@@ -46,3 +46,18 @@ def test_judge_tokens_per_trained_token_sums_the_batchs_spend_over_its_trained_t
 
 def test_a_batch_without_llm_calls_records_no_spend():
     assert llm_spend([sample(5, success=1.0)]) == {}
+
+
+def test_a_group_in_which_the_policy_never_spoke_is_counted_as_untrained():
+    """Its samples hold no trained token (an episode the user ended before the policy's
+    first turn): the step trains nothing on it, and the record says how many such groups."""
+    spoke = protocol.TrajectoryGroup(
+        job_id="j", task_id=0, samples=[sample(3), sample(0)], server_id="s", elapsed_s=1.0
+    )
+    silent = protocol.TrajectoryGroup(
+        job_id="j", task_id=1, samples=[sample(0), sample(0)], server_id="s", elapsed_s=1.0
+    )
+
+    record = rl_record(1, 1, [spoke, silent, silent], {}, 0.1, 0.0, {}, {})
+
+    assert (record["untrained_groups"], record["trained_tokens"]) == (2, 3)

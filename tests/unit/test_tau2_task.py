@@ -9,13 +9,15 @@ import pytest
 from pydantic import ValidationError
 
 from devtools.provider_replies import reply_for
-from rollout.episode import Episode
+from rollout.engine import Generation
+from rollout.episode import Episode, EpisodeRunner
 from rollout.interactions.llm_user import UserSimulatorError
 from rollout.interactions.role_play import RolePlayUser, swapped
-from rollout.tasks.tau2 import MAX_ERRORS, Tau2Task, termination
+from rollout.tasks.tau2 import MAX_ERRORS, STOP_MARKER, Tau2Task, termination
 from rollout.tau2_eval import interval, pass_hat_k
 from rollout.tools.box import ToolResult, ToolUsage
-from services.config import RLJob, TaskSpec
+from services.config import RLJob, RolloutSpec, TaskSpec
+from services.tokenization import ChatTokenizer
 
 MODEL = {"path": "/models/m"}
 
@@ -222,3 +224,59 @@ def test_tandem_eval_refuses_arguments_it_cannot_run_with(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["eval", "/models/m", *argv])
     assert exited.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+class StandIn:
+    """The judge proxy's client answering as the stand-in provider does (`reply_for`)."""
+
+    async def chat(self, messages, **kwargs):
+        return type("Result", (), {"content": reply_for(messages)})()
+
+
+class ScriptedEngine:
+    """The policy: every reply is `text` and the end-of-turn token."""
+
+    version = 0
+
+    def __init__(self, chat: ChatTokenizer, text: str) -> None:
+        tokens = chat.tokenizer.encode(text, add_special_tokens=False) + [chat.eot_id]
+        self.generation = Generation(tokens, [-0.5] * len(tokens), [0] * len(tokens), "stop")
+
+    async def generate(self, prompt, max_tokens, temperature, stop_ids) -> Generation:
+        return self.generation
+
+
+def runner(tokenizer, user) -> EpisodeRunner:
+    chat = ChatTokenizer(tokenizer)
+    spec = RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=8192)
+    return EpisodeRunner(ScriptedEngine(chat, "It is marked completed."), chat, user, spec)
+
+
+HISTORY_TASKS = ["update_task_with_message_history", "update_task_with_history_and_env_assertions"]
+
+
+@pytest.mark.parametrize("task_id", HISTORY_TASKS)
+async def test_a_task_that_starts_from_a_history_has_the_stand_ins_user_ask_before_it_stops(tokenizer, task_id):
+    task = mock("train")
+    example = [t.id for t in task.tasks].index(task_id)
+    context = task.context(example)
+    user = RolePlayUser(StandIn(), task.brief, (STOP_MARKER,), "judge")
+
+    episode = await runner(tokenizer, user).run(example, context)
+
+    said = episode.messages[len(context) :]
+    assert [m["role"] for m in said] == ["user", "assistant"]
+    assert "completed" in said[0]["content"] and STOP_MARKER not in said[0]["content"]
+    assert episode.end == "user_ended" and episode.num_turns == 1 and episode.well_formed()
+
+
+async def test_an_episode_the_user_ends_before_the_policy_speaks_is_malformed_as_empty(tokenizer):
+    """The history's assistant messages are the context's, not the policy's."""
+    task = mock("train")
+    example = [t.id for t in task.tasks].index(HISTORY_TASKS[0])
+    user = RolePlayUser(Client("Thanks! ###STOP###"), task.brief, (STOP_MARKER,), "judge")
+
+    episode = await runner(tokenizer, user).run(example, task.context(example))
+
+    assert episode.end == "user_ended" and episode.num_turns == 0
+    assert episode.malformed_reason() == "empty"

@@ -89,7 +89,10 @@ def step(reward: ClarifyReward, responses: dict[int, tuple[str, list[int]]]) -> 
 
 def tandem(reward: ClarifyReward, example: int, conversations: list[tuple[list[dict], int, str]]) -> list[float]:
     """Tandem's R* of each (messages, policy tokens, how it ended)."""
-    episodes = [Episode(messages=m, tokens=[], policy_tokens=n, end=end) for m, n, end in conversations]
+    episodes = [
+        Episode(messages=m, tokens=[], num_turns=sum(x["role"] == "assistant" for x in m), policy_tokens=n, end=end)
+        for m, n, end in conversations
+    ]
     return asyncio.run(conversation_rewards(reward.task, example, episodes, reward.reward, Judge()))
 
 
