@@ -189,16 +189,18 @@ def failure_reason(error: Exception) -> str:
 
 
 async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettings) -> tuple[JobSpec, bool] | None:
-    """Mark a queued job RUNNING: its spec, and whether it resumes (it was RUNNING or PAUSED).
-    None when it is not to run: gone, ended, cancelled first, or left RUNNING by a learner
-    that died while this one was started without `settings.resume` (the job is failed)."""
+    """Mark a queued job RUNNING: its spec, and whether it resumes (it was RUNNING or PAUSED,
+    or it ended and was queued again by `jobs.resume`). None when it is not to run: gone,
+    ended, cancelled first, or left RUNNING by a learner that died while this one was
+    started without `settings.resume` (the job is failed)."""
     record = await jobs.get_job(client, job_id)
     if record is None or record["status"] in jobs.TERMINAL:
         log.info("skipping job %s (%s)", job_id, record and record["status"])
         return None
     spec = parse_job_spec(record["spec"])
-    resuming = record["status"] in (jobs.JobStatus.RUNNING.value, jobs.JobStatus.PAUSED.value)
-    if resuming and not settings.resume:
+    left_running = record["status"] in (jobs.JobStatus.RUNNING.value, jobs.JobStatus.PAUSED.value)
+    resuming = left_running or record["resumes"] > 0
+    if left_running and not settings.resume:
         await jobs.set_status(
             client,
             job_id,

@@ -8,7 +8,9 @@ every step, and ends it. A job still PENDING after `pending_ttl_s` ends FAILED, 
 A job whose progress waits on something outside it (a judge upstream that is down, no
 rollout server) is PAUSED with `paused_reason` and `paused_since` (`learner.watchdog`); it
 stays in `jobs:running`, so its servers keep their tasks, and goes back to RUNNING by
-itself when what it waited on is back.
+itself when what it waited on is back. A FAILED or CANCELLED job that recorded a checkpoint
+can be resumed (`resume`): PENDING again on its tenant's queue, it is claimed like any other
+and continued from its newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
         if key in record:
             record[key] = float(record[key])
     record["warning"] = learner_silence(record, time.time())
-    for key in ("version", "step"):
+    for key in ("version", "step", "resumes"):
         record[key] = int(record.get(key, 0))
     record["spec"] = json.loads(record["spec"])
     record["metrics"] = json.loads(record.get("metrics", "{}"))
@@ -255,6 +257,33 @@ return 1
 )
 
 
+# A resume moves an ended job back to its tenant's queue in one script, so two resumes, or a
+# resume and a learner's claim, cannot both act on it. The end set every key of the job to
+# expire (retention): they are kept again. The end's fields go, and its crash count (whoever
+# resumes it has seen why it ended); `resumed_from` and `resumed_error` keep what it ended
+# as, and `resumes` counts the resumes, which is how the learner's claim tells a resumed
+# PENDING job from a new one.
+RESUME_LUA = """
+local current = redis.call('HGET', KEYS[4], 'status')
+if current ~= 'FAILED' and current ~= 'CANCELLED' then return current or false end
+if redis.call('LLEN', KEYS[3]) == 0 then return 'NO_CHECKPOINT' end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 'QUEUE_FULL' end
+local error = redis.call('HGET', KEYS[4], 'error') or ''
+redis.call('HDEL', KEYS[4], 'finished', 'error', 'cancel_requested', 'paused_reason', 'paused_since')
+redis.call('HDEL', KEYS[4], 'restarts_at_step')
+redis.call('HSET', KEYS[4], 'status', 'PENDING', 'resumed_from', current, 'resumed_error', error)
+redis.call('HINCRBY', KEYS[4], 'resumes', 1)
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+for i = 4, #KEYS do redis.call('PERSIST', KEYS[i]) end
+redis.call('PUBLISH', KEYS[2], 'PENDING')
+return 'RESUMED'
+"""
+
+
+class NotResumable(Exception):
+    """The job cannot be resumed; the message says why."""
+
+
 def job_keys(job_id: str) -> list[str]:
     """Every key that holds a job's state (journals and judge memories expire on their own)."""
     return [
@@ -332,6 +361,37 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
         args=[time.time(), int(retention_s), job_id],
     )
     return status.decode() if status else None
+
+
+async def resume(client: aioredis.Redis, job_id: str, max_pending: int = sys.maxsize) -> None:
+    """Queue an ended FAILED or CANCELLED job again, PENDING, for a learner to continue from
+    its newest complete checkpoint; its keys no longer expire. NotResumable (saying why) when
+    it has no record, has not ended, SUCCEEDED, or recorded no checkpoint; QueueFull when its
+    tenant has `max_pending` jobs queued already. Whether the checkpoint still loads only the
+    learner, which holds the runs folder, can tell: if none does, it fails the job again."""
+    answer = await client.register_script(RESUME_LUA)(
+        keys=[await queue_of(client, job_id), Keys.job_changed(job_id), Keys.checkpoints(job_id), *job_keys(job_id)],
+        args=[time.time(), job_id, max_pending],
+    )
+    answer = answer.decode() if answer else None
+    if answer == "RESUMED":
+        return
+    if answer == "QUEUE_FULL":
+        raise QueueFull(f"the job's tenant has {max_pending} jobs pending already (TANDEM_MAX_PENDING_JOBS)")
+    raise NotResumable(not_resumable_reason(job_id, answer))
+
+
+def not_resumable_reason(job_id: str, answer: str | None) -> str:
+    if answer is None:
+        return f"no job {job_id!r}"
+    if answer == "NO_CHECKPOINT":
+        return (
+            f"job {job_id} recorded no checkpoint to resume from (train.checkpoint_every and checkpoint_every_s "
+            "were 0 and no SIGTERM wrote one): submit it again"
+        )
+    if answer == JobStatus.SUCCEEDED.value:
+        return f"job {job_id} SUCCEEDED: it has nothing left to train"
+    return f"job {job_id} is {answer}, not ended: only a FAILED or CANCELLED job resumes"
 
 
 RECORD_PROGRESS_LUA = (

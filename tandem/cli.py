@@ -259,6 +259,15 @@ def cmd_cancel(args: argparse.Namespace) -> None:
     print(ApiClient(args.api, args.token).cancel(args.job_id)["status"])
 
 
+def cmd_resume(args: argparse.Namespace) -> None:
+    from tandem.client import ApiClient, ApiError
+
+    try:
+        print(ApiClient(args.api, args.token).resume(args.job_id)["status"])
+    except ApiError as err:  # the API says why the job does not resume
+        sys.exit(str(err))
+
+
 def cmd_servers(args: argparse.Namespace) -> None:
     from tandem.client import ApiClient
 
@@ -449,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("follow", cmd_follow, "follow a job with a progress bar"),
         ("datasets", cmd_datasets, "list the files a generate job wrote"),
         ("cancel", cmd_cancel, "cancel a job"),
+        ("resume", cmd_resume, "continue a FAILED or CANCELLED job from its newest checkpoint"),
     ):
         api_client_parser(name, run, help_text, "job_id")
     api_client_parser("servers", cmd_servers, "list the rollout servers (operators)")

@@ -55,6 +55,9 @@ class ApiClient:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
+    def resume(self, job_id: str) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/resume")
+
     def checkpoints(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 

@@ -1,4 +1,4 @@
-"""The job API: submit a JobSpec, follow it, cancel it.
+"""The job API: submit a JobSpec, follow it, cancel it, resume it.
 
 `create_app(settings)` builds the app; routes are thin and the Redis client lives on
 `app.state`. A spec that fails validation gets FastAPI's 422, whose `detail[].loc` names
@@ -62,6 +62,9 @@ class JobView(BaseModel):
     )
     metrics: dict = Field(default_factory=dict, description="The latest step's metrics.")
     alerts: list[str] = Field(default_factory=list, description="Health rules that fired, oldest first.")
+    resumes: int = Field(0, description="Times the job was resumed after it ended (`POST /v1/jobs/{id}/resume`).")
+    resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
+    resumed_error: str | None = Field(None, description="The error it had then, if any.")
     spec: JobSpec
 
 
@@ -296,7 +299,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app = FastAPI(
         title="Tandem job API",
         version="0.1.0",
-        description="Submit asynchronous RL jobs, follow their progress, cancel them.",
+        description="Submit asynchronous RL jobs, follow their progress, cancel and resume them.",
     )
     app.state.settings = settings
     # The same client as every other process: calls time out, wait out a short Redis outage
@@ -315,6 +318,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.state.operators = {name.strip() for name in settings.operators.split(",") if name.strip()}
     app.include_router(jobs_router())
+    app.include_router(job_control_router())
     app.include_router(job_records_router())
     app.include_router(servers_router())
     return app
@@ -353,7 +357,12 @@ async def expire_own(request: Request, who: str) -> None:
 async def owned(request: Request, job_id: str, who: str = Depends(tenant)) -> dict:
     """The job's record, if it exists (404) and belongs to the caller (403)."""
     await expire_own(request, who)
-    record = await jobs.get_job(request.app.state.redis, job_id) if jobs.is_job_id(job_id) else None
+    client = request.app.state.redis
+    record = await jobs.get_job(client, job_id) if jobs.is_job_id(job_id) else None
+    if record is None and jobs.is_job_id(job_id) and await client.zscore(Keys.jobs_index, job_id) is not None:
+        raise HTTPException(
+            404, f"job {job_id!r} ended and its record was deleted after its retention (TANDEM_JOB_RETENTION_S)"
+        )
     if record is None:
         raise HTTPException(404, f"no job {job_id!r}")
     if record.get("tenant", "") != who:
@@ -378,7 +387,7 @@ async def admitted(spec: JobSpec, request: Request) -> JobSpec:
 
 
 def jobs_router() -> APIRouter:
-    """The job routes: submit, list, read, cancel, events."""
+    """The job routes: submit, list, read, events."""
     router = APIRouter()
 
     @router.post(
@@ -408,14 +417,6 @@ def jobs_router() -> APIRouter:
     async def get(record: dict = Depends(owned)) -> JobView:
         return JobView(**record)
 
-    @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
-    async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
-        """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
-        CANCELLED at its next step); an ended one is left as it is."""
-        client = request.app.state.redis
-        await jobs.cancel(client, record["id"], request.app.state.settings.job_retention_s)
-        return JobView(**await jobs.get_job(client, record["id"]))
-
     @router.get(
         "/v1/jobs/{job_id}/events",
         responses=ERRORS | {429: {"model": Error}, 200: {"content": {"text/event-stream": {}}}},
@@ -429,6 +430,39 @@ def jobs_router() -> APIRouter:
         slots.take(who)
         stream = job_events(request.app.state.redis, record["id"], request.app.state.job_changes)
         return StreamingResponse(slots.held_by(who, stream), media_type="text/event-stream")
+
+    return router
+
+
+def job_control_router() -> APIRouter:
+    """The routes that change a job's course: cancel, resume."""
+    router = APIRouter()
+
+    @router.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses=ERRORS)
+    async def cancel(request: Request, record: dict = Depends(owned)) -> JobView:
+        """A pending job ends CANCELLED; a running one is asked to stop (the learner ends it
+        CANCELLED at its next step); an ended one is left as it is."""
+        client = request.app.state.redis
+        await jobs.cancel(client, record["id"], request.app.state.settings.job_retention_s)
+        return JobView(**await jobs.get_job(client, record["id"]))
+
+    @router.post(
+        "/v1/jobs/{job_id}/resume",
+        response_model=JobView,
+        responses=ERRORS | {409: {"model": Error}, 429: {"model": Error}},
+    )
+    async def resume(request: Request, record: dict = Depends(owned)) -> JobView:
+        """A FAILED or CANCELLED job is queued again (PENDING) and a learner continues it from
+        its newest complete checkpoint; its keys are kept again. 409 says why not: it has not
+        ended, it SUCCEEDED, or it recorded no checkpoint. 429: the tenant's queue is full."""
+        client = request.app.state.redis
+        try:
+            await jobs.resume(client, record["id"], request.app.state.settings.max_pending_jobs)
+        except jobs.NotResumable as exc:
+            raise HTTPException(409, str(exc)) from None
+        except jobs.QueueFull as exc:
+            raise HTTPException(429, str(exc)) from None
+        return JobView(**await jobs.get_job(client, record["id"]))
 
     return router
 
