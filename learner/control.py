@@ -31,6 +31,7 @@ from typing import Literal, NoReturn
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from learner import checkpoint
 from learner.trainer import Trainer
@@ -143,7 +144,7 @@ class Worker:
         result, error = {}, None
         try:
             result = self.execute(command)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's errors derive from BaseException
             log.exception("rank %d: command %s failed", self.control.rank, command.kind)
             if self.control.world_size > 1 and command.kind not in ("end", "shutdown"):
                 self.report(command, err)

@@ -332,6 +332,15 @@ class TrainSpec(LossSpec):
     )
     max_tokens_per_rank: int = Field(16384, ge=64)
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
+    checkpoint_every_s: float = Field(
+        1800.0,
+        ge=0.0,
+        description=(
+            "Seconds between checkpoints, written after the first step that ends this long after the last one "
+            "(whichever of this and checkpoint_every comes first); 0 = off. A FAILED or CANCELLED job resumes "
+            "from its newest checkpoint (`tandem resume`)."
+        ),
+    )
     export_every: int = Field(
         0,
         ge=0,

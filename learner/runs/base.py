@@ -124,3 +124,10 @@ class Run:
         for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
             log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
         await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)
+
+
+def checkpoint_due(step: int, since_s: float, every_steps: int, every_s: float) -> bool:
+    """Whether a run that has just trained `step`, `since_s` seconds after its last
+    checkpoint, writes a periodic one: every `every_steps` steps or once `every_s` seconds
+    have passed, whichever comes first (0 turns either off)."""
+    return (every_steps > 0 and step % every_steps == 0) or (every_s > 0 and since_s >= every_s)

@@ -42,6 +42,7 @@ def run_job(
     interrupt_after: int | None,
     interrupt: signal.Signals = signal.SIGTERM,
     checkpoint_every: int = 3,
+    checkpoint_every_s: float = 1800.0,
 ):
     """Run the 6-step job; with `interrupt_after`, only that many steps' tasks are answered
     until the learner, blocked waiting for the next batch, gets `interrupt` and is
@@ -51,7 +52,14 @@ def run_job(
     spec = RLJob(
         model=ModelSpec(path=str(model), max_model_len=512),
         rollout=RolloutSpec(group_size=2, max_total_tokens=256),
-        train=TrainSpec(num_steps=6, batch_size=2, max_staleness=0, lr=1e-3, checkpoint_every=checkpoint_every),
+        train=TrainSpec(
+            num_steps=6,
+            batch_size=2,
+            max_staleness=0,
+            lr=1e-3,
+            checkpoint_every=checkpoint_every,
+            checkpoint_every_s=checkpoint_every_s,
+        ),
     )
     job_id = create_job(redis_url, spec)
     batch = spec.train.batch_size
@@ -106,14 +114,12 @@ def test_a_learner_stopped_after_three_steps_resumes_exactly(straight_run, redis
 def test_with_periodic_checkpoints_off_a_stop_still_checkpoints_and_resumes_exactly(
     redis_url, tiny_model, tokenizer, tmp_path
 ):
-    """`checkpoint_every: 0` turns off periodic checkpoints, not the one SIGTERM promises:
-    a restarted learner (`docker compose restart`) resumes instead of failing the job."""
-    straight, straight_tasks, _ = run_job(
-        redis_url, tiny_model, tokenizer, tmp_path / "straight", None, checkpoint_every=0
-    )
-    resumed, resumed_tasks, resumed_dir = run_job(
-        redis_url, tiny_model, tokenizer, tmp_path / "off", 2, checkpoint_every=0
-    )
+    """`checkpoint_every: 0, checkpoint_every_s: 0` turn off periodic checkpoints, not the
+    one SIGTERM promises: a restarted learner (`docker compose restart`) resumes instead of
+    failing the job."""
+    off = {"checkpoint_every": 0, "checkpoint_every_s": 0.0}
+    straight, straight_tasks, _ = run_job(redis_url, tiny_model, tokenizer, tmp_path / "straight", None, **off)
+    resumed, resumed_tasks, resumed_dir = run_job(redis_url, tiny_model, tokenizer, tmp_path / "off", 2, **off)
 
     assert sorted(p.name for p in (resumed_dir / "checkpoints").glob("step-*")) == ["step-000002"]
     assert resumed_tasks == straight_tasks
