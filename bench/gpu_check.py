@@ -22,17 +22,24 @@ them), error or timeout (with whatever the section had recorded). In order of wh
              on the device
   tests_gpu  `pytest tests/gpu`, when that folder exists
 
-The model has SmolLM2-135M's shape with random weights, built on the machine (its weights
-cannot travel there). MFU counts 6N FLOPs per token for a training step (8N for the RL step,
-whose proximal forward adds 2N) plus causal attention, 6 L d s^2 per sequence of s tokens
-(8 for RL), over trained time, against the matmul section's measured peak. `varlen` is
-packed rows whose attention is torch's varlen kernel, registered with transformers here
-(the learner has no such path yet); on CPU its stand-in runs SDPA sequence by sequence.
+The model has random weights, built on the machine (its weights cannot travel there), in
+the shape `--shape` names: SmolLM2-135M's (the default on CUDA), a Llama of 1.07B parameters
+(`llama-1b`: GEMMs large enough to keep an H100 busy), or a tiny one (the default on CPU).
+The shape also sets the workload: sequences, row lengths, timed steps, timeouts. MFU
+counts 6N FLOPs per token for a training step (8N for the RL step, whose proximal forward
+adds 2N) plus causal attention, 6 L d s^2 per sequence of s tokens (8 for RL), over trained
+time, against the matmul section's measured peak. `varlen` is packed rows whose attention
+is torch's varlen kernel, registered with transformers here (the learner has no such path
+yet); on CPU its stand-in runs SDPA sequence by sequence.
 
-`--device cpu` runs every section on tiny shapes: the dry run tests/unit/test_gpu_check.py
+On CUDA each section has a process of its own, so a crash or a hung kernel costs one
+section. On CPU all sections share one process (each still reports its own line): there,
+importing torch and transformers costs more than the tiny shape's work.
+
+`--device cpu` runs every section on the tiny shape: the dry run tests/unit/test_gpu_check.py
 makes, so the command is known to work before a GPU sees it. docs/testing.md gives the call.
 
-Run: python bench/gpu_check.py [--device cuda|cpu] [--out DIR]
+Run: python bench/gpu_check.py [--device cuda|cpu] [--shape NAME] [--sections a,b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +84,15 @@ TINY = SMOLLM2_135M | {
     "intermediate_size": 128,
     "max_position_embeddings": 1024,
 }
+LLAMA_1B = SMOLLM2_135M | {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 8192,
+}
+"""Llama-3.2-1B's body on SmolLM2's vocabulary: 1.07B parameters, 0.1B of them the embedding."""
 H100_BF16_DENSE_FLOPS = 989.4e12
 """NVIDIA's dense bf16 figure for the H100 SXM: MFU is also given against it."""
 VARLEN = "tandem_varlen"
@@ -85,7 +101,7 @@ VARLEN = "tandem_varlen"
 
 @dataclass(frozen=True)
 class Shapes:
-    """What each section runs on one kind of device, and its timeout."""
+    """What each section runs for one model shape, and its timeout."""
 
     model: dict
     matmul_n: int
@@ -94,6 +110,7 @@ class Shapes:
     step_sequences: int
     step_lengths: tuple[int, int]
     max_tokens_per_rank: int
+    warmup_steps: int
     timed_steps: int
     rows: tuple[int, ...]
     row_sequence_tokens: int
@@ -103,7 +120,7 @@ class Shapes:
     """The whole run: a section gets what is left of it when its own timeout is longer."""
 
 
-CUDA = Shapes(
+SMOLLM2_135M_SHAPES = Shapes(
     model=SMOLLM2_135M,
     matmul_n=8192,
     parity_sequences=8,
@@ -111,6 +128,7 @@ CUDA = Shapes(
     step_sequences=32,
     step_lengths=(256, 2048),
     max_tokens_per_rank=16384,
+    warmup_steps=1,
     timed_steps=3,
     rows=(2048, 4096, 8192, 16384),
     row_sequence_tokens=512,
@@ -126,7 +144,14 @@ CUDA = Shapes(
     },
     budget_s=450,
 )
-CPU = Shapes(
+LLAMA_1B_SHAPES = replace(
+    SMOLLM2_135M_SHAPES,
+    model=LLAMA_1B,
+    timed_steps=2,  # a step is about 8 times the 135M one's: the run must still fit its minutes
+    timeouts_s=SMOLLM2_135M_SHAPES.timeouts_s | {"steps": 220, "memory": 120},
+    budget_s=380,
+)
+TINY_SHAPES = Shapes(
     model=TINY,
     matmul_n=256,
     parity_sequences=3,
@@ -134,6 +159,7 @@ CPU = Shapes(
     step_sequences=4,
     step_lengths=(8, 48),
     max_tokens_per_rank=128,
+    warmup_steps=0,  # the dry run checks that every path runs, not how fast
     timed_steps=1,
     rows=(64, 128),
     row_sequence_tokens=32,
@@ -141,6 +167,8 @@ CPU = Shapes(
     timeouts_s={name: 60 for name in ("versions", "matmul", "packing", "steps", "memory", "weights", "tests_gpu")},
     budget_s=150,
 )
+SHAPES = {"smollm2-135m": SMOLLM2_135M_SHAPES, "llama-1b": LLAMA_1B_SHAPES, "tiny": TINY_SHAPES}
+DEFAULT_SHAPE = {"cuda": "smollm2-135m", "cpu": "tiny"}
 
 
 class Skip(Exception):
@@ -230,7 +258,8 @@ def model_folder(ctx: Context) -> Path:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**ctx.shapes.model)).save_pretrained(folder)
+        with torch.device(ctx.device):  # a 1B model's random init takes a CPU long
+            LlamaForCausalLM(LlamaConfig(**ctx.shapes.model)).save_pretrained(folder)
     return folder
 
 
@@ -558,8 +587,9 @@ def step_flops(ctx: Context, params: int, lengths: list[int], kind: str) -> floa
 
 
 def timed(ctx: Context, step, batch: list, flops: float) -> dict:
-    """One warm-up step, then the shape's timed steps: seconds, tokens/s, MFU, peak memory."""
-    step(batch)
+    """The shape's warm-up steps, then its timed steps: seconds, tokens/s, MFU, peak memory."""
+    for _ in range(ctx.shapes.warmup_steps):
+        step(batch)
     start_memory(ctx.device)
     synchronize(ctx.device)
     started = time.perf_counter()
@@ -778,54 +808,81 @@ SECTIONS = {
 }
 
 
-# ---- the two sides: a section's process, and the run that starts them -------------------
+# ---- the two sides: a section process, and the run that starts them -------------------
 
 
-def run_one(args: argparse.Namespace) -> int:
-    """In a section's own process: run it, leaving its figures and status in the result file."""
-    shapes = CUDA if args.device == "cuda" else CPU
-    ctx = Context(args.device, shapes, Path(args.work), Path(args.result))
+def run_here(args: argparse.Namespace) -> int:
+    """In a section process: run its sections in order, each leaving its figures, status
+    and seconds in `<work>/<name>.json` (status `running` until it ends)."""
+    for name in args.section:
+        ctx = Context(args.device, SHAPES[args.shape], Path(args.work), Path(args.work) / f"{name}.json")
+        run_section_here(ctx, name)
+    return 0
+
+
+def run_section_here(ctx: Context, name: str) -> None:
+    ctx.put("status", "running")
+    started = time.perf_counter()
     try:
-        SECTIONS[args.section](ctx)
+        SECTIONS[name](ctx)
         ctx.put("status", "partial" if ctx.result.get("failures") else "ok")
     except Skip as reason:
         ctx.put("status", "skip")
         ctx.put("reason", str(reason))
-    return 0
+    except Exception as error:  # noqa: BLE001 - the next section in this process still runs
+        traceback.print_exc()
+        ctx.put("status", "error")
+        ctx.put("error", f"{type(error).__name__}: {str(error)[:300]}")
+    finally:
+        leave_group()
+        ctx.put("seconds", round(time.perf_counter() - started, 1))
+
+
+def leave_group() -> None:
+    """A section that failed midway leaves its group; the next one in the process opens its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_all(args: argparse.Namespace) -> int:
-    shapes = CUDA if args.device == "cuda" else CPU
+    shapes = SHAPES[args.shape]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     deadline = time.monotonic() + shapes.budget_s
+    groups = [args.sections] if args.device == "cpu" else [[name] for name in args.sections]
     rows = []
     try:
         with open(out / "gpu_check.log", "a") as log:
-            for name in SECTIONS:
-                timeout_s = min(shapes.timeouts_s[name], deadline - time.monotonic())
-                row = run_section(name, args.device, work, timeout_s, log)
-                with open(out / "gpu_check.jsonl", "a") as jsonl:
-                    jsonl.write(json.dumps(row, default=str) + "\n")
-                rows.append(row)
-                print(f"{name}: {row['status']} in {row['seconds']} s", file=sys.stderr, flush=True)
+            for group in groups:
+                timeout_s = min(sum(shapes.timeouts_s[name] for name in group), deadline - time.monotonic())
+                for row in run_group(group, args, work, timeout_s, log):
+                    with open(out / "gpu_check.jsonl", "a") as jsonl:
+                        jsonl.write(json.dumps(row, default=str) + "\n")
+                    rows.append(row)
+                    print(f"{row['section']}: {row['status']} in {row['seconds']} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(rows)
     return 0 if all(r["status"] in ("ok", "skip") for r in rows) else 1
 
 
-def run_section(name: str, device: str, work: Path, timeout_s: float, log) -> dict:
-    """One section in its own process group (killed whole at the timeout: a section's own
-    children, the gloo receiver, go with it)."""
-    result_file = work / f"{name}.json"
-    row = {"section": name, "device": device}
+def run_group(names: list[str], args: argparse.Namespace, work: Path, timeout_s: float, log) -> list[dict]:
+    """Sections in one process of their own process group (killed whole at the timeout: a
+    section's own children, the gloo receiver, go with it); a row per section. The section
+    it was in when killed or crashed is a timeout or an error, with the log's tail; those
+    after it were not reached."""
+    base = {"device": args.device, "shape": args.shape}
     if timeout_s < 5:
-        return row | {"status": "timeout", "seconds": 0.0, "reason": "no time left in the run's budget"}
-    cmd = [sys.executable, __file__, "--section", name, "--device", device, "--work", str(work)]
-    cmd += ["--result", str(result_file)]
-    log.write(f"==== {name} (timeout {timeout_s:.0f} s)\n")
+        return [
+            {"section": n} | base | {"status": "timeout", "seconds": 0.0, "reason": "no time left in the run's budget"}
+            for n in names
+        ]
+    cmd = [sys.executable, __file__, "--section", ",".join(names), "--device", args.device, "--shape", args.shape]
+    cmd += ["--work", str(work)]
+    log.write(f"==== {', '.join(names)} (timeout {timeout_s:.0f} s)\n")
     log.flush()
     offset = log.tell()
     started = time.perf_counter()
@@ -836,14 +893,21 @@ def run_section(name: str, device: str, work: Path, timeout_s: float, log) -> di
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         returncode = None
-    row["seconds"] = round(time.perf_counter() - started, 1)
-    row |= json.loads(result_file.read_text()) if result_file.exists() else {}
-    if returncode is None:
-        row["status"] = "timeout"
-    elif returncode != 0 or "status" not in row:
-        row["status"] = "error"
-        row["log_tail"] = log_tail(log.name, offset)
-    return row
+    wall_s = time.perf_counter() - started
+    ended = "timeout" if returncode is None else "error"
+    rows = []
+    for name in names:
+        result_file = work / f"{name}.json"
+        row = {"section": name} | base | (json.loads(result_file.read_text()) if result_file.exists() else {})
+        if "status" not in row:
+            row |= {"status": ended, "seconds": 0.0, "reason": "not reached: its process ended first"}
+        elif row["status"] == "running":
+            row["status"] = ended
+            row["seconds"] = round(wall_s - sum(r["seconds"] for r in rows), 1)
+        if row["status"] == "error":
+            row["log_tail"] = log_tail(log.name, offset)
+        rows.append(row)
+    return rows
 
 
 def log_tail(path: str, offset: int, lines: int = 15) -> str:
@@ -855,7 +919,13 @@ def log_tail(path: str, offset: int, lines: int = 15) -> str:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'section':<10} {'status':<8} {'seconds':>7}  summary")
     for row in rows:
-        summary = row.get("summary") or row.get("reason") or row.get("log_tail", "").splitlines()[-1:] or ""
+        summary = (
+            row.get("summary")
+            or row.get("reason")
+            or row.get("error")
+            or row.get("log_tail", "").splitlines()[-1:]
+            or ""
+        )
         if isinstance(summary, list):
             summary = summary[0] if summary else ""
         print(f"{row['section']:<10} {row['status']:<8} {row['seconds']:>7}  {summary}")
@@ -863,15 +933,28 @@ def print_table(rows: list[dict]) -> None:
             print(f"{'':<28}{key}: {row[key]['error']}")
 
 
+def section_names(text: str) -> list[str]:
+    """Comma-separated section names, returned in the order the sections run."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    return [name for name in SECTIONS if name in names]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--shape", choices=tuple(SHAPES), help="model and workload (default: smollm2-135m on cuda, tiny on cpu)"
+    )
+    parser.add_argument("--sections", type=section_names, default=list(SECTIONS), help="comma-separated (default: all)")
     parser.add_argument("--out", default="bench/out/gpu_check")
-    parser.add_argument("--section", choices=tuple(SECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--section", type=section_names, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    return run_one(args) if args.section else run_all(args)
+    args.shape = args.shape or DEFAULT_SHAPE[args.device]
+    return run_here(args) if args.section else run_all(args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # a folder of scripts, not a package
+import gpu_check  # noqa: E402
+
 SECTIONS = ["versions", "matmul", "packing", "steps", "memory", "weights", "tests_gpu"]
 TRAVEL_LIMIT_BYTES = 64 << 20
 """What may travel to the GPU machine: the tracked tree and the carried wheel folder together."""
@@ -23,11 +27,12 @@ def test_cpu_dry_run_reports_every_section_ok_or_a_named_skip(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=180,
     )
     rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
 
     assert [r["section"] for r in rows] == SECTIONS, done.stdout + done.stderr
+    assert {r["shape"] for r in rows} == {"tiny"}
     for row in rows:
         assert row["status"] == "ok" or (row["status"] == "skip" and row["reason"]), row
     assert done.returncode == 0
@@ -42,6 +47,25 @@ def test_cpu_dry_run_reports_every_section_ok_or_a_named_skip(tmp_path):
         assert steps[key]["tokens_per_s"] > 0, key
     weights = by_name["weights"]
     assert weights["gloo_two_process.1mib"]["bytes"] == weights["bytes"]  # every byte, checksum matched
+
+
+@pytest.mark.slow  # imports transformers
+def test_llama_1b_shape_has_about_a_billion_parameters():
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**gpu_check.LLAMA_1B))
+    # 16 layers of attention (2 * 2048^2 + 2 * 2048 * 512) and MLP (3 * 2048 * 8192), a tied
+    # 49152 x 2048 embedding, and the norms (33 * 2048).
+    layer = 2 * 2048**2 + 2 * 2048 * 512 + 3 * 2048 * 8192
+    assert sum(p.numel() for p in model.parameters()) == 16 * layer + 49152 * 2048 + 33 * 2048 == 1_073_809_408
+
+
+def test_sections_run_in_their_fixed_order_and_unknown_names_are_refused():
+    assert gpu_check.section_names("memory,steps,matmul") == ["matmul", "steps", "memory"]
+    with pytest.raises(argparse.ArgumentTypeError, match="'step'"):
+        gpu_check.section_names("versions,step")
 
 
 def test_wheel_folder_fits_beside_the_tree():
