@@ -32,6 +32,26 @@ with no fault, measured from its first RL step as if a fault were injected there
                         Redis with its append-only file keeps it) for REDIS_DOWN_S, then started
                         on the same port from that data
 
+Faults that end the job, then `tandem resume` (a fault with `resume` is held until the job
+ends, or `--hold-s`; once it is cleared, a job it left FAILED or CANCELLED is resumed with
+`tandem resume JOB` and followed to its end again):
+  disk-full-checkpoint  the runs folder on a tmpfs of RUNS_TMPFS_MIB (the bench must run as
+                        root to mount it), filled by a file to leave less than one checkpoint
+                        free; cleared by deleting the file
+  learner-oom-batch     the learner swapped (SIGTERM, a clean stop) for one whose rank 1
+                        SIGKILLs itself as it starts training the step after next, every time
+                        (bench/chaos_learner.py: the OOM killer on one batch), restarted by the
+                        bench whenever it exits, as a supervisor would; cleared by swapping the
+                        plain learner back
+  cancel-resume         the job cancelled (`POST /v1/jobs/{id}/cancel`); nothing to clear
+Other faults of the learner's:
+  second-learner        a second learner (its own torchrun, `--resume`) started beside the
+                        first; once held, the first one's tree SIGKILLed: the second is to take
+                        the job over when the first's lease lapses (TANDEM_LEASE_TTL_S, 30 s)
+  generate-sigterm      a generate job (the same task, reward and judge; 4 conversations a
+                        step) whose learner is SIGTERMed (it stops at a safe point, leaving the
+                        job RUNNING) and started again with `--resume` after GENERATE_DOWN_S
+
 Measured from the moment of injection, by polling the job's record every 0.5 s (the
 timeline, kept for the plot): the seconds until the record shows the fault (PAUSED with a
 reason, FAILED with an error; for a fault the system absorbs, the next RL step); what the
@@ -40,7 +60,10 @@ learner went silent, with the reason; or stalled: RUNNING at one step for SILENT
 with no reason shown); tasks lost (entries dead-lettered, and
 tasks dispatched but neither trained, dropped as over-stale nor dead-lettered: this also
 counts the tasks in flight when the job ended, so compare with the baseline); groups
-trained twice (task ids repeated in the history); judge calls paid twice (idempotency keys
+trained twice (task ids repeated in the history) and steps recorded twice or missing from
+it; steps rolled back (work lost: the record's step fell back to an older checkpoint's,
+summed over the run; those steps are trained again); for a generate job, tasks whose rows
+were written twice or never (its dataset files and ledger); judge calls paid twice (idempotency keys
 the provider admitted more than once); whether the job SUCCEEDED after the fault cleared,
 and how long after the clearing its next step came; and the longest stretch after
 injection that the record said RUNNING with its step unchanged (the baseline's is the
@@ -70,6 +93,7 @@ Run: python bench/chaos.py [--faults none,judge-5xx,...] [--hold-s 150] [--steps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -79,8 +103,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -90,6 +114,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from services import protocol  # noqa: E402
+from services.job_lease import lease_key  # noqa: E402
 from services.queues import FIELD, Keys  # noqa: E402
 from tandem.client import load_spec_file  # noqa: E402
 from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
@@ -106,6 +131,15 @@ BACK_AFTER_S = 120.0
 STUCK_S = 300.0
 """After the fault clears, a job with no RL step for this long is cancelled by the bench
 (`cancelled_by_bench_s`), whatever its record says."""
+RUNS_TMPFS_MIB = 64
+"""disk-full-checkpoint's runs folder: room for the warm start, the exported policy and
+`keep_checkpoints` checkpoints (7.7 MB each for the tiny model's two shards)."""
+FREE_LEFT_BYTES = 2 << 20
+"""What disk-full-checkpoint leaves free: less than one checkpoint, more than the step
+records and group logs of the rest of the run."""
+FILLER = "chaos-filler"
+GENERATE_DOWN_S = 5.0
+"""How long generate-sigterm's learner stays down once it has stopped."""
 SILENT_S = 30.0
 """A job neither paused nor failed that sat RUNNING at one step this long after the
 injection is reported as stalled: the baseline's longest gap is a few seconds, and a cause
@@ -175,6 +209,10 @@ class Run:
     stack: Stack
     provider: Provider
     job_id: str
+    runs_dir: Path
+    notes: dict = field(default_factory=dict)
+    """What a fault's actions saw (kept in the report), and the learner the bench restarts
+    (`learner_command`, `learner_env`: the plain one when absent)."""
 
 
 def restart(run: Run, name: str) -> None:
@@ -187,7 +225,9 @@ def restart(run: Run, name: str) -> None:
     if log.exists():
         log.rename(log.with_suffix(f".{time.time():.0f}.log"))
     if name == "learner":
-        stack.spawn(name, learner_command(stack.learner_ranks), TANDEM_METRICS_PORT=str(stack.ports.learner))
+        command = run.notes.get("learner_command") or learner_command(stack.learner_ranks)
+        env = run.notes.get("learner_env", {}) | {"TANDEM_METRICS_PORT": str(stack.ports.learner)}
+        stack.spawn(name, command, **env)
     else:
         index = int(name.rsplit("-", 1)[1])
         stack.spawn_rollout(index, stack.ports.rollout[index])
@@ -224,6 +264,98 @@ def stop_redis(run: Run) -> None:
     redis.Redis.from_url(run.stack.redis_url).shutdown(save=True)
 
 
+@contextlib.contextmanager
+def runs_on_tmpfs(out: Path) -> Iterator[None]:
+    """The run's runs folder on a tmpfs of RUNS_TMPFS_MIB: a disk small enough to fill."""
+    if os.geteuid() != 0:
+        raise SystemExit("disk-full-checkpoint mounts a tmpfs: run the bench as root")
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={RUNS_TMPFS_MIB}m", "tmpfs", str(runs)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "--lazy", str(runs)], check=True)
+
+
+def fill_disk(run: Run) -> None:
+    """Leave FREE_LEFT_BYTES free where the runs folder is: the next checkpoint does not
+    fit. Written, not allocated sparsely, so that tmpfs counts it."""
+    stats = os.statvfs(run.runs_dir)
+    left = stats.f_bavail * stats.f_frsize - FREE_LEFT_BYTES
+    run.notes["filled_bytes"] = left
+    chunk = bytes(1 << 20)
+    with open(run.runs_dir / FILLER, "wb") as filler:
+        while left > 0:
+            left -= filler.write(chunk[: min(left, len(chunk))])
+
+
+def free_disk(run: Run) -> None:
+    (run.runs_dir / FILLER).unlink()
+
+
+def stop_learner(run: Run) -> None:
+    """SIGTERM the learner (torchrun forwards it: rank 0 checkpoints and leaves its job
+    RUNNING for `--resume`, marked as stopped, which counts no crash) and wait for it."""
+    process = run.stack.processes["learner"]
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=180)
+
+
+def swap_learner(run: Run, command: list[str] | None, env: dict[str, str]) -> None:
+    """The learner stopped cleanly and started again as `command` (None: the plain one)."""
+    stop_learner(run)
+    run.notes["learner_command"], run.notes["learner_env"] = command, env
+    restart(run, "learner")
+
+
+def oom_learner(run: Run) -> None:
+    """bench/chaos_learner.py in the learner's place, its rank 1 dying on the step after next."""
+    command = learner_command(run.stack.learner_ranks)
+    at = command.index("learner") - 1  # `-m learner`: a script in its place
+    command[at : at + 2] = [str(REPO / "bench" / "chaos_learner.py")]
+    stop_learner(run)
+    kill_at = recorded_step(run) + 2
+    run.notes["kill_at_step"] = kill_at
+    run.notes["learner_command"] = command
+    run.notes["learner_env"] = {"TANDEM_CHAOS_KILL_AT_STEP": str(kill_at), "TANDEM_CHAOS_KILL_RANK": "1"}
+    restart(run, "learner")
+
+
+def recorded_step(run: Run) -> int:
+    return httpx.get(f"{run.stack.api_url}/v1/jobs/{run.job_id}", timeout=10).json()["step"]
+
+
+def supervise_learner(run: Run) -> None:
+    """A learner that exited is started again, as compose's restart policy would."""
+    if run.stack.processes["learner"].poll() is not None:
+        run.notes["learner_restarts"] = run.notes.get("learner_restarts", 0) + 1
+        restart(run, "learner")
+
+
+def cancel(run: Run) -> None:
+    httpx.post(f"{run.stack.api_url}/v1/jobs/{run.job_id}/cancel", timeout=30).raise_for_status()
+
+
+def start_second_learner(run: Run) -> None:
+    run.stack.spawn("learner-2", learner_command(run.stack.learner_ranks), TANDEM_METRICS_PORT=str(free_port()))
+
+
+def note_lease_holder(run: Run) -> None:
+    """The learners that held the job's lease, in turn, with their fencing tokens."""
+    value = redis.Redis.from_url(run.stack.redis_url).get(lease_key(run.job_id))
+    if value is None:
+        return
+    token, holder = value.decode().split(" ", 1)
+    pid = int(holder.split(":")[1])
+    name = next(
+        (n for n, p in run.stack.processes.items() if pid in {q.pid for q in process_tree(p.pid)}), "another process"
+    )
+    holders = run.notes.setdefault("lease_holders", [])
+    if not holders or holders[-1] != [name, int(token)]:
+        holders.append([name, int(token)])
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
@@ -232,6 +364,15 @@ class Fault:
     clear: Callable[[Run], None]
     hold_s: float | None = None
     """Its own hold (None: `--hold-s`)."""
+    resume: bool = False
+    """Held until the job ends (at most STUCK_S); cleared even then, and a job left FAILED
+    or CANCELLED is resumed with `tandem resume`."""
+    during: Callable[[Run], None] | None = None
+    """Called at every poll from the injection on (a supervisor's restarts, a probe)."""
+    around: Callable[[Path], contextlib.AbstractContextManager] = lambda out: contextlib.nullcontext()
+    """Around the run's whole stack (its runs folder's filesystem)."""
+    kind: str = "rl"
+    """The job's kind: `rl` (`job_spec`) or `generate` (`generate_spec`)."""
 
 
 def judge_fault(name: str, mode: str, hold_s: float | None = None) -> Fault:
@@ -261,6 +402,22 @@ FAULTS = {
         Fault("learner-rank", 1, kill_rank, lambda run: restart(run, "learner")),
         killed("learner-sigkill", 1, "learner"),
         Fault("redis-restart", 1, stop_redis, restart_redis, REDIS_DOWN_S),
+        Fault("disk-full-checkpoint", 1, fill_disk, free_disk, resume=True, around=runs_on_tmpfs),
+        Fault(
+            "learner-oom-batch",
+            1,
+            oom_learner,
+            lambda run: swap_learner(run, None, {}),
+            resume=True,
+            during=supervise_learner,
+        ),
+        Fault(
+            "second-learner", 1, start_second_learner, lambda run: kill_tree(run, "learner"), during=note_lease_holder
+        ),
+        Fault("cancel-resume", 1, cancel, lambda run: None, resume=True),
+        Fault(
+            "generate-sigterm", 1, stop_learner, lambda run: restart(run, "learner"), GENERATE_DOWN_S, kind="generate"
+        ),
     )
 }
 
@@ -285,6 +442,16 @@ def job_spec(out: Path, steps: int) -> dict:
     }
     spec["train"] |= {"num_steps": steps, "batch_size": 4, "max_staleness": 3, "lr": 1e-4, "checkpoint_every": 1}
     spec["warm_start"] |= {"steps": 150, "batch_size": 32, "lr": 3e-3}
+    return spec
+
+
+def generate_spec(out: Path, steps: int) -> dict:
+    """The same task, reward and judge as a generate job of `steps` batches of 4
+    conversations (each turn's 2 responses ranked by MR, the better carrying on)."""
+    spec = job_spec(out, steps)
+    spec |= {"kind": "generate", "generate": {"conversations": 4 * steps}}
+    spec["train"] = {"batch_size": 4}
+    spec.pop("health", None)  # an RL job's rules
     return spec
 
 
@@ -340,42 +507,24 @@ def run_fault(fault: Fault, args: argparse.Namespace, out: Path) -> dict:
     (out / "logs").mkdir(exist_ok=True)
     provider = Provider(out)
     provider.start()
-    env = ENV | {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(provider.upstreams_file)}
-    hold_s = args.hold_s if fault.hold_s is None else fault.hold_s
-    events: dict[str, float] = {}
+    runs_dir = out / "runs"
+    env = ENV | {"TANDEM_RUNS_DIR": str(runs_dir), "TANDEM_UPSTREAMS": str(provider.upstreams_file)}
+    spec = (generate_spec if fault.kind == "generate" else job_spec)(args.out_dir, args.steps)
     try:
         ports = Ports.free(rollout_servers=fault.rollout_servers)
-        with Stack(out / "logs", ports=ports, learner_ranks=2, extra_env=env) as stack:
+        with fault.around(out), Stack(out / "logs", ports=ports, learner_ranks=2, extra_env=env) as stack:
             api = httpx.Client(base_url=stack.api_url, timeout=10)
-            job_id = api.post("/v1/jobs", json=job_spec(args.out_dir, args.steps)).json()["id"]
-            run = Run(stack, provider, job_id)
-            timeline = Timeline(stack.api_url, job_id)
+            run = Run(stack, provider, api.post("/v1/jobs", json=spec).json()["id"], runs_dir)
+            timeline = Timeline(stack.api_url, run.job_id)
             timeline.start()
-
-            def ended() -> bool:
-                return timeline.last()[1] in ENDED
-
             with Progress(args.steps, f"  {fault.name}", "steps", file=sys.stdout) as progress:
-                follow(timeline, lambda: timeline.last()[2] >= 1 or ended(), progress, args.steps, 900)
-                events["injected_s"] = timeline.now()
-                fault.inject(run)
-                follow(timeline, lambda: False, progress, args.steps, events["injected_s"] + hold_s)
-                events["cleared_s"] = timeline.now()
-                if not ended():  # nothing to restart for a job that is over
-                    fault.clear(run)
-
-                def ended_or_stuck() -> bool:
-                    return ended() or timeline.now() - max(events["cleared_s"], timeline.stepped_at()) > STUCK_S
-
-                follow(timeline, ended_or_stuck, progress, args.steps, math.inf)
-                if not ended():
-                    events["cancelled_by_bench_s"] = timeline.now()
-                    api.post(f"/v1/jobs/{job_id}/cancel")
-                    follow(timeline, ended, progress, args.steps, timeline.now() + 120)
+                events = inject_and_follow(fault, run, timeline, progress, args)
                 time.sleep(2 * POLL_S)  # the final record in the timeline
             timeline.done.set()
             timeline.join()
-            books = job_books(stack.redis_url, api, job_id)
+            books = (
+                dataset_books(run, spec) if fault.kind == "generate" else job_books(stack.redis_url, api, run.job_id)
+            )
             tags = provider.tags()
     finally:
         if provider.process and provider.process.poll() is None:
@@ -383,12 +532,69 @@ def run_fault(fault: Fault, args: argparse.Namespace, out: Path) -> dict:
             provider.process.wait()
     return {
         "fault": fault.name,
-        "hold_s": hold_s,
         "commit": code_version(),
         **events,
         **books,
         **paid(tags),
+        "notes": run.notes,
         "timeline": changes(timeline.samples),
+    }
+
+
+def inject_and_follow(fault: Fault, run: Run, timeline: Timeline, progress: Progress, args: argparse.Namespace) -> dict:
+    """Inject the fault after the first step, hold it, clear it, follow the job to its end
+    (resumed with `tandem resume` for a fault with `resume`); the events' times."""
+    hold_s = args.hold_s if fault.hold_s is None else fault.hold_s
+    events: dict = {"hold_s": hold_s}
+
+    def ended() -> bool:
+        return timeline.last()[1] in ENDED
+
+    def watching(until: Callable[[], bool]) -> Callable[[], bool]:
+        """`until`, with the fault's `during` called at each poll."""
+        return lambda: (fault.during is not None and fault.during(run)) or until()
+
+    def ended_or_stuck(since: str) -> Callable[[], bool]:
+        return lambda: ended() or timeline.now() - max(events[since], timeline.stepped_at()) > STUCK_S
+
+    follow(timeline, lambda: timeline.last()[2] >= 1 or ended(), progress, args.steps, 900)
+    events["injected_s"] = timeline.now()
+    fault.inject(run)
+    if fault.resume:
+        follow(timeline, watching(ended), progress, args.steps, events["injected_s"] + STUCK_S)
+        events["hold_s"] = round(timeline.now() - events["injected_s"], 1)
+    else:
+        follow(timeline, watching(lambda: False), progress, args.steps, events["injected_s"] + hold_s)
+    events["cleared_s"] = timeline.now()
+    if fault.resume or not ended():  # nothing to restart for a job that is over, unless resumed
+        fault.clear(run)
+    follow(timeline, watching(ended_or_stuck("cleared_s")), progress, args.steps, math.inf)
+    if fault.resume and timeline.last()[1] in ("FAILED", "CANCELLED"):
+        events |= resume(run, timeline)
+        follow(timeline, watching(ended_or_stuck("resumed_s")), progress, args.steps, math.inf)
+    if not ended():
+        events["cancelled_by_bench_s"] = timeline.now()
+        cancel(run)
+        follow(timeline, ended, progress, args.steps, timeline.now() + 120)
+    return events
+
+
+def resume(run: Run, timeline: Timeline) -> dict:
+    """`tandem resume JOB`, as a user would; how the job had ended and the checkpoint that
+    a resume continues from (the newest complete one)."""
+    from learner.checkpoint import steps as checkpoint_steps
+
+    _, status, step, reason = timeline.last()
+    complete = checkpoint_steps(run.runs_dir, run.job_id)
+    command = [sys.executable, "-m", "tandem.cli", "resume", run.job_id, "--api", run.stack.api_url]
+    answer = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    return {
+        "resumed_s": timeline.now(),
+        "ended_before_resume": status,
+        "error_before_resume": reason,
+        "step_before_resume": step,
+        "resumed_from_checkpoint": complete[-1] if complete else None,
+        "resume_answer": (answer.stdout + answer.stderr).strip(),
     }
 
 
@@ -402,8 +608,11 @@ def job_books(redis_url: str, api: httpx.Client, job_id: str) -> dict:
     dispatched = protocol.decode(newest[0][1][FIELD], protocol.Task).task_id + 1 if newest else 0
     dead = client.xlen(Keys.dead(job_id))
     stale = rl[-1].get("stale_dropped", 0) if rl else 0
+    steps = [r["step"] for r in rl]
     return {
         "steps": len(rl),
+        "history_steps_twice": len(steps) - len(set(steps)),
+        "history_steps_missing": len(set(range(1, max(steps, default=0) + 1)) - set(steps)),
         "dispatched": dispatched,
         "groups_trained": len(trained),
         "groups_trained_twice": len(trained) - len(set(trained)),
@@ -411,6 +620,51 @@ def job_books(redis_url: str, api: httpx.Client, job_id: str) -> dict:
         "dead_lettered": dead,
         "unaccounted": dispatched - len(set(trained)) - stale - dead,
     }
+
+
+def dataset_books(run: Run, spec: dict) -> dict:
+    """A generate job's tasks and rows, from its ledger and dataset files: tasks committed
+    twice or never, rows written twice (a task's SFT row, a task's pair for one turn)."""
+    folder = run.runs_dir / run.job_id
+    ledger = [json.loads(line) for line in (folder / "written.jsonl").read_text().splitlines()]
+    committed = [task_id for entry in ledger for task_id in entry["task_ids"]]
+    sft = [json.loads(line)["task_id"] for line in (folder / "dataset" / "sft.jsonl").read_text().splitlines()]
+    pairs = [(r["task_id"], r["turn"]) for r in map(json.loads, (folder / "dataset" / "pairs.jsonl").open())]
+    conversations = spec["generate"]["conversations"]
+    return {
+        "conversations": conversations,
+        "tasks_committed": len(set(committed)),
+        "tasks_committed_twice": len(committed) - len(set(committed)),
+        "tasks_never_written": len(set(range(conversations)) - set(committed)),
+        "sft_rows": len(sft),
+        "sft_rows_twice": len(sft) - len(set(sft)),
+        "pair_rows": len(pairs),
+        "pair_rows_twice": len(pairs) - len(set(pairs)),
+    }
+
+
+def work_lost_and_duplicated(result: dict, rolled_back: int) -> tuple[int, int]:
+    """Work lost (steps or rows thrown away and done again, or never done) and work done
+    twice (groups trained, steps recorded, tasks or rows written more than once)."""
+    lost = rolled_back + result.get("history_steps_missing", 0) + result.get("tasks_never_written", 0)
+    twice = sum(
+        result.get(key, 0)
+        for key in (
+            "groups_trained_twice",
+            "history_steps_twice",
+            "tasks_committed_twice",
+            "sft_rows_twice",
+            "pair_rows_twice",
+        )
+    )
+    return lost, twice
+
+
+def rolled_back(samples: list) -> int:
+    """Steps the record fell back by, summed: completed steps a restarted or resumed
+    learner threw away for an older checkpoint's (and trains again)."""
+    known = [s[2] for s in samples if s[1] is not None]
+    return sum(max(0, a - b) for a, b in zip(known, known[1:], strict=False))
 
 
 def paid(tags: Counter[str]) -> dict:
@@ -443,7 +697,13 @@ def summarize(result: dict) -> dict:
     at_clear = [s for s in known if s[0] <= result["cleared_s"]]
     step_at_clear = at_clear[-1][2] if at_clear else 0
     resumed = next((s for s in known if s[0] > result["cleared_s"] and s[2] > step_at_clear), None)
+    steps_rolled_back = rolled_back(result["timeline"])
+    lost, twice = work_lost_and_duplicated(result, steps_rolled_back)
     return {
+        "steps_rolled_back": steps_rolled_back,
+        "work_lost": lost,
+        "work_duplicated": twice,
+        "resumed_to_succeeded": (final[1] == "SUCCEEDED") if "resumed_s" in result else None,
         "shown_after_s": round(shown[0] - t0, 1) if shown else None,
         "shown_as": (shown[1] if shown[1] != "RUNNING" else "warning" if shown[3] else "next step") if shown else None,
         "did": did,
@@ -497,24 +757,34 @@ def print_report(report: dict) -> None:
     print(f"\nchaos: judge-bound job, {report['steps']} RL steps, faults held {report['hold_s']:.0f} s")
     print(
         f"{'fault':>20} {'shown':>7} {'as':>9} {'did':>8} {'final':>9} {'resumed':>7} {'dead':>5} "
-        f"{'unacct':>6} {'twice':>5} {'paid 2x':>7} {'silent':>6} {'total':>6}  reason"
+        f"{'unacct':>6} {'lost':>4} {'twice':>5} {'tandem resume':>13} {'paid 2x':>7} {'silent':>6} "
+        f"{'total':>6}  reason"
     )
     for row in report["runs"]:
         why = " / ".join(dict.fromkeys(filter(None, (row["reason"], row["final_error"]))))
         print(
             f"{row['fault']:>20} {seconds(row['shown_after_s']):>7} {row['shown_as'] or '-':>9} {row['did']:>8} "
             f"{row['final_status'] or '?':>9} {seconds(row['next_step_after_clear_s']):>7} "
-            f"{row['dead_lettered']:>5} {row['unaccounted']:>6} {row['groups_trained_twice']:>5} "
-            f"{row['judge_calls_paid_twice']:>7} {seconds(row['longest_silent_running_s']):>6} "
+            f"{row.get('dead_lettered', '-'):>5} {row.get('unaccounted', '-'):>6} {row['work_lost']:>4} "
+            f"{row['work_duplicated']:>5} {resumed_with_cli(row):>13} {row['judge_calls_paid_twice']:>7} "
+            f"{seconds(row['longest_silent_running_s']):>6} "
             f"{seconds(row['total_s']):>6}  {why[:160]}"
         )
     print(
         "shown: seconds from injection until the record showed PAUSED, FAILED or a next step; "
         "resumed: seconds from the fault's clearing to the next step; dead: entries dead-lettered; "
         "unacct: tasks dispatched but not trained, over-stale or dead (in flight at the end included); "
-        "twice: groups trained twice; paid 2x: judge calls the provider admitted again; silent: the "
+        "lost: steps rolled back to an older checkpoint, steps or generated tasks missing; twice: groups "
+        "trained, steps recorded or rows written twice; tandem resume: the job it left FAILED or CANCELLED "
+        "resumed to SUCCEEDED; paid 2x: judge calls the provider admitted again; silent: the "
         "longest RUNNING stretch at one step after injection; total: submission to the end"
     )
+
+
+def resumed_with_cli(row: dict) -> str:
+    if "resumed_s" not in row:
+        return "-"
+    return f"{'yes' if row['resumed_to_succeeded'] else 'no'} (from {row['resumed_from_checkpoint']})"
 
 
 def seconds(value: float | None) -> str:
