@@ -571,6 +571,8 @@ def inject_and_follow(fault: Fault, run: Run, timeline: Timeline, progress: Prog
     follow(timeline, watching(ended_or_stuck("cleared_s")), progress, args.steps, math.inf)
     if fault.resume and timeline.last()[1] in ("FAILED", "CANCELLED"):
         events |= resume(run, timeline)
+        # The timeline's last sample may predate the resume: only a later one counts.
+        follow(timeline, lambda: timeline.last()[0] > events["resumed_s"], progress, args.steps, math.inf)
         follow(timeline, watching(ended_or_stuck("resumed_s")), progress, args.steps, math.inf)
     if not ended():
         events["cancelled_by_bench_s"] = timeline.now()
