@@ -147,6 +147,7 @@ SMOLLM2_135M_SHAPES = Shapes(
 LLAMA_1B_SHAPES = replace(
     SMOLLM2_135M_SHAPES,
     model=LLAMA_1B,
+    max_tokens_per_rank=8192,  # at 16384, plain transformers' fp32 AdamW step runs out of 80 GB
     timed_steps=2,  # a step is about 8 times the 135M one's: the run must still fit its minutes
     timeouts_s=SMOLLM2_135M_SHAPES.timeouts_s | {"steps": 220, "memory": 120},
     budget_s=380,
@@ -551,6 +552,7 @@ def steps(ctx: Context) -> None:
     lengths = [len(s.tokens) for s in batch]
     ctx.put("sequences", len(batch))
     ctx.put("tokens", sum(lengths))
+    ctx.put("max_tokens_per_rank", shapes.max_tokens_per_rank)
     ctx.put("peak_tflops", round(peak_flops(ctx) / 1e12, 2))
     ctx.attempt("plain_transformers", lambda: plain_step(ctx, batch))
     free_device_memory(ctx.device)  # its model goes before the learner's loads
