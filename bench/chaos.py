@@ -685,12 +685,15 @@ def summarize(result: dict) -> dict:
     before = [s for s in known if s[0] <= t0]
     step0 = before[-1][2] if before else 0
     after = [s for s in known if s[0] > t0]
-    shown = next((s for s in after if s[1] in ("PAUSED", "FAILED") or s[2] > step0 or s[3]), None)
+    shown = next((s for s in after if s[1] in ("PAUSED", "FAILED", "CANCELLED") or s[2] > step0 or s[3]), None)
     paused = next((s for s in after if s[1] == "PAUSED"), None)
     failed = next((s for s in after if s[1] == "FAILED"), None)
+    cancelled = next((s for s in after if s[1] == "CANCELLED"), None)
     warned = next((s for s in after if s[1] == "RUNNING" and s[3]), None)
     silent_s = longest_silent_running(before[-1:] + after, t0)
     did, reason = ("failed", failed[3]) if failed else ("paused", paused[3]) if paused else ("went on", "")
+    if did == "went on" and cancelled:
+        did = "cancelled"
     if did == "went on" and warned:
         did, reason = "warned", warned[3]
     if did == "went on" and silent_s >= SILENT_S:
