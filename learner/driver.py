@@ -149,8 +149,8 @@ class Driver:
         except GroupBroken as err:  # the ranks cannot go on together: report, then exit
             await self.end_job(job_id, jobs.JobStatus.FAILED, str(err))
             raise
-        except JobCancelled:
-            status = jobs.JobStatus.CANCELLED
+        except JobCancelled as err:  # with what it could not keep, if anything
+            status, error = jobs.JobStatus.CANCELLED, str(err)
         except JobUnhealthy as err:
             status, error = jobs.JobStatus.FAILED, str(err)
         except Exception as err:

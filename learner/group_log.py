@@ -7,8 +7,10 @@ the means of its samples' task metrics, such as clarify's `asked`). These record
 shows whether lateness and content go together: which groups come late, which are dropped
 and whether dropping them skews what the learner trains on (`bench/async_groups.py`).
 
-A resumed job appends: groups decided after its last checkpoint are decided, and recorded,
-again. Records are written once per batch: a crash loses those of the batch being collected.
+A resumed job first cuts the file back to its size at the checkpoint it resumes from
+(`written_bytes`, kept in the checkpoint's meta): groups decided after it are decided, and
+recorded, again, so each decision shows once. Records are written once per batch: a crash
+or a stop loses those of the batch being collected, whose groups come again.
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ class GroupLog:
     def write(self, group: protocol.TrajectoryGroup, decision: str, version: int) -> None:
         assert decision in DECISIONS, decision
         self.pending.append(json.dumps(group_record(group, decision, version, time.monotonic() - self.started)))
+
+    def written_bytes(self) -> int:
+        """The file's size: the records of every batch collected so far (what a checkpoint
+        taken now covers; the pending ones are of a batch not yet trained)."""
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def trim(self, size_bytes: int) -> None:
+        """Cut the file back to `size_bytes` (a checkpoint's `written_bytes`), dropping the
+        records of groups decided after that checkpoint."""
+        if self.path.exists():
+            with open(self.path, "r+b") as f:
+                f.truncate(size_bytes)
 
     def flush(self) -> None:
         if self.pending:

@@ -337,8 +337,9 @@ class TrainSpec(LossSpec):
         ge=0.0,
         description=(
             "Seconds between checkpoints, written after the first step that ends this long after the last one "
-            "(whichever of this and checkpoint_every comes first); 0 = off. A FAILED or CANCELLED job resumes "
-            "from its newest checkpoint (`tandem resume`)."
+            "(whichever of this and checkpoint_every comes first); 0 = off. RL and offline jobs honour both (a "
+            "generate job commits every batch instead). A FAILED or CANCELLED job resumes from its newest "
+            "checkpoint (`tandem resume`)."
         ),
     )
     export_every: int = Field(

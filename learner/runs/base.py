@@ -4,27 +4,24 @@ and says how it checkpoints; `learner.runs.run_for` picks the run of a job's kin
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import time
 from pathlib import Path
 from typing import Protocol
 
 import redis.asyncio as aioredis
 
 from learner import checkpoint, warm_start
-from learner.control import Command, Worker
+from learner.control import Command, GroupBroken, RankLost, Worker
+from learner.runs.checkpoints import Checkpoints
 from learner.step_log import StepLog
-from services import jobs
+from services import job_lease, jobs
 from services.config import JobSpec, LearnerSettings
-from services.queues import Keys
 
 log = logging.getLogger(__name__)
 
 
 class JobCancelled(Exception):
-    pass
+    """The job was cancelled; a message, if any, says what it could not keep (the job's error)."""
 
 
 class LearnerStopping(Exception):
@@ -55,6 +52,7 @@ class Run:
         self.step = 0
         self.run_dir = Path(self.settings.runs_dir) / job_id
         self.steps = StepLog(self.redis, job_id, self.run_dir, self.health_rules(), self.settings.history_keep)
+        self.checkpoints = Checkpoints(self.redis, self.worker, self.settings, job_id, spec.train)
 
     def health_rules(self) -> list:
         """The rules the step log judges each step by (only an RL job has them)."""
@@ -98,11 +96,21 @@ class Run:
 
     async def check_cancel(self, keep: bool = True) -> None:
         """A cancel ends the job (`JobCancelled`); with `keep`, after `on_cancel` keeps what
-        it has (not in the warm start, which a resume starts over)."""
-        if await jobs.cancel_requested(self.redis, self.job_id):
-            if keep:
+        it has (not in the warm start, which a resume starts over). The cancel is what the
+        user asked for, so a keep that fails (a full disk) still ends the job cancelled, with
+        what failed as its error and what was kept before still there; only a failure the
+        ranks cannot go on from ends it otherwise."""
+        if not await jobs.cancel_requested(self.redis, self.job_id):
+            return
+        if keep:
+            try:
                 await self.on_cancel()
-            raise JobCancelled()
+            except (GroupBroken, RankLost, job_lease.LeaseLost):
+                raise
+            except Exception as err:
+                log.exception("job %s: keeping its state on cancel failed", self.job_id)
+                raise JobCancelled(f"cancelled, but keeping its checkpoint or policy failed: {err}") from err
+        raise JobCancelled()
 
     async def on_cancel(self) -> None:
         """What a cancelled job keeps before it ends: what a stop keeps (its checkpoint), so
@@ -112,22 +120,3 @@ class Run:
     def export_policy(self) -> None:
         """The policy as it stands, as the job's model (`runs/<job>/policy`; all ranks)."""
         self.worker.run(Command(kind="export", path=str(self.run_dir / "policy")))
-
-    async def record_checkpoint(self, path: Path) -> None:
-        """The checkpoint at `path` (at this step) is complete: listed on the job's record,
-        and all but the newest `settings.keep_checkpoints` deleted, on disk and from the list."""
-        await self.redis.rpush(
-            Keys.checkpoints(self.job_id),
-            json.dumps({"step": self.step, "version": self.version, "path": str(path), "time": time.time()}),
-        )
-        keep = self.settings.keep_checkpoints
-        for removed in await asyncio.to_thread(checkpoint.prune, self.settings.runs_dir, self.job_id, keep):
-            log.info("job %s: deleted checkpoint %s (keeping the newest %d)", self.job_id, removed, keep)
-        await self.redis.ltrim(Keys.checkpoints(self.job_id), -keep, -1)
-
-
-def checkpoint_due(step: int, since_s: float, every_steps: int, every_s: float) -> bool:
-    """Whether a run that has just trained `step`, `since_s` seconds after its last
-    checkpoint, writes a periodic one: every `every_steps` steps or once `every_s` seconds
-    have passed, whichever comes first (0 turns either off)."""
-    return (every_steps > 0 and step % every_steps == 0) or (every_s > 0 and since_s >= every_s)

@@ -10,11 +10,10 @@ step alone: a resumed job trains exactly the batches the lost one had not.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
-from learner import checkpoint, policy
+from learner import policy
 from learner.control import Command
 from learner.runs.base import Run
 from services import preference, protocol
@@ -50,12 +49,12 @@ class OfflineRun(Run):
             await self.check_cancel()
             batch = [pairs[i] for i in step_pairs(len(pairs), train.batch_size, self.step, train.seed)]
             await self.train_pairs([s for pair in batch for s in pair], len(pairs))
-            if train.checkpoint_every and self.step % train.checkpoint_every == 0:
+            if self.checkpoints.due(self.step):
                 await self.checkpoint()
             if self.step < train.num_steps:
                 await self.check_stop()
-        if train.checkpoint_every and self.step % train.checkpoint_every:
-            await self.checkpoint()
+        if self.checkpoints.periodic and self.checkpoints.path(self.step) != self.checkpoints.latest():
+            await self.checkpoint()  # the final one, unless the last step's is written already
         self.export_policy()
 
     async def train_pairs(self, samples: list[protocol.Sample], num_pairs: int) -> None:
@@ -78,10 +77,8 @@ class OfflineRun(Run):
         """Always written when called, a stop's (`stopping`) too: nothing waits on it to be
         acknowledged, since an offline job reads its pairs from a file. Older ones are
         pruned as an RL job's are."""
-        path = checkpoint.checkpoint_dir(self.settings.runs_dir, self.job_id, self.step)
         meta = {"step": self.step, "version": self.version, "history_length": await self.steps.length()}
-        self.worker.run(Command(kind="save", path=str(path), meta_json=json.dumps(meta)))
-        await self.record_checkpoint(path)
+        await self.checkpoints.save(self.step, self.version, meta)
 
     async def on_cancel(self) -> None:
         """A checkpoint to resume from, and the policy trained so far as the job's model."""
@@ -89,12 +86,14 @@ class OfflineRun(Run):
         self.export_policy()
 
     async def resume(self) -> bool:
-        path = checkpoint.latest(self.settings.runs_dir, self.job_id)
-        if path is None:
+        """Continue from the newest checkpoint that loads, its step's batches next (a
+        function of the step), with the history written after it dropped. False: no
+        checkpoint, start over."""
+        if self.checkpoints.latest() is None:
             await self.steps.trim(0)
             return False
         self.worker.run(Command(kind="start_rl"))
-        meta = self.worker.run(Command(kind="load", path=str(path)))
+        meta, _ = await self.checkpoints.load_newest()
         self.step, self.version = meta["step"], meta["version"]
         await self.steps.trim(meta["history_length"])
         return True

@@ -90,6 +90,31 @@ def test_a_cancelled_job_keeps_a_checkpoint_of_its_last_step_and_exports_its_pol
     assert all(exported[name].equal(expected[name]) for name in expected)
 
 
+def test_a_cancel_whose_checkpoint_cannot_be_written_still_ends_cancelled_naming_the_failure(
+    learner, redis_url, offline_job
+):
+    """A file where the job's checkpoints folder goes, so the cancel's checkpoint fails on
+    every rank as on a full disk: the cancel, what the user asked for, still ends the job
+    CANCELLED, its error says what could not be kept, and the learner lives on."""
+    client = redis.Redis.from_url(redis_url)
+    job_id = create_job(redis_url, offline_job(num_steps=10_000, checkpoint_every=0))
+    wait_for(lambda: client.llen(Keys.history(job_id)) >= 2, 120, "two steps")
+    (learner.runs / job_id / "checkpoints").write_text("")  # no periodic one is due for 1800 s
+
+    async def cancel() -> None:
+        async with aioredis.from_url(redis_url) as async_client:
+            await jobs.cancel(async_client, job_id)
+
+    asyncio.run(cancel())
+    record = finish(redis_url, job_id, learner.dir)
+
+    assert record["status"] == "CANCELLED", record["log"]
+    assert "cancelled, but keeping its checkpoint or policy failed" in record["error"]
+    assert "'save' failed" in record["error"]
+    assert not (learner.runs / job_id / "policy").exists()
+    assert learner.process.poll() is None
+
+
 def test_redis_at_its_memory_cap_fails_the_job_by_name_and_the_learner_lives_on(learner, redis_url, offline_job):
     """Redis refuses every write that grows it (maxmemory below what it holds, nothing to
     evict): the step's record is refused, and so is the job's end, which the learner waits

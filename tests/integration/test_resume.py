@@ -18,6 +18,7 @@ import redis
 from helpers import Producer, create_job, rl_steps, start_learner, wait_for
 from safetensors.torch import load_file
 
+from learner import group_log
 from learner.step_log import StepLog
 from services import jobs
 from services.config import (
@@ -134,10 +135,12 @@ def test_a_learner_killed_after_step_five_retrains_from_step_three_exactly(
     a checkpoint, were never acknowledged; they come back and are trained once more from
     the step-3 state, so the result is still the uninterrupted run's."""
     straight, straight_tasks, _ = straight_run
-    killed, tasks, _ = run_job(redis_url, tiny_model, tokenizer, tmp_path / "killed", 5, signal.SIGKILL)
+    killed, tasks, run_dir = run_job(redis_url, tiny_model, tokenizer, tmp_path / "killed", 5, signal.SIGKILL)
 
     assert tasks == straight_tasks
     assert len(tasks) == len(set(tasks)) == 6 * 2
+    trained = [r["task_id"] for r in group_log.read(run_dir / "groups.jsonl") if r["decision"] == "trained"]
+    assert sorted(trained) == sorted(tasks)  # groups.jsonl cut back to the checkpoint, as the history is
     assert max((straight[n] - killed[n]).abs().max().item() for n in straight) < 1e-6
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.runs.base import checkpoint_due
+from learner.runs.checkpoints import checkpoint_due
 from services.config import TrainSpec
 
 

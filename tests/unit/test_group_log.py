@@ -78,3 +78,27 @@ def test_a_record_lists_each_distinct_reward_source_once() -> None:
     group = protocol.TrajectoryGroup(job_id="j", task_id=1, server_id="r0", elapsed_s=1.0, samples=samples)
     assert group_record(group, "trained", version=1, arrived_s=1.0)["reward_sources"] == [judged, unjudged]
     assert "reward_sources" not in group_record(GROUP, "trained", version=7, arrived_s=1.0)  # no LLM scored GROUP
+
+
+def test_trimming_to_a_checkpoint_leaves_each_decision_recorded_once(tmp_path) -> None:
+    """Two batches, a checkpoint, a third batch the lost run recorded: the resumed run cuts
+    the file back to the checkpoint's size, decides the third batch again, and the file
+    holds each batch once."""
+    log = GroupLog(tmp_path)
+    for version in (1, 2):
+        log.write(GROUP, "trained", version)
+        log.flush()
+    at_checkpoint = log.written_bytes()
+    log.write(GROUP, "trained", 3)
+    log.flush()
+
+    resumed = GroupLog(tmp_path)
+    resumed.trim(at_checkpoint)
+    resumed.write(GROUP, "stale", 3)
+    resumed.flush()
+
+    assert [(r["learner_version"], r["decision"]) for r in read(tmp_path / "groups.jsonl")] == [
+        (1, "trained"),
+        (2, "trained"),
+        (3, "stale"),
+    ]
