@@ -46,8 +46,9 @@ ends, or `--hold-s`; once it is cleared, a job it left FAILED or CANCELLED is re
   cancel-resume         the job cancelled (`POST /v1/jobs/{id}/cancel`); nothing to clear
 Other faults of the learner's:
   second-learner        a second learner (its own torchrun, `--resume`) started beside the
-                        first; once held, the first one's tree SIGKILLed: the second is to take
-                        the job over when the first's lease lapses (TANDEM_LEASE_TTL_S, 30 s)
+                        first; once it is up and SECOND_LEARNER_HOLD_S later, the first one's
+                        tree SIGKILLed: the second is to take the job over when the first's
+                        lease lapses (TANDEM_LEASE_TTL_S, 30 s)
   generate-sigterm      a generate job (the same task, reward and judge; 4 conversations a
                         step) whose learner is SIGTERMed (it stops at a safe point, leaving the
                         job RUNNING) and started again with `--resume` after GENERATE_DOWN_S
@@ -138,6 +139,9 @@ FREE_LEFT_BYTES = 2 << 20
 """What disk-full-checkpoint leaves free: less than one checkpoint, more than the step
 records and group logs of the rest of the run."""
 FILLER = "chaos-filler"
+SECOND_LEARNER_HOLD_S = 10.0
+"""How long second-learner runs both learners before it kills the first: short, so that the
+job is still running when it does."""
 GENERATE_DOWN_S = 5.0
 """How long generate-sigterm's learner stays down once it has stopped."""
 SILENT_S = 30.0
@@ -338,7 +342,14 @@ def cancel(run: Run) -> None:
 
 
 def start_second_learner(run: Run) -> None:
-    run.stack.spawn("learner-2", learner_command(run.stack.learner_ranks), TANDEM_METRICS_PORT=str(free_port()))
+    """A second learner, up (it answers its health check) when this returns."""
+    port = free_port()
+    run.stack.spawn("learner-2", learner_command(run.stack.learner_ranks), TANDEM_METRICS_PORT=str(port))
+    deadline = time.monotonic() + 180
+    while not answers(f"http://127.0.0.1:{port}/healthz"):
+        if time.monotonic() > deadline or run.stack.processes["learner-2"].poll() is not None:
+            raise RuntimeError("the second learner did not start")
+        time.sleep(0.5)
 
 
 def note_lease_holder(run: Run) -> None:
@@ -412,7 +423,12 @@ FAULTS = {
             during=supervise_learner,
         ),
         Fault(
-            "second-learner", 1, start_second_learner, lambda run: kill_tree(run, "learner"), during=note_lease_holder
+            "second-learner",
+            1,
+            start_second_learner,
+            lambda run: kill_tree(run, "learner"),
+            SECOND_LEARNER_HOLD_S,
+            during=note_lease_holder,
         ),
         Fault("cancel-resume", 1, cancel, lambda run: None, resume=True),
         Fault(
