@@ -147,6 +147,7 @@ TRAINING = {
     "learner.loss",
     "learner.policy",
     "learner.checkpoint",
+    "learner.durable",
     "learner.weight_sender",
     "learner.control",
 }
