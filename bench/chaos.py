@@ -37,7 +37,8 @@ ends, or `--hold-s`; once it is cleared, a job it left FAILED or CANCELLED is re
 `tandem resume JOB` and followed to its end again):
   disk-full-checkpoint  the runs folder on a tmpfs of RUNS_TMPFS_MIB (the bench must run as
                         root to mount it), filled by a file to leave less than one checkpoint
-                        free; cleared by deleting the file
+                        free; the learner restarted by the bench whenever it exits, as a
+                        supervisor would; cleared by deleting the file
   learner-oom-batch     the learner swapped (SIGTERM, a clean stop) for one whose rank 1
                         SIGKILLs itself as it starts training the step after next, every time
                         (bench/chaos_learner.py: the OOM killer on one batch), restarted by the
@@ -413,7 +414,9 @@ FAULTS = {
         Fault("learner-rank", 1, kill_rank, lambda run: restart(run, "learner")),
         killed("learner-sigkill", 1, "learner"),
         Fault("redis-restart", 1, stop_redis, restart_redis, REDIS_DOWN_S),
-        Fault("disk-full-checkpoint", 1, fill_disk, free_disk, resume=True, around=runs_on_tmpfs),
+        Fault(
+            "disk-full-checkpoint", 1, fill_disk, free_disk, resume=True, during=supervise_learner, around=runs_on_tmpfs
+        ),
         Fault(
             "learner-oom-batch",
             1,
