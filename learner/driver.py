@@ -209,11 +209,11 @@ async def claim_job(client: aioredis.Redis, job_id: str, settings: LearnerSettin
             settings.job_retention_s,
         )
         return None
-    if not await jobs.set_status(client, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
-        log.info("job %s was cancelled before it started", job_id)
     if crash_loop := await count_crash(client, record, settings):
         await jobs.set_status(client, job_id, jobs.JobStatus.FAILED, crash_loop, settings.job_retention_s)
         return None
+    if not await jobs.set_status(client, job_id, jobs.JobStatus.RUNNING):  # a cancel came first
+        log.info("job %s was cancelled before it started", job_id)
         return None
     return spec, resuming
 
