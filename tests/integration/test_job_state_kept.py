@@ -72,11 +72,7 @@ def test_a_cancelled_job_keeps_a_checkpoint_of_its_last_step_and_exports_its_pol
     job_id = create_job(redis_url, offline_job(num_steps=10_000, checkpoint_every=0))
     wait_for(lambda: client.llen(Keys.history(job_id)) >= 2, 120, "two steps")
 
-    async def cancel() -> None:
-        async with aioredis.from_url(redis_url) as async_client:
-            await jobs.cancel(async_client, job_id)
-
-    asyncio.run(cancel())
+    cancel(redis_url, job_id)
     record = finish(redis_url, job_id, learner.dir)
 
     assert record["status"] == "CANCELLED", record["log"]
@@ -101,11 +97,7 @@ def test_a_cancel_whose_checkpoint_cannot_be_written_still_ends_cancelled_naming
     wait_for(lambda: client.llen(Keys.history(job_id)) >= 2, 120, "two steps")
     (learner.runs / job_id / "checkpoints").write_text("")  # no periodic one is due for 1800 s
 
-    async def cancel() -> None:
-        async with aioredis.from_url(redis_url) as async_client:
-            await jobs.cancel(async_client, job_id)
-
-    asyncio.run(cancel())
+    cancel(redis_url, job_id)
     record = finish(redis_url, job_id, learner.dir)
 
     assert record["status"] == "CANCELLED", record["log"]
@@ -136,3 +128,13 @@ def test_redis_at_its_memory_cap_fails_the_job_by_name_and_the_learner_lives_on(
     steps = [h["step"] for h in record["history"]]
     assert steps == list(range(1, len(steps) + 1))
     assert learner.process.poll() is None
+
+
+def cancel(redis_url: str, job_id: str) -> None:
+    """Ask for the job's cancel, as the API does."""
+
+    async def ask() -> None:
+        async with aioredis.from_url(redis_url) as client:
+            await jobs.cancel(client, job_id)
+
+    asyncio.run(ask())
