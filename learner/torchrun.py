@@ -62,12 +62,18 @@ def write_exit(runs_dir: Path, job_file: Path, failures: dict[int, object]) -> N
 def take_exit(runs_dir: str, job_id: str, not_before: float) -> str:
     """How the learner that last ran `job_id` ended, as torchrun recorded it after
     `not_before` (an older record belongs to an earlier run of the job), or
-    NO_EXIT_RECORDED; the record is removed, so each exit is reported once."""
+    NO_EXIT_RECORDED; the record is removed, so each exit is reported once. A record torn
+    by its write (a full disk leaves it empty) is no exit recorded: left in place, every
+    restarted learner would fail reading it before counting its restart, and loop."""
     path = Path(runs_dir) / job_id / EXIT_FILE
     if not path.exists():
         return NO_EXIT_RECORDED
-    record = json.loads(path.read_text())
+    text = path.read_text()
     path.unlink()
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return NO_EXIT_RECORDED
     return record["reason"] if record["time"] >= not_before else NO_EXIT_RECORDED
 
 
