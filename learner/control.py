@@ -242,8 +242,12 @@ def rank_errors_dir(runs_dir: str, job_id: str) -> Path:
 
 
 def rank_errors(folder: Path) -> list[str]:
-    """The errors failing ranks left in `folder`, by rank."""
-    return [path.read_text() for path in sorted(folder.glob("rank-*.txt"))]
+    """The errors failing ranks left in `folder`, by rank. A file its rank could not write
+    (a full disk leaves it empty) says that much, not nothing."""
+    return [
+        path.read_text() or f"{path.stem.replace('-', ' ')} failed; its error could not be written (a full disk?)"
+        for path in sorted(folder.glob("rank-*.txt"))
+    ]
 
 
 def wait_for_rank_errors(folder: Path, count: int, timeout_s: float) -> list[str]:
