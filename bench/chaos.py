@@ -63,8 +63,9 @@ with no reason shown); tasks lost (entries dead-lettered, and
 tasks dispatched but neither trained, dropped as over-stale nor dead-lettered: this also
 counts the tasks in flight when the job ended, so compare with the baseline); groups
 trained twice (task ids repeated in the history) and steps recorded twice or missing from
-it; steps rolled back (work lost: the record's step fell back to an older checkpoint's,
-summed over the run; those steps are trained again); for a generate job, tasks whose rows
+it; steps thrown away (work lost: the record's step fell back to an older checkpoint's,
+summed over the run, and at a resume the steps past the checkpoint it resumed from; those
+steps are trained again); for a generate job, tasks whose rows
 were written twice or never (its dataset files and ledger); judge calls paid twice (idempotency keys
 the provider admitted more than once); whether the job SUCCEEDED after the fault cleared,
 and how long after the clearing its next step came; and the longest stretch after
@@ -688,6 +689,14 @@ def rolled_back(samples: list) -> int:
     return sum(max(0, a - b) for a, b in zip(known, known[1:], strict=False))
 
 
+def steps_redone_at_resume(result: dict, rolled_back: int) -> int:
+    """Steps a resume trains again: those between its checkpoint and the step the job had
+    recorded, less any the record already showed falling back (counted there)."""
+    if result.get("resumed_from_checkpoint") is None:
+        return 0
+    return max(0, result["step_before_resume"] - result["resumed_from_checkpoint"] - rolled_back)
+
+
 def paid(tags: Counter[str]) -> dict:
     twice = {tag: n for tag, n in tags.items() if n > 1}
     return {
@@ -722,9 +731,11 @@ def summarize(result: dict) -> dict:
     step_at_clear = at_clear[-1][2] if at_clear else 0
     resumed = next((s for s in known if s[0] > result["cleared_s"] and s[2] > step_at_clear), None)
     steps_rolled_back = rolled_back(result["timeline"])
-    lost, twice = work_lost_and_duplicated(result, steps_rolled_back)
+    redone = steps_redone_at_resume(result, steps_rolled_back)
+    lost, twice = work_lost_and_duplicated(result, steps_rolled_back + redone)
     return {
         "steps_rolled_back": steps_rolled_back,
+        "steps_redone_at_resume": redone,
         "work_lost": lost,
         "work_duplicated": twice,
         "resumed_to_succeeded": (final[1] == "SUCCEEDED") if "resumed_s" in result else None,
@@ -798,7 +809,7 @@ def print_report(report: dict) -> None:
         "shown: seconds from injection until the record showed PAUSED, FAILED or a next step; "
         "resumed: seconds from the fault's clearing to the next step; dead: entries dead-lettered; "
         "unacct: tasks dispatched but not trained, over-stale or dead (in flight at the end included); "
-        "lost: steps rolled back to an older checkpoint, steps or generated tasks missing; twice: groups "
+        "lost: steps thrown away for an older checkpoint, steps or generated tasks missing; twice: groups "
         "trained, steps recorded or rows written twice; tandem resume: the job it left FAILED or CANCELLED "
         "resumed to SUCCEEDED; paid 2x: judge calls the provider admitted again; silent: the "
         "longest RUNNING stretch at one step after injection; total: submission to the end"
