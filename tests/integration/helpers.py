@@ -51,12 +51,14 @@ def job_ended(api: httpx.Client, job_id: str, timeout_s: float = 300) -> dict:
 
 def engine_of(stack, api: httpx.Client, job_id: str, server: str) -> list:
     """`server`'s engine processes (its only children) once the job has trained a step and
-    the server serves it ([] before: a wait_for condition)."""
+    the server serves it ([] before: a wait_for condition, whose deadline also covers a
+    server too busy to answer its health check within 2 s)."""
     port = stack.ports.rollout[int(server.rsplit("-", 1)[1])]
-    if (
-        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json().get("job") != job_id
-        or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1
-    ):
+    try:
+        serving = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json().get("job") == job_id
+    except httpx.TransportError:
+        return []
+    if not serving or api.get(f"/v1/jobs/{job_id}").json()["step"] < 1:
         return []
     return process_tree(stack.processes[server].pid)[1:]
 
