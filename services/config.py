@@ -335,6 +335,7 @@ class TrainSpec(LossSpec):
     checkpoint_every_s: float = Field(
         1800.0,
         ge=0.0,
+        allow_inf_nan=False,  # infinity would read as "by time" and never be due: 0 says off
         description=(
             "Seconds between checkpoints, written after the first step that ends this long after the last one "
             "(whichever of this and checkpoint_every comes first); 0 = off. RL and offline jobs honour both (a "

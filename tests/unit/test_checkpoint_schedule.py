@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from learner.runs.checkpoints import checkpoint_due
 from services.config import TrainSpec
@@ -29,3 +30,9 @@ def test_a_checkpoint_is_due_every_so_many_steps_or_seconds_whichever_comes_firs
 
 def test_checkpoints_are_on_by_default_every_half_hour():
     assert (TrainSpec().checkpoint_every, TrainSpec().checkpoint_every_s) == (0, 1800.0)
+
+
+@pytest.mark.parametrize("every_s", [-1.0, float("nan"), float("inf"), "soon"])
+def test_a_checkpoint_period_that_is_not_a_finite_number_of_seconds_is_refused_naming_the_field(every_s):
+    with pytest.raises(ValidationError, match="checkpoint_every_s"):
+        TrainSpec(checkpoint_every_s=every_s)
