@@ -47,22 +47,33 @@ def round_robin(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def partition(
-    lengths: list[int], dp_size: int, max_tokens_per_rank: int, split=karmarkar_karp
+    lengths: list[int], dp_size: int, max_tokens_per_rank: int, split=karmarkar_karp, padded: bool = False
 ) -> list[list[list[int]]]:
     """Per rank, its micro-batches (lists of sequence indices).
 
     k grows in steps of `dp_size` until every partition `split` makes fits under
-    `max_tokens_per_rank` (`round_robin` is the benchmark's baseline)."""
+    `max_tokens_per_rank` (`round_robin` is the benchmark's baseline). A `padded`
+    micro-batch (a row per sequence, each padded to the longest) costs its rows times its
+    longest sequence: that many positions go through the model."""
     if any(n > max_tokens_per_rank for n in lengths):
         longest = max(lengths)
         raise ValueError(f"a sequence of {longest} tokens exceeds max_tokens_per_rank={max_tokens_per_rank}")
+    if padded:
+        cost = lambda part: padded_positions([lengths[i] for i in part])  # noqa: E731
+    else:
+        cost = lambda part: sum(lengths[i] for i in part)  # noqa: E731
     k = dp_size
     while True:
         parts = split(lengths, k)
-        if all(sum(lengths[i] for i in p) <= max_tokens_per_rank for p in parts):
+        if all(cost(p) <= max_tokens_per_rank for p in parts):
             break
         k += dp_size
     return [parts[rank::dp_size] for rank in range(dp_size)]
+
+
+def padded_positions(lengths: list[int]) -> int:
+    """Positions a padded micro-batch of sequences of `lengths` puts through the model."""
+    return len(lengths) * max(lengths, default=0)
 
 
 def imbalance(lengths: list[int], parts: list[list[int]]) -> float:

@@ -24,11 +24,11 @@ class DPOSteps:
         spec = self.spec.train
         totals: dict[str, torch.Tensor] = {}
         for mb in micro:
-            theta, _ = self.token_logprobs(mb)
+            mask = self.batches.per_token(samples, mb, "mask")
+            theta, _ = self.token_logprobs(mb, scored=mask)
             if not mb.samples:  # an empty share still runs forward and backward with the others
                 (theta.sum() * 0.0).backward()
                 continue
-            mask = self.batches.per_token(samples, mb, "mask")
             policy = loss.sequence_logprobs(theta, mask, mb.seq_ids, len(mb.samples))
             ref = reference[mb.samples]
             out = loss.dpo_loss(
@@ -53,9 +53,9 @@ class DPOSteps:
             scored = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
             with torch.no_grad():
                 for mb in micro:
-                    logprobs, _ = self.token_logprobs(mb, self.reference)
+                    mask = self.batches.per_token(samples, mb, "mask")
+                    logprobs, _ = self.token_logprobs(mb, self.reference, scored=mask)
                     if mb.samples:
-                        mask = self.batches.per_token(samples, mb, "mask")
                         scored[mb.samples] = loss.sequence_logprobs(
                             logprobs, mask, mb.seq_ids, len(mb.samples)
                         ).double()

@@ -51,7 +51,7 @@ class Collator:
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """This rank's micro-batches for `samples` (same partition on every rank)."""
         lengths = [len(s.tokens) for s in samples]
-        mine = batching.partition(lengths, self.world_size, self.max_tokens_per_rank, self.split)[self.rank]
+        mine = self._partition(lengths)[self.rank]
         return [self.collate(samples, indices) for indices in mine]
 
     def pair_micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
@@ -60,9 +60,15 @@ class Collator:
         pair sit in one micro-batch, chosen right before its rejected."""
         if len(samples) % 2:
             raise ValueError(f"preference pairs need an even number of samples, got {len(samples)}")
-        lengths = [len(samples[i].tokens) + len(samples[i + 1].tokens) for i in range(0, len(samples), 2)]
-        mine = batching.partition(lengths, self.world_size, self.max_tokens_per_rank, self.split)[self.rank]
+        sides = [(len(samples[i].tokens), len(samples[i + 1].tokens)) for i in range(0, len(samples), 2)]
+        # Padded, a pair is two rows as wide as its longer side.
+        lengths = [a + b if self.can_pack else 2 * max(a, b) for a, b in sides]
+        mine = self._partition(lengths)[self.rank]
         return [self.collate(samples, [i for pair in pairs for i in (2 * pair, 2 * pair + 1)]) for pairs in mine]
+
+    def _partition(self, lengths: list[int]) -> list[list[list[int]]]:
+        padded = not self.can_pack
+        return batching.partition(lengths, self.world_size, self.max_tokens_per_rank, self.split, padded)
 
     def collate(self, samples: list[Sample], indices: list[int]) -> MicroBatch:
         sequences = [samples[i].tokens for i in indices] or [[0]]  # an empty share still runs

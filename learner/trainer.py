@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from learner import loss, policy
+from learner import logprobs, loss, policy
 from learner.dpo import DPOSteps
 from learner.micro_batch import Collator, MicroBatch
 from learner.reduce import accumulate, all_reduce, reduce_over_ranks
@@ -34,7 +34,7 @@ class Trainer(DPOSteps):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         torch.manual_seed(spec.train.seed)
-        self.model = policy.sharded_model(spec.model.local_folder(), device, self.world_size, spec.model.dtype)
+        self.model = self._sharded(spec.model.local_folder())
         self.reference: torch.nn.Module | None = None
         self.reference_logprobs: dict[str, float] = {}
         """DPO: sample id -> sequence logprob under the reference, so that a pair trained
@@ -43,39 +43,50 @@ class Trainer(DPOSteps):
         self.optimizer, self.scheduler = policy.optimizer(
             self.model, warm.lr if warm.steps else spec.train.lr, spec.train.weight_decay, decay_steps=warm.steps
         )
-        self.can_pack = policy.separates_packed_sequences(self.model, device)
+        compute = policy.compute_dtype(device, spec.model.dtype)
+        packs = spec.train.packing != "padded"
+        self.can_pack = packs and policy.separates_packed_sequences(self.model, device, compute)
         self.batches = Collator(self.rank, self.world_size, spec.train.max_tokens_per_rank, self.can_pack, device)
+
+    def _sharded(self, path: str) -> torch.nn.Module:
+        model = self.spec.model
+        return policy.sharded_model(path, self.device, self.world_size, model.dtype, self.spec.train.packing)
 
     def start_rl(self) -> None:
         """End of the warm start: a fresh optimizer at the RL learning rate, and the current
         policy frozen as the KL reference (same sharding: the shards copy over locally)."""
         self.optimizer, self.scheduler = policy.optimizer(self.model, self.spec.train.lr, self.spec.train.weight_decay)
         if self.spec.train.kl_coef > 0 or self.spec.train.algorithm == "dpo":
-            self.reference = policy.sharded_model(
-                self.spec.model.path, self.device, self.world_size, self.spec.model.dtype
-            )
+            self.reference = self._sharded(self.spec.model.path)
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.requires_grad_(False)
 
     def token_logprobs(
-        self, micro: MicroBatch, model: torch.nn.Module | None = None, with_entropy: bool = False
+        self,
+        micro: MicroBatch,
+        model: torch.nn.Module | None = None,
+        with_entropy: bool = False,
+        scored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[T] logprob of each token given the ones before it in its sequence (0 for a
-        sequence's first token, which is always context), at the rollout temperature."""
+        """[T] logprob of each token given the ones before it in its sequence, at the
+        rollout temperature, and optionally the entropy it was drawn from. 0 for a
+        sequence's first token, which is always context, and where `scored` ([T], e.g. the
+        loss mask) is 0: a loss never reads those, so they are not computed
+        (`learner.logprobs`)."""
         model = model or self.model
-        logits = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False).logits
-        logits = logits.float() / self.spec.rollout.temperature
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        picked = logp.gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)
-        # new_zeros, not zeros_like(x[:, :1]): a rank's empty share is one 1-token row, whose
-        # x has no column to take a shape from.
-        picked = torch.cat([picked.new_zeros(len(picked), 1), picked], dim=1).flatten()[micro.keep]
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                ent = loss.entropy_from_logits(logits[:, :-1])
-                entropy = torch.cat([ent.new_zeros(len(ent), 1), ent], dim=1).flatten()[micro.keep]
-        return picked, entropy
+        rows = micro.keep.clone()
+        if scored is not None:
+            rows[micro.keep] = scored > 0
+        method = getattr(model, logprobs.METHOD)
+        picked, entropy = method(
+            micro.input_ids,
+            micro.position_ids,
+            rows.view(micro.input_ids.shape),
+            self.spec.rollout.temperature,
+            with_entropy,
+        )
+        picked = picked.flatten()[micro.keep]
+        return picked, entropy.flatten()[micro.keep] if entropy is not None else None
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -87,12 +98,16 @@ class Trainer(DPOSteps):
         plans = [[samples[i] for i in chunk] for chunk in chunks]
         with torch.no_grad():
             micro = [self.batches.micro_batches(p) for p in plans]
-            prox = [[self.token_logprobs(m)[0] for m in plan] for plan in micro]
-            ref = (
-                [[self.token_logprobs(m, self.reference)[0] for m in plan] for plan in micro]
-                if self.reference is not None
-                else None
-            )
+            masks = [[self.batches.per_token(p, m, "mask") for m in plan] for p, plan in zip(plans, micro)]
+
+            def scored(model: torch.nn.Module | None) -> list[list[torch.Tensor]]:
+                return [
+                    [self.token_logprobs(m, model, scored=mask)[0] for m, mask in zip(plan, plan_masks)]
+                    for plan, plan_masks in zip(micro, masks)
+                ]
+
+            prox = scored(self.model)
+            ref = scored(self.reference) if self.reference is not None else None
         # A forward without backward leaves the root module unsharded; reshard so the
         # optimizer (which holds the sharded parameters) and the next forward agree.
         self.model.reshard()
@@ -110,8 +125,8 @@ class Trainer(DPOSteps):
         normaliser = loss.normaliser(self.spec.train, num_tokens, len(samples))
         totals: dict[str, torch.Tensor] = {"entropy": torch.zeros((), device=self.device)}
         for i, mb in enumerate(micro):
-            theta, entropy = self.token_logprobs(mb, with_entropy=True)
             mask = self.batches.per_token(samples, mb, "mask")
+            theta, entropy = self.token_logprobs(mb, with_entropy=True, scored=mask)
             inputs = loss.LossInputs(
                 theta=theta,
                 prox=prox[i],
@@ -140,8 +155,9 @@ class Trainer(DPOSteps):
         num_tokens = sum(sum(s.mask) for s in samples)
         total = torch.zeros((), device=self.device)
         for mb in self.batches.micro_batches(samples):
-            theta, _ = self.token_logprobs(mb)
-            step_loss = loss.sft_loss(theta, self.batches.per_token(samples, mb, "mask"), max(num_tokens, 1))
+            mask = self.batches.per_token(samples, mb, "mask")
+            theta, _ = self.token_logprobs(mb, scored=mask)
+            step_loss = loss.sft_loss(theta, mask, max(num_tokens, 1))
             (step_loss * self.world_size).backward()
             total += step_loss.detach()
         sft_loss = all_reduce({"loss": total}, self.device)["loss"]

@@ -330,7 +330,19 @@ class TrainSpec(LossSpec):
             "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."
         ),
     )
-    max_tokens_per_rank: int = Field(16384, ge=64)
+    max_tokens_per_rank: int = Field(
+        16384, ge=64, description="Tokens in one micro-batch; padded rows count rows x their longest sequence."
+    )
+    packing: Literal["varlen", "mask", "padded"] = Field(
+        "varlen",
+        description=(
+            "How a micro-batch's sequences share the learner: `varlen` packs them into one row and attends within "
+            "each sequence (torch's varlen kernel on CUDA in 16-bit, per-sequence SDPA elsewhere); `mask` packs them "
+            "and lets transformers build a dense block-diagonal mask over the row (costs the row's square); "
+            "`padded` gives each its own row, padded to the longest. A model whose packed logprobs differ from its "
+            "unpacked ones beyond the compute dtype's tolerance is trained padded, with a warning."
+        ),
+    )
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = off.")
     checkpoint_every_s: float = Field(
         1800.0,

@@ -1,0 +1,136 @@
+"""Attention over packed rows, without a dense mask.
+
+A micro-batch is one row of sequences laid end to end, position ids restarting at each.
+transformers' own `sdpa` keeps them apart by building a block-diagonal T x T mask, so a row
+of 8 sequences pays for 8x the attention it needs, saves the mask per layer for backward,
+and on CUDA rules out the flash kernel. The `varlen` attention registered here finds the
+sequences where the position ids restart and attends within each:
+
+- on CUDA, in 16-bit, through torch's variable-length flash kernel
+  (`torch.nn.attention.varlen.varlen_attn`), one call per layer;
+- elsewhere (CPU, fp32), one causal SDPA call per sequence.
+
+Either costs the sum of the squared sequence lengths instead of the square of the row. On
+CPU, per-sequence SDPA measured 5-8x faster than the dense mask per layer (forward and
+backward, SmolLM2's heads, 4096-token rows of 4 to 17 sequences), and faster than padding
+the sequences inside attention to the longest one, which loses on rows of one long and many
+short sequences (`docs/results.md`, "Packed attention"). On an H100 the varlen kernel gave
+the learner its best step (`docs/results/gpu_check_h100*.jsonl`). flex attention was not
+used: it needs torch.compile and a new block mask for every micro-batch.
+
+`TrainSpec.packing` picks the path: `varlen` (this module), `mask` (transformers' dense
+mask) or `padded` (a row per sequence, no packing).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+VARLEN = "tandem_varlen"
+"""The name the varlen attention is registered under with transformers."""
+
+IMPLEMENTATION = {"varlen": VARLEN, "mask": "sdpa", "padded": "sdpa"}
+"""TrainSpec.packing -> the transformers attention implementation the model runs."""
+
+
+def implementation(packing: str) -> str:
+    """The attention implementation for `packing`, registered with transformers if it is
+    ours. transformers builds no mask for a name it has no mask function for, so the
+    varlen path never pays for one."""
+    if IMPLEMENTATION[packing] == VARLEN:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(VARLEN, varlen_attention)
+    return IMPLEMENTATION[packing]
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [B, H, T, D], key and value [B, Hkv, T, D]
+    -> ([B, T, H, D], no weights). Each row's sequences start where its position ids are
+    0; a row without position ids is one sequence. Padded rows (B > 1, right padding, no
+    mask) are one sequence each: their padding sits after every real token, so causal
+    attention never lets a real token see it."""
+    if attention_mask is not None:
+        raise ValueError("varlen attention keeps packed sequences apart by position ids and takes no mask")
+    rows = []
+    for b, bounds in enumerate(_row_bounds(position_ids, query.shape[0], query.shape[2])):
+        q, k, v = (x[b].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+        rows.append(_attend(q, k, v, bounds, scaling))
+    return torch.stack(rows), None
+
+
+_last_bounds: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
+"""The position ids of the latest call and their bounds: every layer of a forward gets the
+same tensor, and finding the bounds reads it back from the device (a sync on CUDA)."""
+
+
+def _row_bounds(position_ids: torch.Tensor | None, rows: int, length: int) -> list[torch.Tensor]:
+    global _last_bounds
+    if position_ids is None or position_ids is not _last_bounds[0]:
+        found = [sequence_bounds(position_ids[b] if position_ids is not None else None, length) for b in range(rows)]
+        _last_bounds = (position_ids, found)
+    return _last_bounds[1]
+
+
+def sequence_bounds(positions: torch.Tensor | None, length: int) -> torch.Tensor:
+    """int32 [n + 1] offsets of the n sequences in a row: 0, where each later one starts
+    (its position id is 0), and the row's length."""
+    if positions is None:
+        return torch.tensor([0, length], dtype=torch.int32)
+    starts = torch.nonzero(positions[1:] == 0).flatten() + 1
+    zero, end = starts.new_tensor([0]), starts.new_tensor([length])
+    return torch.cat([zero, starts, end]).to(torch.int32)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float | None):
+    """[T, H, D] causal attention within each [bounds[i], bounds[i+1]) span."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None:
+        return _varlen(q, k, v, bounds.to(q.device), scale)
+    gqa = k.shape[1] != q.shape[1]
+    spans = bounds.tolist()
+    parts = []
+    for a, b in zip(spans[:-1], spans[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [heads, s, D]
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        parts.append(out.transpose(0, 1))
+    return torch.cat(parts)
+
+
+@functools.cache
+def _varlen_kernel():
+    """torch's varlen attention, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float | None):
+    kernel = _varlen_kernel()
+    # Its keywords changed between torch releases: causality was `is_causal`, then a window;
+    # grouped-query attention is either native (`enable_gqa`) or needs the heads repeated.
+    params = inspect.signature(kernel).parameters
+    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kwargs |= {"scale": scale} if "scale" in params else {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return kernel(q, k, v, bounds, bounds, longest, longest, **kwargs)

@@ -1,0 +1,128 @@
+"""Per-token logprobs without the full-vocabulary logits in memory.
+
+The logprob of token t+1 after t is `logits[t, target] - logsumexp(logits[t])` with
+`logits = hidden @ W.T / temperature`. Computed the plain way, a micro-batch of T tokens
+holds [T, V] logits several times over (the model's output, an fp32 copy, the tempered
+copy, log_softmax saved for backward, its gradient): at T = 16k and V = 49k each fp32 copy
+is 3.2 GB. Here the output projection is applied a chunk of tokens at a time and only
+[T] numbers are kept: the logprob, the logsumexp and (when asked) the entropy. Backward
+projects each chunk again and forms the gradient from the softmax,
+
+    d logp[t] / d logits[t] = (onehot(target) - softmax(logits[t])) / temperature,
+
+so the peak is one chunk's [C, V] in fp32 (`CHUNK_BYTES`) at the price of one more pass
+of the output projection. Only the positions that a loss reads (`scored`) are projected at
+all: prompt and user tokens are context and their logprobs are never used.
+
+The method runs inside FSDP's forward hooks (`attach`), so the root module's parameters
+(embeddings, final norm, output projection) are gathered around it as for `forward`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+CHUNK_BYTES = 64 * 2**20
+"""fp32 logits per chunk: 64 MiB, about 340 tokens at a 49k vocabulary."""
+
+METHOD = "tandem_token_logprobs"
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Give `model` (a transformers causal LM, FSDP-sharded or not) the method
+    `tandem_token_logprobs(input_ids, position_ids, scored, temperature, with_entropy)`,
+    run with FSDP's pre- and post-forward hooks like `forward`."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, METHOD, types.MethodType(_token_logprobs, model))
+    register_fsdp_forward_method(model, METHOD)
+
+
+def _token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    scored: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[R, W] rows -> ([R, W] fp32 logprob of each token after the one before it in its
+    sequence, 0 where `scored` [R, W] is False and where a sequence starts (position 0);
+    the entropy of the tempered
+    distribution the token was drawn from, or None)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    where = scored & (position_ids > 0)  # a sequence's first token has nothing before it
+    # The hidden state before token t scores token t.
+    picked_hidden = hidden[:, :-1][where[:, 1:]]
+    targets = input_ids[where]
+    weight = model.get_output_embeddings().weight
+    logp, entropy = ChunkedLogprobs.apply(picked_hidden, weight, targets, temperature, with_entropy)
+    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    out = out.masked_scatter(where, logp)
+    if entropy is not None:
+        entropy = torch.zeros_like(out).masked_scatter(where, entropy)
+    return out, entropy
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk, so a chunk's fp32 logits stay within `CHUNK_BYTES`."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N], temperature, with_entropy) ->
+    (logprob [N] fp32, entropy [N] fp32 or None, no gradient), differentiable in hidden
+    and weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        for a, b in _chunks(n, weight.shape[0]):
+            logits = _logits(hidden[a:b], weight, temperature)
+            lse[a:b] = torch.logsumexp(logits, dim=-1)
+            logp[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]
+            if entropy is not None:
+                logp_all = logits.sub_(lse[a:b, None])  # in place: the logits are not needed again
+                entropy[a:b] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for a, b in _chunks(hidden.shape[0], weight.shape[0]):
+            logits = _logits(hidden[a:b], weight, ctx.temperature)
+            # d logp / d logits = onehot(target) - softmax, times the incoming gradient,
+            # then through the division by the temperature.
+            grad_logits = torch.exp(logits - lse[a:b, None]).mul_(-grad_logp[a:b, None])
+            grad_logits.scatter_add_(-1, targets[a:b, None], grad_logp[a:b, None])
+            grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
+            if want_hidden:
+                grad_hidden[a:b] = grad_logits @ weight
+            if want_weight:
+                grad_weight.addmm_(grad_logits.T.float(), hidden[a:b].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[C, V] tempered fp32 logits of a chunk."""
+    return (hidden @ weight.T).float().div_(temperature)
+
+
+def _chunks(n: int, vocab: int):
+    size = chunk_tokens(vocab)
+    return ((a, min(a + size, n)) for a in range(0, n, size))

@@ -1,0 +1,130 @@
+"""Packed rows give every sequence the logprobs it has alone: per attention path and dtype,
+and the probe that decides whether a model may be trained packed at all."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from learner import attention, logprobs, policy
+from learner.batching import pack
+
+LENGTHS = (7, 13, 4)
+
+
+def causal_lm(path, packing: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention.implementation(packing)
+    )
+    logprobs.attach(model)  # not sharded: FSDP's hooks are left out
+    return model.eval()
+
+
+def scored(model: torch.nn.Module, sequences: list[list[int]], positions: list[int] | None = None) -> torch.Tensor:
+    ids = torch.tensor([sum(sequences, [])])
+    positions = positions if positions is not None else pack(sequences)[1]
+    method = getattr(model, logprobs.METHOD)
+    with torch.no_grad():
+        return method(ids, torch.tensor([positions]), torch.ones_like(ids, dtype=torch.bool), 0.7, False)[0][0]
+
+
+def sequences_of(vocab: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.mark.parametrize("packing", ["varlen", "mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_packed_sequence_scores_as_it_does_alone(tiny_model, packing, dtype):
+    model = causal_lm(tiny_model, packing, dtype)
+    sequences = sequences_of(model.config.vocab_size)
+
+    packed = scored(model, sequences)
+    alone = torch.cat([scored(model, [s]) for s in sequences])
+
+    tolerance = max(policy.PACKING_TOLERANCE_EPS * torch.finfo(dtype).eps, 1e-4)
+    assert (packed - alone).abs().max() <= tolerance
+    # The first token of each sequence is context: nothing before it in its sequence.
+    starts = [0, LENGTHS[0], LENGTHS[0] + LENGTHS[1]]
+    assert packed[starts].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_packed_row_really_differs_when_sequences_are_not_kept_apart(tiny_model):
+    """The comparison above can fail: the same row read as one long sequence (positions
+    running on) scores the later sequences differently, by far more than the tolerance."""
+    model = causal_lm(tiny_model, "varlen", torch.bfloat16)
+    sequences = sequences_of(model.config.vocab_size)
+    kept_apart = scored(model, sequences)
+    run_on = scored(model, sequences, positions=list(range(sum(LENGTHS))))
+    assert (kept_apart - run_on).abs().max() > 10 * policy.PACKING_TOLERANCE_EPS * torch.finfo(torch.bfloat16).eps
+
+
+def test_varlen_and_the_dense_mask_agree_on_a_row_of_one_long_and_many_short(tiny_model):
+    rng = random.Random(2)
+    vocab = 64
+    sequences = [[rng.randrange(3, vocab) for _ in range(n)] for n in (60, 3, 5, 2, 8, 4)]
+    varlen = scored(causal_lm(tiny_model, "varlen", torch.float32), sequences)
+    mask = scored(causal_lm(tiny_model, "mask", torch.float32), sequences)
+    assert (varlen - mask).abs().max() <= 1e-5
+
+
+def test_sequence_bounds_are_found_where_the_positions_restart():
+    positions = torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])
+    assert attention.sequence_bounds(positions, 10).tolist() == [0, 3, 5, 6, 10]
+    assert attention.sequence_bounds(None, 4).tolist() == [0, 4]
+
+
+def test_varlen_attention_is_causal_attention_within_each_sequence():
+    """Against SDPA on each sequence by itself, grouped-query heads included."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 9]
+    query = torch.randn(1, 6, sum(lengths), 8)
+    key, value = torch.randn(1, 2, sum(lengths), 8), torch.randn(1, 2, sum(lengths), 8)
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+
+    out, _ = attention.varlen_attention(None, query, key, value, None, scaling=0.3, position_ids=positions)
+
+    start = 0
+    for n in lengths:
+        q, k, v = (x[:, :, start : start + n] for x in (query, key, value))
+        k, v = (x.repeat_interleave(3, dim=1) for x in (k, v))
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
+        torch.testing.assert_close(out[:, start : start + n], expected, rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def test_varlen_attention_refuses_a_mask_it_would_ignore():
+    x = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="takes no mask"):
+        attention.varlen_attention(None, x, x, x, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+def leaky_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention over the whole row: a model whose attention ignores where packed
+    sequences restart."""
+    key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_probe_packs_a_model_that_keeps_sequences_apart_in_its_dtype(tiny_model, process_group, dtype):
+    model = policy.sharded_model(str(tiny_model), torch.device("cpu"), 1, dtype, "varlen")
+    compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    model.to(compute)
+    assert policy.separates_packed_sequences(model, torch.device("cpu"), compute)
+
+
+def test_the_probe_pads_for_a_model_whose_attention_leaks_across_sequences(tiny_model, process_group, caplog):
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("leaky", leaky_attention)
+    model = policy.sharded_model(str(tiny_model), torch.device("cpu"), 1, "float32", "varlen")
+    model.config._attn_implementation = "leaky"
+    assert not policy.separates_packed_sequences(model, torch.device("cpu"), torch.float32)
+    assert "training in padded rows" in caplog.text
