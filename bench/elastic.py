@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     phases, events = [], {}
     started = time.monotonic()
     try:
-        with Stack(out / "logs", ports=Ports.free(rollout_servers=1), learner_ranks=1, extra_env=env) as stack:
+        with Stack(out / "logs", ports=Ports.free(rollout_servers=1), extra_env=env) as stack:
             api = httpx.Client(base_url=stack.api_url, timeout=10)
             job_id = api.post("/v1/jobs", json=spec).json()["id"]
             watch = Watch(stack, api, job_id)

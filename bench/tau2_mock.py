@@ -237,8 +237,7 @@ def main() -> None:
             out / "logs",
             ports=Ports.free(),
             extra_env=env,
-            learner_ranks=1,
-            env_for={"learner": {"OMP_NUM_THREADS": "2"}},
+            env_for={"learner": {"OMP_NUM_THREADS": str(os.cpu_count())}},
         ) as stack:
             client = ApiClient(stack.api_url)
             record["untrained"] = evaluate(MODEL, stack.judge_url, args, out / "eval-untrained.json", one_thread)

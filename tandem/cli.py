@@ -185,12 +185,29 @@ def exit_on_termination() -> None:
         signal.signal(sig, leave)
 
 
+def placement_of(args: argparse.Namespace):
+    """This machine's placement (`tandem.placement`), with the figures given on the command
+    line in place of the plan's."""
+    import dataclasses
+
+    from tandem.placement import this_machine
+
+    given = {
+        "learner_ranks": args.learner_ranks,
+        "learner_threads": args.learner_threads,
+        "engine_threads": args.engine_threads,
+    }
+    return dataclasses.replace(this_machine(), **{k: v for k, v in given.items() if v is not None})
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from tandem.launcher import Ports, Stack
 
     exit_on_termination()
     ports = Ports(rollout=[8002 + 10 * i for i in range(args.rollout_servers)])
-    with Stack(Path(args.log_dir), ports=ports, learner_ranks=args.learner_ranks) as stack:
+    placement = placement_of(args)
+    print(f"placement: {placement.describe()}")
+    with Stack(Path(args.log_dir), ports=ports, placement=placement) as stack:
         print(f"tandem is up: API {stack.api_url}, judge proxy {stack.judge_url}, Redis {stack.redis_url}")
         print(f"logs in {args.log_dir}; Ctrl-C stops everything")
         try:
@@ -205,7 +222,26 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from tandem.demo import run_demo
 
     exit_on_termination()
-    run_demo(Path(args.out), steps=args.steps)
+    placement = placement_of(args)
+    print(f"placement: {placement.describe()}")
+    run_demo(Path(args.out), steps=args.steps, placement=placement)
+
+
+def cmd_placement(args: argparse.Namespace) -> None:
+    """The plan for this machine (or the one described), as compose's .env lines."""
+    from tandem.placement import plan_for, this_machine
+
+    here = this_machine()
+    plan = plan_for(args.cores or here.cores, here.gpus if args.gpus is None else args.gpus)
+    print(f"# {plan.describe()}")
+    print(f"LEARNER_NPROC={plan.learner_ranks}")
+    print(f"LEARNER_THREADS={plan.learner_threads}")
+    print(f"ROLLOUT_THREADS={plan.engine_threads}")
+    if plan.gpus:
+        print(f"ROLLOUT_GPU={','.join(map(str, plan.engine_gpus))}")
+        print(f"LEARNER_GPUS={','.join(map(str, plan.learner_gpus))}")
+    if plan.engine_memory_utilization is not None:
+        print(f"TANDEM_MEMORY_UTILIZATION={plan.engine_memory_utilization}")
 
 
 def cmd_prepare_demo(args: argparse.Namespace) -> None:
@@ -310,6 +346,13 @@ def tau2_domains(text: str) -> str:
     if unknown or not text:
         raise argparse.ArgumentTypeError(f"{text!r}: domains are a comma-separated list of {', '.join(TAU2_DOMAINS)}")
     return text
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """Figures that replace the plan's for this machine (`tandem placement` prints the plan)."""
+    p.add_argument("--learner-ranks", type=positive, default=None, help="default: the plan's")
+    p.add_argument("--learner-threads", type=positive, default=None, help="per learner rank; default: the plan's")
+    p.add_argument("--engine-threads", type=positive, default=None, help="per rollout server; default: the plan's")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -422,14 +465,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start every process locally")
     p.add_argument("--log-dir", default="runs/logs")
-    p.add_argument("--learner-ranks", type=int, default=2)
+    add_placement_arguments(p)
     p.add_argument("--rollout-servers", type=int, default=1)
     p.set_defaults(run=cmd_up)
 
     p = sub.add_parser("demo", help="up + the demo job + report")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=None)
+    add_placement_arguments(p)
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("placement", help="learner ranks, threads and GPUs for this machine, as .env lines")
+    p.add_argument("--cores", type=positive, default=None, help="plan for this many cores (default: this machine's)")
+    p.add_argument("--gpus", type=count, default=None, help="plan for this many GPUs (default: this machine's)")
+    p.set_defaults(run=cmd_placement)
 
     p = sub.add_parser("prepare-demo", help="write the demo job (model, data, spec) for a stack started elsewhere")
     p.add_argument("dir")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tandem.client import ApiClient, follow, load_spec_file
 from tandem.launcher import Ports, Stack
+from tandem.placement import Placement, this_machine
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
@@ -62,12 +63,14 @@ def write_demo_files(out: Path, seen_as: str | None = None, steps: int | None = 
     return path
 
 
-def run_demo(out: Path, steps: int | None = None) -> dict:
+def run_demo(out: Path, steps: int | None = None, placement: Placement | None = None) -> dict:
+    """The demo job on a stack placed by `placement` (default: the plan for this machine)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = prepare(out, load_spec_file(DEMO_SPEC))
     if steps:
         spec["train"]["num_steps"] = steps
-    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out)}) as stack:
+    placement = placement or this_machine()
+    with Stack(out / "logs", ports=Ports.free(), placement=placement, extra_env={"TANDEM_RUNS_DIR": str(out)}) as stack:
         client = ApiClient(stack.api_url)
         job_id = client.submit(spec)["id"]
         print(f"submitted {job_id}; logs in {out / 'logs'}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.placement import Placement, this_machine
 from tandem.redis_embed import EmbeddedRedis, free_port
 
 
@@ -40,10 +41,15 @@ class Ports:
 class Stack:
     log_dir: Path
     ports: Ports = field(default_factory=Ports)
-    learner_ranks: int = 2
+    placement: Placement = field(default_factory=this_machine)
+    """Learner ranks, each process's threads and GPUs (`tandem.placement`); each rollout
+    server gets the engine's share."""
+    learner_ranks: int | None = None
+    """None: the placement's."""
     extra_env: dict[str, str] = field(default_factory=dict)
     env_for: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Environment of one process by name (`learner`, `rollout-0`), over `extra_env`."""
+    """Environment of one process by name (`learner`, `rollout-0`), over `extra_env` and
+    over the placement's."""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     redis: EmbeddedRedis | None = None
     redis_url: str = ""
@@ -79,9 +85,12 @@ class Stack:
         self.spawn("judge-proxy", [python, "-m", "tandem.cli", "judge-proxy"], TANDEM_PORT=str(p.judge_proxy))
         for i, port in enumerate(p.rollout):
             self.spawn_rollout(i, port)
-        self.spawn("learner", learner_command(self.learner_ranks), TANDEM_METRICS_PORT=str(p.learner))
+        self.spawn("learner", self.learner_args(), TANDEM_METRICS_PORT=str(p.learner))
         self.wait_healthy(timeout_s)
         return self
+
+    def learner_args(self) -> list[str]:
+        return learner_command(self.learner_ranks or self.placement.learner_ranks)
 
     def spawn_rollout(self, index: int, port: int) -> str:
         name = f"rollout-{index}"
@@ -103,11 +112,20 @@ class Stack:
 
     def spawn(self, name: str, args: list[str], **env: str) -> None:
         environment = os.environ | {"TANDEM_REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
-        environment |= self.extra_env | self.env_for.get(name, {}) | env
+        environment |= self.placed_env(name) | self.extra_env | self.env_for.get(name, {}) | env
         log = open(self.log_dir / f"{name}.log", "wb")
         self.processes[name] = subprocess.Popen(
             args, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def placed_env(self, name: str) -> dict[str, str]:
+        """What the placement gives process `name`: the learner's threads and GPUs, or a
+        rollout server's engine's; nothing for the others (they compute nothing)."""
+        if name == "learner":
+            return self.placement.learner_env()
+        if name.startswith("rollout-"):
+            return self.placement.engine_env()
+        return {}
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

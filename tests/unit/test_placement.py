@@ -1,0 +1,156 @@
+"""The placement plan for one machine (`tandem.placement`), the environment each process
+of `tandem up` gets from it, and compose's defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.config import RolloutSettings
+from tandem.cli import build_parser, placement_of
+from tandem.launcher import Stack
+from tandem.placement import SHARED_GPU_ENGINE_MEMORY, Placement, plan_for, this_machine
+
+# ---- the plan, derived by hand ---------------------------------------------------------
+
+
+def test_two_cores_give_one_learner_rank_one_thread_and_the_engine_the_other_core():
+    plan = plan_for(2)
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 1, 1)
+    assert plan.learner_env() == {"OMP_NUM_THREADS": "1"}
+    assert plan.engine_env() == {"OMP_NUM_THREADS": "1"}
+    assert not plan.shared_gpu
+
+
+def test_sixteen_cores_split_in_halves_with_every_learner_thread_in_one_rank():
+    plan = plan_for(16)
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 8, 8)
+    assert plan.learner_env() == {"OMP_NUM_THREADS": "8"}
+    assert plan.engine_env() == {"OMP_NUM_THREADS": "8"}
+
+
+def test_an_odd_core_goes_to_the_learner_and_one_core_is_shared():
+    assert (plan_for(5).learner_threads, plan_for(5).engine_threads) == (3, 2)
+    assert (plan_for(1).learner_ranks, plan_for(1).learner_threads, plan_for(1).engine_threads) == (1, 1, 1)
+
+
+def test_one_gpu_is_shared_by_one_learner_rank_and_an_engine_held_to_a_stated_share():
+    plan = plan_for(16, gpus=1)
+    assert plan.shared_gpu
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 8, 8)
+    assert plan.learner_env() == {"OMP_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": "0"}
+    assert plan.engine_env() == {
+        "OMP_NUM_THREADS": "8",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "TANDEM_MEMORY_UTILIZATION": str(SHARED_GPU_ENGINE_MEMORY),
+    }
+    assert "one shared GPU" in plan.describe()
+
+
+def test_the_shared_gpu_share_is_the_rollout_servers_memory_utilization(monkeypatch):
+    for name, value in plan_for(16, gpus=1).engine_env().items():
+        monkeypatch.setenv(name, value)
+    assert RolloutSettings().memory_utilization == 0.3
+
+
+def test_two_gpus_put_the_engine_on_gpu_0_and_the_learner_on_gpu_1():
+    plan = plan_for(16, gpus=2)
+    assert not plan.shared_gpu
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 8, 8)
+    assert plan.learner_env() == {"OMP_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": "1"}
+    assert plan.engine_env() == {"OMP_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_more_gpus_give_the_learner_a_rank_on_each_gpu_but_the_engines():
+    plan = plan_for(16, gpus=4)
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (3, 4, 4)
+    assert plan.learner_env()["CUDA_VISIBLE_DEVICES"] == "1,2,3"
+    assert plan.engine_env()["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+@pytest.mark.parametrize(("cores", "gpus"), [(0, 0), (4, -1)])
+def test_a_machine_without_cores_or_with_negative_gpus_is_refused(cores, gpus):
+    with pytest.raises(ValueError, match="at least one core"):
+        plan_for(cores, gpus)
+
+
+# ---- wired in --------------------------------------------------------------------------
+
+PRINT_ENV = "import json, os, torch; print(json.dumps({'env': dict(os.environ), 'torch': torch.get_num_threads()}))"
+
+
+def spawned(stack: Stack, name: str) -> dict:
+    """What a real process started by `stack` as `name` sees: its environment and torch's threads."""
+    stack.spawn(name, [sys.executable, "-c", PRINT_ENV])
+    assert stack.processes[name].wait(timeout=60) == 0
+    return json.loads((stack.log_dir / f"{name}.log").read_text().splitlines()[-1])
+
+
+def test_the_stack_gives_the_learner_and_each_engine_the_plans_threads_and_ranks(tmp_path):
+    """A plan whose figures differ from this machine's and from each other: what the
+    processes see can only have come from it. torch takes no more threads than the
+    machine's cores, so the learner's single thread is what shows torch obeys."""
+    plan = Placement(cores=7, gpus=0, learner_ranks=3, learner_threads=1, engine_threads=3)
+    stack = Stack(tmp_path / "logs", placement=plan)
+    stack.log_dir.mkdir()
+    learner, engine, api = spawned(stack, "learner"), spawned(stack, "rollout-1"), spawned(stack, "api")
+    assert (learner["env"]["OMP_NUM_THREADS"], learner["torch"]) == ("1", 1)
+    assert engine["env"]["OMP_NUM_THREADS"] == "3"
+    assert api["env"].get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+    assert "--nproc-per-node=3" in stack.learner_args()
+
+
+def test_a_process_setting_overrides_the_plan(tmp_path):
+    plan = Placement(cores=7, gpus=0, learner_ranks=3, learner_threads=1, engine_threads=3)
+    stack = Stack(tmp_path / "logs", placement=plan, learner_ranks=1, env_for={"learner": {"OMP_NUM_THREADS": "2"}})
+    stack.log_dir.mkdir()
+    learner = spawned(stack, "learner")
+    assert (learner["env"]["OMP_NUM_THREADS"], learner["torch"]) == ("2", 2)
+    assert "--nproc-per-node=1" in stack.learner_args()
+
+
+def test_by_default_the_stack_follows_the_plan_for_this_machine(tmp_path):
+    assert Stack(tmp_path).placement == this_machine()
+
+
+def test_up_and_demo_take_the_plan_with_the_figures_given_on_the_command_line():
+    here = this_machine()
+    for command in ("up", "demo"):
+        args = build_parser().parse_args([command, "--learner-ranks", "2", "--engine-threads", "5"])
+        assert placement_of(args) == Placement(here.cores, here.gpus, 2, here.learner_threads, 5)
+        assert placement_of(build_parser().parse_args([command])) == here
+
+
+def test_tandem_placement_prints_env_lines_compose_reads():
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "placement", "--cores", "16", "--gpus", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = dict(line.split("=", 1) for line in result.stdout.splitlines() if not line.startswith("#"))
+    assert lines == {"LEARNER_NPROC": "1", "LEARNER_THREADS": "8", "ROLLOUT_THREADS": "8"}
+
+
+def compose_default(value: str) -> str:
+    """The default of compose's `${NAME:-default}`."""
+    return re.fullmatch(r"\$\{\w+:-(.*)\}", value).group(1)
+
+
+def test_compose_defaults_are_the_plan_for_two_cores():
+    """The cpu profile, with compose's defaults (tests/unit/test_compose.py checks
+    .env.example agrees), runs the plan for the smallest machine it is meant for."""
+    plan = plan_for(2)
+    services = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())["services"]
+    learner, rollout = services["learner-cpu"], services["rollout-cpu"]
+    assert compose_default(learner["environment"]["OMP_NUM_THREADS"]) == str(plan.learner_threads)
+    assert compose_default(rollout["environment"]["OMP_NUM_THREADS"]) == str(plan.engine_threads)
+    assert learner["command"][2] == "--nproc"
+    assert compose_default(learner["command"][3]) == str(plan.learner_ranks)
