@@ -28,9 +28,10 @@ the shape `--shape` names: SmolLM2-135M's (the default on CUDA), a Llama of 1.07
 The shape also sets the workload: sequences, row lengths, timed steps, timeouts. MFU
 counts 6N FLOPs per token for a training step (8N for the RL step, whose proximal forward
 adds 2N) plus causal attention, 6 L d s^2 per sequence of s tokens (8 for RL), over trained
-time, against the matmul section's measured peak. `varlen` is packed rows whose attention
-is torch's varlen kernel, registered with transformers here (the learner has no such path
-yet); on CPU its stand-in runs SDPA sequence by sequence.
+time, against the matmul section's measured peak. `varlen` is packed rows through the
+learner's varlen attention (`learner/attention.py`: torch's varlen kernel on CUDA in 16-bit,
+SDPA sequence by sequence elsewhere); `packed` is packed rows through transformers' dense
+block-diagonal mask (`train.packing: mask`).
 
 On CUDA each section has a process of its own, so a crash or a hung kernel costs one
 section. On CPU all sections share one process (each still reports its own line): there,
@@ -95,8 +96,6 @@ LLAMA_1B = SMOLLM2_135M | {
 """Llama-3.2-1B's body on SmolLM2's vocabulary: 1.07B parameters, 0.1B of them the embedding."""
 H100_BF16_DENSE_FLOPS = 989.4e12
 """NVIDIA's dense bf16 figure for the H100 SXM: MFU is also given against it."""
-VARLEN = "tandem_varlen"
-"""The name the varlen attention function is registered under with transformers."""
 
 
 @dataclass(frozen=True)
@@ -301,67 +300,14 @@ def make_samples(rng: random.Random, count: int, lengths: tuple[int, int], vocab
 
 
 def use_mode(trainer, mode: str, max_tokens_per_rank: int) -> None:
-    """Micro-batches and attention for `mode`: packed (one row, the model's own attention),
-    padded (a row per sequence), varlen (one row, the varlen attention)."""
+    """Micro-batches and attention for `mode`: packed (one row, transformers' dense mask:
+    `train.packing: mask`), padded (a row per sequence), varlen (one row, the learner's
+    varlen attention: `train.packing: varlen`)."""
+    from learner import attention
     from learner.micro_batch import Collator
 
     trainer.batches = Collator(trainer.rank, trainer.world_size, max_tokens_per_rank, mode != "padded", trainer.device)
-    set_attention(trainer.model, VARLEN if mode == "varlen" else "sdpa")
-
-
-# ---- varlen attention ------------------------------------------------------------------
-
-
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, position_ids=None, **kwargs):
-    """transformers attention over one packed row: each sequence (found where position ids
-    restart) attends causally within itself, through torch's varlen kernel on CUDA and SDPA
-    sequence by sequence elsewhere. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    import torch
-
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-    if k.shape[1] != q.shape[1]:
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    positions = position_ids.flatten()
-    starts = torch.nonzero(positions == 0).flatten()
-    cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
-    if q.is_cuda:
-        out = _varlen_kernel(q, k, v, cu_seqlens, scaling)
-    else:
-        out = _varlen_reference(q, k, v, cu_seqlens.tolist(), scaling)
-    return out.unsqueeze(0), None
-
-
-def _varlen_kernel(q, k, v, cu_seqlens, scale):
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    # Its keywords changed between torch releases: causality was `is_causal`, then a window.
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    kwargs |= {"scale": scale} if "scale" in params else {}
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, **kwargs)
-
-
-def _varlen_reference(q, k, v, bounds: list[int], scale):
-    import torch
-    import torch.nn.functional as F
-
-    parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [heads, s, D]
-        parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
-    return torch.cat(parts)
-
-
-def set_attention(model, name: str) -> None:
-    from transformers import AttentionInterface
-
-    if name == VARLEN:
-        AttentionInterface.register(VARLEN, varlen_attention)
-    model.config._attn_implementation = name
+    trainer.model.config._attn_implementation = attention.implementation("varlen" if mode == "varlen" else "mask")
 
 
 # ---- sections ----------------------------------------------------------------------------
@@ -513,12 +459,16 @@ def logprobs(trainer, samples: list, mode: str):
     import torch
 
     use_mode(trainer, mode, trainer.batches.max_tokens_per_rank)
+    by_sample = {}
     with torch.no_grad():
-        micro = trainer.batches.micro_batches(samples)
-        values = torch.cat([trainer.token_logprobs(mb)[0] for mb in micro]).float()
-        mask = torch.cat([trainer.batches.per_token(samples, mb, "mask") for mb in micro]) > 0
+        # Padded and packed micro-batches group the samples differently: put them back in order.
+        for mb in trainer.batches.micro_batches(samples):
+            values = trainer.token_logprobs(mb)[0].float()
+            by_sample |= dict(zip(mb.samples, values.split([len(samples[i].tokens) for i in mb.samples])))
     trainer.model.reshard()
     use_mode(trainer, "padded", trainer.batches.max_tokens_per_rank)
+    values = torch.cat([by_sample[i] for i in range(len(samples))])
+    mask = torch.tensor([m for s in samples for m in s.mask], device=values.device) > 0
     return values[mask]
 
 
