@@ -4,8 +4,9 @@ key/value heads, head dim 64).
 
   mask     transformers' sdpa on a packed row: one SDPA call with a dense block-diagonal
            causal mask over the whole row (the learner's path before `train.packing`);
-  varlen   `learner.attention.varlen_attention`, the learner's path: on CPU one causal
-           SDPA call per sequence;
+  varlen   `learner.attention.varlen_attention`, the learner's path: on CPU causal SDPA
+           per sequence, sequences of similar length batched into one call;
+  per_sequence  the same with one call for every sequence (no batching);
   padded   the sequences padded to the longest inside attention, one batched causal call
            (what capping or padding rows costs in attention);
   flex     torch's flex attention with a block mask, compiled; recorded with its error
@@ -79,6 +80,13 @@ def methods(lengths: list[int]) -> dict:
     def varlen(q, k, v, positions):
         return attention.varlen_attention(None, q, k, v, None, position_ids=positions)[0]
 
+    def per_sequence(q, k, v, positions):
+        grouping, attention.GROUP_SLACK = attention.GROUP_SLACK, 0.0
+        try:
+            return varlen(q, k, v, positions)
+        finally:
+            attention.GROUP_SLACK = grouping
+
     def padded(q, k, v, positions):
         longest = max(lengths)
         bounds = attention.sequence_bounds(positions[0], sum(lengths)).tolist()
@@ -99,7 +107,7 @@ def methods(lengths: list[int]) -> dict:
         out = torch.compile(flex_attention)(q, repeat_kv(k), repeat_kv(v), block_mask=blocks)
         return out.transpose(1, 2)
 
-    return {"mask": dense, "varlen": varlen, "padded": padded, "flex": flex}
+    return {"mask": dense, "varlen": varlen, "per_sequence": per_sequence, "padded": padded, "flex": flex}
 
 
 def timed(method, args: tuple, repeats: int) -> tuple[float, torch.Tensor]:
@@ -148,15 +156,15 @@ def sq_share(lengths: list[int]) -> float:
 
 
 def print_table(table: dict) -> None:
-    names = ("mask", "varlen", "padded", "flex")
+    names = ("mask", "varlen", "per_sequence", "padded", "flex")
     print(f"\nattention fwd+bwd, one layer, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, {os.cpu_count()} cores, fp32")
-    print(f"{'row':>22} {'sum s^2/T^2':>12} " + " ".join(f"{n:>16}" for n in names))
+    print(f"{'row':>22} {'sum s^2/T^2':>12} " + " ".join(f"{n:>14}" for n in names))
     for row_name, row in table.items():
         cells = []
         for n in names:
             cell = row[n]
             cells.append("n/a" if "error" in cell else f"{cell['seconds'] * 1e3:.0f}ms x{cell['speedup_over_mask']:.2f}")
-        print(f"{row_name:>22} {row['sum_sq_over_row_sq']:>12.3f} " + " ".join(f"{c:>16}" for c in cells))
+        print(f"{row_name:>22} {row['sum_sq_over_row_sq']:>12.3f} " + " ".join(f"{c:>14}" for c in cells))
     errors = {n: row[n]["error"] for row in table.values() for n in names if "error" in row[n]}
     for n, error in errors.items():
         print(f"{n}: {error}")

@@ -82,7 +82,7 @@ def test_sequence_bounds_are_found_where_the_positions_restart():
 def test_varlen_attention_is_causal_attention_within_each_sequence():
     """Against SDPA on each sequence by itself, grouped-query heads included."""
     torch.manual_seed(0)
-    lengths = [5, 1, 9]
+    lengths = [5, 1, 9, 4, 8, 4, 4]  # 9 and 8 share a padded call, and the three 4s
     query = torch.randn(1, 6, sum(lengths), 8)
     key, value = torch.randn(1, 2, sum(lengths), 8), torch.randn(1, 2, sum(lengths), 8)
     positions = torch.tensor([[p for n in lengths for p in range(n)]])
@@ -96,6 +96,19 @@ def test_varlen_attention_is_causal_attention_within_each_sequence():
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
         torch.testing.assert_close(out[:, start : start + n], expected, rtol=1e-5, atol=1e-6)
         start += n
+
+
+def test_sequences_share_a_call_while_padding_costs_at_most_a_quarter_more():
+    spans = [(0, 5), (5, 6), (6, 15), (15, 19), (19, 27), (27, 31), (31, 35)]  # lengths 5 1 9 4 8 4 4
+    # 9 and 8: 2 x 81 = 162 <= 1.25 x 145; adding 5 would cost 3 x 81 = 243 > 1.25 x 170.
+    # 5 and 4: 2 x 25 = 50 <= 1.25 x 41; another 4: 3 x 25 = 75 > 1.25 x 57, a new group.
+    # 1 with the 4s: 3 x 16 = 48 > 1.25 x 33.
+    assert attention.length_groups(spans) == [
+        [(6, 15), (19, 27)],
+        [(0, 5), (15, 19)],
+        [(27, 31), (31, 35)],
+        [(5, 6)],
+    ]
 
 
 def test_varlen_attention_refuses_a_mask_it_would_ignore():
