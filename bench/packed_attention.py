@@ -163,7 +163,9 @@ def print_table(table: dict) -> None:
         cells = []
         for n in names:
             cell = row[n]
-            cells.append("n/a" if "error" in cell else f"{cell['seconds'] * 1e3:.0f}ms x{cell['speedup_over_mask']:.2f}")
+            cells.append(
+                "n/a" if "error" in cell else f"{cell['seconds'] * 1e3:.0f}ms x{cell['speedup_over_mask']:.2f}"
+            )
         print(f"{row_name:>22} {row['sum_sq_over_row_sq']:>12.3f} " + " ".join(f"{c:>14}" for c in cells))
     errors = {n: row[n]["error"] for row in table.values() for n in names if "error" in row[n]}
     for n, error in errors.items():
@@ -177,7 +179,12 @@ def main() -> None:
     args = parser.parse_args()
     table = measure(args.repeats)
     print_table(table)
-    report = {"torch": torch.__version__, "cpu_cores": os.cpu_count(), "threads": torch.get_num_threads(), "rows": table}
+    report = {
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "rows": table,
+    }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
