@@ -234,7 +234,7 @@ def cmd_placement(args: argparse.Namespace) -> None:
     here = this_machine()
     plan = plan_for(args.cores or here.cores, here.gpus if args.gpus is None else args.gpus)
     print(f"# {plan.describe()}")
-    print(f"LEARNER_NPROC={plan.learner_ranks}")
+    print(f"{'LEARNER_NPROC' if plan.gpus else 'LEARNER_CPU_NPROC'}={plan.learner_ranks}")
     print(f"LEARNER_THREADS={plan.learner_threads}")
     print(f"ROLLOUT_THREADS={plan.engine_threads}")
     if plan.gpus:

@@ -1,11 +1,12 @@
 """Where the learner and the rollout engine run on one machine: learner ranks, compute
 threads per rank, engine threads, and on GPUs which device each gets.
 
-Both run at once (generation overlaps training), so every choice gives each its own
-cores or GPUs rather than letting them fight: an OpenMP thread spins while it waits, and
-two CPU processes each with a thread per core slowed each other to a fraction of their
-speed (`bench/shared_cpu_engines.py`: 0.07 of one engine's speed each, 0.68 with one
-thread each). The figures behind each choice are in docs/results.md ("Placement").
+Both run at once (generation overlaps training), so no process with several compute
+threads shares its cores or its GPU unannounced: an OpenMP thread spins while it waits
+for the others, and two CPU processes each with a thread per core slowed each other to a
+fraction of their speed (`bench/shared_cpu_engines.py`: 0.07 of one engine's speed each,
+0.68 with one thread each). The figures behind each choice are in docs/results.md
+("Placement").
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ def plan_for(cores: int, gpus: int = 0) -> Placement:
     """The placement for a machine of `cores` CPU cores and `gpus` GPUs, with one rollout
     server beside the learner.
 
-    - No GPU: one learner rank with half the cores (the odd one too), the engine the other
-      half. One rank with every learner thread trained 1.2-1.35x the tokens/s of one gloo
-      rank per core on 2 cores (`bench/placement.py`): ranks add a gradient all-reduce and
-      parameter all-gathers over gloo and split the batch into smaller matmuls. The halves
-      are disjoint, so neither spins on the other's cores. On one core both get that core:
-      there is nothing to divide.
+    - No GPU: the engine gets half the cores as threads; the learner one single-threaded
+      gloo rank per other core, and one more on the engine's core when the engine has one
+      thread. An OpenMP team (a process of several threads) collapses when anything else
+      runs on its cores (its threads wait on each other at every barrier): on 2 shared
+      cores a 2-thread learner beside a 1-thread engine trained at 0.04 of its speed
+      alone, and a 2-thread engine under load generated at 0.23 of a 1-thread one.
+      Single-threaded processes only time-share a core: two 1-thread ranks beside a
+      1-thread engine kept 0.81 of the learner's speed and 0.83 of the engine's, against
+      0.45 and 0.73 with one rank (`bench/placement.py`). Alone on quiet cores one rank
+      with both threads was faster (its best step 1.36x), but the learner never runs
+      alone. On one core both get that core: there is nothing to divide.
     - Two GPUs or more: the engine on GPU 0, the learner on the others, one rank each;
       vLLM reserves most of its GPU's memory, so they never share one.
     - One GPU: shared, stated rather than silent: one learner rank and the engine on GPU 0,
@@ -87,7 +93,8 @@ def plan_for(cores: int, gpus: int = 0) -> Placement:
         raise ValueError(f"a machine has at least one core and no negative GPUs (got {cores} cores, {gpus} GPUs)")
     if gpus == 0:
         engine = max(1, cores // 2)
-        return Placement(cores, gpus, learner_ranks=1, learner_threads=max(1, cores - engine), engine_threads=engine)
+        ranks = max(1, cores - engine + (1 if engine == 1 else 0))
+        return Placement(cores, gpus, learner_ranks=ranks, learner_threads=1, engine_threads=engine)
     if gpus == 1:
         share = max(1, cores // 2)
         return Placement(

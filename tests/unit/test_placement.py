@@ -21,23 +21,27 @@ from tandem.placement import SHARED_GPU_ENGINE_MEMORY, Placement, plan_for, this
 # ---- the plan, derived by hand ---------------------------------------------------------
 
 
-def test_two_cores_give_one_learner_rank_one_thread_and_the_engine_the_other_core():
+def test_two_cores_give_two_single_threaded_learner_ranks_and_a_single_threaded_engine():
+    """The engine's half is one core; one thread there is no OpenMP team, so a second
+    learner rank may share its core."""
     plan = plan_for(2)
-    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 1, 1)
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (2, 1, 1)
     assert plan.learner_env() == {"OMP_NUM_THREADS": "1"}
     assert plan.engine_env() == {"OMP_NUM_THREADS": "1"}
     assert not plan.shared_gpu
 
 
-def test_sixteen_cores_split_in_halves_with_every_learner_thread_in_one_rank():
+def test_sixteen_cores_give_the_engine_eight_threads_and_the_learner_a_rank_on_each_other_core():
+    """An 8-thread engine is a team: no learner rank on its cores."""
     plan = plan_for(16)
-    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (1, 8, 8)
-    assert plan.learner_env() == {"OMP_NUM_THREADS": "8"}
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (8, 1, 8)
+    assert plan.learner_env() == {"OMP_NUM_THREADS": "1"}
     assert plan.engine_env() == {"OMP_NUM_THREADS": "8"}
 
 
 def test_an_odd_core_goes_to_the_learner_and_one_core_is_shared():
-    assert (plan_for(5).learner_threads, plan_for(5).engine_threads) == (3, 2)
+    assert (plan_for(5).learner_ranks, plan_for(5).engine_threads) == (3, 2)
+    assert (plan_for(3).learner_ranks, plan_for(3).engine_threads) == (3, 1)
     assert (plan_for(1).learner_ranks, plan_for(1).learner_threads, plan_for(1).engine_threads) == (1, 1, 1)
 
 
@@ -136,7 +140,7 @@ def test_tandem_placement_prints_env_lines_compose_reads():
         check=True,
     )
     lines = dict(line.split("=", 1) for line in result.stdout.splitlines() if not line.startswith("#"))
-    assert lines == {"LEARNER_NPROC": "1", "LEARNER_THREADS": "8", "ROLLOUT_THREADS": "8"}
+    assert lines == {"LEARNER_CPU_NPROC": "8", "LEARNER_THREADS": "1", "ROLLOUT_THREADS": "8"}
 
 
 def compose_default(value: str) -> str:
