@@ -11,6 +11,7 @@ fraction of their speed (`bench/shared_cpu_engines.py`: 0.07 of one engine's spe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 SHARED_GPU_ENGINE_MEMORY = 0.3
@@ -80,8 +81,9 @@ def plan_for(cores: int, gpus: int = 0) -> Placement:
       Single-threaded processes only time-share a core: two 1-thread ranks beside a
       1-thread engine kept 0.81 of the learner's speed and 0.83 of the engine's, against
       0.45 and 0.73 with one rank (`bench/placement.py`). Alone on quiet cores one rank
-      with both threads was faster (its best step 1.36x), but the learner never runs
-      alone. On one core both get that core: there is nothing to divide.
+      with both threads was faster (its best RL step 1.36x, SFT 1.50x): a warm start,
+      which trains while the engine idles, gives that up for RL steps that keep their
+      speed beside generation. On one core both get that core: nothing to divide.
     - Two GPUs or more: the engine on GPU 0, the learner on the others, one rank each;
       vLLM reserves most of its GPU's memory, so they never share one.
     - One GPU: shared, stated rather than silent: one learner rank and the engine on GPU 0,
@@ -121,8 +123,6 @@ def plan_for(cores: int, gpus: int = 0) -> Placement:
 
 def this_machine() -> Placement:
     """The plan for the cores this process may run on and the GPUs torch sees."""
-    import os
-
     import torch
 
     return plan_for(len(os.sched_getaffinity(0)), torch.cuda.device_count())
