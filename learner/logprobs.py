@@ -24,6 +24,8 @@ import types
 
 import torch
 
+from learner.micro_batch import MicroBatch
+
 CHUNK_BYTES = 64 * 2**20
 """fp32 logits per chunk: 64 MiB, about 340 tokens at a 49k vocabulary."""
 
@@ -38,6 +40,27 @@ def attach(model: torch.nn.Module) -> None:
 
     setattr(model, METHOD, types.MethodType(_token_logprobs, model))
     register_fsdp_forward_method(model, METHOD)
+
+
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    micro: MicroBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    scored: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T] logprob of each real token of `micro` given the ones before it in its sequence,
+    and optionally the entropy it was drawn from. 0 for a sequence's first token, which is
+    always context, and where `scored` ([T], e.g. the loss mask) is 0: a loss never reads
+    those, so they are not computed. `model` must be `attach`ed."""
+    rows = micro.keep.clone()
+    if scored is not None:
+        rows[micro.keep] = scored > 0
+    method = getattr(model, METHOD)
+    picked, entropy = method(
+        micro.input_ids, micro.position_ids, rows.view(micro.input_ids.shape), temperature, with_entropy
+    )
+    return picked.flatten()[micro.keep], entropy.flatten()[micro.keep] if entropy is not None else None
 
 
 def _token_logprobs(

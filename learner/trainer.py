@@ -68,25 +68,10 @@ class Trainer(DPOSteps):
         with_entropy: bool = False,
         scored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[T] logprob of each token given the ones before it in its sequence, at the
-        rollout temperature, and optionally the entropy it was drawn from. 0 for a
-        sequence's first token, which is always context, and where `scored` ([T], e.g. the
-        loss mask) is 0: a loss never reads those, so they are not computed
-        (`learner.logprobs`)."""
+        """[T] logprob of each token of `micro` under `model` (the policy by default) at the
+        rollout temperature, and optionally the entropy (`logprobs.micro_batch_logprobs`)."""
         model = model or self.model
-        rows = micro.keep.clone()
-        if scored is not None:
-            rows[micro.keep] = scored > 0
-        method = getattr(model, logprobs.METHOD)
-        picked, entropy = method(
-            micro.input_ids,
-            micro.position_ids,
-            rows.view(micro.input_ids.shape),
-            self.spec.rollout.temperature,
-            with_entropy,
-        )
-        picked = picked.flatten()[micro.keep]
-        return picked, entropy.flatten()[micro.keep] if entropy is not None else None
+        return logprobs.micro_batch_logprobs(model, micro, self.spec.rollout.temperature, with_entropy, scored)
 
     # ---- steps ---------------------------------------------------------------------
 

@@ -140,6 +140,8 @@ def test_no_module_imports_a_package_above_it_or_beside_it():
 
 TRAINING = {
     "learner.trainer",
+    "learner.attention",
+    "learner.logprobs",
     "learner.dpo",
     "learner.reduce",
     "learner.micro_batch",
