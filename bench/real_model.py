@@ -1,12 +1,21 @@
 """SmolLM2-135M-Instruct, a real pretrained model, on this machine: learner speed, rollout
 speed, and RL on the clarify task.
 
-(a) learner: trained tokens/s of the learner's own RL and SFT steps (`learner.trainer`,
-    FSDP2 on one gloo rank, fp32) on 8 x 128-token sequences, packed into one row (the
-    learner's choice) and padded, and FLOP/s by the 6N rule, against the FLOP/s of a
-    2048 x 2048 fp32 matmul and of a plain transformers training step (forward, backward,
-    AdamW; one padded row per sequence) measured in the same run. The RL step also runs a
-    forward without gradients for the proximal logprobs, which 6N does not count.
+(a) learner: the learner's own SFT and RL steps (`learner.trainer`, FSDP2 on one gloo
+    rank, fp32) on two batches of about 2048 tokens, `uniform` (8 x 256) and `mixed`
+    (1 x 1024 + 16 of 32 to 92 tokens, where padding wastes work), with each
+    `train.packing` (`varlen`, `mask`, `padded`), and a plain transformers step (forward,
+    backward, AdamW; a padded row per sequence, rows grouped into micro-batches as the
+    learner's padded path groups them) on the same batches. FLOPs by the 6N rule plus
+    causal attention, 6 N s + 6 L d s^2 per sequence of s tokens (N parameters, the tied
+    embedding once; L layers of width d); the RL step also counts its proximal forward
+    without gradients (2 N s + 2 L d s^2; kl_coef is 0, so no reference forward). Shares
+    are of the best fp32 2048 x 2048 matmul measured in the same run. Every row runs in a
+    fresh process, which also reports the step's peak memory above the loaded model and
+    optimizer state, per token of its largest micro-batch; the `full-vocab logprobs` rows
+    repeat the varlen steps with the learner's former logprob path
+    (`full_vocab_token_logprobs`: the whole [T, V] logits in fp32) for the before/after of
+    the chunked logprobs (`learner.logprobs`).
 (b) rollout: generation tokens/s of Tandem's engine (`rollout.engine.Engine`: token ids in
     and out, each token's logprob and weight version) against vLLM's offline
     `LLM.generate`, same engine settings, same prompts (chat-rendered clarify requests),
@@ -23,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +53,21 @@ from tandem.models import get  # noqa: E402
 from tandem.redis_embed import free_port  # noqa: E402
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
-SEQUENCES, SEQUENCE_TOKENS = 8, 128
+SHAPES = {"uniform": [256] * 8, "mixed": [1024] + [32 + 4 * i for i in range(16)]}
+"""Part (a)'s batches: sequence lengths, about 2048 tokens each (`mixed`: 1024 and sixteen
+of 32 to 92 tokens, which padding pads to 92)."""
+MAX_TOKENS_PER_RANK = 4096
+"""Each batch is one packed micro-batch; padded, `mixed` is two (the long sequence alone,
+the short ones together)."""
+LEARNER_RUNS = [
+    ("plain", "full"),
+    ("varlen", "chunked"),
+    ("mask", "chunked"),
+    ("padded", "chunked"),
+    ("varlen", "full"),
+]
+"""(packing, logprob path) of each process part (a) runs per batch; `plain` is plain
+transformers, the rest the learner with that `train.packing`."""
 PROMPTS, NEW_TOKENS = 32, 64
 # Clarify with SmolLM2: a short warm start teaches the reply format (well-formed after six
 # SFT steps in the tests), RL then has to teach asking when the request is vague.
@@ -51,6 +77,37 @@ ROLLOUT = {"group_size": 8, "temperature": 1.0, "max_new_tokens": 48, "max_turns
 
 
 # ---- (a) learner ---------------------------------------------------------------------
+
+
+def learner_speed(out: Path, steps: int) -> dict:
+    """Part (a): each batch of `SHAPES` with each of `LEARNER_RUNS`, every one in a fresh
+    process (`learner_worker`), between two matmul measurements; the peak is the best
+    matmul any process of the run measured."""
+    shape = model_shape()
+    peaks = [matmul_flops()]
+    runs: dict[str, dict] = {name: {} for name in SHAPES}
+    for name in SHAPES:
+        for packing, path in LEARNER_RUNS:
+            result = run_learner_worker(out, {"shape": name, "packing": packing, "logprobs": path, "steps": steps})
+            peaks.append(result["matmul_flops"])
+            runs[name][(packing, path)] = result
+            seconds = ", ".join(f"{step} {m['seconds']:.2f} s" for step, m in result["steps"].items())
+            print(f"  {name} {packing} ({path} logprobs): {seconds}", flush=True)
+    peaks.append(matmul_flops())
+    peak = max(peaks)
+    tables = {name: learner_rows(lengths, shape, peak, runs[name]) for name, lengths in SHAPES.items()}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return shape | {
+        "commit": commit,
+        "shapes": SHAPES,
+        "max_tokens_per_rank": MAX_TOKENS_PER_RANK,
+        "timed_steps": steps,
+        "rl_forwards_without_grad": 1,
+        "matmul_flops": peak,
+        "matmul_flops_measured": peaks,
+        "rows": tables,
+        "targets": {name: targets(rows) for name, rows in tables.items()},
+    }
 
 
 def matmul_flops(n: int = 2048, repeats: int = 10) -> float:
@@ -68,102 +125,231 @@ def matmul_flops(n: int = 2048, repeats: int = 10) -> float:
     return best
 
 
-def plain_step_seconds(token_batches: list) -> tuple[float, int]:
-    """`timed` on plain transformers (forward, backward, AdamW), and the model's parameter count."""
+def model_shape() -> dict:
+    """N (parameters, the tied embedding once), L (layers) and d (width) of the model."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-5)
-
-    def step(batch: list[list[int]]) -> None:
-        ids = torch.tensor(batch)
-        plain(input_ids=ids, labels=ids).loss.backward()
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
-
-    return timed(step, token_batches), sum(p.numel() for p in plain.parameters())
+    config = AutoConfig.from_pretrained(MODEL)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    return {"parameters": parameters, "layers": config.num_hidden_layers, "hidden": config.hidden_size}
 
 
-def timed(step, batches: list) -> float:
-    """Seconds per call of `step` over `batches` after one untimed call."""
+def step_flops(lengths: list[int], shape: dict, forwards_without_grad: int) -> float:
+    """FLOPs of a forward and backward over sequences of `lengths` (a forward is 2 N s +
+    2 L d s^2 per sequence, causal attention; backward twice that) and of
+    `forwards_without_grad` more forwards."""
+    forward = sum(2 * shape["parameters"] * s + 2 * shape["layers"] * shape["hidden"] * s * s for s in lengths)
+    return (3 + forwards_without_grad) * forward
+
+
+def micro_batch_tokens(lengths: list[int], padded: bool) -> int:
+    """Real tokens in the largest micro-batch the learner (or plain, padded) forms."""
+    from learner import batching
+
+    parts = batching.partition(lengths, 1, MAX_TOKENS_PER_RANK, padded=padded)[0]
+    return max(sum(lengths[i] for i in part) for part in parts)
+
+
+def learner_rows(lengths: list[int], shape: dict, peak: float, runs: dict) -> dict[str, dict]:
+    """Table rows of one batch: plain, then the SFT rows, then the RL rows."""
+    rows = {}
+    for step in ("plain", "sft", "rl"):
+        for (packing, path), result in runs.items():
+            if step not in result["steps"]:
+                continue
+            measured = result["steps"][step]
+            name = "plain transformers" if step == "plain" else f"{step.upper()} {packing}"
+            name += ", full-vocab logprobs" if path == "full" and step != "plain" else ""
+            flops = step_flops(lengths, shape, forwards_without_grad=int(step == "rl"))
+            padded = packing in ("plain", "padded") or not result["packed"]
+            micro = micro_batch_tokens(lengths, padded)
+            rows[name] = {
+                "step": step,
+                "packing": packing,
+                "logprobs": path,
+                "packed": not padded,
+                "seconds": measured["seconds"],
+                "process_matmul_flops": result["matmul_flops"],
+                "tokens_per_s": sum(lengths) / measured["seconds"],
+                "flops": flops,
+                "flops_per_s": flops / measured["seconds"],
+                "share_of_matmul": flops / measured["seconds"] / peak,
+                "step_peak_bytes": measured["peak_bytes"],
+                "micro_batch_tokens": micro,
+                "peak_bytes_per_token": measured["peak_bytes"] / micro,
+            }
+    plain = rows["plain transformers"]["tokens_per_s"]
+    for row in rows.values():
+        row["over_plain"] = row["tokens_per_s"] / plain
+    return rows
+
+
+def targets(rows: dict[str, dict]) -> dict:
+    """The learner's goals on one batch, with the figures they are judged on."""
+    sft, rl = rows["SFT varlen"], rows["RL varlen"]
+    return {
+        "sft_share_of_matmul": sft["share_of_matmul"],
+        "sft_over_plain": sft["over_plain"],
+        "rl_share_of_matmul": rl["share_of_matmul"],
+        "sft_varlen_over_padded": sft["tokens_per_s"] / rows["SFT padded"]["tokens_per_s"],
+        "rl_varlen_over_padded": rl["tokens_per_s"] / rows["RL padded"]["tokens_per_s"],
+        "sft_met": sft["share_of_matmul"] >= 0.6 and sft["over_plain"] >= 1.0,
+        "rl_met": rl["share_of_matmul"] >= 0.5,
+        "packed_beats_padded": sft["tokens_per_s"] > rows["SFT padded"]["tokens_per_s"]
+        and rl["tokens_per_s"] > rows["RL padded"]["tokens_per_s"],
+    }
+
+
+def run_learner_worker(out: Path, run: dict) -> dict:
+    """`learner_worker` for `run` in a fresh process, its output in a log beside the result."""
+    stem = out / f"learner-{run['shape']}-{run['packing']}-{run['logprobs']}"
+    result = stem.with_suffix(".json")
+    with stem.with_suffix(".log").open("w") as log:
+        command = [sys.executable, __file__, "--learner-worker", json.dumps(run), str(result)]
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads(result.read_text())
+
+
+def learner_worker(run_json: str, out: str) -> None:
+    """One process of part (a): a matmul, then `steps` timed steps (after an untimed one) of
+    each kind the run has, on the batch `shape`; the result as JSON in `out`."""
+    run = json.loads(run_json)
+    lengths = SHAPES[run["shape"]]
+    batches = token_batches(lengths, run["steps"] + 1)
+    result: dict = {"matmul_flops": matmul_flops(repeats=5)}
+    if run["packing"] == "plain":
+        result["steps"] = {"plain": measured(plain_step(lengths), batches)}
+    else:
+        trainer = learner_trainer(run["packing"], run["logprobs"])
+        samples = [as_samples(batch) for batch in batches]
+        result["packed"] = trainer.can_pack
+        result["steps"] = {"sft": measured(trainer.sft_step, samples), "rl": measured(trainer.rl_step, samples)}
+    Path(out).write_text(json.dumps(result))
+
+
+def token_batches(lengths: list[int], count: int) -> list[list[list[int]]]:
+    """`count` batches of random token ids, sequences of `lengths`; the same in every process."""
+    import random
+
+    from learner.policy import vocab_size
+
+    rng, vocab = random.Random(0), vocab_size(str(MODEL))
+    return [[[rng.randrange(vocab) for _ in range(n)] for n in lengths] for _ in range(count)]
+
+
+def as_samples(batch: list[list[int]]):
+    """Every token but each sequence's first trained, advantages alternating -1 and 1."""
+    from services.protocol import Sample
+
+    return [
+        Sample(
+            sample_id=str(i),
+            tokens=tokens,
+            mask=[0] + [1] * (len(tokens) - 1),
+            logprobs=[-3.0] * len(tokens),
+            versions=[0] * len(tokens),
+            reward=0.0,
+            advantage=1.0 if i % 2 else -1.0,
+            num_turns=1,
+        )
+        for i, tokens in enumerate(batch)
+    ]
+
+
+def measured(step, batches: list) -> dict:
+    """Seconds per call of `step` over `batches[1:]`, after an untimed call on `batches[0]`
+    (which also allocates gradients' and the optimizer's state), and the most resident
+    memory those calls held above what the process held before them."""
     step(batches[0])
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what the untimed call freed
+    before = status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak, to VmRSS
     started = time.perf_counter()
     for batch in batches[1:]:
         step(batch)
-    return (time.perf_counter() - started) / (len(batches) - 1)
+    seconds = (time.perf_counter() - started) / (len(batches) - 1)
+    return {"seconds": seconds, "peak_bytes": status_bytes("VmHWM") - before}
 
 
-def learner_speed(steps: int) -> dict:
-    import random
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
+
+def plain_step(lengths: list[int]):
+    """A plain transformers training step (forward, backward, AdamW) on batches of
+    sequences of `lengths`: a row per sequence, padded to the longest of its micro-batch,
+    the micro-batches those of the learner's padded path; the labels loss, a mean over
+    every predicted token of the batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner import batching
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    groups = batching.partition(lengths, 1, MAX_TOKENS_PER_RANK, padded=True)[0]
+    predicted = sum(lengths) - len(lengths)
+
+    def step(batch: list[list[int]]) -> None:
+        for group in groups:
+            rows = [batch[i] for i in group]
+            width = max(map(len, rows))
+            ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+            real = torch.tensor([[j < len(row) for j in range(width)] for row in rows])
+            out = model(input_ids=ids, attention_mask=real.long(), labels=ids.masked_fill(~real, -100))
+            (out.loss * (int(real.sum()) - len(rows)) / predicted).backward()
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+
+    return step
+
+
+def learner_trainer(packing: str, logprob_path: str):
+    """The learner's Trainer on one gloo rank with `train.packing` = `packing`; with
+    `logprob_path` "full", computing logprobs the former way (`full_vocab_token_logprobs`)."""
     import torch
     import torch.distributed as dist
 
-    from learner.micro_batch import Collator
     from learner.trainer import Trainer
     from services.config import parse_job_spec
-    from services.protocol import Sample
-
-    peak = matmul_flops()
-    rng = random.Random(0)
-    vocab = 49152
-    token_batches = [
-        [[rng.randrange(vocab) for _ in range(SEQUENCE_TOKENS)] for _ in range(SEQUENCES)] for _ in range(steps + 1)
-    ]
-    trained = SEQUENCES * (SEQUENCE_TOKENS - 1)
-
-    seconds, params = plain_step_seconds(token_batches)  # its model is freed before the learner's loads
-    rows = {"plain transformers step": seconds}
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    spec = parse_job_spec({"model": {"path": str(MODEL)}, "train": {"lr": 1e-5, "max_tokens_per_rank": 4096}})
-    trainer = Trainer(spec, torch.device("cpu"))
+    train = {"lr": 1e-5, "max_tokens_per_rank": MAX_TOKENS_PER_RANK, "packing": packing}
+    trainer = Trainer(parse_job_spec({"model": {"path": str(MODEL)}, "train": train}), torch.device("cpu"))
+    if logprob_path == "full":
+        trainer.token_logprobs = types.MethodType(full_vocab_token_logprobs, trainer)
+    return trainer
 
-    def samples(batch: list[list[int]]) -> list[Sample]:
-        return [
-            Sample(
-                sample_id=str(i),
-                tokens=t,
-                mask=[0] + [1] * (len(t) - 1),
-                logprobs=[-3.0] * len(t),
-                versions=[0] * len(t),
-                reward=0.0,
-                advantage=rng.choice([-1.0, 1.0]),
-                num_turns=1,
-            )
-            for i, t in enumerate(batch)
-        ]
 
-    sample_batches = [samples(b) for b in token_batches]
-    rows["Tandem SFT step"] = timed(trainer.sft_step, sample_batches)
-    rows["Tandem RL step"] = timed(trainer.rl_step, sample_batches)
-    # The same steps with each sequence in a padded row of its own instead of all of them
-    # packed into one: what packing's attention over one long row costs on CPU, where the
-    # packed path is a dense block-diagonal mask over the whole row.
-    trainer.batches = Collator(trainer.rank, trainer.world_size, spec.train.max_tokens_per_rank, False, trainer.device)
-    rows["Tandem SFT step, padded rows"] = timed(trainer.sft_step, sample_batches)
-    rows["Tandem RL step, padded rows"] = timed(trainer.rl_step, sample_batches)
-    dist.destroy_process_group()
-    table = {
-        name: {
-            "seconds": s,
-            "tokens_per_s": trained / s,
-            "flops_6n": 6 * params * trained / s,
-            "share_of_matmul": 6 * params * trained / s / peak,
-        }
-        for name, s in rows.items()
-    }
-    return {
-        "parameters": params,
-        "sequences": SEQUENCES,
-        "sequence_tokens": SEQUENCE_TOKENS,
-        "timed_steps": steps,
-        "matmul_flops": peak,
-        "steps": table,
-        "rl_over_plain": table["Tandem RL step"]["tokens_per_s"] / table["plain transformers step"]["tokens_per_s"],
-        "sft_over_plain": table["Tandem SFT step"]["tokens_per_s"] / table["plain transformers step"]["tokens_per_s"],
-    }
+def full_vocab_token_logprobs(trainer, micro, model=None, with_entropy: bool = False, scored=None):
+    """`Trainer.token_logprobs` as it was before `learner.logprobs`: the model's whole
+    [rows, W, V] logits, an fp32 copy divided by the temperature and its log-softmax (all
+    kept for backward), at every position whether a loss reads it or not (`scored` is
+    ignored). The same values to fp32 precision; here for the memory and time it costs."""
+    import torch
+
+    from learner import loss
+
+    model = model or trainer.model
+    logits = model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False).logits
+    logits = logits.float() / trainer.spec.rollout.temperature
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = logp.gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)
+    picked = torch.cat([picked.new_zeros(len(picked), 1), picked], dim=1).flatten()[micro.keep]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = loss.entropy_from_logits(logits[:, :-1])
+            entropy = torch.cat([ent.new_zeros(len(ent), 1), ent], dim=1).flatten()[micro.keep]
+    return picked, entropy
 
 
 # ---- (b) rollout ---------------------------------------------------------------------
@@ -357,18 +543,7 @@ def spread(values: list[float]) -> dict:
 
 def print_report(report: dict) -> None:
     if "learner" in report:
-        a = report["learner"]
-        print(
-            f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, {a['sequences']} x {a['sequence_tokens']} "
-            f"tokens, fp32, {os.cpu_count()} cores; matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s"
-        )
-        print(f"{'step':>30} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s (6N)':>13} {'of matmul':>10}")
-        for name, row in a["steps"].items():
-            print(
-                f"{name:>30} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_6n'] / 1e9:>13.0f} "
-                f"{row['share_of_matmul']:>10.0%}"
-            )
-        print(f"Tandem/plain tokens/s: RL step {a['rl_over_plain']:.2f}, SFT step {a['sft_over_plain']:.2f}")
+        print_learner(report["learner"])
     if "rollout" in report:
         b = report["rollout"]
         print(f"\n(b) rollout, {b['prompts']} prompts x {b['new_tokens']} sampled tokens")
@@ -391,6 +566,43 @@ def print_report(report: dict) -> None:
         for key in ("warm_start_success", "after_rl_success", "gain"):
             s = c[key]
             print(f"{key:>20}: min {s['min']:.3f} mean {s['mean']:.3f} max {s['max']:.3f}")
+
+
+def print_learner(a: dict) -> None:
+    print(
+        f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, fp32, {os.cpu_count()} cores; "
+        f"matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s (best of {len(a['matmul_flops_measured'])} in this run); "
+        f"FLOPs 6Ns + 6Lds^2, RL adds its proximal forward"
+    )
+    for name, rows in a["rows"].items():
+        lengths = a["shapes"][name]
+        print(f"\n{name}: {describe(lengths)} = {sum(lengths)} tokens")
+        print(
+            f"{'step':>36} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'of matmul':>10} {'vs plain':>9} "
+            f"{'peak MB':>8} {'KB/token':>9}"
+        )
+        for row_name, row in rows.items():
+            print(
+                f"{row_name:>36} {row['seconds']:>7.2f} {row['tokens_per_s']:>9.0f} {row['flops_per_s'] / 1e9:>8.0f} "
+                f"{row['share_of_matmul']:>10.0%} {row['over_plain']:>9.2f} {row['step_peak_bytes'] / 2**20:>8.0f} "
+                f"{row['peak_bytes_per_token'] / 1024:>9.0f}"
+            )
+        t = a["targets"][name]
+        print(
+            f"SFT varlen {t['sft_share_of_matmul']:.0%} of matmul, {t['sft_over_plain']:.2f}x plain; "
+            f"RL varlen {t['rl_share_of_matmul']:.0%}; varlen/padded SFT {t['sft_varlen_over_padded']:.2f}, "
+            f"RL {t['rl_varlen_over_padded']:.2f}"
+        )
+
+
+def describe(lengths: list[int]) -> str:
+    """Sequence lengths as counts: [1024, 64, 64] -> '1 x 1024 + 2 x 64'; the long one and
+    a range when the others vary: '1 x 1024 + 16 of 32 to 92'."""
+    counts = {n: lengths.count(n) for n in sorted(set(lengths), reverse=True)}
+    if len(counts) <= 3:
+        return " + ".join(f"{count} x {n}" for n, count in counts.items())
+    rest = sorted(lengths)[:-1]
+    return f"1 x {max(lengths)} + {len(rest)} of {rest[0]} to {rest[-1]}"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -420,7 +632,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="a,b,c", help="which of a (learner), b (rollout), c (clarify RL)")
-    parser.add_argument("--learner-steps", type=int, default=3, help="timed steps per learner row")
+    parser.add_argument("--learner-steps", type=int, default=2, help="timed steps per learner row")
     parser.add_argument("--rounds", type=int, default=2, help="generation runs per engine, alternating")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="RL steps per seed")
@@ -434,7 +646,7 @@ def main() -> None:
     report_file = out / "real_model.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     if "a" in parts:
-        report["learner"] = learner_speed(args.learner_steps)
+        report["learner"] = learner_speed(out, args.learner_steps)
     if "b" in parts:
         report["rollout"] = rollout_speed(out, args.rounds)
     if "c" in parts:
@@ -449,5 +661,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--generation-worker":
         generation_worker(*sys.argv[2:5])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--learner-worker":
+        learner_worker(*sys.argv[2:4])
     else:
         main()
