@@ -103,7 +103,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     spans = bounds.tolist()
     groups = length_groups(list(zip(spans[:-1], spans[1:])))
     if len(groups) == 1 and len(groups[0]) == 1:
-        return _causal(q, k, v, scale)
+        return _causal(q[None], k[None], v[None], scale)[0]
     where, parts = [], []
     for group in groups:
         longest = group[0][1] - group[0][0]
@@ -142,7 +142,8 @@ def length_groups(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Causal SDPA on [..., s, heads, D] (one sequence, or a batch of equal-length ones)."""
+    """Causal SDPA on [batch, s, heads, D]. Always 4-D: on CPU, SDPA takes its general
+    (math) kernel for 3-D inputs and its flash kernel only for 4-D ones."""
     gqa = k.shape[-2] != q.shape[-2]
     out = F.scaled_dot_product_attention(
         q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=True, scale=scale, enable_gqa=gqa
