@@ -73,8 +73,7 @@ def _token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[R, W] rows -> ([R, W] fp32 logprob of each token after the one before it in its
     sequence, 0 where `scored` [R, W] is False and where a sequence starts (position 0);
-    the entropy of the tempered
-    distribution the token was drawn from, or None)."""
+    the entropy of the tempered distribution the token was drawn from, or None)."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     where = scored & (position_ids > 0)  # a sequence's first token has nothing before it
