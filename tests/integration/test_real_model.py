@@ -91,7 +91,10 @@ def test_real_model_trains_through_the_whole_system_with_engine_parity(trained):
         assert h["unversioned_tokens"] == 0 and h["trained_tokens"] > 0
         assert abs(h["mismatch_kl"]) < MISMATCH_KL_BOUND and h["is_weight_max"] < IS_WEIGHT_BOUND, h
     assert all(h["staleness_max"] == 0 for h in steps)
-    assert steps[0]["skipped_updates"] == 0 and steps[0]["grad_norm"] > 0  # a real update, then parity on it
+    # A real update, which the export tests below check landed in the weights. The
+    # untrained model mostly breaks clarify's format (reward -1 for every sample: no spread,
+    # no update), so one step may pass without one; both without would be a finding.
+    assert any(h["skipped_updates"] == 0 and h["grad_norm"] > 0 for h in steps), steps
 
 
 def export(runs: Path, job_id: str, out: Path, *step: str) -> Path:
