@@ -21,7 +21,9 @@ from tandem.launcher import Ports, Stack, kill_all, process_tree
 
 pytestmark = pytest.mark.slow
 
-STEPS, BATCH = 80, 4
+STEPS, BATCH = 400, 4
+"""Enough steps that the job outlasts two engines starting and joining: on 2 cores the
+learner trains about 4 of these steps a second with one server."""
 ENV = {
     "TANDEM_TASK_RECLAIM_IDLE_S": "3",
     "TANDEM_SERVER_TIMEOUT_S": "6",
@@ -70,6 +72,7 @@ def test_servers_join_die_and_drain_without_losing_or_repeating_a_task(tmp_path,
         ports=Ports.free(rollout_servers=1),
         learner_ranks=1,
         extra_env=ENV | {"TANDEM_RUNS_DIR": str(tmp_path / "runs")},
+        env_for={"rollout-0": {"TANDEM_MAX_CONCURRENT_TASKS": "1"}},  # the first phase at a walk
     ) as stack:
         api = httpx.Client(base_url=stack.api_url, timeout=10)
         client = redis.Redis.from_url(stack.redis_url)
