@@ -141,3 +141,15 @@ def test_the_probe_pads_for_a_model_whose_attention_leaks_across_sequences(tiny_
     model.config._attn_implementation = "leaky"
     assert not policy.separates_packed_sequences(model, torch.device("cpu"), torch.float32)
     assert "training in padded rows" in caplog.text
+
+
+@pytest.mark.parametrize("packing", ["flash", "", "varlen; rm -rf /", None])
+def test_a_spec_names_only_a_packing_path_the_learner_has(packing):
+    """`train.packing` picks code to run: anything but the three names is refused, naming the field."""
+    from pydantic import ValidationError
+
+    from services.config import parse_job_spec
+
+    with pytest.raises(ValidationError, match="train.packing"):
+        parse_job_spec({"model": {"path": "m"}, "train": {"packing": packing}})
+    assert parse_job_spec({"model": {"path": "m"}}).train.packing == "varlen"
