@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,23 +68,52 @@ def varlen_attention(
     if attention_mask is not None:
         raise ValueError("varlen attention keeps packed sequences apart by position ids and takes no mask")
     rows = []
-    for b, bounds in enumerate(_row_bounds(position_ids, query.shape[0], query.shape[2])):
+    for b, plan in enumerate(_row_plans(position_ids, query.shape[0], query.shape[2], query.device)):
         q, k, v = (x[b].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-        rows.append(_attend(q, k, v, bounds, scaling))
+        rows.append(_attend(q, k, v, plan, scaling))
     return torch.stack(rows), None
 
 
-_last_bounds: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
-"""The position ids of the latest call and their bounds: every layer of a forward gets the
-same tensor, and finding the bounds reads it back from the device (a sync on CUDA)."""
+@dataclass
+class RowPlan:
+    """How one row's attention runs: its sequences' offsets, and on the per-sequence path
+    the padded groups (`length_groups`): per group, [G, L] token indices (right padding
+    repeats a sequence's last token) and which of them are real."""
+
+    bounds: torch.Tensor
+    longest: int
+    groups: list[tuple[torch.Tensor, torch.Tensor]]
+    real_positions: torch.Tensor
+    """The row positions the groups' real entries fill, in group order."""
 
 
-def _row_bounds(position_ids: torch.Tensor | None, rows: int, length: int) -> list[torch.Tensor]:
-    global _last_bounds
-    if position_ids is None or position_ids is not _last_bounds[0]:
-        found = [sequence_bounds(position_ids[b] if position_ids is not None else None, length) for b in range(rows)]
-        _last_bounds = (position_ids, found)
-    return _last_bounds[1]
+_last_plans: tuple[torch.Tensor | None, tuple, list[RowPlan]] = (None, (), [])
+"""The plans of the latest call, by its position ids (held, so never another tensor at the
+same address): every layer of a forward gets the same tensor, and planning reads it back
+from the device (a sync on CUDA) and builds index tensors."""
+
+
+def _row_plans(position_ids: torch.Tensor | None, rows: int, length: int, device: torch.device) -> list[RowPlan]:
+    global _last_plans
+    shape = (rows, length, device, GROUP_SLACK)
+    if position_ids is None or position_ids is not _last_plans[0] or shape != _last_plans[1]:
+        plans = [row_plan(position_ids[b] if position_ids is not None else None, length, device) for b in range(rows)]
+        _last_plans = (position_ids, shape, plans)
+    return _last_plans[2]
+
+
+def row_plan(positions: torch.Tensor | None, length: int, device: torch.device) -> RowPlan:
+    """The plan of a row with these position ids (None: one sequence of `length`)."""
+    bounds = sequence_bounds(positions, length).to(device)
+    spans = bounds.tolist()
+    groups, real_positions = [], []
+    for group in length_groups(list(zip(spans[:-1], spans[1:]))):
+        longest = group[0][1] - group[0][0]
+        index = torch.tensor([[min(a + j, b - 1) for j in range(longest)] for a, b in group], device=device)
+        real = torch.tensor([[j < b - a for j in range(longest)] for a, b in group], device=device)
+        groups.append((index, real))
+        real_positions.append(index[real])
+    return RowPlan(bounds, max(b - a for a, b in zip(spans, spans[1:])), groups, torch.cat(real_positions))
 
 
 def sequence_bounds(positions: torch.Tensor | None, length: int) -> torch.Tensor:
@@ -96,25 +126,16 @@ def sequence_bounds(positions: torch.Tensor | None, length: int) -> torch.Tensor
     return torch.cat([zero, starts, end]).to(torch.int32)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float | None):
-    """[T, H, D] causal attention within each [bounds[i], bounds[i+1]) span."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None):
+    """[T, H, D] causal attention within each sequence of the row `plan` describes."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None:
-        return _varlen(q, k, v, bounds.to(q.device), scale)
-    spans = bounds.tolist()
-    groups = length_groups(list(zip(spans[:-1], spans[1:])))
-    if len(groups) == 1 and len(groups[0]) == 1:
+        return _varlen(q, k, v, plan, scale)
+    if len(plan.groups) == 1 and len(plan.groups[0][0]) == 1:
         return _causal(q[None], k[None], v[None], scale)[0]
-    where, parts = [], []
-    for group in groups:
-        longest = group[0][1] - group[0][0]
-        # Right padding by repeating a sequence's last token: causal attention never lets
-        # a real position see the padding after it, and padded positions are dropped.
-        index = torch.tensor([[min(a + j, b - 1) for j in range(longest)] for a, b in group], device=q.device)
-        real = torch.tensor([[j < b - a for j in range(longest)] for a, b in group], device=q.device)
-        out = _causal(*(x[index] for x in (q, k, v)), scale)  # [G, L, H, D] in and out
-        where.append(index[real])
-        parts.append(out[real])
-    return torch.zeros_like(q).index_copy(0, torch.cat(where), torch.cat(parts))
+    # Causal attention never lets a real position see the padding after it, and padded
+    # positions are dropped.
+    parts = [_causal(*(x[index] for x in (q, k, v)), scale)[real] for index, real in plan.groups]
+    return torch.zeros_like(q).index_copy(0, plan.real_positions, torch.cat(parts))
 
 
 GROUP_SLACK = 1.25
@@ -153,19 +174,18 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
 
 @functools.cache
 def _varlen_kernel():
-    """torch's varlen attention, or None where this torch has none."""
+    """torch's varlen attention and its parameter names, or None where this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float | None):
-    kernel = _varlen_kernel()
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None):
+    kernel, params = _varlen_kernel()
     # Its keywords changed between torch releases: causality was `is_causal`, then a window;
     # grouped-query attention is either native (`enable_gqa`) or needs the heads repeated.
-    params = inspect.signature(kernel).parameters
     kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     kwargs |= {"scale": scale} if "scale" in params else {}
     if k.shape[1] != q.shape[1]:
@@ -173,6 +193,5 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
             kwargs["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    longest = int((bounds[1:] - bounds[:-1]).max())
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return kernel(q, k, v, bounds, bounds, longest, longest, **kwargs)
+    return kernel(q, k, v, plan.bounds, plan.bounds, plan.longest, plan.longest, **kwargs)
