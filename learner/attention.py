@@ -77,14 +77,18 @@ def varlen_attention(
 @dataclass
 class RowPlan:
     """How one row's attention runs: its sequences' offsets, and on the per-sequence path
-    the padded groups (`length_groups`): per group, [G, L] token indices (right padding
-    repeats a sequence's last token) and which of them are real."""
+    the padded groups (`length_groups`): each reads the G x L row positions of its
+    sequences, right padding repeating a sequence's last token, by a gather, or as a view
+    where the group is a run of the row as it stands (sequences of one length, end to
+    end). `output` picks each row position's result out of the groups' flattened results
+    laid end to end; None where that is the row."""
 
     bounds: torch.Tensor
     longest: int
-    groups: list[tuple[torch.Tensor, torch.Tensor]]
-    real_positions: torch.Tensor
-    """The row positions the groups' real entries fill, in group order."""
+    groups: list[tuple[int, int, int, torch.Tensor | None]]
+    """Per group: how many sequences, padded to what length, where the group's run starts
+    in the row, and its gather index (None for a run)."""
+    output: torch.Tensor | None
 
 
 _last_plans: tuple[torch.Tensor | None, tuple, list[RowPlan]] = (None, (), [])
@@ -103,17 +107,25 @@ def _row_plans(position_ids: torch.Tensor | None, rows: int, length: int, device
 
 
 def row_plan(positions: torch.Tensor | None, length: int, device: torch.device) -> RowPlan:
-    """The plan of a row with these position ids (None: one sequence of `length`)."""
+    """The plan of a row with these position ids (None: one sequence of `length`).
+    Gathers are `index_select`s, whose backward adds rows back (`index_add_`); indexing
+    by an index tensor would go back through `index_put_` with accumulation, which
+    measured a quarter of the attention's time on CPU."""
     bounds = sequence_bounds(positions, length).to(device)
     spans = bounds.tolist()
-    groups, real_positions = [], []
+    groups, output, done = [], [0] * length, 0
     for group in length_groups(list(zip(spans[:-1], spans[1:]))):
         longest = group[0][1] - group[0][0]
-        index = torch.tensor([[min(a + j, b - 1) for j in range(longest)] for a, b in group], device=device)
-        real = torch.tensor([[j < b - a for j in range(longest)] for a, b in group], device=device)
-        groups.append((index, real))
-        real_positions.append(index[real])
-    return RowPlan(bounds, max(b - a for a, b in zip(spans, spans[1:])), groups, torch.cat(real_positions))
+        for i, (a, b) in enumerate(group):
+            output[a:b] = range(done + i * longest, done + i * longest + b - a)
+        done += len(group) * longest
+        starts = [a for a, _ in group]
+        run = all(b - a == longest for a, b in group) and starts == list(range(starts[0], group[-1][1], longest))
+        index = None if run else [min(a + j, b - 1) for a, b in group for j in range(longest)]
+        groups.append((len(group), longest, starts[0], torch.tensor(index, device=device) if index else None))
+    as_is = done == length and output == list(range(length))
+    longest = max(b - a for a, b in zip(spans, spans[1:]))
+    return RowPlan(bounds, longest, groups, None if as_is else torch.tensor(output, device=device))
 
 
 def sequence_bounds(positions: torch.Tensor | None, length: int) -> torch.Tensor:
@@ -130,12 +142,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, sc
     """[T, H, D] causal attention within each sequence of the row `plan` describes."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None:
         return _varlen(q, k, v, plan, scale)
-    if len(plan.groups) == 1 and len(plan.groups[0][0]) == 1:
-        return _causal(q[None], k[None], v[None], scale)[0]
-    # Causal attention never lets a real position see the padding after it, and padded
-    # positions are dropped.
-    parts = [_causal(*(x[index] for x in (q, k, v)), scale)[real] for index, real in plan.groups]
-    return torch.zeros_like(q).index_copy(0, plan.real_positions, torch.cat(parts))
+    # Causal attention never lets a real position see the padding after it, and the
+    # padded positions' results are never picked.
+    parts = [_causal(*(_gather(x, group) for x in (q, k, v)), scale).flatten(0, 1) for group in plan.groups]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out if plan.output is None else out.index_select(0, plan.output)
+
+
+def _gather(x: torch.Tensor, group: tuple[int, int, int, torch.Tensor | None]) -> torch.Tensor:
+    """[T, H, D] -> the group's [G, L, H, D] (see `RowPlan.groups`)."""
+    size, longest, start, index = group
+    if index is None:
+        return x[start : start + size * longest].view(size, longest, *x.shape[1:])
+    return x.index_select(0, index).view(size, longest, *x.shape[1:])
 
 
 GROUP_SLACK = 1.25

@@ -32,7 +32,9 @@ def sharded_model(
     mixed = None
     if device.type == "cuda" and dtype == "bfloat16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
+    # One rank has nothing to save by freeing its layers after forward, only a gather to
+    # redo in backward.
+    kwargs = {"mesh": mesh, "reshard_after_forward": world_size > 1} | ({"mp_policy": mixed} if mixed else {})
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -62,8 +64,9 @@ def vocab_size(path: str) -> int:
 def optimizer(model: torch.nn.Module, lr: float, weight_decay: float, decay_steps: int = 0):
     """AdamW over the sharded (DTensor) parameters (build it only while sharded), with a
     learning rate that decays linearly to 10% over `decay_steps` (the warm start, so the
-    policy RL starts from is settled) or stays constant (RL)."""
-    adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+    policy RL starts from is settled) or stays constant (RL). Fused: one kernel per
+    parameter instead of a dozen elementwise passes, on CPU as on CUDA."""
+    adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=True)
     decay = (lambda step: max(0.1, 1.0 - step / decay_steps)) if decay_steps else (lambda step: 1.0)
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, decay)
 

@@ -25,13 +25,15 @@ def inputs(n=37, hidden_size=16, vocab=50, seed=0):
     return hidden, weight, targets, upstream
 
 
+@pytest.mark.parametrize("kept_chunks", [0, 2, 100])  # projected again in backward, some, none
 @pytest.mark.parametrize("chunk_tokens", [1, 8, 37, 1000])
-def test_chunked_values_entropy_and_gradients_match_the_full_computation(monkeypatch, chunk_tokens):
+def test_chunked_values_entropy_and_gradients_match_the_full_computation(monkeypatch, chunk_tokens, kept_chunks):
     vocab = 50
     monkeypatch.setattr(logprobs, "CHUNK_BYTES", 4 * vocab * chunk_tokens)
     hidden, weight, targets, upstream = inputs(vocab=vocab)
 
-    logp, entropy = logprobs.ChunkedLogprobs.apply(hidden, weight, targets, 0.7, True)
+    keep = kept_chunks * 4 * vocab * chunk_tokens
+    logp, entropy = logprobs.ChunkedLogprobs.apply(hidden, weight, targets, 0.7, True, keep)
     (logp * upstream).sum().backward()
     chunked = (logp.detach(), entropy, hidden.grad.clone(), weight.grad.clone())
 
@@ -48,6 +50,18 @@ def test_chunked_values_entropy_and_gradients_match_the_full_computation(monkeyp
 def test_a_chunk_holds_at_most_the_budgeted_logits():
     assert logprobs.chunk_tokens(49152) == 64 * 2**20 // (4 * 49152)  # 341 tokens of SmolLM2's vocabulary
     assert logprobs.chunk_tokens(10**9) == 1
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_first_chunks_are_kept_within_the_budget_and_no_later_one(monkeypatch, with_entropy):
+    """37 tokens in chunks of 8 (the last one 5): a budget of 2.9 chunks keeps the first two;
+    the last, small enough to fit beside them, is not kept after the third was not."""
+    vocab = 50
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", 4 * vocab * 8)
+    hidden, weight, targets, _ = inputs(vocab=vocab)
+    logp, _ = logprobs.ChunkedLogprobs.apply(hidden, weight, targets, 1.0, with_entropy, int(2.9 * 4 * vocab * 8))
+    kept = logp.grad_fn.saved_tensors[4:]
+    assert [tuple(x.shape) for x in kept] == [(8, vocab), (8, vocab)]
 
 
 def test_no_tokens_to_score_still_gives_every_input_a_gradient():

@@ -79,23 +79,36 @@ def test_sequence_bounds_are_found_where_the_positions_restart():
     assert attention.sequence_bounds(None, 4).tolist() == [0, 4]
 
 
-def test_varlen_attention_is_causal_attention_within_each_sequence():
-    """Against SDPA on each sequence by itself, grouped-query heads included."""
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [5, 1, 9, 4, 8, 4, 4],  # 9 and 8 share a padded call, 5 and 4 another, the last two 4s a run
+        [4, 4, 4],  # one run: every gather is a view and the output is the row
+        [3, 6],  # reordered, longest first
+    ],
+)
+def test_varlen_attention_is_causal_attention_within_each_sequence(lengths):
+    """Against SDPA on each sequence by itself, grouped-query heads included, values and
+    gradients."""
     torch.manual_seed(0)
-    lengths = [5, 1, 9, 4, 8, 4, 4]  # 9 and 8 share a padded call, and the three 4s
-    query = torch.randn(1, 6, sum(lengths), 8)
-    key, value = torch.randn(1, 2, sum(lengths), 8), torch.randn(1, 2, sum(lengths), 8)
+    query = torch.randn(1, 6, sum(lengths), 8, requires_grad=True)
+    key, value = (torch.randn(1, 2, sum(lengths), 8, requires_grad=True) for _ in range(2))
     positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    weights = torch.randn(1, sum(lengths), 6, 8)
 
     out, _ = attention.varlen_attention(None, query, key, value, None, scaling=0.3, position_ids=positions)
+    got = torch.autograd.grad((out * weights).sum(), (query, key, value))
 
-    start = 0
+    start, expected_total = 0, 0
     for n in lengths:
         q, k, v = (x[:, :, start : start + n] for x in (query, key, value))
         k, v = (x.repeat_interleave(3, dim=1) for x in (k, v))
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
         torch.testing.assert_close(out[:, start : start + n], expected, rtol=1e-5, atol=1e-6)
+        expected_total = expected_total + (expected * weights[:, start : start + n]).sum()
         start += n
+    for g, e in zip(got, torch.autograd.grad(expected_total, (query, key, value))):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_sequences_share_a_call_while_padding_costs_at_most_a_quarter_more():
