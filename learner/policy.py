@@ -32,9 +32,7 @@ def sharded_model(
     mixed = None
     if device.type == "cuda" and dtype == "bfloat16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # One rank has nothing to save by freeing its layers after forward, only a gather to
-    # redo in backward.
-    kwargs = {"mesh": mesh, "reshard_after_forward": world_size > 1} | ({"mp_policy": mixed} if mixed else {})
+    kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

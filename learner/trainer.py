@@ -78,20 +78,22 @@ class Trainer(DPOSteps):
     def rl_step(self, samples: list[Sample]) -> dict[str, float]:
         """Decoupled PPO on one batch: proximal logprobs first, then `num_minibatches`
         optimizer steps. Returns metrics averaged over trained tokens (all ranks), maxima
-        as maxima."""
+        as maxima. The first minibatch's proximal logprobs are its own forward's, detached:
+        no update has happened before it, so a separate forward would compute the same
+        numbers (a quarter of an RL step with one minibatch)."""
         chunks = _split(len(samples), self.spec.train.num_minibatches)
         plans = [[samples[i] for i in chunk] for chunk in chunks]
         with torch.no_grad():
             micro = [self.batches.micro_batches(p) for p in plans]
             masks = [[self.batches.per_token(p, m, "mask") for m in plan] for p, plan in zip(plans, micro)]
 
-            def scored(model: torch.nn.Module | None) -> list[list[torch.Tensor]]:
-                return [
+            def scored(model: torch.nn.Module | None, first: int = 0) -> list[list[torch.Tensor] | None]:
+                return [None] * first + [
                     [self.token_logprobs(m, model, scored=mask)[0] for m, mask in zip(plan, plan_masks)]
-                    for plan, plan_masks in zip(micro, masks)
+                    for plan, plan_masks in zip(micro[first:], masks[first:])
                 ]
 
-            prox = scored(self.model)
+            prox = scored(self.model, first=1)
             ref = scored(self.reference) if self.reference is not None else None
         # A forward without backward leaves the root module unsharded; reshard so the
         # optimizer (which holds the sharded parameters) and the next forward agree.
@@ -103,8 +105,10 @@ class Trainer(DPOSteps):
         )
 
     def _rl_minibatch(
-        self, samples: list[Sample], prox: list[torch.Tensor], ref: list[torch.Tensor] | None
+        self, samples: list[Sample], prox: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
     ) -> dict[str, float]:
+        """One optimizer step on `samples`; `prox` None: the weights have not changed since
+        the step began, so each micro-batch's own logprobs are the proximal ones."""
         micro = self.batches.micro_batches(samples)
         num_tokens = sum(sum(s.mask) for s in samples)
         normaliser = loss.normaliser(self.spec.train, num_tokens, len(samples))
@@ -114,7 +118,7 @@ class Trainer(DPOSteps):
             theta, entropy = self.token_logprobs(mb, with_entropy=True, scored=mask)
             inputs = loss.LossInputs(
                 theta=theta,
-                prox=prox[i],
+                prox=prox[i] if prox is not None else theta.detach(),
                 mu=self.batches.per_token(samples, mb, "logprobs"),
                 advantages=self.batches.advantages(samples, mb),
                 mask=mask,
