@@ -8,11 +8,15 @@ speed, and RL on the clarify task.
     backward, AdamW; a padded row per sequence, rows grouped into micro-batches as the
     learner's padded path groups them) on the same batches. FLOPs by the 6N rule plus
     causal attention, 6 N s + 6 L d s^2 per sequence of s tokens (N parameters, the tied
-    embedding once; L layers of width d); the RL step also counts its proximal forward
-    without gradients (2 N s + 2 L d s^2; kl_coef is 0, so no reference forward). Shares
-    are of the best fp32 2048 x 2048 matmul measured in the same run. Every row runs in a
-    fresh process, which also reports the step's peak memory above the loaded model and
-    optimizer state, per token of its largest micro-batch; the `full-vocab logprobs` rows
+    embedding once; L layers of width d); the RL step (one minibatch) makes no forward
+    besides: its proximal logprobs are its own forward's, and kl_coef is 0, so no
+    reference forward (each would add 2 N s + 2 L d s^2). Shares
+    are of the best fp32 2048 x 2048 matmul measured in the same process. One process per
+    batch holds every variant and times them in rounds, each round one step of each in a
+    rotated order, so a slow minute of this shared machine falls on all of them: seconds
+    are medians over rounds, `vs plain` the median of each round's ratio. Each step also
+    reports its peak memory above the loaded models and optimizer state, per token of its
+    largest micro-batch; the `full-vocab logprobs` rows
     repeat the varlen steps with the learner's former logprob path
     (`full_vocab_token_logprobs`: the whole [T, V] logits in fp32) for the before/after of
     the chunked logprobs (`learner.logprobs`).
@@ -68,6 +72,9 @@ LEARNER_RUNS = [
 ]
 """(packing, logprob path) of each process part (a) runs per batch; `plain` is plain
 transformers, the rest the learner with that `train.packing`."""
+RL_FORWARDS_WITHOUT_GRAD = 0
+"""Forwards without gradients an RL step makes here: one minibatch takes its proximal
+logprobs from its own forward (`Trainer.rl_step`), and kl_coef 0 needs no reference."""
 PROMPTS, NEW_TOKENS = 32, 64
 # Clarify with SmolLM2: a short warm start teaches the reply format (well-formed after six
 # SFT steps in the tests), RL then has to teach asking when the request is vague.
@@ -79,32 +86,26 @@ ROLLOUT = {"group_size": 8, "temperature": 1.0, "max_new_tokens": 48, "max_turns
 # ---- (a) learner ---------------------------------------------------------------------
 
 
-def learner_speed(out: Path, steps: int) -> dict:
-    """Part (a): each batch of `SHAPES` with each of `LEARNER_RUNS`, every one in a fresh
-    process (`learner_worker`), between two matmul measurements; the peak is the best
-    matmul any process of the run measured."""
+def learner_speed(out: Path, rounds: int) -> dict:
+    """Part (a): each batch of `SHAPES` in a fresh process (`learner_worker`) that times
+    every one of `LEARNER_RUNS` for `rounds` rounds."""
     shape = model_shape()
-    peaks = [matmul_flops()]
-    runs: dict[str, dict] = {name: {} for name in SHAPES}
+    results = {}
     for name in SHAPES:
-        for packing, path in LEARNER_RUNS:
-            result = run_learner_worker(out, {"shape": name, "packing": packing, "logprobs": path, "steps": steps})
-            peaks.append(result["matmul_flops"])
-            runs[name][(packing, path)] = result
-            seconds = ", ".join(f"{step} {m['seconds']:.2f} s" for step, m in result["steps"].items())
-            print(f"  {name} {packing} ({path} logprobs): {seconds}", flush=True)
-    peaks.append(matmul_flops())
-    peak = max(peaks)
-    tables = {name: learner_rows(lengths, shape, peak, runs[name]) for name, lengths in SHAPES.items()}
+        results[name] = run_learner_worker(out, {"shape": name, "rounds": rounds})
+        for run, steps in results[name]["steps"].items():
+            seconds = ", ".join(f"{step} {statistics.median(m['seconds']):.2f} s" for step, m in steps.items())
+            print(f"  {name} {run}: {seconds}", flush=True)
+    tables = {name: learner_rows(SHAPES[name], shape, results[name]) for name in SHAPES}
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     return shape | {
         "commit": commit,
         "shapes": SHAPES,
         "max_tokens_per_rank": MAX_TOKENS_PER_RANK,
-        "timed_steps": steps,
-        "rl_forwards_without_grad": 1,
-        "matmul_flops": peak,
-        "matmul_flops_measured": peaks,
+        "rounds": rounds,
+        "rl_forwards_without_grad": RL_FORWARDS_WITHOUT_GRAD,
+        "matmul_flops": {name: max(r["matmul_flops"]) for name, r in results.items()},
+        "matmul_flops_measured": {name: r["matmul_flops"] for name, r in results.items()},
         "rows": tables,
         "targets": {name: targets(rows) for name, rows in tables.items()},
     }
@@ -153,37 +154,39 @@ def micro_batch_tokens(lengths: list[int], padded: bool) -> int:
     return max(sum(lengths[i] for i in part) for part in parts)
 
 
-def learner_rows(lengths: list[int], shape: dict, peak: float, runs: dict) -> dict[str, dict]:
-    """Table rows of one batch: plain, then the SFT rows, then the RL rows."""
-    rows = {}
-    for step in ("plain", "sft", "rl"):
-        for (packing, path), result in runs.items():
-            if step not in result["steps"]:
+def learner_rows(lengths: list[int], shape: dict, result: dict) -> dict[str, dict]:
+    """Table rows of one batch: plain, then the SFT rows, then the RL rows; shares of the
+    best matmul its process measured."""
+    rows, peak = {}, max(result["matmul_flops"])
+    plain = result["steps"]["plain/full"]["plain"]["seconds"]
+    for kind in ("plain", "sft", "rl"):
+        for run, steps in result["steps"].items():
+            if kind not in steps:
                 continue
-            measured = result["steps"][step]
-            name = "plain transformers" if step == "plain" else f"{step.upper()} {packing}"
-            name += ", full-vocab logprobs" if path == "full" and step != "plain" else ""
-            flops = step_flops(lengths, shape, forwards_without_grad=int(step == "rl"))
-            padded = packing in ("plain", "padded") or not result["packed"]
+            packing, path = run.split("/")
+            measured = steps[kind]
+            name = "plain transformers" if kind == "plain" else f"{kind.upper()} {packing}"
+            name += ", full-vocab logprobs" if path == "full" and kind != "plain" else ""
+            seconds = statistics.median(measured["seconds"])
+            flops = step_flops(lengths, shape, forwards_without_grad=RL_FORWARDS_WITHOUT_GRAD if kind == "rl" else 0)
+            padded = packing in ("plain", "padded") or not result["packed"][run]
             micro = micro_batch_tokens(lengths, padded)
             rows[name] = {
-                "step": step,
+                "step": kind,
                 "packing": packing,
                 "logprobs": path,
                 "packed": not padded,
-                "seconds": measured["seconds"],
-                "process_matmul_flops": result["matmul_flops"],
-                "tokens_per_s": sum(lengths) / measured["seconds"],
+                "seconds": seconds,
+                "seconds_per_round": measured["seconds"],
+                "tokens_per_s": sum(lengths) / seconds,
                 "flops": flops,
-                "flops_per_s": flops / measured["seconds"],
-                "share_of_matmul": flops / measured["seconds"] / peak,
-                "step_peak_bytes": measured["peak_bytes"],
+                "flops_per_s": flops / seconds,
+                "share_of_matmul": flops / seconds / peak,
+                "over_plain": statistics.median(p / x for p, x in zip(plain, measured["seconds"])),
+                "step_peak_bytes": max(measured["peak_bytes"]),
                 "micro_batch_tokens": micro,
-                "peak_bytes_per_token": measured["peak_bytes"] / micro,
+                "peak_bytes_per_token": max(measured["peak_bytes"]) / micro,
             }
-    plain = rows["plain transformers"]["tokens_per_s"]
-    for row in rows.values():
-        row["over_plain"] = row["tokens_per_s"] / plain
     return rows
 
 
@@ -194,18 +197,18 @@ def targets(rows: dict[str, dict]) -> dict:
         "sft_share_of_matmul": sft["share_of_matmul"],
         "sft_over_plain": sft["over_plain"],
         "rl_share_of_matmul": rl["share_of_matmul"],
-        "sft_varlen_over_padded": sft["tokens_per_s"] / rows["SFT padded"]["tokens_per_s"],
-        "rl_varlen_over_padded": rl["tokens_per_s"] / rows["RL padded"]["tokens_per_s"],
+        "sft_varlen_over_padded": rows["SFT padded"]["seconds"] / sft["seconds"],
+        "rl_varlen_over_padded": rows["RL padded"]["seconds"] / rl["seconds"],
         "sft_met": sft["share_of_matmul"] >= 0.6 and sft["over_plain"] >= 1.0,
         "rl_met": rl["share_of_matmul"] >= 0.5,
-        "packed_beats_padded": sft["tokens_per_s"] > rows["SFT padded"]["tokens_per_s"]
-        and rl["tokens_per_s"] > rows["RL padded"]["tokens_per_s"],
+        "packed_beats_padded": sft["seconds"] < rows["SFT padded"]["seconds"]
+        and rl["seconds"] < rows["RL padded"]["seconds"],
     }
 
 
 def run_learner_worker(out: Path, run: dict) -> dict:
     """`learner_worker` for `run` in a fresh process, its output in a log beside the result."""
-    stem = out / f"learner-{run['shape']}-{run['packing']}-{run['logprobs']}"
+    stem = out / f"learner-{run['shape']}"
     result = stem.with_suffix(".json")
     with stem.with_suffix(".log").open("w") as log:
         command = [sys.executable, __file__, "--learner-worker", json.dumps(run), str(result)]
@@ -214,20 +217,55 @@ def run_learner_worker(out: Path, run: dict) -> dict:
 
 
 def learner_worker(run_json: str, out: str) -> None:
-    """One process of part (a): a matmul, then `steps` timed steps (after an untimed one) of
-    each kind the run has, on the batch `shape`; the result as JSON in `out`."""
+    """One process of part (a): every one of `LEARNER_RUNS` on the batch `shape`, an
+    untimed step of each kind first (it also allocates gradients and optimizer state),
+    then `rounds` rounds of one timed step of each, the order rotated each round, a matmul
+    measured before and after every round; the result as JSON in `out`."""
     run = json.loads(run_json)
     lengths = SHAPES[run["shape"]]
-    batches = token_batches(lengths, run["steps"] + 1)
-    result: dict = {"matmul_flops": matmul_flops(repeats=5)}
-    if run["packing"] == "plain":
-        result["steps"] = {"plain": measured(plain_step(lengths), batches)}
-    else:
-        trainer = learner_trainer(run["packing"], run["logprobs"])
-        samples = [as_samples(batch) for batch in batches]
-        result["packed"] = trainer.can_pack
-        result["steps"] = {"sft": measured(trainer.sft_step, samples), "rl": measured(trainer.rl_step, samples)}
-    Path(out).write_text(json.dumps(result))
+    batches = token_batches(lengths, run["rounds"] + 1)
+    samples = [as_samples(batch) for batch in batches]
+    steps, packed = {}, {}
+    trainers = {}
+    for packing, path in LEARNER_RUNS:
+        key = f"{packing}/{path}"
+        if packing == "plain":
+            steps[key] = {"plain": plain_step(lengths)}
+            continue
+        trainers[packing] = trainers.get(packing) or learner_trainer(packing)
+        trainer, full = trainers[packing], path == "full"
+        packed[key] = trainer.can_pack
+        steps[key] = {kind: with_logprobs(trainer, getattr(trainer, f"{kind}_step"), full) for kind in ("sft", "rl")}
+    data = {"plain": batches, "sft": samples, "rl": samples}
+    timed = {key: {kind: {"seconds": [], "peak_bytes": []} for kind in kinds} for key, kinds in steps.items()}
+    for kinds in steps.values():
+        for kind, step in kinds.items():
+            step(data[kind][0])
+    flops = [matmul_flops(repeats=5)]
+    calls = [(key, kind) for key, kinds in steps.items() for kind in kinds]
+    for r in range(run["rounds"]):
+        for key, kind in calls[r % len(calls) :] + calls[: r % len(calls)]:
+            seconds, peak = measured(steps[key][kind], data[kind][r + 1])
+            timed[key][kind]["seconds"].append(seconds)
+            timed[key][kind]["peak_bytes"].append(peak)
+        flops.append(matmul_flops(repeats=5))
+        print(f"round {r + 1} of {run['rounds']} done", flush=True)
+    Path(out).write_text(json.dumps({"matmul_flops": flops, "packed": packed, "steps": timed}))
+
+
+def with_logprobs(trainer, step, full: bool):
+    """`step` of `trainer`, run with the former full-vocabulary logprob path when `full`."""
+    if not full:
+        return step
+
+    def former(batch):
+        trainer.token_logprobs = types.MethodType(full_vocab_token_logprobs, trainer)
+        try:
+            return step(batch)
+        finally:
+            del trainer.token_logprobs  # back to the class's method
+
+    return former
 
 
 def token_batches(lengths: list[int], count: int) -> list[list[list[int]]]:
@@ -259,20 +297,16 @@ def as_samples(batch: list[list[int]]):
     ]
 
 
-def measured(step, batches: list) -> dict:
-    """Seconds per call of `step` over `batches[1:]`, after an untimed call on `batches[0]`
-    (which also allocates gradients' and the optimizer's state), and the most resident
-    memory those calls held above what the process held before them."""
-    step(batches[0])
+def measured(step, batch) -> tuple[float, int]:
+    """Seconds of one call of `step` on `batch`, and the most resident memory it held above
+    what the process held before it."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what the untimed call freed
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what earlier calls freed
     before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak, to VmRSS
     started = time.perf_counter()
-    for batch in batches[1:]:
-        step(batch)
-    seconds = (time.perf_counter() - started) / (len(batches) - 1)
-    return {"seconds": seconds, "peak_bytes": status_bytes("VmHWM") - before}
+    step(batch)
+    return time.perf_counter() - started, status_bytes("VmHWM") - before
 
 
 def status_bytes(field: str) -> int:
@@ -294,7 +328,7 @@ def plain_step(lengths: list[int]):
     from learner import batching
 
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # transformers' Trainer's default optimizer
     groups = batching.partition(lengths, 1, MAX_TOKENS_PER_RANK, padded=True)[0]
     predicted = sum(lengths) - len(lengths)
 
@@ -312,21 +346,18 @@ def plain_step(lengths: list[int]):
     return step
 
 
-def learner_trainer(packing: str, logprob_path: str):
-    """The learner's Trainer on one gloo rank with `train.packing` = `packing`; with
-    `logprob_path` "full", computing logprobs the former way (`full_vocab_token_logprobs`)."""
+def learner_trainer(packing: str):
+    """The learner's Trainer on the process's gloo rank with `train.packing` = `packing`."""
     import torch
     import torch.distributed as dist
 
     from learner.trainer import Trainer
     from services.config import parse_job_spec
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     train = {"lr": 1e-5, "max_tokens_per_rank": MAX_TOKENS_PER_RANK, "packing": packing}
-    trainer = Trainer(parse_job_spec({"model": {"path": str(MODEL)}, "train": train}), torch.device("cpu"))
-    if logprob_path == "full":
-        trainer.token_logprobs = types.MethodType(full_vocab_token_logprobs, trainer)
-    return trainer
+    return Trainer(parse_job_spec({"model": {"path": str(MODEL)}, "train": train}), torch.device("cpu"))
 
 
 def full_vocab_token_logprobs(trainer, micro, model=None, with_entropy: bool = False, scored=None):
@@ -571,12 +602,12 @@ def print_report(report: dict) -> None:
 def print_learner(a: dict) -> None:
     print(
         f"\n(a) learner, {a['parameters'] / 1e6:.1f}M parameters, fp32, {os.cpu_count()} cores; "
-        f"matmul {a['matmul_flops'] / 1e9:.0f} GFLOP/s (best of {len(a['matmul_flops_measured'])} in this run); "
-        f"FLOPs 6Ns + 6Lds^2, RL adds its proximal forward"
+        f"FLOPs 6Ns + 6Lds^2; medians of {a['rounds']} rounds"
     )
     for name, rows in a["rows"].items():
         lengths = a["shapes"][name]
-        print(f"\n{name}: {describe(lengths)} = {sum(lengths)} tokens")
+        matmul = a["matmul_flops"][name] / 1e9
+        print(f"\n{name}: {describe(lengths)} = {sum(lengths)} tokens; matmul {matmul:.0f} GFLOP/s (best in process)")
         print(
             f"{'step':>36} {'s/step':>7} {'tokens/s':>9} {'GFLOP/s':>8} {'of matmul':>10} {'vs plain':>9} "
             f"{'peak MB':>8} {'KB/token':>9}"
@@ -632,7 +663,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="a,b,c", help="which of a (learner), b (rollout), c (clarify RL)")
-    parser.add_argument("--learner-steps", type=int, default=2, help="timed steps per learner row")
+    parser.add_argument("--learner-rounds", type=int, default=3, help="timed steps per learner row, in rounds")
     parser.add_argument("--rounds", type=int, default=2, help="generation runs per engine, alternating")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="RL steps per seed")
@@ -646,7 +677,7 @@ def main() -> None:
     report_file = out / "real_model.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     if "a" in parts:
-        report["learner"] = learner_speed(out, args.learner_steps)
+        report["learner"] = learner_speed(out, args.learner_rounds)
     if "b" in parts:
         report["rollout"] = rollout_speed(out, args.rounds)
     if "c" in parts:
