@@ -13,8 +13,9 @@ projects each chunk again and forms the gradient from the softmax,
 so the peak is one chunk's [C, V] in fp32 (`CHUNK_BYTES`) at the price of one more pass
 of the output projection. The first chunks' softmax is kept for backward instead, up to
 `KEEP_BYTES` in all, so a micro-batch of a few thousand tokens pays little or none of that
-pass while a long one stays within a bounded memory. Only the positions that a loss reads (`scored`) are projected at
-all: prompt and user tokens are context and their logprobs are never used.
+pass while a long one stays within a bounded memory. Only the positions that a loss reads
+(`scored`) are projected at all: prompt and user tokens are context and their logprobs
+are never used.
 
 The method runs inside FSDP's forward hooks (`attach`), so the root module's parameters
 (embeddings, final norm, output projection) are gathered around it as for `forward`.
