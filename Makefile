@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/python scripts/sync_k8s_files.py --check
 
 test: lint
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests --durations=25
 
 test-unit: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit

@@ -232,6 +232,7 @@ def stack(tmp_path):
         assert built.leftovers() == [], "docker compose down -v left these behind"
 
 
+@pytest.mark.timeout(3600)  # every phase has its own deadline; this bounds their sum
 def test_compose_stack_trains_survives_faults_and_restarts_and_leaves_nothing(stack: Stack):
     if not os.environ.get("TANDEM_COMPOSE_IMAGES_ENV"):
         with stack.phase("build: docker compose --profile cpu build"):
