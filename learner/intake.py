@@ -17,12 +17,18 @@ from prometheus_client import Counter
 
 from learner.dispatcher import Dispatcher
 from learner.group_log import GroupLog
+from learner.mix import Mix
 from services import protocol
 from services.config import TrainSpec
 from services.queues import Delivery, StreamConsumer
 
 STALE_DROPPED = Counter("tandem_learner_stale_dropped_total", "Groups dropped as over-stale", ["job"])
 DUPLICATES = Counter("tandem_learner_duplicate_groups_total", "Groups for an already trained task", ["job"])
+STALE_MASKED = Counter(
+    "tandem_learner_stale_masked_tokens_total",
+    "Trained tokens masked out of the loss as older than train.max_token_staleness",
+    ["job"],
+)
 HELD_OVER = Counter(
     "tandem_learner_held_over_total",
     "Groups held over to a later batch, once each (stragglers: wait kept the places for older tasks)",
@@ -117,6 +123,30 @@ def latest_fitting(owed: list[int], places: int, batch_size: int) -> int | None:
     return None
 
 
+def mask_stale_tokens(group: protocol.TrajectoryGroup, version: int, limit: int) -> int:
+    """Masks out of the loss every trained token of `group` sampled more than `limit`
+    versions before `version` (an unversioned token, -1, counts as oldest); how many."""
+    masked = 0
+    for sample in group.samples:
+        for index, (token_version, trained) in enumerate(zip(sample.versions, sample.mask)):
+            if trained and version - token_version > limit:
+                sample.mask[index] = 0
+                masked += 1
+    return masked
+
+
+def mask_too_old(group: protocol.TrajectoryGroup, version: int, train: TrainSpec, stragglers: str) -> tuple[int, bool]:
+    """With `stragglers: admit` and `train.max_token_staleness` set, masks `group`'s tokens
+    older than it (`mask_stale_tokens`). How many, and whether that left a group that had
+    tokens to train with none (it is refused as stale)."""
+    limit = train.max_token_staleness
+    if limit is None or stragglers != "admit":
+        return 0, False
+    had_tokens = group.min_version() is not None
+    masked = mask_stale_tokens(group, version, limit)
+    return masked, had_tokens and group.min_version() is None
+
+
 def over_stale(group: protocol.TrajectoryGroup, version: int, max_staleness: int, stragglers: str) -> bool:
     """Older than `max_staleness` at `version` (unless late groups are admitted), or from a
     version newer than it."""
@@ -176,7 +206,7 @@ class TaskLedger:
 
 
 class BatchIntake:
-    COUNTS = ("stale_dropped", "duplicates", "held_over")
+    COUNTS = ("stale_dropped", "duplicates", "held_over", "stale_masked_tokens")
 
     def __init__(
         self,
@@ -210,14 +240,13 @@ class BatchIntake:
         """Tasks whose group was held over and is not decided yet."""
         self.admitted = 0
         """Groups this run took into a batch: the job's progress between steps."""
+        self.mix = Mix()
 
     async def read_backlog(self) -> None:
         """Every trajectory entry an earlier run of this job read and never acknowledged, in
         stream order: all of them, since what a capped read leaves out is never read again."""
-        consumer = self.trajectories
-        summary = await consumer.client.xpending(consumer.stream, consumer.group)
-        pending = sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == consumer.consumer)
-        self.backlog = await consumer.read_own_pending(pending) if pending else []
+        pending = await self.trajectories.own_pending_count()
+        self.backlog = await self.trajectories.read_own_pending(pending) if pending else []
 
     async def collect(
         self, version: int, when_idle: Callable[[], Awaitable[None]], size: int | None = None
@@ -285,6 +314,7 @@ class BatchIntake:
         """`decide`, recorded in the group log."""
         decision = await self.decide(delivery, version, seen)
         self.held_once.discard(delivery.message.task_id)
+        self.mix.decided(delivery.message, decision)
         if self.log is not None:
             self.log.write(delivery.message, decision, version)
         self.admitted += decision == "trained"
@@ -294,9 +324,9 @@ class BatchIntake:
         """Whether a group joins the batch trained on `version` ("trained") or why not.
         Refused: a task already trained (a rollout server died after writing it) or already
         in the batch ("duplicate"), groups the trainer must not see ("invalid",
-        dead-lettered: `invalid_reason`), over-stale groups and groups from versions newer
-        than `version` ("stale"; the latter were sampled by weights a crashed learner
-        published and this one never had)."""
+        dead-lettered: `invalid_reason`), and over-stale groups, groups `mask_too_old` left
+        nothing to train and groups from versions newer than `version` ("stale"; the last
+        were sampled by weights a crashed learner published and this one never had)."""
         group: protocol.TrajectoryGroup = delivery.message
         if group.task_id in self.ledger.trained or group.task_id in seen:
             self.counts["duplicates"] += 1
@@ -305,11 +335,13 @@ class BatchIntake:
             return "duplicate"
         problem = invalid_reason(group, self.train.max_tokens_per_rank, self.vocab_size)
         if problem:
-            # Refused here, on rank 0, for all ranks: in a step it would fail on some ranks
-            # only and leave the others blocked in a collective.
+            # Refused on rank 0 for all ranks: in a step it would fail on some, leaving the rest blocked.
             await self.trajectories.dead_letter(delivery.entry_id, protocol.encode(group), problem)
             return "invalid"  # the dispatcher replaces its task when it reads the dead stream
-        if over_stale(group, version, self.train.max_staleness, self.stragglers):
+        masked, emptied = mask_too_old(group, version, self.train, self.stragglers)
+        self.counts["stale_masked_tokens"] += masked
+        STALE_MASKED.labels(self.job_id).inc(masked)
+        if emptied or over_stale(group, version, self.train.max_staleness, self.stragglers):
             self.counts["stale_dropped"] += 1
             STALE_DROPPED.labels(self.job_id).inc()
             self.dispatcher.replace(group.task_id)

@@ -69,6 +69,29 @@ STEP_GAUGES = {  # record key -> gauge of the last step's value
         "Judge and user-simulator tokens the provider charged for the last batch, per token it trained",
         ["job"],
     ),
+    "trained_vs_generated_length_ratio": Gauge(
+        "tandem_learner_trained_vs_generated_length_ratio",
+        "Mean sequence length of the trained samples over that of every finished one, job so far",
+        ["job"],
+    ),
+    "asked_share_trained": Gauge(
+        "tandem_learner_asked_share_trained", "Share of trained first turns that ask, job so far", ["job"]
+    ),
+    "asked_share_generated": Gauge(
+        "tandem_learner_asked_share_generated",
+        "Share of finished first turns (trained or refused) that ask, job so far",
+        ["job"],
+    ),
+    "wasted_llm_tokens": Gauge(
+        "tandem_learner_wasted_llm_tokens",
+        "Judge and user-simulator tokens paid for groups the learner refused (over-stale, duplicate), job so far",
+        ["job"],
+    ),
+    "llm_tokens_per_trained_sample": Gauge(
+        "tandem_learner_llm_tokens_per_trained_sample",
+        "Judge and user-simulator tokens of every finished group per sample trained, job so far",
+        ["job"],
+    ),
     "futures": Gauge(
         "tandem_learner_futures_per_turn", "Mean futures sampled per scored response, last batch", ["job"]
     ),
@@ -146,7 +169,8 @@ def rl_record(
 ) -> dict:
     """The record of RL step `step`, which trained `groups` and published `version`: what
     the batch was (rewards, staleness, sizes, tasks), what the step measured, the wait for
-    the batch and the job's running counts."""
+    the batch, the job's running counts and what it trained against what was finished
+    (`learner.mix`)."""
     samples = [s for g in groups for s in g.samples]
     staleness = [version - 1 - g.min_version() for g in groups if g.min_version() is not None]
     return {

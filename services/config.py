@@ -330,6 +330,16 @@ class TrainSpec(LossSpec):
             "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."
         ),
     )
+    max_token_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description=(
+            "`stragglers: admit` only: a trained token sampled more than this many versions before the step that "
+            "trains it is masked out of the loss, the rest of its group trained; a group left with no trained "
+            "token is refused as stale and its task dispatched again. None: no token is too old."
+        ),
+    )
     max_tokens_per_rank: int = Field(
         16384, ge=64, description="Tokens in one micro-batch; padded rows count rows x their longest sequence."
     )
@@ -386,6 +396,17 @@ class TrainSpec(LossSpec):
             "batch_size pairs per step, reshuffled every pass."
         ),
     )
+
+    @model_validator(mode="after")
+    def _token_bound_applies(self) -> TrainSpec:
+        """`max_token_staleness` acts in `admit` mode only, and never below eta: a token
+        within the bound the dispatcher keeps is never too old."""
+        limit = self.max_token_staleness
+        if limit is not None and self.stragglers != "admit":
+            raise ValueError("max_token_staleness applies only with stragglers: admit")
+        if limit is not None and limit < self.max_staleness:
+            raise ValueError(f"max_token_staleness {limit} is below max_staleness {self.max_staleness}")
+        return self
 
 
 class WarmStartSpec(_Strict):

@@ -278,6 +278,11 @@ class StreamConsumer(Generic[M]):
         entries = reply[0][1] if reply else []
         return await self._decode(entries)
 
+    async def own_pending_count(self) -> int:
+        """Entries delivered to this consumer name and not acknowledged."""
+        summary = await self.client.xpending(self.stream, self.group)
+        return sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == self.consumer)
+
     async def read_own_pending(self, count: int) -> list[Delivery[M]]:
         """Entries delivered to this consumer name before and never acknowledged (restart)."""
         reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)

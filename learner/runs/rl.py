@@ -19,6 +19,7 @@ from learner import policy
 from learner.control import Command
 from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
+from learner.mix import Mix
 from learner.runs.rollout_fed import RolloutFedRun
 from learner.step_log import rl_record
 from services import retention
@@ -98,7 +99,7 @@ class RLRun(RolloutFedRun):
             step_seconds,
             sync["seconds"],
             self.steps.waited(wait_s),
-            self.counts(),
+            self.counts() | self.intake.mix.record(),
         )
         self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)
@@ -123,6 +124,7 @@ class RLRun(RolloutFedRun):
             "version": self.version,
             "trained": sorted(self.intake.ledger.trained),
             "counts": self.counts(),
+            "mix": self.intake.mix.state(),
             "dispatcher": self.dispatcher.state(),
             "history_length": await self.steps.length(),
             "groups_bytes": self.intake.log.written_bytes(),
@@ -158,6 +160,7 @@ class RLRun(RolloutFedRun):
         self.intake.ledger.trained = set(meta["trained"])
         for part in (self.intake, self.publisher):
             part.counts.update({name: meta["counts"].get(name, 0) for name in part.counts})
+        self.intake.mix = Mix.from_state(meta.get("mix"))
         self.dispatcher.load_state(meta["dispatcher"])
         await self.dispatcher.skip_dispatched(self.version)
         if not exact:  # groups of the tasks out then may be gone: admit new tasks in their place

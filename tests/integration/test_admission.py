@@ -244,7 +244,7 @@ async def test_waiting_trains_every_straggler_within_the_bound(redis_client):
     # Version 1: tasks 0 and 1 (admitted at version 0) must be trained now, and take both
     # places; group 4 is held over to version 2, where it is 1 version old.
     assert batches == [[2, 3], [0, 1], [4, 5]]
-    assert intake.counts == {"stale_dropped": 0, "duplicates": 0, "held_over": 1}
+    assert intake.counts == {"stale_dropped": 0, "duplicates": 0, "held_over": 1, "stale_masked_tokens": 0}
     assert intake.dispatcher.replaced == 0
 
 
@@ -273,6 +273,35 @@ async def test_admitting_trains_the_stragglers_late(redis_client):
     # trained there (its tokens weighted by the behaviour correction) instead of replaced.
     assert batches == [[2, 3], [4, 0], [1, 5]]
     assert intake.counts["stale_dropped"] == 0 and intake.dispatcher.replaced == 0
+
+
+async def admitting(redis_client, max_token_staleness: int) -> BatchIntake:
+    """An intake of `stragglers: admit` at eta 1 with the given token bound."""
+    trajectories = await StreamConsumer(
+        redis_client, Keys.trajectories("j"), "learner", "learner", protocol.TrajectoryGroup, Keys.dead("j")
+    ).setup()
+    train = TrainSpec(max_staleness=1, batch_size=2, stragglers="admit", max_token_staleness=max_token_staleness)
+    job = RLJob(model=ModelSpec(path="/m"), train=train)
+    return BatchIntake(
+        "j", train, trajectories, Dispatcher(redis_client, "j", job), Acks(trajectories, False), stragglers="admit"
+    )
+
+
+async def test_admitting_with_a_token_bound_masks_only_the_tokens_older_than_it(redis_client):
+    intake = await admitting(redis_client, max_token_staleness=2)
+    late = group(1, [2, 3, 4, 5])  # at version 5 its tokens are 3, 2, 1 and 0 versions old
+    assert await intake.admit(late, VERSION, set())
+    assert late.message.samples[0].mask == [0, 0, 1, 1, 1]  # the prompt token stays out, the oldest goes
+    assert intake.counts["stale_masked_tokens"] == 1 and intake.counts["stale_dropped"] == 0
+
+
+async def test_a_group_whose_every_token_is_older_than_the_bound_is_refused_counted_and_replaced(redis_client):
+    intake = await admitting(redis_client, max_token_staleness=2)
+    assert not await intake.admit(group(2, [1, 2]), VERSION, set())  # 4 and 3 versions old
+    assert intake.counts["stale_dropped"] == 1 and intake.counts["stale_masked_tokens"] == 2
+    assert intake.dispatcher.replaced == 1
+    assert intake.mix.record()["wasted_llm_tokens"] == 0.0  # counted as finished, not trained
+    assert intake.mix.finished.groups == 1 and intake.mix.trained.groups == 0
 
 
 async def test_waiting_keeps_places_for_deadlines_of_later_steps(redis_client):
