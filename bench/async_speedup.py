@@ -63,16 +63,26 @@ from tandem.redis_embed import free_port  # noqa: E402
 
 UPSTREAM = "stand-in"
 """The one upstream: the provider's key, shared by the user simulator and the judge."""
-SETTINGS = (  # label, max_staleness, pause mode, stragglers (train.stragglers)
-    ("sync", 0, "abort", "drop"),
-    ("eta1", 1, "abort", "drop"),
-    ("eta2", 2, "abort", "drop"),
-    ("eta2-wait", 2, "abort", "wait"),
-    ("eta2-admit", 2, "abort", "admit"),
-    ("eta2-keep", 2, "keep", "drop"),
-    ("eta4", 4, "abort", "drop"),
-    ("eta4-wait", 4, "abort", "wait"),
+SETTINGS = (  # label, max_staleness, pause mode, stragglers, max_token_staleness (train.*)
+    ("sync", 0, "abort", "drop", None),
+    ("eta1", 1, "abort", "drop", None),
+    ("eta2", 2, "abort", "drop", None),
+    ("eta2-wait", 2, "abort", "wait", None),
+    ("eta2-admit", 2, "abort", "admit", None),
+    ("eta2-admit4", 2, "abort", "admit", 4),
+    ("eta2-keep", 2, "keep", "drop", None),
+    ("eta4", 4, "abort", "drop", None),
+    ("eta4-wait", 4, "abort", "wait", None),
 )
+MIX_FIGURES = (
+    "stale_masked_tokens",
+    "trained_vs_generated_length_ratio",
+    "asked_share_trained",
+    "asked_share_generated",
+    "wasted_llm_tokens",
+    "llm_tokens_per_trained_sample",
+)
+"""What a run trained against what it finished, as its last step record says (learner.mix)."""
 REWARD = {
     "mode": "multiturn",
     "window": 2,
@@ -244,13 +254,15 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
             client = ApiClient(stack.api_url)
             policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
             for seed in args.seeds:
-                for label, eta, pause, stragglers in (s for s in SETTINGS if s[0] in args.settings):
+                for label, eta, pause, stragglers, token_bound in (s for s in SETTINGS if s[0] in args.settings):
                     if seed in runs.get(label, {}):
                         continue
                     spec = copy.deepcopy(base) | {"name": f"async-{label}-seed{seed}"}
                     spec["model"]["path"] = str(policy)
                     spec["warm_start"] = {"steps": 0}
                     spec["train"] |= {"max_staleness": eta, "seed": seed, "stragglers": stragglers}
+                    if token_bound is not None:
+                        spec["train"]["max_token_staleness"] = token_bound
                     spec["rollout"]["pause_mode"] = pause
                     print(f"\n{label}, seed {seed}")
                     runs.setdefault(label, {})[seed] = run_job(client, stack, stand_in, spec) | {
@@ -330,6 +342,7 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         "provider_calls": run["provider"]["accepted"],
         "upstream_429": run["provider"]["rejected_429"],
         "stale_dropped": history[-1].get("stale_dropped", 0),
+        **{key: history[-1][key] for key in MIX_FIGURES if key in history[-1]},
         "cpu_s": run["cpu_s"],
         "provider_latency_mean_s": run["provider"]["latency_s_total"] / max(run["provider"]["accepted"], 1),
         "staleness_histogram": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
