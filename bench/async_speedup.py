@@ -10,8 +10,8 @@ tokens/s), with one TPM/RPM budget for the simulator and the judge together.
 One warm start, then the same job and steps under each setting (`--settings`): `max_staleness`
 0 (synchronous RL, same code), 1, 2 and 4, pause mode abort or keep, and what the learner does
 about slow groups (`train.stragglers`: drop them when over-stale, wait for them, or admit them
-late with the behaviour correction). Per seed
-(`--seeds`), the settings run one after another on one running system (alternating, so a slow
+late with the behaviour correction, `eta2-admit4` masking the tokens over 4 versions old).
+Per seed (`--seeds`), the settings run one after another on one running system (alternating, so a slow
 patch of the machine does not fall on one setting); the stand-in and the proxy's shared
 budget start full for each run.
 
@@ -26,8 +26,10 @@ target training reward (a moving average over `--window` steps) and to the end, 
 ratio, rollout engine busy ratio, judge budget use (tokens per minute over the TPM, as the
 dashboards show it; the provider's bucket starts full, so a short run may pass 1), upstream
 429s, groups dropped as over-stale, staleness histogram, mismatch KL, the CPU seconds of
-every process, and what the learner's group records say (`bench/async_groups.py`: asked
-share, rollout time and reward of dropped against trained groups, late against fresh).
+every process, what it trained against what it finished (`learner.mix`: mean length, asked
+share, provider tokens thrown away and per trained sample), and what the learner's group
+records say (`bench/async_groups.py`: asked share, rollout time and reward of dropped
+against trained groups, late against fresh).
 Per setting: min / mean / max over the seeds.
 
 Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 40] [--lr 2.5e-4]
@@ -434,6 +436,7 @@ def make_report(
             "mismatch_kl_mean": pick("mismatch_kl_mean"),
             "learner_idle_ratio": pick("learner_idle_ratio"),
             "budget_use": pick("budget_use"),
+            **{key: spread([row.get(key) for row in by_seed.values()]) for key in MIX_FIGURES},
         }
     return {
         "steps": args.steps,
@@ -486,6 +489,12 @@ def print_report(report: dict) -> None:
         ("speedup to end", "speedup_to_end", ".2f", "x"),
         ("dropped", "stale_dropped", ".0f", ""),
         ("mismatch KL", "mismatch_kl_mean", ".1e", ""),
+        ("tokens masked", "stale_masked_tokens", ".0f", ""),
+        ("length trained/all", "trained_vs_generated_length_ratio", ".3f", ""),
+        ("asked: trained", "asked_share_trained", ".3f", ""),
+        ("asked: all finished", "asked_share_generated", ".3f", ""),
+        ("LLM tokens wasted", "wasted_llm_tokens", ".0f", ""),
+        ("LLM tokens/sample", "llm_tokens_per_trained_sample", ".0f", ""),
     )
     for label, s in report["settings"].items():
         print(
