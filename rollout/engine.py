@@ -118,6 +118,9 @@ class Engine:
         workers came back from a weight update or reload (monotonic clock)."""
         self._in_collective = False
         """Set while the workers are in a weight update's or a reload's collective call."""
+        self.unanswered_since: float | None = None
+        """When vLLM was sent a pause or resume it has not answered (None: none). A wedged
+        engine answers none, and with no request in flight nothing else would show it."""
 
     @property
     def dead(self) -> bool:
@@ -126,12 +129,15 @@ class Engine:
         return self.llm is not None and bool(self.llm.errored)
 
     def stalled_s(self) -> float:
-        """Seconds vLLM has produced nothing while requests are in flight: a wedged engine
-        (alive, not errored) grows it without bound. 0 when idle, and while the workers are
-        in a weight update or reload, which waits on the learner or the disk instead."""
-        if self.requests == 0 or self._in_collective:
+        """Seconds vLLM has produced nothing while requests are in flight, or has left a
+        pause or resume unanswered: a wedged engine (alive, not errored) grows it without
+        bound. 0 when idle, and while the workers are in a weight update or reload, which
+        waits on the learner or the disk instead."""
+        if self._in_collective:
             return 0.0
-        return time.monotonic() - self.progress_at
+        now = time.monotonic()
+        unanswered = 0.0 if self.unanswered_since is None else now - self.unanswered_since
+        return max(unanswered, now - self.progress_at if self.requests else 0.0)
 
     @classmethod
     def start(
@@ -250,16 +256,32 @@ class Engine:
         """Generation paused for the block; new requests wait for it to end."""
         self._serving.clear()
         try:
-            await self.llm.pause_generation(mode=mode, clear_cache=mode == "abort")
+            async with self._answered():
+                await self.llm.pause_generation(mode=mode, clear_cache=mode == "abort")
             yield
         finally:
             # Serving first (vLLM queues what arrives until the resume): should the pause
             # or the resume never return (a wedged engine, cut off by the caller's
-            # deadline), the requests let in show the wedge in `stalled_s`.
+            # deadline), the call left unanswered and the requests let in show the wedge
+            # in `stalled_s`. A resume answered late still clears it.
             self._serving.set()
+            resume = asyncio.ensure_future(self._resume())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RESUME_WAIT_S):
-                    await self.llm.resume_generation()
+                    await asyncio.shield(resume)
+
+    async def _resume(self) -> None:
+        async with self._answered():
+            await self.llm.resume_generation()
+
+    @contextlib.asynccontextmanager
+    async def _answered(self):
+        """A pause or resume sent to vLLM: unanswered (cut off, or never returning), it
+        counts in `stalled_s` from when it was sent until a later one is answered."""
+        if self.unanswered_since is None:
+            self.unanswered_since = time.monotonic()
+        yield
+        self.unanswered_since = None  # reached only when the call returned
 
     @contextlib.asynccontextmanager
     async def _collective(self):

@@ -607,7 +607,8 @@ def check_engine(engine: Engine, stall_s: float) -> None:
 
 
 def stall_reason(engine: Engine) -> str:
-    return f"produced nothing for {engine.stalled_s():.0f} s with {engine.requests} requests in flight"
+    unanswered = ", a pause or resume unanswered" if engine.unanswered_since is not None else ""
+    return f"produced nothing for {engine.stalled_s():.0f} s with {engine.requests} requests in flight{unanswered}"
 
 
 class _Drained(Exception):

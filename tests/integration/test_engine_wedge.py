@@ -77,6 +77,27 @@ async def test_stalled_s_counts_from_submission_while_the_engine_core_is_stopped
     assert engine.stalled_s() == 0.0 and server.health()[1]["status"] == "ok"
 
 
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_idle_engine_that_leaves_a_pause_unanswered_counts_as_stalled(engine, tiny_model):
+    """With no request in flight only the pause shows the wedge: a server whose engine
+    stopped between its tasks, during a weight update, otherwise sat idle forever."""
+    await engine.reload_from_disk(str(tiny_model))
+    with stopped(engine_cores()):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5), engine._paused("abort"):  # a weight update's deadline cuts it off
+                pass
+        assert engine.requests == 0 and engine.stalled_s() >= 0.5 + RESUME_WAIT_S
+        with pytest.raises(EngineWedged, match=r"with 0 requests in flight, a pause or resume unanswered"):
+            check_engine(engine, 2.0)
+
+    deadline = time.monotonic() + 30.0  # the resume sent before, answered once the core runs again
+    while engine.unanswered_since is not None:
+        assert time.monotonic() < deadline, "the continued engine never answered the resume"
+        await asyncio.sleep(0.05)
+    assert engine.stalled_s() == 0.0
+    assert len((await engine.generate([1, 2, 3], 4, 1.0, [], ignore_eos=True)).tokens) == 4
+
+
 @pytest.mark.slow
 def test_a_server_whose_engine_wedges_exits_and_its_tasks_train_elsewhere(tmp_path, tiny_model):
     env = {
