@@ -43,6 +43,7 @@ import asyncio
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -205,6 +206,9 @@ def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> d
     if record["status"] != "SUCCEEDED":
         raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {stack.log_dir})")
     after, cpu_after = stand_in.stats(), cpu_seconds(stack, stand_in)
+    # Only the exported policies are evaluated later; the learner's resumable checkpoints
+    # (parameters and optimizer state, several per job) would fill the disk over many runs.
+    shutil.rmtree(Path(stack.extra_env["TANDEM_RUNS_DIR"]) / job_id / "checkpoints", ignore_errors=True)
     rollout_metrics = f"http://127.0.0.1:{stack.ports.rollout[0]}/metrics"
     return {
         "job_id": job_id,

@@ -7,6 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
 docker info >/dev/null 2>&1 || { echo "no Docker engine answers (docker info); start dockerd first" >&2; exit 1; }
+# The images need about 6 GB on first build; a full disk fails deep inside the build with
+# "No space left on device", so say it here, with the numbers.
+need_gb=${TANDEM_COMPOSE_MIN_FREE_GB:-12}
+root=$(docker info --format '{{.DockerRootDir}}')
+free_gb=$(df -P --block-size=1G "$root" | awk 'NR==2 {print $4}')
+if [ "$free_gb" -lt "$need_gb" ]; then
+  echo "only ${free_gb} GB free under $root; the compose test needs ${need_gb} GB (TANDEM_COMPOSE_MIN_FREE_GB)" >&2
+  exit 1
+fi
 scripts/install_compose.sh
 images=
 if [ -z "${TANDEM_COMPOSE_OFFLINE:-}" ] && timeout 60 docker pull -q python:3.11-slim >/dev/null 2>&1; then
