@@ -11,7 +11,17 @@ import os
 import re
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.presets import PRESETS
@@ -397,16 +407,18 @@ class TrainSpec(LossSpec):
         ),
     )
 
-    @model_validator(mode="after")
-    def _token_bound_applies(self) -> TrainSpec:
+    @field_validator("max_token_staleness")
+    @classmethod
+    def _token_bound_applies(cls, limit: int | None, info: ValidationInfo) -> int | None:
         """`max_token_staleness` acts in `admit` mode only, and never below eta: a token
-        within the bound the dispatcher keeps is never too old."""
-        limit = self.max_token_staleness
-        if limit is not None and self.stragglers != "admit":
+        within the bound the dispatcher keeps is never too old. (A field validator, so a
+        422 names this field; the two it reads are declared before it.)"""
+        if limit is not None and info.data.get("stragglers") != "admit":
             raise ValueError("max_token_staleness applies only with stragglers: admit")
-        if limit is not None and limit < self.max_staleness:
-            raise ValueError(f"max_token_staleness {limit} is below max_staleness {self.max_staleness}")
-        return self
+        eta = info.data.get("max_staleness")
+        if limit is not None and eta is not None and limit < eta:
+            raise ValueError(f"max_token_staleness {limit} is below max_staleness {eta}")
+        return limit
 
 
 class WarmStartSpec(_Strict):

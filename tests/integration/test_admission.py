@@ -304,6 +304,15 @@ async def test_a_group_whose_every_token_is_older_than_the_bound_is_refused_coun
     assert intake.mix.finished.groups == 1 and intake.mix.trained.groups == 0
 
 
+async def test_a_group_claiming_a_version_newer_than_the_learners_is_refused_not_trained_unmasked(redis_client):
+    # The versions come from a rollout server (or anyone who can write to the stream). A
+    # claimed future version would make every token look fresh to the token bound.
+    intake = await admitting(redis_client, max_token_staleness=2)
+    forged = group(3, [0, VERSION + 7])
+    assert not await intake.admit(forged, VERSION, set())
+    assert intake.counts["stale_dropped"] == 1 and intake.mix.trained.groups == 0
+
+
 async def test_waiting_keeps_places_for_deadlines_of_later_steps(redis_client):
     batches, intake = await play(redis_client, "wait", 2, FOUR_SLOW)
     # Version 1: four tasks are due by version 2, and two steps (1 and 2) train two groups

@@ -43,6 +43,16 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
         ({**SPEC, "train": {"max_staleness": "soon"}}, ["body", "train", "max_staleness"]),
         ({**SPEC, "train": {"stragglers": "forget"}}, ["body", "train", "stragglers"]),
         ({**SPEC, "train": {"export_every": -5}}, ["body", "train", "export_every"]),
+        ({**SPEC, "train": {"max_token_staleness": -1}}, ["body", "train", "max_token_staleness"]),
+        ({**SPEC, "train": {"max_token_staleness": 10**9}}, ["body", "train", "max_token_staleness"]),
+        (  # a token bound in a mode that never admits a late group
+            {**SPEC, "train": {"stragglers": "drop", "max_token_staleness": 4}},
+            ["body", "train", "max_token_staleness"],
+        ),
+        (  # a token bound under eta would mask what the dispatcher deliberately kept
+            {**SPEC, "train": {"stragglers": "admit", "max_staleness": 3, "max_token_staleness": 1}},
+            ["body", "train", "max_token_staleness"],
+        ),
         ({**SPEC, "train": {"export_every": "../../etc"}}, ["body", "train", "export_every"]),
         ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
         ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
