@@ -320,6 +320,29 @@ def moving_average(values: list[float], window: int) -> list[float]:
     ]
 
 
+def dropped_share(history: list[dict]) -> float:
+    """Groups refused as stale over all groups decided (trained or refused) in the run."""
+    dropped = history[-1].get("stale_dropped", 0)
+    return dropped / (dropped + sum(h["groups"] for h in history))
+
+
+def asked_gap_max(history: list[dict]) -> float | None:
+    """The largest gap, over the run's steps, between the asked share of the groups trained
+    so far and that of all groups finished so far (learner.mix); None without the figures."""
+    gaps = [
+        abs(h["asked_share_trained"] - h["asked_share_generated"])
+        for h in history
+        if h.get("asked_share_trained") is not None and h.get("asked_share_generated") is not None
+    ]
+    return max(gaps) if gaps else None
+
+
+def plateau(curve: list[dict], steps: int) -> float:
+    """Mean held-out success of the evaluations in the second half of the run."""
+    late = [point["success"] for point in curve if point["step"] >= steps / 2]
+    return sum(late) / len(late)
+
+
 def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
     """The figures of one run, from its step records and the provider's counters."""
     history = run["history"]
@@ -348,6 +371,8 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         "provider_calls": run["provider"]["accepted"],
         "upstream_429": run["provider"]["rejected_429"],
         "stale_dropped": history[-1].get("stale_dropped", 0),
+        "dropped_share": dropped_share(history),
+        "asked_gap_max": asked_gap_max(history),
         **{key: history[-1][key] for key in MIX_FIGURES if key in history[-1]},
         "cpu_s": run["cpu_s"],
         "provider_latency_mean_s": run["provider"]["latency_s_total"] / max(run["provider"]["accepted"], 1),
@@ -398,6 +423,7 @@ def make_report(
             row = summarize(run, args.target, args.window, args.tpm)
             row["held_out_curve"] = held_out_curve(row, held_out, label, seed)
             row["held_out"] = row["held_out_curve"][-1]
+            row["held_out_plateau"] = plateau(row["held_out_curve"], row["steps"])
             groups_file = out / "runs" / run["job_id"] / "groups.jsonl"
             row["groups"] = async_groups.summarize(group_log.read(groups_file)) if groups_file.exists() else None
             rows.setdefault(label, {})[seed] = row
@@ -417,6 +443,14 @@ def make_report(
             )
             row["speedup_to_end"] = sync["wall_s"] / row["wall_s"]
             row["held_out_vs_sync"] = row["held_out"]["success"] - sync["held_out"]["success"]
+            row["plateau_vs_sync"] = row["held_out_plateau"] - sync["held_out_plateau"]
+            per_sample, sync_per_sample = (
+                row.get("llm_tokens_per_trained_sample"),
+                sync.get("llm_tokens_per_trained_sample"),
+            )
+            row["llm_tokens_per_sample_vs_sync"] = (
+                per_sample / sync_per_sample if per_sample and sync_per_sample else None
+            )
     settings = {}
     for label, by_seed in rows.items():
         pick = lambda key: spread([row[key] for row in by_seed.values()])  # noqa: E731
@@ -436,7 +470,12 @@ def make_report(
             "speedup_to_end": pick("speedup_to_end"),
             "to_target_s": pick("to_target_s"),
             "speedup_to_target": pick("speedup_to_target"),
+            "held_out_plateau": pick("held_out_plateau"),
+            "plateau_vs_sync": pick("plateau_vs_sync"),
             "stale_dropped": pick("stale_dropped"),
+            "dropped_share": pick("dropped_share"),
+            "asked_gap_max": pick("asked_gap_max"),
+            "llm_tokens_per_sample_vs_sync": pick("llm_tokens_per_sample_vs_sync"),
             "mismatch_kl_mean": pick("mismatch_kl_mean"),
             "learner_idle_ratio": pick("learner_idle_ratio"),
             "budget_use": pick("budget_use"),
@@ -487,18 +526,23 @@ def print_report(report: dict) -> None:
     columns = (
         ("final held-out", "held_out", ".3f", ""),
         ("vs sync", "held_out_vs_sync", "+.3f", ""),
+        ("held-out plateau", "held_out_plateau", ".3f", ""),
+        ("plateau vs sync", "plateau_vs_sync", "+.3f", ""),
         ("to held-out target", "to_heldout_target_s", ".0f", " s"),
         ("speedup to it", "speedup_to_heldout_target", ".2f", "x"),
         ("to end", "wall_s", ".0f", " s"),
         ("speedup to end", "speedup_to_end", ".2f", "x"),
         ("dropped", "stale_dropped", ".0f", ""),
+        ("dropped share", "dropped_share", ".3f", ""),
         ("mismatch KL", "mismatch_kl_mean", ".1e", ""),
         ("tokens masked", "stale_masked_tokens", ".0f", ""),
         ("length trained/all", "trained_vs_generated_length_ratio", ".3f", ""),
         ("asked: trained", "asked_share_trained", ".3f", ""),
         ("asked: all finished", "asked_share_generated", ".3f", ""),
+        ("asked gap, worst step", "asked_gap_max", ".3f", ""),
         ("LLM tokens wasted", "wasted_llm_tokens", ".0f", ""),
         ("LLM tokens/sample", "llm_tokens_per_trained_sample", ".0f", ""),
+        ("  vs sync", "llm_tokens_per_sample_vs_sync", ".3f", "x"),
     )
     for label, s in report["settings"].items():
         print(
