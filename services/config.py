@@ -333,11 +333,13 @@ class TrainSpec(LossSpec):
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_staleness: int = Field(1, ge=0, le=1024, description="eta; 0 is synchronous RL.")
     stragglers: Literal["drop", "wait", "admit"] = Field(
-        "drop",
+        "admit",
         description=(
-            "A group older than max_staleness when the learner gets to it: `drop` it and dispatch its task again; "
-            "`wait` for it (batches keep places for groups about to pass the bound, so none passes it); or `admit` "
-            "it late, its tokens weighted by the behaviour correction (`correction`) like any other's."
+            "A group older than max_staleness when the learner gets to it: `admit` it late, its tokens weighted by "
+            "the behaviour correction (`correction`) like any other's (the default: no finished group and none of "
+            "its judge spend is thrown away, and the slow, long conversations are trained as often as the fast); "
+            "`drop` it and dispatch its task again; or `wait` for it (batches keep places for groups about to pass "
+            "the bound, so none passes it)."
         ),
     )
     max_token_staleness: int | None = Field(
