@@ -320,6 +320,11 @@ def moving_average(values: list[float], window: int) -> list[float]:
     ]
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None when either is missing or zero (a target never reached)."""
+    return numerator / denominator if numerator and denominator else None
+
+
 def dropped_share(history: list[dict]) -> float:
     """Groups refused as stale over all groups decided (trained or refused) in the run."""
     dropped = history[-1].get("stale_dropped", 0)
@@ -435,21 +440,13 @@ def make_report(
             row["heldout_target"] = heldout_target
             row["to_heldout_target_s"] = first_reaching(row["held_out_curve"], heldout_target)
             sync_time = first_reaching(sync["held_out_curve"], heldout_target)
-            row["speedup_to_heldout_target"] = (
-                sync_time / row["to_heldout_target_s"] if sync_time and row["to_heldout_target_s"] else None
-            )
-            row["speedup_to_target"] = (
-                sync["to_target_s"] / row["to_target_s"] if sync["to_target_s"] and row["to_target_s"] else None
-            )
+            row["speedup_to_heldout_target"] = ratio(sync_time, row["to_heldout_target_s"])
+            row["speedup_to_target"] = ratio(sync["to_target_s"], row["to_target_s"])
             row["speedup_to_end"] = sync["wall_s"] / row["wall_s"]
             row["held_out_vs_sync"] = row["held_out"]["success"] - sync["held_out"]["success"]
             row["plateau_vs_sync"] = row["held_out_plateau"] - sync["held_out_plateau"]
-            per_sample, sync_per_sample = (
-                row.get("llm_tokens_per_trained_sample"),
-                sync.get("llm_tokens_per_trained_sample"),
-            )
-            row["llm_tokens_per_sample_vs_sync"] = (
-                per_sample / sync_per_sample if per_sample and sync_per_sample else None
+            row["llm_tokens_per_sample_vs_sync"] = ratio(
+                row.get("llm_tokens_per_trained_sample"), sync.get("llm_tokens_per_trained_sample")
             )
     settings = {}
     for label, by_seed in rows.items():

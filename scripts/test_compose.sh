@@ -10,6 +10,7 @@ docker info >/dev/null 2>&1 || { echo "no Docker engine answers (docker info); s
 # The images need about 6 GB on first build; a full disk fails deep inside the build with
 # "No space left on device", so say it here, with the numbers.
 need_gb=${TANDEM_COMPOSE_MIN_FREE_GB:-12}
+[[ $need_gb =~ ^[0-9]+$ ]] || { echo "TANDEM_COMPOSE_MIN_FREE_GB must be a whole number of GB, not '$need_gb'" >&2; exit 1; }
 root=$(docker info --format '{{.DockerRootDir}}')
 free_gb=$(df -P --block-size=1G "$root" | awk 'NR==2 {print $4}')
 if [ "$free_gb" -lt "$need_gb" ]; then
