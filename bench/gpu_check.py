@@ -18,8 +18,9 @@ them), error or timeout (with whatever the section had recorded). In order of wh
              tokens/s, MFU, peak memory
   memory     one SFT step's peak memory as the row grows (packed, padded, varlen)
   weights    the weight group's buckets (`services.weight_group`, the learner's bucket
-             sizes): a one-rank NCCL group, and gloo between two processes with buffers
-             on the device
+             sizes): a one-rank NCCL group, gloo between two processes with buffers on
+             the device (what a learner and an engine sharing a GPU use), and CUDA IPC
+             between two processes (measured beside gloo; Tandem does not use it yet)
   tests_gpu  `pytest tests/gpu`, when that folder exists
 
 The model has random weights, built on the machine (its weights cannot travel there), in
@@ -660,10 +661,12 @@ def weights(ctx: Context) -> None:
         buckets = weight_group.plan_buckets(specs, mib << 20)
         if ctx.device == "cuda":
             ctx.attempt(f"nccl_one_rank.{mib}mib", lambda: nccl_one_rank(ctx, buckets, tensors))
+            ctx.attempt(f"cuda_ipc_two_process.{mib}mib", lambda: cuda_ipc_two_process(buckets, tensors))
         ctx.attempt(f"gloo_two_process.{mib}mib", lambda: gloo_two_process(ctx, buckets, tensors))
         line += [f"{k}: {v.get('gb_per_s', 'err')} GB/s" for k, v in ctx.result.items() if k.endswith(f".{mib}mib")]
     if ctx.device != "cuda":
         ctx.put("nccl_one_rank", "skipped: NCCL needs CUDA")
+        ctx.put("cuda_ipc_two_process", "skipped: CUDA IPC needs CUDA")
     ctx.put("summary", "; ".join(line))
 
 
@@ -713,6 +716,61 @@ def gloo_two_process(ctx: Context, buckets: list, tensors: dict) -> dict:
     if not all(math.isclose(r, expected, rel_tol=1e-9) for r in received):
         raise AssertionError(f"receiver checksum {received} != sender's {expected}")
     return {"buckets": len(buckets), "bytes": sent, "seconds": rounds, "gb_per_s": round(sent / min(rounds) / 1e9, 2)}
+
+
+def cuda_ipc_two_process(buckets: list, tensors: dict, rounds: int = 2) -> dict:
+    """The same-GPU path Tandem does not take yet, measured against gloo's: each bucket
+    packed into a GPU buffer whose CUDA IPC handle goes to a second process
+    (torch.multiprocessing shares a CUDA tensor by handle), which copies it into buffers of
+    its own. The sender keeps a round's buffers alive until the receiver's checksum is back."""
+    import torch
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    handles, sums = spawn.Queue(), spawn.Queue()
+    receiver = spawn.Process(target=cuda_ipc_receiver, args=(buckets, rounds, handles, sums))
+    receiver.start()
+    seconds, received, sent = [], [], 0
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        held = []
+        for bucket in buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device="cuda")
+            for spec in bucket.tensors:
+                data = tensors[spec.name].contiguous().view(-1).view(torch.uint8)
+                buf[spec.offset : spec.offset + spec.nbytes].copy_(data)
+            torch.cuda.synchronize()  # packed before the other process reads it
+            handles.put(buf)
+            held.append(buf)
+        received.append(sums.get(timeout=60))
+        seconds.append(time.perf_counter() - started)
+        sent = sum(b.nbytes for b in buckets)
+    receiver.join(timeout=30)
+    expected = checksum([(t.name, tensors[t.name]) for b in buckets for t in b.tensors])
+    if not all(math.isclose(r, expected, rel_tol=1e-9) for r in received):
+        raise AssertionError(f"receiver checksum {received} != sender's {expected}")
+    return {"buckets": len(buckets), "bytes": sent, "seconds": seconds, "gb_per_s": round(sent / min(seconds) / 1e9, 2)}
+
+
+def cuda_ipc_receiver(buckets: list, rounds: int, handles, sums) -> None:
+    import torch
+
+    from services import weight_group
+
+    torch.cuda.set_device(0)
+    own: list = [None] * len(buckets)
+    for _ in range(rounds):
+        pairs = []
+        for i, bucket in enumerate(buckets):
+            shared = handles.get(timeout=60)
+            if own[i] is None:
+                own[i] = torch.empty_like(shared)
+            own[i].copy_(shared)
+            del shared
+            pairs += weight_group.unpack(bucket, own[i])
+        torch.cuda.synchronize()
+        sums.put(checksum(pairs))
 
 
 def gloo_receiver(port: int, buckets: list, device: str, rounds: int, sums) -> None:

@@ -15,6 +15,32 @@ import signal
 from datetime import timedelta
 
 
+def choose_device(environ: dict[str, str], gpus: int):
+    """This rank's device, given the environment and the GPUs torch sees: `cuda:LOCAL_RANK`,
+    or the CPU when there are none and none were asked for. GPUs asked for
+    (CUDA_VISIBLE_DEVICES) and not seen, or fewer than the ranks here, stop the learner
+    with the reason: it would otherwise train on CPU, or two ranks would share a GPU,
+    without a word."""
+    import torch
+
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ranks_here = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus == 0:
+        if visible and visible != "-1":
+            raise SystemExit(
+                f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs for the learner, but torch sees none: "
+                "name GPUs this host has (compose: LEARNER_GPUS; `tandem placement` prints this host's plan), "
+                "or unset it to train on CPU"
+            )
+        return torch.device("cpu")
+    if gpus < ranks_here:
+        raise SystemExit(
+            f"{ranks_here} learner ranks on this host but {gpus} GPU(s) visible to them "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}): each rank needs its own GPU"
+        )
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
+
+
 def main() -> None:
     import argparse
 
@@ -42,10 +68,11 @@ def main() -> None:
     from learner.control import Command, Control, GroupBroken, RankLost, Worker
     from learner.driver import Driver
 
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    device = choose_device(dict(os.environ), torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.set_device(device)
+    logging.getLogger(__name__).info("rank %d trains on %s", rank, device)
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=settings.collective_timeout_s))
     worker = Worker(settings, device, Control())
     try:

@@ -227,6 +227,8 @@ class Worker:
                 self.trainer.export(command.path)
                 return {}
             case "end" | "shutdown":
+                if self.sender is not None:
+                    self.sender.close()
                 self.trainer = self.sender = None
                 # The model sits in reference cycles (FSDP hooks): free it before the next
                 # job loads its own, and hand its cached blocks back to the device.

@@ -161,8 +161,29 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[C, V] tempered fp32 logits of a chunk."""
-    return (hidden @ weight.T).float().div_(temperature)
+    """[C, V] tempered fp32 logits of a chunk. 16-bit operands (mixed precision) are
+    multiplied into fp32 output: rounded to bf16, a logit near 20 would move by up to 1/16."""
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return (hidden @ weight.T).div_(temperature)
+    return _mm_fp32(hidden, weight.T).div_(temperature)
+
+
+_FP32_OUTPUT_MM: dict[str, bool] = {}
+"""Device type -> whether torch.mm takes `out_dtype` there (CUDA does: the GEMM accumulates
+in fp32 already and skips the rounding; CPU builds do not), found on first use."""
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 from 16-bit operands, without a full fp32 copy of either where the device allows."""
+    kind = a.device.type
+    if _FP32_OUTPUT_MM.get(kind, True):
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _FP32_OUTPUT_MM[kind] = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUTPUT_MM[kind] = False
+    return a.float() @ b.float()
 
 
 def _chunks(n: int, vocab: int):

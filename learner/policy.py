@@ -21,28 +21,63 @@ def sharded_model(
     """The model at `path` in fp32, each decoder layer and then the whole model sharded over
     `world_size` ranks; bf16 compute with fp32 gradient reduction on CUDA when `dtype` asks.
     Its attention is the one `packing` needs (`learner.attention`), and it has
-    `learner.logprobs`' chunked logprob method."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
+    `learner.logprobs`' chunked logprob method.
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attention.implementation(packing)
-    ).to(device)
+    Only rank 0 reads the weights, into host memory; the other ranks build the model on the
+    meta device (no memory), shard it, allocate their shards and receive them from rank 0.
+    No GPU ever holds the whole fp32 model either: `fully_shard` moves each layer to the
+    device as it shards it, so rank 0's GPU holds its shards and one full layer at a time."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    implementation = attention.implementation(packing)
+    reads = world_size == 1 or dist.get_rank() == 0
+    if reads:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=implementation)
+        # Views of the host copies, for the other ranks: they outlive the parameters
+        # `fully_shard` moves to the device.
+        full = {name: tensor.detach() for name, tensor in model.state_dict().items()} if world_size > 1 else {}
+    else:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=implementation)
+        full = {}
     mesh = init_device_mesh(device.type, (world_size,))
     mixed = None
-    if device.type == "cuda" and dtype == "bfloat16":
+    if compute_dtype(device, dtype) == torch.bfloat16:
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if world_size > 1:
+        if not reads:
+            model.to_empty(device=device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        for buffer in non_persistent_buffers(model):  # computed at build (rotary frequencies), not saved
+            dist.broadcast(buffer, src=0)
     logprobs.attach(model)
     return model
 
 
+def non_persistent_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers a state dict leaves out, in a fixed order."""
+    return [
+        buffer
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name in module._non_persistent_buffers_set
+    ]
+
+
 def compute_dtype(device: torch.device, dtype: str) -> torch.dtype:
-    """The dtype the sharded model computes in: bf16 under CUDA mixed precision, else fp32."""
-    return torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else torch.float32
+    """The dtype the sharded model computes in, for a resolved `ModelSpec.dtype`: on CUDA
+    bf16 mixed precision for either 16-bit dtype (fp16 compute would need loss scaling),
+    else fp32."""
+    return torch.bfloat16 if device.type == "cuda" and dtype in ("bfloat16", "float16") else torch.float32
 
 
 PACKING_TOLERANCE_EPS = 16
@@ -96,6 +131,11 @@ def optimizer_step(
     return grad_norm, stepped
 
 
+def packing_tolerance(compute: torch.dtype) -> float:
+    """How far packed logprobs may be from unpacked ones in `compute` (`PACKING_TOLERANCE_EPS`)."""
+    return max(PACKING_TOLERANCE_EPS * torch.finfo(compute).eps, 1e-4)
+
+
 def separates_packed_sequences(model: torch.nn.Module, device: torch.device, compute: torch.dtype) -> bool:
     """Whether this model's packed logprobs equal its unpacked ones, within the tolerance of
     the dtype it `compute`s in (`PACKING_TOLERANCE_EPS`): whether its attention keeps packed
@@ -113,7 +153,7 @@ def separates_packed_sequences(model: torch.nn.Module, device: torch.device, com
         alone = scored(b, [0, 1, 2, 3])
         both = scored(torch.cat([a, b], 1), [0, 1, 2, 3, 4, 0, 1, 2, 3])
     model.reshard()
-    tolerance = max(PACKING_TOLERANCE_EPS * torch.finfo(compute).eps, 1e-4)
+    tolerance = packing_tolerance(compute)
     difference = float((alone - both[:, 5:]).abs().max())
     if difference > tolerance:
         log.warning(

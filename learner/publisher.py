@@ -150,7 +150,8 @@ class WeightPublisher:
             members = await self.live_servers() if servers is None else servers
             processes = {s: self.started_of.get(s, 0.0) for s in members}
             fresh = any(self.planned.get(s, t) != t for s, t in processes.items())  # one restarted
-            plan = self.worker.sender.plan(version, processes, fresh)
+            devices = {info.server_id: info.devices for info in self.live}
+            plan = self.worker.sender.plan(version, processes, fresh, devices)
             self.planned = processes
             await self.redis.hset(
                 Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}

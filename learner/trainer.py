@@ -33,6 +33,8 @@ class Trainer(DPOSteps):
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.dtype = spec.model.resolved_dtype(device.type == "cuda")
+        """The weights' dtype on the wire and in vLLM (`ModelSpec.dtype`, auto decided)."""
         torch.manual_seed(spec.train.seed)
         self.model = self._sharded(spec.model.local_folder())
         self.reference: torch.nn.Module | None = None
@@ -43,14 +45,13 @@ class Trainer(DPOSteps):
         self.optimizer, self.scheduler = policy.optimizer(
             self.model, warm.lr if warm.steps else spec.train.lr, spec.train.weight_decay, decay_steps=warm.steps
         )
-        compute = policy.compute_dtype(device, spec.model.dtype)
+        compute = policy.compute_dtype(device, self.dtype)
         packs = spec.train.packing != "padded"
         self.can_pack = packs and policy.separates_packed_sequences(self.model, device, compute)
         self.batches = Collator(self.rank, self.world_size, spec.train.max_tokens_per_rank, self.can_pack, device)
 
     def _sharded(self, path: str) -> torch.nn.Module:
-        model = self.spec.model
-        return policy.sharded_model(path, self.device, self.world_size, model.dtype, self.spec.train.packing)
+        return policy.sharded_model(path, self.device, self.world_size, self.dtype, self.spec.train.packing)
 
     def start_rl(self) -> None:
         """End of the warm start: a fresh optimizer at the RL learning rate, and the current

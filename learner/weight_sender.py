@@ -29,8 +29,10 @@ class WeightSender:
         self.trainer = trainer
         self.job_id = job_id
         self.timeout_s = timeout_s
-        self.dtype = trainer.spec.model.dtype.removeprefix("torch.")
-        self.backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+        self.dtype = trainer.dtype
+        self.identity = weight_group.device_identity(trainer.device)
+        self.backend = ""
+        """The current epoch's backend, chosen from both ends at each new membership."""
         specs = policy.parameter_specs(trainer.model, self.dtype)
         self.buckets = weight_group.plan_buckets(specs, bucket_mib << 20)
         self.advertise_host = advertise_host
@@ -43,13 +45,24 @@ class WeightSender:
         self.buffers: list = [None, None]
         """Pack buffers, kept across updates (reallocating costs page faults every time)."""
 
-    def plan(self, version: int, members: dict[str, float], fresh: bool = False) -> WeightPlan:
+    def plan(
+        self, version: int, members: dict[str, float], fresh: bool = False, devices: dict[str, list[str]] | None = None
+    ) -> WeightPlan:
         """Rank 0: the plan for this update to `members` (server id -> its process's
-        `started`); a new epoch if the members changed or `fresh` (one restarted)."""
-        if fresh or set(members) != set(self.ranks) or self.group is None:
+        `started`); a new epoch if the members changed, `fresh` (one restarted), or the
+        backend must change. `devices`: each member's engine devices, as it reported them
+        (`weight_group.device_identity`); a member missing there counts as unknown."""
+        devices = devices or {}
+        backend, why = weight_group.choose_backend(
+            self.identity, [devices.get(server, []) for server in sorted(members)]
+        )
+        if fresh or set(members) != set(self.ranks) or self.group is None or backend != self.backend:
+            if backend != self.backend:
+                log.info("weight group over %s: %s", backend, why)
             self.epoch += 1
             self.ranks = {server: rank for rank, server in enumerate(sorted(members), start=1)}
-            self.group = None
+            self.backend = backend
+            self.close()
         return WeightPlan(
             job_id=self.job_id,
             session=self.session,
@@ -88,10 +101,16 @@ class WeightSender:
                 )
             except Exception:
                 log.exception("weight broadcast v%d (epoch %d) failed", plan.version, plan.epoch)
-                self.group = None
+                self.close()
                 failed = True
                 unreached = weight_group.unreached(self.store, plan.epoch, plan.ranks)
         for bucket in plan.buckets[fetched:]:
             fetch(bucket)
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "bytes": float(nbytes), "failed": float(failed), "unreached": unreached}
+
+    def close(self) -> None:
+        """Abort the current group, if any (a failed update, a new epoch): the next update opens another."""
+        if self.group is not None:
+            weight_group.close_group(self.group)
+            self.group = None

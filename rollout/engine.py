@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -36,17 +37,72 @@ class Generation:
     """`stop` (end-of-turn token) or `length` (hit max_tokens: truncated)."""
 
 
+def parameter_count(folder: str) -> int:
+    """Parameters in the safetensors files of `folder`, read from their headers alone."""
+    import json
+    import struct
+
+    count = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count += math.prod(entry["shape"])
+    return count
+
+
+def gpu_total_bytes() -> int:
+    """Memory of the first visible GPU, asked of NVML through vLLM (creates no CUDA context
+    in this process, which vLLM's workers would then have to be spawned around)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_total_memory(0)
+
+
+def receive_share(model: ModelSpec, on_gpu: bool) -> float:
+    """The share of the GPU's memory the weight receiver's buffers take (a whole model in
+    the wire dtype, kept across updates: `services.weight_group.receive_buckets`). They
+    live outside vLLM's budget, so the engine is given that much less."""
+    if not on_gpu:
+        return 0.0
+    wire_bytes = 2 if model.resolved_dtype(on_gpu) in ("bfloat16", "float16") else 4
+    return parameter_count(model.local_folder()) * wire_bytes / gpu_total_bytes()
+
+
+def engine_share(model: ModelSpec, on_gpu: bool, memory_utilization: float | None, receives_weights: bool) -> float:
+    """vLLM's `gpu_memory_utilization`: the share asked for (vLLM's 0.85 on a GPU; on CPU
+    the share of RAM), less the weight receiver's buffers on a GPU."""
+    share = (memory_utilization or (0.85 if on_gpu else 0.3)) - (
+        receive_share(model, on_gpu) if receives_weights else 0.0
+    )
+    if share < MIN_ENGINE_SHARE:
+        raise ValueError(
+            f"the engine's memory share {memory_utilization or 0.85} less the received weights' leaves {share:.3f} "
+            f"of the GPU for vLLM: give it a GPU of its own or a larger share (TANDEM_MEMORY_UTILIZATION)"
+        )
+    return share
+
+
+MIN_ENGINE_SHARE = 0.05
+"""The least share of a GPU left to vLLM after the receiver's buffers: below it the weights
+and a KV cache cannot fit, and vLLM's own error would not say why."""
+
+
 def engine_options(
     model: ModelSpec,
     kv_cache_gib: float,
     seed: int = 0,
     memory_utilization: float | None = None,
     seeded_requests: bool = False,
+    receives_weights: bool = False,
 ) -> dict:
     """vLLM's settings for this machine, shared by the rollout engine and `tandem
     serve-model` (so a served judge runs as the policy does); sets the environment the CPU
     build reads. `seeded_requests`: requests carry their own sampling seed (the judge
-    proxy's calls do)."""
+    proxy's calls do). `receives_weights`: the learner's broadcast lands in buffers beside
+    the engine (a rollout engine), whose memory comes out of vLLM's share on a GPU."""
     # vLLM reports usage to its maintainers' server unless told not to; Tandem sends
     # nothing anywhere but Redis and the judge proxy (an operator may set it to 0).
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -65,10 +121,10 @@ def engine_options(
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     options = dict(
         model=model.local_folder(),
-        dtype=model.dtype,
+        dtype=model.resolved_dtype(on_gpu),
         max_model_len=model.max_model_len,
         enforce_eager=not on_gpu,
-        gpu_memory_utilization=memory_utilization or (0.85 if on_gpu else 0.3),
+        gpu_memory_utilization=engine_share(model, on_gpu, memory_utilization, receives_weights),
         distributed_executor_backend=None if on_gpu else "uni",
         seed=seed,
     )
@@ -121,6 +177,8 @@ class Engine:
         self.unanswered_since: float | None = None
         """When vLLM was sent a pause or resume it has not answered (None: none). A wedged
         engine answers none, and with no request in flight nothing else would show it."""
+        self.devices: list[str] = []
+        """Each worker's device (`weight_group.device_identity`), once `identify_devices` ran."""
 
     @property
     def dead(self) -> bool:
@@ -147,7 +205,7 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(
-            **engine_options(model, kv_cache_gib, seed, memory_utilization),
+            **engine_options(model, kv_cache_gib, seed, memory_utilization, receives_weights=True),
             skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION,
             # Behaviour logprobs must be those of the distribution actually sampled from
@@ -156,6 +214,10 @@ class Engine:
             disable_log_stats=False,
         )
         return cls(AsyncLLM.from_engine_args(args), model)
+
+    async def identify_devices(self) -> None:
+        """Ask the workers which devices they run on (reported with the server's heartbeat)."""
+        self.devices = list(await self.llm.collective_rpc("tandem_device"))
 
     async def generate(
         self,

@@ -225,6 +225,7 @@ class RolloutServer:
             engine=self.engine.model.path if self.engine else "",
             draining=self.drain_requested.is_set(),
             started=self.started,
+            devices=self.engine.devices if self.engine else [],
             **self.waiting_on(),
         )
         await self.redis.hset(Keys.rollout_servers, self.server_id, protocol.encode(info))
@@ -357,9 +358,15 @@ class RolloutServer:
         if self.engine:  # unset first: the heartbeat must not see a shut-down engine as dead
             engine, self.engine = self.engine, None
             engine.shutdown()
-        self.engine = await asyncio.to_thread(
+        engine = await asyncio.to_thread(
             Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed, self.settings.memory_utilization
         )
+        try:
+            await engine.identify_devices()
+        except BaseException:
+            engine.shutdown()
+            raise
+        self.engine = engine
 
     async def wait_until_job_ends(self, job_id: str) -> None:
         while job_id in await jobs.running_jobs(self.redis):

@@ -42,8 +42,14 @@ class WeightReceiverExtension:
             "nbytes": sum(bucket.nbytes for bucket in plan.buckets),
         }
 
+    def tandem_device(self) -> str:
+        """This worker's device, as the learner compares it with its own."""
+        return weight_group.device_identity(self.device)
+
     def tandem_leave(self) -> None:
-        """Forget the group and the store connection: the next plan connects afresh."""
+        """Abort the group and forget the store connection: the next plan connects afresh."""
+        if self._tandem_group is not None:
+            weight_group.close_group(self._tandem_group)
         self._tandem_group = None
         self._tandem_epoch = None
         self._tandem_store = None
@@ -60,6 +66,9 @@ class WeightReceiverExtension:
             self._tandem_store_key = key
             self._tandem_epoch = None
         if self._tandem_epoch != plan.epoch:
+            if self._tandem_group is not None:  # an old membership's group: done with it
+                weight_group.close_group(self._tandem_group)
+                self._tandem_group = None
             weight_group.mark_reached(self._tandem_store, plan.epoch, rank)
             self._tandem_group = weight_group.open_group(
                 self._tandem_store, plan.backend, plan.epoch, rank, plan.world_size, plan.timeout_s

@@ -45,8 +45,19 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     path: str = Field(min_length=1, max_length=PATH_CHARS, description="Local Hugging Face model folder.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Serving and weight-transfer dtype. auto: bfloat16 on CUDA, float32 on CPU. On CUDA the "
+        "learner keeps fp32 weights and computes in bf16 for bfloat16 and float16 alike (fp16 compute would "
+        "need loss scaling); float16 is then only what vLLM serves and the weights travel as.",
+    )
     max_model_len: int = Field(1024, ge=64, le=131072)
+
+    def resolved_dtype(self, on_cuda: bool) -> str:
+        """`dtype` with auto decided for the device: bfloat16 on CUDA, float32 on CPU."""
+        if self.dtype == "auto":
+            return "bfloat16" if on_cuda else "float32"
+        return self.dtype
 
     def local_folder(self) -> str:
         """`path`, checked where it is used (the API may not see the same files)."""

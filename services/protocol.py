@@ -168,6 +168,9 @@ class ServerInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model whose every upstream is down ("" when none waits). The learner pauses the job on it."""
     waiting_since: float = 0.0
     """Unix time the oldest of those waits began."""
+    devices: list[str] = []
+    """Its engine workers' devices (`weight_group.device_identity`: "cpu" or a GPU's UUID),
+    once the engine is up: the learner picks the weight group's backend from them."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -107,6 +107,53 @@ def unreached(store, epoch: int, ranks: dict[str, int]) -> list[str]:
     return sorted(server for server, rank in ranks.items() if not store.check([reached_key(epoch, rank)]))
 
 
+def device_identity(device) -> str:
+    """Which physical device `device` is, comparable across processes: "cpu", or "cuda:"
+    and the GPU's UUID (two processes may number one GPU differently, by
+    CUDA_VISIBLE_DEVICES)."""
+    if device.type != "cuda":
+        return "cpu"
+    import torch
+
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    return f"cuda:{uuid}" if uuid is not None else f"cuda:{properties.pci_bus_id}"
+
+
+def choose_backend(sender: str, receivers: list[list[str]]) -> tuple[str, str]:
+    """The weight group's backend, from both ends: (backend, why). `sender` is the learner's
+    `device_identity`; `receivers` the identities of each receiver's workers ([] when a
+    receiver has not said). NCCL needs every rank on its own GPU: it refuses two ranks on
+    one device (a learner and an engine sharing a GPU) and cannot reach a CPU engine.
+    Anything else goes over gloo, which moves CUDA tensors too (staged through the host)."""
+    if not sender.startswith("cuda:"):
+        return "gloo", "the learner is on CPU"
+    devices = [sender]
+    for workers in receivers:
+        if not workers:
+            return "gloo", "a rollout server has not reported its devices"
+        devices += workers
+    if any(not device.startswith("cuda:") for device in devices):
+        return "gloo", "a rollout engine is on CPU"
+    if len(set(devices)) < len(devices):
+        return "gloo", "two ranks share a GPU"
+    return "nccl", "every rank on its own GPU"
+
+
+def close_group(group) -> None:
+    """Abort a group this process is done with (a failed collective, a new membership):
+    an NCCL communicator left open keeps its GPU memory and threads, and a failed one must
+    be aborted before anything else runs on its stream. Errors are ignored: the group is
+    being thrown away."""
+    abort = getattr(group, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # closing a broken group may itself fail; it is discarded either way
+        pass
+
+
 def open_group(store, backend: str, epoch: int, rank: int, world_size: int, timeout_s: float):
     """Join epoch `epoch`'s group; blocks until all `world_size` ranks have joined."""
     from torch.distributed import PrefixStore

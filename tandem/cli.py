@@ -197,7 +197,13 @@ def placement_of(args: argparse.Namespace):
         "learner_threads": args.learner_threads,
         "engine_threads": args.engine_threads,
     }
-    return dataclasses.replace(this_machine(), **{k: v for k, v in given.items() if v is not None})
+    placement = dataclasses.replace(this_machine(), **{k: v for k, v in given.items() if v is not None})
+    if placement.learner_gpus and placement.learner_ranks > len(placement.learner_gpus):
+        raise SystemExit(
+            f"--learner-ranks {placement.learner_ranks}: the learner has {len(placement.learner_gpus)} GPU(s) "
+            f"here ({','.join(map(str, placement.learner_gpus))}), and each rank needs its own"
+        )
+    return placement
 
 
 def cmd_up(args: argparse.Namespace) -> None:

@@ -124,7 +124,7 @@ class Stack:
         if name == "learner":
             return self.placement.learner_env()
         if name.startswith("rollout-"):
-            return self.placement.engine_env()
+            return self.placement.engine_env(servers=len(self.ports.rollout))
         return {}
 
     def wait_healthy(self, timeout_s: float) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+VLLM_GPU_MEMORY = 0.85
+"""vLLM's share of a GPU's memory when nothing else is said (`rollout.engine.engine_options`)."""
 SHARED_GPU_ENGINE_MEMORY = 0.3
 """vLLM's share of the one GPU it shares with the learner. vLLM's default (0.85) would
 leave the learner too little: training holds about eight times the bytes per parameter
@@ -48,14 +50,20 @@ class Placement:
         for its intra-op threads (and torchrun, finding it set, keeps it)."""
         return {"OMP_NUM_THREADS": str(self.learner_threads)} | _visible(self.learner_gpus)
 
-    def engine_env(self) -> dict[str, str]:
-        """Environment of a rollout server. On CPU vLLM's engine runs its worker in the
-        engine-core process (the `uni` executor, `rollout.engine.engine_options`), whose
-        torch sizes its OpenMP pool from OMP_NUM_THREADS (vLLM's own per-core binding,
-        VLLM_CPU_OMP_THREADS_BIND, applies only to its worker processes)."""
+    def engine_env(self, servers: int = 1) -> dict[str, str]:
+        """Environment of a rollout server, one of `servers` on the engine's GPU. On CPU
+        vLLM's engine runs its worker in the engine-core process (the `uni` executor,
+        `rollout.engine.engine_options`), whose torch sizes its OpenMP pool from
+        OMP_NUM_THREADS (vLLM's own per-core binding, VLLM_CPU_OMP_THREADS_BIND, applies
+        only to its worker processes). On a GPU the servers split the engine's memory
+        share evenly: each vLLM takes its share of the whole GPU, so two at the default
+        0.85 would not both start."""
         env = {"OMP_NUM_THREADS": str(self.engine_threads)} | _visible(self.engine_gpus)
-        if self.engine_memory_utilization is not None:
-            env["TANDEM_MEMORY_UTILIZATION"] = str(self.engine_memory_utilization)
+        share = self.engine_memory_utilization
+        if self.engine_gpus and servers > 1:
+            share = round((share or VLLM_GPU_MEMORY) / servers, 4)
+        if share is not None:
+            env["TANDEM_MEMORY_UTILIZATION"] = str(share)
         return env
 
     def describe(self) -> str:

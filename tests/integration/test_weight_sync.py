@@ -78,6 +78,12 @@ async def broadcast(engine, sender: WeightSender, version: int, server: str = "s
     return received
 
 
+async def test_the_engine_names_its_workers_devices(engine):
+    """What its server reports for the learner's choice of backend (`weight_group.choose_backend`)."""
+    await engine.identify_devices()
+    assert engine.devices == ["cpu"]
+
+
 async def test_engine_logprobs_equal_learner_logprobs_after_broadcast(engine, trainer, tokenizer):
     tokens = fixed_sequence(tokenizer)
     before = await engine.score(tokens)

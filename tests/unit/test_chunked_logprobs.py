@@ -92,3 +92,17 @@ def test_the_models_method_scores_only_the_positions_asked_for(tiny_model):
     expected = torch.cat([torch.zeros(2, 1), full], 1) * (scored & (positions > 0))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (entropy[~scored] == 0).all() and (entropy[:, 0] == 0).all()
+
+
+def test_bf16_operands_give_logits_not_rounded_to_bf16():
+    """Under mixed precision the hidden states and the head are bf16; their product must not
+    be rounded to bf16 before the softmax (a logit near 20 would move by up to 1/16)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = (4 * torch.randn(64, 32, generator=generator)).bfloat16()
+    weight = torch.randn(200, 32, generator=generator).bfloat16()
+    exact = hidden.double() @ weight.double().T
+    logits = logprobs._logits(hidden, weight, 1.0)
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+    rounded = (hidden @ weight.T).double()  # what the old path computed
+    assert (rounded - exact).abs().max() > 1e-3 * exact.abs().max(), "the inputs must be able to show the rounding"

@@ -23,13 +23,22 @@ class ShutDownEngine:
         self.held_during_shutdown = self.server.engine
 
 
+class StartedEngine:
+    """A new engine: asked for its devices before the server takes it."""
+
+    devices: list[str] = []
+
+    async def identify_devices(self) -> None:
+        self.devices = ["cpu"]
+
+
 def test_the_old_engine_is_let_go_before_it_shuts_down(monkeypatch) -> None:
     server = RolloutServer(RolloutSettings(redis_url="redis://127.0.0.1:1/0"))
     old = ShutDownEngine(server)
     server.engine = old
-    started = object()
+    started = StartedEngine()
     monkeypatch.setattr(server_module.Engine, "start", staticmethod(lambda *args: started))
     spec = parse_job_spec({"name": "second", "model": {"path": "/models/second"}})
     asyncio.run(server.prepare_engine(spec))
     assert old.held_during_shutdown is None
-    assert server.engine is started
+    assert server.engine is started and started.devices == ["cpu"]

@@ -47,7 +47,7 @@ def test_each_packed_sequence_scores_as_it_does_alone(tiny_model, packing, dtype
     packed = scored(model, sequences)
     alone = torch.cat([scored(model, [s]) for s in sequences])
 
-    tolerance = max(policy.PACKING_TOLERANCE_EPS * torch.finfo(dtype).eps, 1e-4)
+    tolerance = policy.packing_tolerance(dtype)
     assert (packed - alone).abs().max() <= tolerance
     # The first token of each sequence is context: nothing before it in its sequence.
     starts = [0, LENGTHS[0], LENGTHS[0] + LENGTHS[1]]
@@ -61,7 +61,7 @@ def test_the_packed_row_really_differs_when_sequences_are_not_kept_apart(tiny_mo
     sequences = sequences_of(model.config.vocab_size)
     kept_apart = scored(model, sequences)
     run_on = scored(model, sequences, positions=list(range(sum(LENGTHS))))
-    assert (kept_apart - run_on).abs().max() > 10 * policy.PACKING_TOLERANCE_EPS * torch.finfo(torch.bfloat16).eps
+    assert (kept_apart - run_on).abs().max() > 10 * policy.packing_tolerance(torch.bfloat16)
 
 
 def test_varlen_and_the_dense_mask_agree_on_a_row_of_one_long_and_many_short(tiny_model):

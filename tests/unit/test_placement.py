@@ -16,7 +16,7 @@ import yaml
 from services.config import RolloutSettings
 from tandem.cli import build_parser, placement_of
 from tandem.launcher import Stack
-from tandem.placement import SHARED_GPU_ENGINE_MEMORY, Placement, plan_for, this_machine
+from tandem.placement import SHARED_GPU_ENGINE_MEMORY, VLLM_GPU_MEMORY, Placement, plan_for, this_machine
 
 # ---- the plan, derived by hand ---------------------------------------------------------
 
@@ -77,6 +77,70 @@ def test_more_gpus_give_the_learner_a_rank_on_each_gpu_but_the_engines():
     assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (3, 4, 4)
     assert plan.learner_env()["CUDA_VISIBLE_DEVICES"] == "1,2,3"
     assert plan.engine_env()["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_eight_gpus_give_the_engine_one_and_the_learner_seven_ranks():
+    plan = plan_for(16, gpus=8)
+    assert (plan.learner_ranks, plan.learner_threads, plan.engine_threads) == (7, 2, 2)
+    assert plan.learner_env()["CUDA_VISIBLE_DEVICES"] == "1,2,3,4,5,6,7"
+    assert plan.engine_env() == {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "0"}
+    assert not plan.shared_gpu and "GPUs apart" in plan.describe()
+
+
+def test_rollout_servers_on_one_gpu_split_the_engines_memory_share():
+    """Each vLLM takes its share of the whole GPU: two at the default would not both start."""
+    apart, shared = plan_for(16, gpus=2), plan_for(16, gpus=1)
+    assert apart.engine_env(servers=2)["TANDEM_MEMORY_UTILIZATION"] == str(VLLM_GPU_MEMORY / 2)
+    assert shared.engine_env(servers=3)["TANDEM_MEMORY_UTILIZATION"] == str(round(SHARED_GPU_ENGINE_MEMORY / 3, 4))
+    assert "TANDEM_MEMORY_UTILIZATION" not in plan_for(4).engine_env(servers=2)  # CPU engines: RAM, not shared
+
+
+def test_vllms_default_share_is_the_one_the_engine_uses(monkeypatch, tmp_path):
+    from rollout.engine import engine_options
+    from services.config import ModelSpec
+
+    for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)  # engine_options sets them: restored after the test
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    (tmp_path / "config.json").write_text("{}")
+    assert engine_options(ModelSpec(path=str(tmp_path)), 1.0)["gpu_memory_utilization"] == VLLM_GPU_MEMORY
+
+
+def test_more_learner_ranks_than_learner_gpus_are_refused(monkeypatch):
+    monkeypatch.setattr("tandem.placement.this_machine", lambda: plan_for(16, gpus=2))
+    with pytest.raises(SystemExit, match="each rank needs its own"):
+        placement_of(build_parser().parse_args(["up", "--learner-ranks", "2"]))
+    assert placement_of(build_parser().parse_args(["up", "--learner-ranks", "1"])).learner_ranks == 1
+
+
+@pytest.mark.parametrize(
+    ("environ", "gpus", "device"),
+    [
+        ({}, 0, "cpu"),
+        ({"CUDA_VISIBLE_DEVICES": ""}, 0, "cpu"),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, 0, "cpu"),
+        ({"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "0"}, 1, "cuda:0"),
+        ({"CUDA_VISIBLE_DEVICES": "1,2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, "cuda:1"),
+    ],
+)
+def test_a_learner_rank_takes_its_own_gpu_or_the_cpu_when_none_was_asked_for(environ, gpus, device):
+    from learner.__main__ import choose_device
+
+    assert str(choose_device(environ, gpus)) == device
+
+
+@pytest.mark.parametrize(
+    ("environ", "gpus", "reason"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "1"}, 0, "torch sees none"),  # compose's default on a one-GPU host
+        ({"CUDA_VISIBLE_DEVICES": "0", "LOCAL_WORLD_SIZE": "2"}, 1, "each rank needs its own GPU"),
+    ],
+)
+def test_a_learner_never_falls_back_to_the_cpu_or_doubles_up_on_a_gpu_without_a_word(environ, gpus, reason):
+    from learner.__main__ import choose_device
+
+    with pytest.raises(SystemExit, match=reason):
+        choose_device(environ, gpus)
 
 
 @pytest.mark.parametrize(("cores", "gpus"), [(0, 0), (4, -1)])
