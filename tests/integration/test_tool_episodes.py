@@ -92,7 +92,9 @@ def lessons() -> list[list[dict]]:
         [
             user("hang"),
             call("slow", {"seconds": 3600}),
-            tool("slow", "error"),
+            # What the box answers when the call is cut at the hang test's 0.5 s timeout:
+            # taught word for word, the reply after it is replayed, not left to chance.
+            tool("slow", "error: slow did not answer within 0.5 s"),
             {"role": "assistant", "content": "Gave up."},
         ],
     ]

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import torch
+from ranks import run_two_ranks
 
 from learner.control import Command, Worker
 from services.config import LearnerSettings
-from tandem.redis_embed import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 RANK = """
 import sys, time
@@ -40,19 +35,7 @@ dist.destroy_process_group()
 
 
 def test_a_follower_waits_for_the_next_command_longer_than_the_default_group_timeout():
-    port = str(free_port())
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(rank), port],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    outputs = run_two_ranks(RANK, timeout_s=60)
     assert "got shutdown" in outputs[1]
 
 

@@ -4,16 +4,9 @@ real gloo ranks; what the meta-built rank ends up with must equal the folder's w
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-from tandem.redis_embed import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from ranks import run_two_ranks
 
 RANK = """
 import sys
@@ -40,19 +33,8 @@ def test_a_rank_that_built_on_meta_holds_the_folders_weights_and_buffers(tiny_mo
 
     from learner import policy
 
-    port, out = str(free_port()), tmp_path / "rank1.pt"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(rank), port, str(tiny_model), str(out)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    out = tmp_path / "rank1.pt"
+    run_two_ranks(RANK, str(tiny_model), str(out))
 
     got = torch.load(out)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
