@@ -176,11 +176,9 @@ in fp32 already and skips the rounding; CPU builds do not), found on first use."
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in fp32 from 16-bit operands, without a full fp32 copy of either where the device allows."""
     kind = a.device.type
-    if _FP32_OUTPUT_MM.get(kind, True):
+    if _FP32_OUTPUT_MM.setdefault(kind, True):
         try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _FP32_OUTPUT_MM[kind] = True
-            return out
+            return torch.mm(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUTPUT_MM[kind] = False
     return a.float() @ b.float()

@@ -6,34 +6,19 @@ logits kept in fp32 under bf16 mixed precision."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from gpu_support import make_samples, make_trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # a folder of scripts, not a package
+from gpu_check import logprobs as per_token_logprobs  # noqa: E402  (the GPU check's own reading, one copy)
+
 pytestmark = pytest.mark.gpu
 
 COMPUTE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def per_token_logprobs(trainer, samples: list, packed: bool, packing: str) -> torch.Tensor:
-    """[trained tokens] the trainer's logprobs in sample order, with packed or padded rows
-    and `packing`'s attention."""
-    from learner import attention
-    from learner.micro_batch import Collator
-
-    budget = trainer.batches.max_tokens_per_rank
-    trainer.batches = Collator(trainer.rank, trainer.world_size, budget, packed, trainer.device)
-    trainer.model.config._attn_implementation = attention.implementation(packing)
-    by_sample = {}
-    with torch.no_grad():
-        for mb in trainer.batches.micro_batches(samples):
-            values = trainer.token_logprobs(mb)[0].float()
-            by_sample |= dict(zip(mb.samples, values.split([len(samples[i].tokens) for i in mb.samples])))
-    trainer.model.reshard()
-    values = torch.cat([by_sample[i] for i in range(len(samples))])
-    mask = torch.tensor([m for s in samples for m in s.mask], device=values.device) > 0
-    return values[mask]
 
 
 def test_the_sharded_model_is_on_the_gpu_and_scores_as_transformers_does(process_group, model_folder):
@@ -42,7 +27,7 @@ def test_the_sharded_model_is_on_the_gpu_and_scores_as_transformers_does(process
     trainer = make_trainer(model_folder, "float32")
     assert {p.device.type for p in trainer.model.parameters()} == {"cuda"}
     samples = make_samples(4, (20, 60))
-    ours = per_token_logprobs(trainer, samples, packed=False, packing="padded")
+    ours = per_token_logprobs(trainer, samples, "padded")
 
     plain = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).cuda()
     theirs = []
@@ -62,10 +47,10 @@ def test_packed_and_varlen_rows_score_as_padded_rows_within_the_dtypes_tolerance
     trainer = make_trainer(model_folder, dtype)
     assert trainer.can_pack, "the packing probe must pass on CUDA, or every job trains in padded rows"
     samples = make_samples(12, (16, 200), seed=1)
-    padded = per_token_logprobs(trainer, samples, packed=False, packing="padded")
+    padded = per_token_logprobs(trainer, samples, "padded")
     tolerance = policy.packing_tolerance(COMPUTE[dtype])
-    for packing in ("mask", "varlen"):
-        packed = per_token_logprobs(trainer, samples, packed=True, packing=packing)
+    for packing in ("packed", "varlen"):  # packed: transformers' dense mask (`train.packing: mask`)
+        packed = per_token_logprobs(trainer, samples, packing)
         difference = float((packed - padded).abs().max())
         print(f"{dtype} {packing} vs padded: max {difference:.3g} (tolerance {tolerance:.3g})")
         assert difference <= tolerance, packing

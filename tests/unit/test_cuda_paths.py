@@ -91,3 +91,14 @@ def test_an_engine_share_the_received_weights_would_use_up_is_refused_with_the_r
     monkeypatch.setattr(engine_module, "gpu_total_bytes", lambda: 7_000)  # 0.3 - 0.286 left
     with pytest.raises(ValueError, match="TANDEM_MEMORY_UTILIZATION"):
         engine_options(ModelSpec(path=str(tmp_path)), 1.0, memory_utilization=0.3, receives_weights=True)
+
+
+@pytest.mark.parametrize("dtype", ["float8", "torch.bfloat16", "", 16])
+def test_a_dtype_outside_the_list_is_refused_naming_the_field(dtype):
+    from pydantic import ValidationError
+
+    from services.config import parse_job_spec
+
+    with pytest.raises(ValidationError) as refused:
+        parse_job_spec({"model": {"path": "/m", "dtype": dtype}})
+    assert ("model", "dtype") in {error["loc"][-2:] for error in refused.value.errors()}

@@ -97,3 +97,21 @@ def test_a_failed_broadcast_aborts_the_group_and_the_next_plan_opens_another(sen
     assert result["failed"] == 1.0 and result["unreached"] == ["server-1"]
     assert group.aborts == 1 and sender.group is None
     assert sender.plan(2, {"server-1": 1.0}, devices={"server-1": ["cpu"]}).epoch == plan.epoch + 1
+
+
+def test_a_fleet_record_whose_devices_are_not_names_is_left_out_not_trusted():
+    """A record from another version or a forger: devices that are not strings do not decode,
+    so that server is no member and cannot steer the backend."""
+    import msgspec
+
+    from services import protocol
+
+    good = protocol.encode(protocol.ServerInfo(server_id="a", heartbeat=1.0, devices=["cuda:A"]))
+    forged = msgspec.msgpack.encode({"schema": protocol.SCHEMA, "server_id": "b", "heartbeat": 1.0, "devices": [7]})
+    infos, unreadable = protocol.decode_fleet({b"a": good, b"b": forged})
+    assert [i.devices for i in infos] == [["cuda:A"]] and unreadable == ["b"]
+
+
+def test_an_unknown_server_device_gets_gloo_not_nccl():
+    """A name that is neither `cpu` nor a GPU (a garbled or hostile record) never opens NCCL."""
+    assert weight_group.choose_backend("cuda:A", [["tpu:0"]])[0] == "gloo"
