@@ -243,7 +243,7 @@ class StepLog:
         self.job_id = job_id
         self.path = run_dir / "metrics.jsonl"
         self.rules = rules
-        self.keep = max(keep, health.history_needed(rules))
+        self.keep = max(keep, 2 * health.history_needed(rules))
         """Records Redis keeps (the health rules read the last few); the file keeps all."""
         self.rl_started = time.monotonic()
         """When this run of the job began RL steps (after the first weight publish)."""
@@ -273,6 +273,14 @@ class StepLog:
         await jobs.record_progress(self.redis, self.job_id, step, version, record)
         self.export_gauges(record, step, version)
         await self.export_queue_gauges()
+
+    async def write_eval(self, record: dict) -> None:
+        """A held-out evaluation's record, into the file and the history beside the steps
+        (the job's step and latest step metrics stay the training step's)."""
+        record["time"] = time.time()
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        await jobs.append_history(self.redis, self.job_id, json.dumps(record), self.keep)
 
     # ---- idle time -----------------------------------------------------------------
 
@@ -308,7 +316,8 @@ class StepLog:
         """The job's health rules that fire at this step, also listed in its record."""
         if not self.rules:
             return []
-        raw = await self.redis.lrange(Keys.history(self.job_id), 1 - health.history_needed(self.rules), -1)
+        # Held-out records sit between the steps, at most one after each: twice the RL records read.
+        raw = await self.redis.lrange(Keys.history(self.job_id), 1 - 2 * health.history_needed(self.rules), -1)
         recent = [r for r in map(json.loads, raw) if r.get("phase") == "rl"] + [record]
         fired = health.alerts(self.rules, recent)
         if fired:

@@ -23,6 +23,8 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -31,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout.engine import Engine
 from rollout.episode import EpisodeRunner
+from rollout.evaluate import HeldOutPlayer
 from rollout.group import GroupRollout
 from rollout.interactions.llm_user import LLMUser
 from rollout.interactions.role_play import RolePlayUser
@@ -40,6 +43,7 @@ from rollout.tasks import load_task
 from rollout.tools.box import ToolBox
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings, ToolsSpec
+from services.held_out import check_loaded, held_out
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, connect, publish
@@ -121,8 +125,9 @@ class RolloutServer:
         )
         self.engine: Engine | None = None
         self.job: ServedJob | None = None
-        self.inflight: dict[bytes, asyncio.Task] = {}
-        """The job's tasks being worked on, by stream entry; the heartbeat keeps them claimed."""
+        self.inflight: dict[tuple[StreamConsumer, bytes], asyncio.Task] = {}
+        """The job's tasks (and held-out conversations) being worked on, by consumer and stream
+        entry; the heartbeat keeps them claimed."""
         self.judge_client = JudgeClient(
             settings.judge_url,
             token=settings.judge_token,
@@ -143,6 +148,8 @@ class RolloutServer:
         and its task group never closed)."""
         self.busy_exported_s = 0.0
         """The engine's busy seconds already counted under the current job."""
+        self.held_out: HeldOutPlayer | None = None
+        """The prepared job's player of held-out conversations (None when it evaluates none)."""
         self.busy_rate = TrailingRate(window_s=60.0)
 
     @property
@@ -247,7 +254,8 @@ class RolloutServer:
                 self.drain_requested.clear()
             await self.beat()
             if self.job and self.inflight:
-                await self.job.consumer.touch(*self.inflight)
+                for consumer, entries in held_entries(self.inflight).items():
+                    await consumer.touch(*entries)
             self.export_engine_busy()
             await asyncio.sleep(self.settings.heartbeat_s)
 
@@ -307,6 +315,7 @@ class RolloutServer:
         if tools is not None:
             chat = chat.with_tools(tools.schemas(), tools.spec.parser)
         runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools, getattr(task_set, "world", None))
+        self.held_out = await self.held_out_player(spec, job_id, runner, judge)
         return GroupRollout(
             runner,
             task_set,
@@ -320,6 +329,21 @@ class RolloutServer:
             openings=spec.task.opening == "simulator",
         )
 
+    async def held_out_player(
+        self, spec: JobSpec, job_id: str, runner: EpisodeRunner, judge: ProxyJudge
+    ) -> HeldOutPlayer | None:
+        """The player of the job's held-out conversations (None without `eval`): the training
+        runner with the held-out task set's user and worlds (its tools are the same kind)."""
+        if getattr(spec, "eval", None) is None:
+            return None
+        held = held_out(spec)
+        task_set = await asyncio.to_thread(load_task, held.task, held.seed, judge)
+        check_loaded(held, len(task_set))
+        user = task_user(task_set, self.judge_client, spec, job_id)
+        runner = replace(runner, user=user, worlds=getattr(task_set, "world", None))
+        rubric = spec.reward.judge_rubric if spec.reward.judge_weight else None
+        return HeldOutPlayer(runner, task_set, judge, rubric, self.server_id, job_id)
+
     async def open_tools(self, task_set, spec: JobSpec, job_id: str) -> ToolBox | None:
         """The task's own tools where it brings them, else the job's (None without)."""
         if hasattr(task_set, "tools"):
@@ -329,16 +353,11 @@ class RolloutServer:
         return await ToolBox.open(spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
-        consumer = await StreamConsumer(
-            self.redis,
-            Keys.tasks(job_id),
-            "rollout",
-            self.server_id,
-            protocol.Task,
-            Keys.dead(job_id),
-            max_deliveries=3,
-        ).setup()
-        self.job = ServedJob(self, job_id, spec, consumer, rollout)
+        consumer = await self.consumer(Keys.tasks(job_id), protocol.Task, job_id)
+        evaluation = None
+        if self.held_out is not None:
+            evaluation = (self.held_out, await self.consumer(Keys.eval_tasks(job_id), protocol.EvalTask, job_id))
+        self.job = ServedJob(self, job_id, spec, consumer, rollout, evaluation)
         # Engine busy time counts from here, under this job (the engine may be new).
         self.busy_exported_s, self.busy_rate = self.engine.busy.busy_s(), TrailingRate(window_s=60.0)
         try:
@@ -350,6 +369,12 @@ class RolloutServer:
             self.job = None
             if rollout.runner.tools is not None:
                 await rollout.runner.tools.close()
+
+    async def consumer(self, stream: str, kind: type, job_id: str) -> StreamConsumer:
+        """This server in the `rollout` group of one of the job's work streams."""
+        return await StreamConsumer(
+            self.redis, stream, "rollout", self.server_id, kind, Keys.dead(job_id), max_deliveries=3
+        ).setup()
 
     async def prepare_engine(self, spec: JobSpec) -> None:
         if self.engine and self.engine.model == spec.model:
@@ -409,10 +434,23 @@ class ServedJob:
     the server, and the job's tasks, each turned into a group."""
 
     def __init__(
-        self, server: RolloutServer, job_id: str, spec: JobSpec, consumer: StreamConsumer, rollout: GroupRollout
+        self,
+        server: RolloutServer,
+        job_id: str,
+        spec: JobSpec,
+        consumer: StreamConsumer,
+        rollout: GroupRollout,
+        evaluation: tuple[HeldOutPlayer, StreamConsumer] | None = None,
     ) -> None:
         self.server, self.job_id, self.spec = server, job_id, spec
         self.consumer, self.rollout = consumer, rollout
+        self.lanes = [Lane(consumer, self.run_task, server.settings.max_concurrent_tasks)]
+        """Where its work comes from, read in this order: held-out conversations first (up to
+        half the server's tasks, so training goes on beside an evaluation), then tasks."""
+        self.held_out = evaluation[0] if evaluation else None
+        if evaluation:
+            share = max(1, server.settings.max_concurrent_tasks // 2)
+            self.lanes.insert(0, Lane(evaluation[1], self.run_eval, share))
         self.synced = asyncio.Event()
         """Set once the engine is in a weight update of this job: tasks wait for it."""
         self.synced_plan: tuple[str, int, int] | None = None
@@ -460,7 +498,8 @@ class ServedJob:
         for task in list(inflight.values()):
             task.cancel()
         await asyncio.gather(*inflight.values(), return_exceptions=True)
-        await self.consumer.release(*unfinished)
+        for consumer, entries in held_entries(unfinished).items():
+            await consumer.release(*entries)
         TASKS.labels(self.job_id, "handed_back").inc(len(unfinished))
         # A plan the learner wrote just before it read the drain may still name this server:
         # apply it (follow_weights runs until the group ends) before leaving the group.
@@ -516,28 +555,36 @@ class ServedJob:
         self.synced.set()
 
     async def consume_tasks(self) -> None:
-        """Keep up to `max_concurrent_tasks` tasks in flight: first this consumer's own
-        pending ones (a restart), then new ones, then ones idle consumers left behind."""
+        """Keep up to `max_concurrent_tasks` tasks in flight, each lane within its own share:
+        first this consumer's own pending entries (a restart), then new ones, then ones idle
+        consumers left behind."""
         await self.synced.wait()
         settings, inflight = self.server.settings, self.server.inflight
         capacity = settings.max_concurrent_tasks
-        backlog = await self.consumer.read_own_pending(capacity)
+        backlog = [(lane, d) for lane in self.lanes for d in await lane.consumer.read_own_pending(lane.share)]
         last_reclaim = 0.0
         while not (self.leaving or self.server.stopping or self.server.drain_requested.is_set()):
-            free = capacity - len(inflight)
-            if free == 0:
+            if len(inflight) >= capacity:
                 await asyncio.wait(list(inflight.values()), return_when=asyncio.FIRST_COMPLETED)
                 continue
-            deliveries, backlog = backlog[:free], backlog[free:]
-            if not deliveries:
-                deliveries = await self.consumer.read(free, block_ms=200)
+            deliveries, backlog = backlog[: capacity - len(inflight)], backlog[capacity - len(inflight) :]
+            for lane in self.lanes if not deliveries else ():
+                free = min(capacity - len(inflight), lane.share - lane.held(inflight))
+                if free > 0:  # the last lane (tasks) blocks briefly: the loop's only wait for work
+                    block_ms = 200 if lane is self.lanes[-1] and not deliveries else None
+                    deliveries += [(lane, d) for d in await lane.consumer.read(free, block_ms=block_ms)]
             if not deliveries and time.monotonic() - last_reclaim > settings.heartbeat_s:
                 last_reclaim = time.monotonic()
-                deliveries = await self.consumer.reclaim(int(settings.task_reclaim_idle_s * 1000), free)
-            for delivery in deliveries:
-                task = asyncio.create_task(self.run_task(delivery))
-                inflight[delivery.entry_id] = task
-                task.add_done_callback(lambda _, key=delivery.entry_id: inflight.pop(key, None))
+                for lane in self.lanes:
+                    free = min(capacity - len(inflight), lane.share - lane.held(inflight))
+                    if free > 0:
+                        idle_ms = int(settings.task_reclaim_idle_s * 1000)
+                        deliveries += [(lane, d) for d in await lane.consumer.reclaim(idle_ms, free)]
+            for lane, delivery in deliveries:
+                key = (lane.consumer, delivery.entry_id)
+                task = asyncio.create_task(lane.run(delivery))
+                inflight[key] = task
+                task.add_done_callback(lambda _, key=key: inflight.pop(key, None))
             INFLIGHT.labels(self.job_id).set(len(inflight))
 
     async def note_error(self, task_id: int, err: Exception) -> None:
@@ -578,6 +625,53 @@ class ServedJob:
             return
         TASKS.labels(self.job_id, "ok").inc()
         EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
+
+    async def run_eval(self, delivery: Delivery) -> None:
+        """A held-out conversation's result into the job's eval results, then its entry
+        acknowledged; bad content to the dead-letter stream, any other failure left pending
+        for a retry (as `run_task`)."""
+        task = delivery.message
+        consumer = self.lanes[0].consumer
+        try:
+            size = len(self.held_out.task)
+            if not 0 <= task.example < size:
+                raise BadTask(f"held-out example {task.example} outside the held-out set (size {size})")
+            result = await self.held_out.play(task)
+            await publish(self.server.redis, Keys.eval_results(self.job_id), result)
+            await consumer.ack(delivery.entry_id)
+        except asyncio.CancelledError:
+            raise
+        except (BadTask, TokenizationMismatch) as err:
+            await consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
+            TASKS.labels(self.job_id, "eval_dead").inc()
+            return
+        except Exception as err:
+            log.exception("held-out conversation %d/%d failed; it stays pending for a retry", task.round, task.example)
+            TASKS.labels(self.job_id, "eval_error").inc()
+            await self.note_error(-1, err)
+            return
+        TASKS.labels(self.job_id, "eval_ok").inc()
+
+
+@dataclass
+class Lane:
+    """One of a served job's work streams: its consumer, what runs an entry of it, and how
+    many of the server's tasks in flight it may hold."""
+
+    consumer: StreamConsumer
+    run: Callable[[Delivery], Awaitable[None]]
+    share: int
+
+    def held(self, inflight: dict) -> int:
+        return sum(consumer is self.consumer for consumer, _ in inflight)
+
+
+def held_entries(keys) -> dict[StreamConsumer, list[bytes]]:
+    """Entries in flight (keys of `RolloutServer.inflight`) by the consumer that holds them."""
+    entries: dict[StreamConsumer, list[bytes]] = {}
+    for consumer, entry_id in keys:
+        entries.setdefault(consumer, []).append(entry_id)
+    return entries
 
 
 TASK_ERRORS_KEPT = 1000

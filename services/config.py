@@ -592,6 +592,50 @@ class HealthRule(_Strict):
         return self
 
 
+GENERATED_TASKS = ("clarify", "multiply")
+"""Tasks whose examples are generated from a seed (the rest read a data file or a split)."""
+
+
+class EvalSpec(_Strict):
+    """Held-out evaluation inside an RL job (`services.held_out` says which examples): rollout
+    servers play each held-out example as one whole conversation with the policy being
+    trained, never training on it, and the learner records the means per policy version."""
+
+    every: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description="RL steps between evaluations, the warm start's (version 0) first; 0: only the final one.",
+    )
+    final: bool = Field(True, description="Evaluate the final policy before the job ends.")
+    examples: int = Field(
+        64, ge=1, le=100_000, description="Held-out conversations per evaluation (tau2: at most its split's tasks)."
+    )
+    trials: int = Field(
+        1, ge=1, le=16, description="Plays of each example per evaluation: pass^k is reported for k up to trials."
+    )
+    seed: int = Field(
+        10_000,
+        description="clarify and multiply: the seed their held-out examples are generated from (not train.seed).",
+    )
+    data: str | None = Field(
+        None,
+        max_length=PATH_CHARS,
+        description="math_chat, doc_edit_chat, code_chat: a JSONL file of held-out rows; unset: the rows of "
+        "task.data (or the built-in fixture) after the first task.num_examples, which train.",
+    )
+    split: Literal["train", "test", "base"] = Field(
+        "test", description="tau2: the split evaluated (one the job does not train on)."
+    )
+    timeout_s: float = Field(
+        900.0,
+        gt=0,
+        le=86_400,
+        description="The longest the job waits for its final evaluation after its last step; what finished by "
+        "then is recorded, marked incomplete.",
+    )
+
+
 class _JobBase(_Strict):
     """What every kind of job names: the model, the task, and how to roll out, score and
     train. A job spec is one of the kinds below, picked by `kind` (`rl` when it is left out)."""
@@ -660,6 +704,22 @@ class RLJob(_JobBase):
         description="Rules on per-step metrics that warn or stop the job (e.g. zero_spread_share above 0.9 "
         "for 5 steps: the job trains on nothing).",
     )
+    eval: EvalSpec | None = Field(
+        None, description="Held-out evaluation every few steps and at the end; none when unset."
+    )
+
+    @model_validator(mode="after")
+    def _held_out_is_held_out(self) -> RLJob:
+        """Held-out examples the job could also train on are refused where the spec shows it."""
+        if self.eval is None:
+            return self
+        if self.task.name in GENERATED_TASKS and self.eval.seed == self.train.seed:
+            raise ValueError("eval.seed must differ from train.seed: the held-out examples would be the trained ones")
+        if self.task.name == "tau2" and "base" in (self.task.split, self.eval.split):
+            raise ValueError("tau2: the base split holds every task, so nothing in it is held out: evaluate test")
+        if self.task.name == "tau2" and self.eval.split == self.task.split:
+            raise ValueError(f"eval.split {self.eval.split!r} is the split the job trains on")
+        return self
 
 
 class OfflineJob(_JobBase):
@@ -743,6 +803,7 @@ PATH_FIELDS = (
     ("warm_start", "data"),
     ("tools", "file"),
     ("train", "data"),
+    ("eval", "data"),
 )
 """(section, field) of every job-spec field that names a file or folder the learner or a
 rollout server opens. A multi-tenant API confines them to `ApiSettings.path_roots`."""

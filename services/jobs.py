@@ -155,6 +155,7 @@ def parse_record(raw: dict[bytes, bytes]) -> dict | None:
     record["spec"] = json.loads(record["spec"])
     record["metrics"] = json.loads(record.get("metrics", "{}"))
     record["alerts"] = json.loads(record.get("alerts", "[]"))
+    record["held_out"] = json.loads(record.get("held_out", "{}"))
     return record
 
 
@@ -297,6 +298,9 @@ def job_keys(job_id: str) -> list[str]:
         Keys.checkpoints(job_id),
         Keys.servers(job_id),
         Keys.datasets(job_id),
+        Keys.eval_tasks(job_id),
+        Keys.eval_results(job_id),
+        Keys.eval_rounds(job_id),
     ]
 
 
@@ -414,6 +418,25 @@ async def record_progress(
     )
     if not written:
         raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; step {step} is not recorded")
+
+
+RECORD_HELD_OUT_LUA = (
+    job_lease.FENCE_CHECK
+    + """
+if fenced(KEYS[1], ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'held_out', ARGV[1])
+return 1
+"""
+)
+
+
+async def record_held_out(client: aioredis.Redis, job_id: str, summary: dict) -> None:
+    """The job's latest held-out evaluation (`learner.evaluation`); LeaseLost as `record_progress`."""
+    written = await client.register_script(RECORD_HELD_OUT_LUA)(
+        keys=[Keys.job(job_id)], args=[json.dumps(summary), job_lease.fence_of(job_id)]
+    )
+    if not written:
+        raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; its evaluation is not recorded")
 
 
 async def add_alert(client: aioredis.Redis, job_id: str, message: str) -> None:

@@ -86,6 +86,39 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return any(s.advantage != 0.0 for s in self.samples)
 
 
+class EvalTask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One held-out conversation to play with the policy being trained (never trained on)."""
+
+    schema: int = SCHEMA
+    job_id: str
+    round: int
+    """The evaluation it belongs to: the learner step (= policy version) that asked for it."""
+    example: int
+    """Index in the job's held-out task set (`services.held_out`)."""
+    trial: int
+    """Which play of the example this is (pass^k counts an example's trials)."""
+
+
+class EvalResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one held-out conversation scored, for the learner to average into its round."""
+
+    schema: int = SCHEMA
+    job_id: str
+    round: int
+    example: int
+    trial: int
+    server_id: str
+    metrics: dict[str, float]
+    """`success` (R_ext, 0 when malformed), `tokens`, `turns`, `well_formed`, the task's own
+    metrics, the judge's score with the job's rubric (`judge`), tool use, and what its LLM
+    calls cost (`judge_tokens`, `simulator_tokens`)."""
+    versions: list[int]
+    """The oldest and newest weight version behind its policy tokens ([] when none)."""
+    elapsed_s: float
+    conversation: list[dict[str, str]] = []
+    """The conversation as played (role, content), for people to read."""
+
+
 class TensorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     """Checkpoint (Hugging Face) parameter name."""

@@ -86,6 +86,21 @@ class Keys:
         return f"{PREFIX}job:{job_id}:task-errors"
 
     @staticmethod
+    def eval_tasks(job_id: str) -> str:
+        """Held-out conversations to play (EvalTask); group `rollout`, as the tasks stream."""
+        return f"{PREFIX}job:{job_id}:eval:tasks"
+
+    @staticmethod
+    def eval_results(job_id: str) -> str:
+        """What each held-out conversation scored (EvalResult), read by the learner from a cursor."""
+        return f"{PREFIX}job:{job_id}:eval:results"
+
+    @staticmethod
+    def eval_rounds(job_id: str) -> str:
+        """Evaluation round (its step) -> JSON {version, expected, dispatched}: each round dispatched once."""
+        return f"{PREFIX}job:{job_id}:eval:rounds"
+
+    @staticmethod
     def events(job_id: str) -> str:
         return f"{PREFIX}job:{job_id}:events"
 

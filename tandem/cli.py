@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=cmd_serve_model)
 
-    p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95% intervals")
+    p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95%% intervals")
     p.add_argument("model", help="the policy: an HF folder (tandem model get, or a job's through tandem export)")
     p.add_argument("--domains", type=tau2_domains, default="mock", help="comma-separated: mock, airline, retail")
     p.add_argument("--split", default="test", choices=["train", "test", "base"])

@@ -95,11 +95,16 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
             history = (history + new)[-HISTORY_SHOWN:]
             for message in (m for h in new for m in h.get("health", [])):
                 progress.write(f"{job_id}: {message}")
+            for evaluation in (h for h in new if h.get("phase") == "eval"):
+                progress.write(f"{job_id}: {held_out_line(evaluation)}")
             steps = [h for h in history if h.get("phase") in ("rl", "offline", "generate")]
+            phase = _phase(record, history)
+            if record["status"] == "RUNNING" and steps and steps[-1]["step"] >= total and record["spec"].get("eval"):
+                phase = "final held-out evaluation"
             progress.update(
                 steps[-1]["step"] if steps else None,
-                desc=f"{job_id} {_phase(record, history)}",
-                postfix=_postfix(steps) if steps else None,
+                desc=f"{job_id} {phase}",
+                postfix=_postfix(steps) | _held_out_postfix(record) if steps else None,
             )
             if record["status"] in TERMINAL:
                 return record
@@ -116,6 +121,20 @@ def _phase(record: dict, history: list[dict]) -> str:
     if history and history[-1].get("phase") == "sft":
         return f"warm start {history[-1]['sft_step']}"
     return history[-1]["phase"] if history else "starting"
+
+
+def held_out_line(record: dict) -> str:
+    """One held-out evaluation's record as a line: success, the task's metrics, its size."""
+    shown = [f"success {record.get('success', 0.0):.3f}"]
+    shown += [f"{name} {record[name]:.3f}" for name in ("asked", "judge", "pass^2") if name in record]
+    shown.append(f"{record.get('tokens', 0.0):.0f} tokens")
+    incomplete = "" if record.get("complete", True) else ", incomplete"
+    return f"held-out at step {record['step']}: {', '.join(shown)} ({record['episodes']} conversations{incomplete})"
+
+
+def _held_out_postfix(record: dict) -> dict[str, str]:
+    held = record.get("held_out") or {}
+    return {"held-out": f"{held['success']:.2f}@{held['step']}"} if "success" in held else {}
 
 
 def _postfix(rl: list[dict]) -> dict[str, str]:

@@ -115,6 +115,24 @@ def summarize(record: dict, history: list[dict]) -> dict:
         "stale_groups_dropped": last.get("stale_dropped", 0),
         "duplicate_groups_skipped": last.get("duplicates", 0),
         "trained_tokens": sum(r["trained_tokens"] for r in rl),
+        **held_out_summary(history),
+    }
+
+
+def held_out_summary(history: list[dict]) -> dict:
+    """The held-out curve (step -> success) and what evaluating cost: its share of the
+    rollout servers' task time and of the judge and simulator tokens, job so far."""
+    rounds = [h for h in history if h.get("phase") == "eval"]
+    if not rounds:
+        return {}
+    last = rounds[-1]
+    return {
+        "held_out_first": rounds[0]["success"],
+        "held_out_final": last["success"],
+        "held_out_curve": {str(r["step"]): round(r["success"], 4) for r in rounds},
+        "held_out_conversations": last["episodes"],
+        "eval_share_rollout_seconds": last.get("eval_share_rollout_seconds", 0.0),
+        "eval_share_llm_tokens": last.get("eval_share_llm_tokens", 0.0),
     }
 
 
@@ -127,9 +145,18 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     rl = [h for h in history if h.get("phase") == "rl"]
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rl]
-    ax.plot(steps, [r["reward_mean"] for r in rl], label="mean reward", marker=".")
+    ax.plot(steps, [r["reward_mean"] for r in rl], label="mean reward (training)", marker=".")
     if rl and "asked" in rl[0]:
         ax.plot(steps, [r.get("asked", 0) for r in rl], label="share of first turns that ask", alpha=0.7)
+    rounds = [h for h in history if h.get("phase") == "eval"]
+    if rounds:
+        ax.plot(
+            [r["step"] for r in rounds],
+            [r["success"] for r in rounds],
+            label=f"held-out success ({rounds[-1]['episodes']} conversations)",
+            marker="o",
+            color="black",
+        )
     ax.set_xlabel("learner step (= policy version)")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)

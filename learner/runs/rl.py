@@ -3,10 +3,11 @@
     warm start (SFT) -> publish version 0 -> repeat num_steps times:
         admit tasks -> collect a batch of fresh groups -> RL step (all ranks)
         -> version += 1 -> publish weights -> acknowledge the trained groups
+    -> final checkpoint and policy -> wait for the held-out evaluations still out
 
 Its parts: the batch intake (trajectory stream -> batches), the weight publisher (rollout
-servers and versions), the step log (records, metrics, health) and the checkpoints it
-writes and resumes from.
+servers and versions), the step log (records, metrics, health), the checkpoints it
+writes and resumes from, and the held-out evaluation when the job has `eval`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from learner import pairs as pair_picking
 from learner import policy
 from learner.control import Command
+from learner.evaluation import HeldOutEvaluation
 from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
 from learner.mix import Mix
@@ -45,10 +47,12 @@ class RLRun(RolloutFedRun):
             GroupLog(self.run_dir),
             self.spec.train.stragglers,
         )
+        self.evaluation = HeldOutEvaluation(self.redis, self.job_id, self.spec, self.steps)
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_waiting)
         await self.publisher.publish(self.version)
+        await self.evaluation.ask(self.step)  # the warm start's policy, or the resumed step's
         await self.intake.read_backlog()
         self.steps.start_rl()
         self.intake.log.start()
@@ -65,6 +69,7 @@ class RLRun(RolloutFedRun):
                 await self.check_stop()
         await self.checkpoint()  # the final one, unless the last step's is written already
         self.export_policy()
+        await self.evaluation.finish(self.while_waiting)
 
     async def start(self) -> None:
         """A fresh start: the warm start, then the step-0 checkpoint RL begins from."""
@@ -107,6 +112,7 @@ class RLRun(RolloutFedRun):
         for stream in (Keys.tasks(self.job_id), Keys.trajectories(self.job_id)):
             await retention.trim_acked(self.redis, stream)
         await self.steps.act_on(fired)
+        await self.evaluation.after_step(self.step, groups)  # the new version's round, if due
 
     def counts(self) -> dict[str, int]:
         return self.intake.counts | self.publisher.counts
@@ -128,6 +134,7 @@ class RLRun(RolloutFedRun):
             "dispatcher": self.dispatcher.state(),
             "history_length": await self.steps.length(),
             "groups_bytes": self.intake.log.written_bytes(),
+            "evaluation": self.evaluation.spend,
         }
         await self.checkpoints.save(self.step, self.version, meta)
         await self.intake.acks.flush()
@@ -169,5 +176,6 @@ class RLRun(RolloutFedRun):
         await self.steps.trim(meta["history_length"])
         if "groups_bytes" in meta:  # a checkpoint without it leaves the file as it is
             self.intake.log.trim(meta["groups_bytes"])
+        await self.evaluation.resume(meta.get("evaluation"))
         log.info("resumed job %s from step %d", self.job_id, self.step)
         return True

@@ -1,12 +1,14 @@
 """The parts of a run fed by rollout servers (RL and generate jobs): the dispatcher that
 admits tasks, the trajectory stream, the weight publisher that keeps the servers'
-membership and versions, and the watchdog that keeps the job from waiting in silence."""
+membership and versions, the watchdog that keeps the job from waiting in silence, and the
+held-out evaluation the servers also play (an RL job's, when it has `eval`)."""
 
 from __future__ import annotations
 
 import time
 
 from learner.dispatcher import Dispatcher
+from learner.evaluation import HeldOutEvaluation
 from learner.publisher import WeightPublisher
 from learner.runs.base import Learner, Run
 from learner.watchdog import Watchdog
@@ -26,14 +28,15 @@ class RolloutFedRun(Run):
         self.dispatcher = self.dispatcher_class(self.redis, job_id, spec)
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
         self.gauges_at = 0.0
+        self.evaluation: HeldOutEvaluation | None = None
         self.watchdog = Watchdog(
             self.redis, job_id, spec, self.settings, self.publisher, self.dispatcher, self.progress_marker
         )
 
-    def progress_marker(self) -> tuple[int, int]:
-        """(steps trained, groups admitted): what moves when the job progresses (asked only
-        while the run collects, once its intake exists)."""
-        return self.step, self.intake.admitted
+    def progress_marker(self) -> tuple[int, int, int]:
+        """(steps trained, groups admitted, held-out results read): what moves when the job
+        progresses (asked only while the run waits, once its intake exists)."""
+        return self.step, self.intake.admitted, self.evaluation.received if self.evaluation else 0
 
     async def trajectories(self) -> StreamConsumer:
         """The job's trajectory stream, read by the learner's consumer group."""
@@ -56,3 +59,5 @@ class RolloutFedRun(Run):
         if time.monotonic() - self.gauges_at > GAUGES_EVERY_S:  # dashboards move while no step does
             self.gauges_at = time.monotonic()
             await self.steps.export_queue_gauges()
+        if self.evaluation is not None:
+            await self.evaluation.collect()

@@ -62,6 +62,11 @@ class JobView(BaseModel):
     )
     metrics: dict = Field(default_factory=dict, description="The latest step's metrics.")
     alerts: list[str] = Field(default_factory=list, description="Health rules that fired, oldest first.")
+    held_out: dict = Field(
+        default_factory=dict,
+        description="The latest held-out evaluation (job spec `eval`): its step, success and the task's metrics; "
+        "empty before the first.",
+    )
     resumes: int = Field(0, description="Times the job was resumed after it ended (`POST /v1/jobs/{id}/resume`).")
     resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
     resumed_error: str | None = Field(None, description="The error it had then, if any.")
@@ -139,7 +144,7 @@ def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
     was checked, whatever their working directory."""
     confined, errors = spec.model_copy(deep=True), []
     for section, name in PATH_FIELDS:
-        part = getattr(confined, section)
+        part = getattr(confined, section, None)  # a section of another kind of job
         if part is None or getattr(part, name) is None:
             continue
         inside = confine(getattr(part, name), roots)

@@ -356,6 +356,7 @@ async def confined(redis_url, redis_client, files):
         (["model", "path"], "models/../runs/other-job/step-3"),  # '..' out of a root
         (["task", "data"], "/etc/passwd"),
         (["warm_start", "data"], "data/../runs/other-job/step-3/optimizer.pt"),
+        (["eval", "data"], "/etc/shadow"),  # held-out rows are read like training rows
         (["model", "path"], "models/tiny\x00"),  # no file has such a name
         (["model", "path"], "models/loop"),  # a symlink to itself
     ],

@@ -57,6 +57,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         "reward": {"preset": "collabllm", "judge_model": "judge", "user_model": "judge"},
         "train": {"num_steps": 3, "batch_size": 4, "max_staleness": 1, "lr": 1e-4},
         "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
+        "eval": {"every": 2, "examples": 3, "trials": 2},
     }
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
     with contextlib.ExitStack() as stack:
@@ -72,7 +73,9 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
             "the preset job",
             interval_s=1,
         )
-        history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
+        everything = api.get(f"/v1/jobs/{job_id}/history").json()
+        history = [h for h in everything if h["phase"] == "rl"]
+        evaluations = [h for h in everything if h["phase"] == "eval"]
     assert record["status"] == "SUCCEEDED", record.get("error")
 
     stored = record["spec"]
@@ -94,3 +97,20 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     turns = [h["turn"] for h in history]
     assert all(0.0 <= t <= 1.0 for t in turns) and sum(turns) > 0  # later turns trained too
     assert all(h["judge_tokens"] > 0 and h["simulator_tokens"] > 0 for h in history)
+
+    # Held out: the warm start's policy, step 2's and the final one, each on 3 examples x 2
+    # trials of another seed with the person simulator, scored by the task and the judge.
+    assert [e["step"] for e in evaluations] == [0, 2, 3]
+    for evaluation in evaluations:
+        assert evaluation["complete"] and evaluation["episodes"] == 6 and evaluation["lost"] == 0
+        assert 0.0 <= evaluation["pass^2"] <= evaluation["pass^1"] == evaluation["success"] <= 1.0
+        assert evaluation["simulator_tokens"] > 0 and evaluation["versions_min"] >= evaluation["step"]
+        assert 0.0 < evaluation["eval_share_llm_tokens"] < 1.0
+    # The judge scores the well-formed ones. A later round may find a verdict in the proxy's
+    # memory (the same conversation judged before: no tokens), the first judged one cannot.
+    judged = [e for e in evaluations if "judge" in e]
+    assert all(0.0 <= e["judge"] <= 1.0 for e in judged)
+    assert not judged or judged[0]["judge_tokens"] > 0
+    assert record["held_out"]["step"] == 3
+    trained = [t for h in history for t in h["task_ids"]]
+    assert len(trained) == len(set(trained)) == 12  # held-out conversations are never training tasks

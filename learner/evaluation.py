@@ -1,0 +1,298 @@
+"""Held-out evaluation inside an RL job, on rank 0: rounds asked, results read, one record each.
+
+A round is the policy of one version evaluated on every held-out example (`services.held_out`)
+`eval.trials` times. The learner asks for one at version 0 (the warm start), every
+`eval.every` steps and at the end: one `EvalTask` per example and trial on the job's eval
+tasks stream. It asks each round once: the round's entry in `eval:rounds` is set with HSETNX,
+so a resumed run that trains through the step again asks nothing more. Rollout servers play
+the conversations beside the training tasks (`rollout.server.ServedJob.run_eval`), with
+whatever weights they hold when each turn is generated: a round's record says which versions
+its tokens came from.
+
+The learner reads results from a cursor whenever it takes a step or waits. A round whose
+every conversation is in (or lost: its entry went to the dead stream) becomes a record in the
+job's history (`phase: eval`), its metrics and the job record's `held_out`. The state is the
+streams themselves: a resumed run reads them again from the start, skipping the rounds its
+history already holds. After the last step the job waits for the rounds still out, for at
+most `eval.timeout_s`; what is in by then is recorded, marked incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from math import comb
+
+import msgspec
+import redis.asyncio as aioredis
+from prometheus_client import Gauge
+
+from learner.step_log import StepLog
+from services import jobs, protocol
+from services.config import RLJob
+from services.held_out import held_out
+from services.queues import FIELD, Keys
+from services.stats import mean_by_key
+
+log = logging.getLogger(__name__)
+
+HELD_OUT = Gauge(
+    "tandem_eval_metric", "The latest held-out evaluation's mean, by metric (success, tokens, ...)", ["job", "metric"]
+)
+HELD_OUT_STEP = Gauge("tandem_eval_step", "The step (policy version) the latest held-out evaluation is of", ["job"])
+READ_COUNT = 1000
+"""Results read per round trip."""
+WAIT_POLL_S = 0.5
+"""How often the final wait reads the results."""
+
+
+@dataclass
+class Round:
+    step: int
+    expected: int
+    asked_at: float
+    results: dict[tuple[int, int], protocol.EvalResult] = field(default_factory=dict)
+    """(example, trial) -> its result; a conversation played twice (a server lost after
+    publishing, before its ack) counts once."""
+    lost: set[tuple[int, int]] = field(default_factory=set)
+    """(example, trial) of the entries that went to the dead stream."""
+
+    def done(self) -> bool:
+        return len(self.results) + len(self.lost - self.results.keys()) >= self.expected
+
+
+def pass_at(successes: list[int], trials: int, k: int) -> float:
+    """τ²-bench's pass^k: over examples, the chance that k trials drawn from an example's
+    `trials` all succeed (C(c, k) / C(trials, k) for c successes)."""
+    return sum(comb(c, k) for c in successes) / (len(successes) * comb(trials, k))
+
+
+def round_record(round_: Round, trials: int, complete: bool) -> dict:
+    """A round's history record: the means of its conversations' metrics, pass^k, which
+    versions played it, what it cost and took."""
+    results = list(round_.results.values())
+    record = {
+        "phase": "eval",
+        "step": round_.step,
+        "version": round_.step,
+        "episodes": len(results),
+        "lost": len(round_.lost - round_.results.keys()),
+        "complete": complete,
+        "seconds": time.time() - round_.asked_at,
+        **mean_by_key([r.metrics for r in results]),
+        "rollout_seconds": sum(r.elapsed_s for r in results),
+        "llm_tokens": sum(r.metrics.get("judge_tokens", 0.0) + r.metrics.get("simulator_tokens", 0.0) for r in results),
+    }
+    versions = [v for r in results for v in r.versions]
+    if versions:
+        record["versions_min"], record["versions_max"] = min(versions), max(versions)
+    if trials > 1 and results:
+        by_example: dict[int, list[int]] = {}
+        for r in results:
+            by_example.setdefault(r.example, []).append(int(r.metrics.get("success", 0.0) >= 1.0))
+        full = [sum(s) for s in by_example.values() if len(s) == trials]
+        for k in range(1, trials + 1):
+            if full:
+                record[f"pass^{k}"] = pass_at(full, trials, k)
+    return record
+
+
+def shares(spend: dict[str, float]) -> dict[str, float]:
+    """The evaluation's share, job so far, of the rollout servers' task time and of the
+    judge and simulator tokens (held-out conversations against trained groups)."""
+    seconds = spend["eval_rollout_seconds"] + spend["rollout_seconds"]
+    tokens = spend["eval_llm_tokens"] + spend["llm_tokens"]
+    return {
+        "eval_share_rollout_seconds": spend["eval_rollout_seconds"] / seconds if seconds else 0.0,
+        "eval_share_llm_tokens": spend["eval_llm_tokens"] / tokens if tokens else 0.0,
+    }
+
+
+class ResultReader:
+    """Reads a job's held-out results and lost conversations from cursors into its rounds."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.redis, self.job_id = client, job_id
+        self.cursor = "0-0"
+        self.dead_cursor = "0-0"
+        self.received = 0
+        """Results read: progress, for the watchdog, while the job waits for them."""
+
+    async def read(self, rounds: dict[int, Round]) -> None:
+        """Every new result into its round; every conversation lost to the dead stream too."""
+        while entries := await self.redis.xrange(
+            Keys.eval_results(self.job_id), min=f"({self.cursor}", count=READ_COUNT
+        ):
+            for entry_id, fields in entries:
+                self.cursor = entry_id.decode()
+                self.take(fields.get(FIELD, b""), rounds)
+        stream = Keys.eval_tasks(self.job_id).encode()
+        while entries := await self.redis.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=READ_COUNT):
+            for entry_id, fields in entries:
+                self.dead_cursor = entry_id.decode()
+                task = decoded(fields.get(FIELD, b""), protocol.EvalTask) if fields.get(b"stream") == stream else None
+                if task is not None and task.round in rounds:
+                    rounds[task.round].lost.add((task.example, task.trial))
+
+    def take(self, data: bytes, rounds: dict[int, Round]) -> None:
+        result = decoded(data, protocol.EvalResult)
+        if result is None:
+            log.warning("job %s: an eval result that does not decode, skipped", self.job_id)
+            return
+        round_ = rounds.get(result.round)
+        if round_ is not None and result.job_id == self.job_id:
+            round_.results[(result.example, result.trial)] = result
+            self.received += 1
+
+
+def decoded(data: bytes, kind: type):
+    """The message, or None when the bytes are not one."""
+    try:
+        return protocol.decode(data, kind)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+
+
+class HeldOutEvaluation:
+    """One RL job's evaluation rounds (the module's docstring says how they go); a job
+    without `eval` has none, and each method then does nothing."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str, spec: RLJob, steps: StepLog) -> None:
+        self.redis, self.job_id, self.steps = client, job_id, steps
+        self.spec = spec.eval
+        self.examples = held_out(spec).examples if spec.eval is not None else ()
+        self.num_steps = spec.train.num_steps
+        self.rounds: dict[int, Round] = {}
+        """Rounds asked for and not yet recorded, by step."""
+        self.recorded: set[int] = set()
+        self.reader = ResultReader(client, job_id)
+        self.spend = {"eval_rollout_seconds": 0.0, "eval_llm_tokens": 0.0, "rollout_seconds": 0.0, "llm_tokens": 0.0}
+        """What held-out rounds and trained groups took, job so far: the evaluation's share."""
+
+    @property
+    def received(self) -> int:
+        return self.reader.received
+
+    # ---- asking --------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether the policy of `step` is evaluated."""
+        if self.spec is None:
+            return False
+        if step == self.num_steps:
+            return self.spec.final or (self.spec.every > 0 and step % self.spec.every == 0)
+        return self.spec.every > 0 and step % self.spec.every == 0
+
+    async def ask(self, step: int) -> None:
+        """Ask for the round of `step`'s policy if it is due and was never asked for."""
+        if not self.due(step) or step in self.recorded or step in self.rounds:
+            return
+        expected = len(self.examples) * self.spec.trials
+        entry = json.dumps({"expected": expected, "asked": time.time()})
+        if not await self.redis.hsetnx(Keys.eval_rounds(self.job_id), str(step), entry):
+            await self.load_rounds()  # asked by the run before a restart: awaited, not asked again
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for trial in range(self.spec.trials):
+                for example in self.examples:
+                    task = protocol.EvalTask(job_id=self.job_id, round=step, example=example, trial=trial)
+                    pipe.xadd(Keys.eval_tasks(self.job_id), {FIELD: protocol.encode(task)})
+            await pipe.execute()
+        self.rounds[step] = Round(step, expected, time.time())
+        log.info("job %s: held-out evaluation of step %d asked for (%d conversations)", self.job_id, step, expected)
+
+    async def load_rounds(self) -> None:
+        """The rounds asked for (by this run or one before it) that its history lacks."""
+        for step, raw in (await self.redis.hgetall(Keys.eval_rounds(self.job_id))).items():
+            step = int(step)
+            if step not in self.recorded and step not in self.rounds:
+                entry = json.loads(raw)
+                self.rounds[step] = Round(step, entry["expected"], entry["asked"])
+
+    async def resume(self, spend: dict | None) -> None:
+        """After the run's history was trimmed to its checkpoint, whose `spend` it takes: the
+        rounds the history holds are done, every other asked round is awaited, and the
+        results are read again from the start."""
+        self.spend.update(spend or {})
+        if self.spec is None:
+            return
+        _, raw = await jobs.read_history(self.redis, self.job_id, 0)
+        records = [json.loads(r) for r in raw]
+        self.recorded = {r["step"] for r in records if r.get("phase") == "eval"}
+        self.rounds, self.reader = {}, ResultReader(self.redis, self.job_id)
+        await self.load_rounds()
+
+    # ---- results -------------------------------------------------------------------
+
+    async def after_step(self, step: int, groups: list[protocol.TrajectoryGroup]) -> None:
+        """After RL step `step` trained `groups`: its round if due, and the results in so far."""
+        self.observe_training(groups)
+        await self.ask(step)
+        await self.collect()
+
+    def observe_training(self, groups: list[protocol.TrajectoryGroup]) -> None:
+        """Count a step's trained groups into what training took, for the evaluation's share."""
+        self.spend["rollout_seconds"] += sum(g.elapsed_s for g in groups)
+        self.spend["llm_tokens"] += sum(
+            s.metrics.get("judge_tokens", 0.0) + s.metrics.get("simulator_tokens", 0.0)
+            for g in groups
+            for s in g.samples
+        )
+
+    async def collect(self) -> None:
+        """Read the new results and lost entries; record every round that is done."""
+        if not self.rounds:
+            return
+        await self.reader.read(self.rounds)
+        for step in sorted(self.rounds):
+            if self.rounds[step].done():
+                await self.record(self.rounds.pop(step), complete=True)
+
+    async def record(self, round_: Round, complete: bool) -> None:
+        record = round_record(round_, self.spec.trials, complete)
+        self.spend["eval_rollout_seconds"] += record["rollout_seconds"]
+        self.spend["eval_llm_tokens"] += record["llm_tokens"]
+        record |= shares(self.spend)
+        await self.steps.write_eval(record)
+        self.recorded.add(round_.step)
+        HELD_OUT_STEP.labels(self.job_id).set(round_.step)
+        for name, value in record.items():
+            if isinstance(value, float) and name not in ("seconds",):
+                HELD_OUT.labels(self.job_id, name).set(value)
+        summary = {k: v for k, v in record.items() if k not in ("phase", "time")}
+        await jobs.record_held_out(self.redis, self.job_id, summary)
+        log.info(
+            "job %s: held-out step %d: success %.3f over %d conversations%s",
+            self.job_id,
+            round_.step,
+            record.get("success", float("nan")),
+            record["episodes"],
+            "" if complete else " (incomplete)",
+        )
+
+    async def finish(self, waiting: Callable[[], Awaitable[None]]) -> None:
+        """Wait for every round still out, for at most `eval.timeout_s`, calling `waiting`
+        between reads (cancels, stops, the watchdog); record what is in by then."""
+        if self.spec is None:
+            return
+        deadline = time.monotonic() + self.spec.timeout_s
+        await self.collect()
+        while self.rounds and time.monotonic() < deadline:
+            await waiting()
+            await asyncio.sleep(WAIT_POLL_S)
+            await self.collect()
+        for step in sorted(self.rounds):
+            round_ = self.rounds.pop(step)
+            log.warning(
+                "job %s: held-out evaluation of step %d incomplete after eval.timeout_s %.0f s: %d of %d in",
+                self.job_id,
+                step,
+                self.spec.timeout_s,
+                len(round_.results),
+                round_.expected,
+            )
+            await self.record(round_, complete=False)
