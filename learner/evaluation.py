@@ -24,8 +24,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from math import comb
 
 import msgspec
 import redis.asyncio as aioredis
@@ -34,9 +32,8 @@ from prometheus_client import Gauge
 from learner.step_log import StepLog
 from services import jobs, protocol
 from services.config import RLJob
-from services.held_out import held_out
+from services.held_out import Round, held_out, round_record
 from services.queues import FIELD, Keys
-from services.stats import mean_by_key
 
 log = logging.getLogger(__name__)
 
@@ -50,60 +47,11 @@ WAIT_POLL_S = 0.5
 """How often the final wait reads the results."""
 
 
-@dataclass
-class Round:
-    step: int
-    expected: int
-    asked_at: float
-    results: dict[tuple[int, int], protocol.EvalResult] = field(default_factory=dict)
-    """(example, trial) -> its result; a conversation played twice (a server lost after
-    publishing, before its ack) counts once."""
-    lost: set[tuple[int, int]] = field(default_factory=set)
-    """(example, trial) of the entries that went to the dead stream."""
-
-    def done(self) -> bool:
-        return len(self.results) + len(self.lost - self.results.keys()) >= self.expected
-
-
-def pass_at(successes: list[int], trials: int, k: int) -> float:
-    """τ²-bench's pass^k: over examples, the chance that k trials drawn from an example's
-    `trials` all succeed (C(c, k) / C(trials, k) for c successes)."""
-    return sum(comb(c, k) for c in successes) / (len(successes) * comb(trials, k))
-
-
-def round_record(round_: Round, trials: int, complete: bool) -> dict:
-    """A round's history record: the means of its conversations' metrics, pass^k, which
-    versions played it, what it cost and took."""
-    results = list(round_.results.values())
-    record = {
-        "phase": "eval",
-        "step": round_.step,
-        "version": round_.step,
-        "episodes": len(results),
-        "lost": len(round_.lost - round_.results.keys()),
-        "complete": complete,
-        "seconds": time.time() - round_.asked_at,
-        **mean_by_key([r.metrics for r in results]),
-        "rollout_seconds": sum(r.elapsed_s for r in results),
-        "llm_tokens": sum(r.metrics.get("judge_tokens", 0.0) + r.metrics.get("simulator_tokens", 0.0) for r in results),
-    }
-    versions = [v for r in results for v in r.versions]
-    if versions:
-        record["versions_min"], record["versions_max"] = min(versions), max(versions)
-    if trials > 1 and results:
-        by_example: dict[int, list[int]] = {}
-        for r in results:
-            by_example.setdefault(r.example, []).append(int(r.metrics.get("success", 0.0) >= 1.0))
-        full = [sum(s) for s in by_example.values() if len(s) == trials]
-        for k in range(1, trials + 1):
-            if full:
-                record[f"pass^{k}"] = pass_at(full, trials, k)
-    return record
-
-
 def shares(spend: dict[str, float]) -> dict[str, float]:
-    """The evaluation's share, job so far, of the rollout servers' task time and of the
-    judge and simulator tokens (held-out conversations against trained groups)."""
+    """The evaluation's share, job so far, of the rollout servers' conversation-seconds (a
+    conversation's wall time; a trained group's counts once per sample, since its samples
+    are played side by side) and of the judge and simulator tokens (held-out conversations
+    against trained groups)."""
     seconds = spend["eval_rollout_seconds"] + spend["rollout_seconds"]
     tokens = spend["eval_llm_tokens"] + spend["llm_tokens"]
     return {
@@ -236,7 +184,7 @@ class HeldOutEvaluation:
 
     def observe_training(self, groups: list[protocol.TrajectoryGroup]) -> None:
         """Count a step's trained groups into what training took, for the evaluation's share."""
-        self.spend["rollout_seconds"] += sum(g.elapsed_s for g in groups)
+        self.spend["rollout_seconds"] += sum(g.elapsed_s * len(g.samples) for g in groups)
         self.spend["llm_tokens"] += sum(
             s.metrics.get("judge_tokens", 0.0) + s.metrics.get("simulator_tokens", 0.0)
             for g in groups

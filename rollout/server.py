@@ -24,32 +24,26 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rollout.assembly import assemble, check_sandbox, held_out_player
 from rollout.engine import Engine
-from rollout.episode import EpisodeRunner
 from rollout.evaluate import HeldOutPlayer
 from rollout.group import GroupRollout
-from rollout.interactions.llm_user import LLMUser
-from rollout.interactions.role_play import RolePlayUser
 from rollout.journal import Journal
-from rollout.judging import ProxyJudge
-from rollout.tasks import load_task
-from rollout.tools.box import ToolBox
 from services import jobs, protocol
-from services.config import JobSpec, RolloutSettings, ToolsSpec
-from services.held_out import check_loaded, held_out
+from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
 from services.queues import Delivery, Keys, StreamConsumer, connect, publish
 from services.stats import TrailingRate
-from services.tokenization import ChatTokenizer, TokenizationMismatch
-from services.tool_catalog import load_catalog, with_file_tools
+from services.tokenization import TokenizationMismatch
+from services.tool_catalog import load_catalog
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +86,6 @@ the learner fails the job with the outage as its reason before any task fails of
 
 class BadTask(ValueError):
     """A task message whose content no retry can fix; it goes to the dead-letter stream."""
-
-
-async def check_sandbox(spec: JobSpec) -> None:
-    """RuntimeError when the job runs model-written code (the code task, a python tool) and
-    this server's sandbox refuses to: every score would otherwise be a silent 0."""
-    tools = with_file_tools(spec.tools).tools if spec.tools is not None else []
-    if spec.task.name != "code_chat" and not any(tool.kind == "python" for tool in tools):
-        return
-    from rollout.tools.sandbox import refusal
-
-    refused = await asyncio.to_thread(refusal)
-    if refused is not None:
-        raise RuntimeError(f"this rollout server cannot run model-written code: {refused}")
 
 
 class RolloutServer:
@@ -303,24 +284,19 @@ class RolloutServer:
 
     async def prepare_job(self, job_id: str, spec: JobSpec) -> GroupRollout:
         """The engine with the job's model; the job's tokenizer, task set, user and rewards,
-        which turn its tasks into groups."""
+        which turn its tasks into groups, and the player of its held-out conversations."""
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await check_sandbox(spec)
         await self.prepare_engine(spec)
-        chat = ChatTokenizer(_load_tokenizer(spec.model.path), spec.rollout.tokenization_check)
-        judge = ProxyJudge(self.judge_client, job_id, spec.reward)
-        task_set = load_task(spec.task, spec.train.seed, judge=judge)
-        user = task_user(task_set, self.judge_client, spec, job_id)
-        tools = await self.open_tools(task_set, spec, job_id)
-        if tools is not None:
-            chat = chat.with_tools(tools.schemas(), tools.spec.parser)
-        runner = EpisodeRunner(self.engine, chat, user, spec.rollout, tools, getattr(task_set, "world", None))
-        self.held_out = await self.held_out_player(spec, job_id, runner, judge)
+        played = await assemble(
+            self.engine, spec, job_id, self.judge_client, self.tool_catalog, self.settings.allow_inline_mcp
+        )
+        self.held_out = await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
         return GroupRollout(
-            runner,
-            task_set,
+            played.runner,
+            played.task_set,
             spec.reward,
-            judge,
+            played.judge,
             self.reward_slots,
             self.server_id,
             job_id,
@@ -328,29 +304,6 @@ class RolloutServer:
             seed=spec.train.seed,
             openings=spec.task.opening == "simulator",
         )
-
-    async def held_out_player(
-        self, spec: JobSpec, job_id: str, runner: EpisodeRunner, judge: ProxyJudge
-    ) -> HeldOutPlayer | None:
-        """The player of the job's held-out conversations (None without `eval`): the training
-        runner with the held-out task set's user and worlds (its tools are the same kind)."""
-        if getattr(spec, "eval", None) is None:
-            return None
-        held = held_out(spec)
-        task_set = await asyncio.to_thread(load_task, held.task, held.seed, judge)
-        check_loaded(held, len(task_set))
-        user = task_user(task_set, self.judge_client, spec, job_id)
-        runner = replace(runner, user=user, worlds=getattr(task_set, "world", None))
-        rubric = spec.reward.judge_rubric if spec.reward.judge_weight else None
-        return HeldOutPlayer(runner, task_set, judge, rubric, self.server_id, job_id)
-
-    async def open_tools(self, task_set, spec: JobSpec, job_id: str) -> ToolBox | None:
-        """The task's own tools where it brings them, else the job's (None without)."""
-        if hasattr(task_set, "tools"):
-            return await task_tools(task_set, spec, job_id)
-        if spec.tools is None:
-            return None
-        return await ToolBox.open(spec.tools, job_id, self.tool_catalog, self.settings.allow_inline_mcp)
 
     async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
         consumer = await self.consumer(Keys.tasks(job_id), protocol.Task, job_id)
@@ -396,37 +349,6 @@ class RolloutServer:
     async def wait_until_job_ends(self, job_id: str) -> None:
         while job_id in await jobs.running_jobs(self.redis):
             await asyncio.sleep(0.5)
-
-
-TASK_TOOLS = ToolsSpec(max_calls_per_episode=30, max_rounds_per_turn=8)
-"""The parser and limits of a task's own tools when the job sets none: room for the calls
-one τ² conversation makes (the benchmark bounds a conversation by its steps and errors)."""
-
-
-def task_user(task_set, client: JudgeClient, spec: JobSpec, job_id: str):
-    """Who plays the user: the task's rule-based user; a role-played user from the task's
-    brief (τ²-bench: greedy, as the benchmark's simulator runs by default); or the LLM user
-    simulator playing the task's goal."""
-    if task_set.rule_user is not None:
-        return task_set.rule_user
-    if hasattr(task_set, "brief"):
-        return RolePlayUser(
-            client,
-            task_set.brief,
-            task_set.stop_markers,
-            spec.reward.user_model,
-            job=job_id,
-            temperature=0.0,
-            seed=spec.train.seed,
-        )
-    return LLMUser(
-        client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed, style=spec.task.simulator
-    )
-
-
-async def task_tools(task_set, spec: JobSpec, job_id: str) -> ToolBox:
-    """The tool box of a task that brings its own tools, under the job's parser and limits."""
-    return ToolBox.of_task(spec.tools or TASK_TOOLS, await asyncio.to_thread(task_set.tools), job_id)
 
 
 class ServedJob:
@@ -729,9 +651,3 @@ def log_task_stacks() -> None:
                 chain.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
         log.warning("task %s: %s", task.get_name(), " -> ".join(chain) or repr(task))
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -19,7 +19,6 @@ import random
 import sys
 import time
 from collections import Counter
-from math import comb
 from pathlib import Path
 
 from services.config import (
@@ -30,6 +29,7 @@ from services.config import (
     RolloutSpec,
     TaskSpec,
 )
+from services.held_out import pass_hat_k
 
 BOOTSTRAP_RESAMPLES = 2000
 VERDICT = (
@@ -37,11 +37,6 @@ VERDICT = (
     "reports); natural-language assertions are not graded"
 )
 """What the results say a success is."""
-
-
-def pass_hat_k(successes: list[int], trials: int, k: int) -> float:
-    """τ-bench's pass^k over tasks that each succeeded `successes[i]` times in `trials`."""
-    return sum(comb(c, k) / comb(trials, k) for c in successes) / len(successes)
 
 
 def interval(successes: list[int], trials: int, k: int, seed: int = 0) -> tuple[float, float]:
@@ -81,8 +76,8 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
     """Every task of the spec's split, `trials` times: per-task verdicts and how each ended."""
     from transformers import AutoTokenizer
 
+    from rollout.assembly import task_tools, task_user
     from rollout.episode import EpisodeRunner
-    from rollout.server import task_tools, task_user
     from rollout.tasks import load_task
     from services.tokenization import ChatTokenizer
 

@@ -19,9 +19,13 @@ since the policy is trained under it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from math import comb
 
+from services import protocol
 from services.config import GENERATED_TASKS, RLJob, TaskSpec
+from services.stats import mean_by_key
 
 
 @dataclass(frozen=True)
@@ -68,3 +72,54 @@ def check_loaded(held: HeldOut, size: int) -> None:
         f"the {len(held.examples)} held-out rows asked for: set eval.data to a held-out file, or lower "
         "eval.examples or task.num_examples"
     )
+
+
+@dataclass
+class Round:
+    step: int
+    expected: int
+    asked_at: float
+    results: dict[tuple[int, int], protocol.EvalResult] = field(default_factory=dict)
+    """(example, trial) -> its result; a conversation played twice (a server lost after
+    publishing, before its ack) counts once."""
+    lost: set[tuple[int, int]] = field(default_factory=set)
+    """(example, trial) of the entries that went to the dead stream."""
+
+    def done(self) -> bool:
+        return len(self.results) + len(self.lost - self.results.keys()) >= self.expected
+
+
+def pass_hat_k(successes: list[int], trials: int, k: int) -> float:
+    """τ²-bench's pass^k: over examples, the chance that k trials drawn from an example's
+    `trials` all succeed (C(c, k) / C(trials, k) for c successes)."""
+    return sum(comb(c, k) for c in successes) / (len(successes) * comb(trials, k))
+
+
+def round_record(round_: Round, trials: int, complete: bool) -> dict:
+    """A round's history record: the means of its conversations' metrics, pass^k, which
+    versions played it, what it cost and took."""
+    results = list(round_.results.values())
+    record = {
+        "phase": "eval",
+        "step": round_.step,
+        "version": round_.step,
+        "episodes": len(results),
+        "lost": len(round_.lost - round_.results.keys()),
+        "complete": complete,
+        "seconds": time.time() - round_.asked_at,
+        **mean_by_key([r.metrics for r in results]),
+        "rollout_seconds": sum(r.elapsed_s for r in results),
+        "llm_tokens": sum(r.metrics.get("judge_tokens", 0.0) + r.metrics.get("simulator_tokens", 0.0) for r in results),
+    }
+    versions = [v for r in results for v in r.versions]
+    if versions:
+        record["versions_min"], record["versions_max"] = min(versions), max(versions)
+    if trials > 1 and results:
+        by_example: dict[int, list[int]] = {}
+        for r in results:
+            by_example.setdefault(r.example, []).append(int(r.metrics.get("success", 0.0) >= 1.0))
+        full = [sum(s) for s in by_example.values() if len(s) == trials]
+        for k in range(1, trials + 1):
+            if full:
+                record[f"pass^{k}"] = pass_hat_k(full, trials, k)
+    return record

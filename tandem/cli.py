@@ -152,9 +152,28 @@ def cmd_serve_model(args: argparse.Namespace) -> None:
     os.execv(sys.executable, command)
 
 
+TAU2_TRIALS = 4
+"""`tandem eval --domains`: conversations per τ²-bench task unless --trials says."""
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
+    """A job's held-out examples (`--job`, or a policy with `--spec`), or a τ²-bench split."""
+    if args.job or args.spec:
+        from rollout import job_eval
+
+        if args.job and (args.spec or args.model):
+            sys.exit("tandem eval: --job names the policy and the spec; leave out MODEL and --spec")
+        if args.spec and not args.model:
+            sys.exit("tandem eval: --spec evaluates a policy folder: give MODEL")
+        from tandem.client import load_spec_file
+
+        job_eval.main(args, load_spec_file(args.spec) if args.spec else None)
+        return
+    if not args.model:
+        sys.exit("tandem eval: give a policy folder (MODEL), or --job JOB")
     from rollout import tau2_eval
 
+    args.trials = args.trials or TAU2_TRIALS
     tau2_eval.main(args)
 
 
@@ -435,11 +454,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=cmd_serve_model)
 
-    p = sub.add_parser("eval", help="a policy on a τ²-bench split: pass^1..pass^k per domain, with 95%% intervals")
-    p.add_argument("model", help="the policy: an HF folder (tandem model get, or a job's through tandem export)")
+    p = sub.add_parser(
+        "eval",
+        help="a policy on a job's held-out examples (any task: --job, or MODEL --spec), or on a τ²-bench split "
+        "(MODEL --domains): the means, pass^1..pass^k, the JSON",
+    )
+    p.add_argument(
+        "model", nargs="?", help="the policy: an HF folder (tandem model get, or a job's through tandem export)"
+    )
+    p.add_argument("--job", default="", help="a job in the runs folder: its spec and its final (or --step) policy")
+    p.add_argument("--step", type=count, default=None, help="with --job: the policy it exported after this step")
+    p.add_argument("--spec", default="", help="a job spec file (YAML or JSON) whose task and eval section apply")
+    p.add_argument("--examples", type=positive, default=None, help="held-out examples (default: the spec's eval)")
+    p.add_argument(
+        "--runs-dir",
+        default=os.environ.get("TANDEM_RUNS_DIR", "runs"),
+        help="where the learner keeps jobs (default $TANDEM_RUNS_DIR or runs)",
+    )
     p.add_argument("--domains", type=tau2_domains, default="mock", help="comma-separated: mock, airline, retail")
     p.add_argument("--split", default="test", choices=["train", "test", "base"])
-    p.add_argument("--trials", type=positive, default=4, help="conversations per task (k of pass^k goes up to it)")
+    p.add_argument(
+        "--trials",
+        type=positive,
+        default=None,
+        help=f"conversations per example (k of pass^k goes up to it); default the spec's, {TAU2_TRIALS} on τ²",
+    )
     p.add_argument("--num-tasks", type=count, default=0, help="the split's first N tasks (0: all of them)")
     p.add_argument(
         "--judge-url",

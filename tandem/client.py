@@ -118,9 +118,10 @@ def _phase(record: dict, history: list[dict]) -> str:
         return f"paused: {record.get('paused_reason', '')}"
     if record["status"] != "RUNNING":
         return record["status"].lower()
-    if history and history[-1].get("phase") == "sft":
-        return f"warm start {history[-1]['sft_step']}"
-    return history[-1]["phase"] if history else "starting"
+    steps = [h for h in history if h.get("phase") != "eval"]  # an evaluation is no phase of training
+    if steps and steps[-1].get("phase") == "sft":
+        return f"warm start {steps[-1]['sft_step']}"
+    return steps[-1]["phase"] if steps else "starting"
 
 
 def held_out_line(record: dict) -> str:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-from learner.evaluation import HeldOutEvaluation, pass_at
+from learner.evaluation import HeldOutEvaluation
 from learner.step_log import StepLog
 from services import jobs, protocol
 from services.config import parse_job_spec
+from services.held_out import pass_hat_k
 from services.queues import FIELD, Keys, publish
 
 JOB = "evals-0123abcd"
@@ -54,10 +55,10 @@ async def history(redis_client) -> list[dict]:
 
 def test_pass_hat_k_against_hand_numbers():
     # 2 trials; one example passes both, one passes one, one none: pass^1 = 3/6, pass^2 = 1/3.
-    assert pass_at([2, 1, 0], 2, 1) == 0.5
-    assert pass_at([2, 1, 0], 2, 2) == 1 / 3
+    assert pass_hat_k([2, 1, 0], 2, 1) == 0.5
+    assert pass_hat_k([2, 1, 0], 2, 2) == 1 / 3
     # 4 trials, 3 successes: C(3,2)/C(4,2) = 3/6.
-    assert pass_at([3], 4, 2) == 0.5
+    assert pass_hat_k([3], 4, 2) == 0.5
 
 
 async def test_a_round_is_asked_once_and_recorded_with_its_means(redis_client, tmp_path):
@@ -76,29 +77,20 @@ async def test_a_round_is_asked_once_and_recorded_with_its_means(redis_client, t
     for (example, trial), success in successes.items():
         await publish(redis_client, Keys.eval_results(JOB), result(0, example, trial, success))
     await publish(redis_client, Keys.eval_results(JOB), result(0, 0, 0, 1.0))  # played twice: counted once
-    evaluation.observe_training(
-        [
-            protocol.TrajectoryGroup(
-                job_id=JOB,
-                task_id=0,
-                server_id="s",
-                elapsed_s=18.0,
-                samples=[
-                    protocol.Sample(
-                        sample_id="x",
-                        tokens=[1],
-                        mask=[1],
-                        logprobs=[-1.0],
-                        versions=[0],
-                        reward=0.0,
-                        advantage=0.0,
-                        num_turns=1,
-                        metrics={"judge_tokens": 60.0, "simulator_tokens": 30.0},
-                    )
-                ],
-            )
-        ]
+    sample = protocol.Sample(
+        sample_id="x",
+        tokens=[1],
+        mask=[1],
+        logprobs=[-1.0],
+        versions=[0],
+        reward=0.0,
+        advantage=0.0,
+        num_turns=1,
+        metrics={"judge_tokens": 30.0, "simulator_tokens": 15.0},
     )
+    # A trained group of two conversations played side by side for 9 s: 18 conversation-seconds.
+    group = protocol.TrajectoryGroup(job_id=JOB, task_id=0, server_id="s", elapsed_s=9.0, samples=[sample, sample])
+    evaluation.observe_training([group])
     await evaluation.collect()
 
     (record,) = await history(redis_client)
@@ -106,7 +98,7 @@ async def test_a_round_is_asked_once_and_recorded_with_its_means(redis_client, t
     assert record["episodes"] == 6 and record["lost"] == 0
     assert record["success"] == 0.5 and record["pass^1"] == 0.5 and record["pass^2"] == 1 / 3
     assert (record["versions_min"], record["versions_max"]) == (0, 1)
-    # 6 conversations of 2 s against a trained group of 18 s; 6 x 5 judge tokens against 90.
+    # 6 conversations of 2 s against 18 conversation-seconds; 6 x 5 judge tokens against 2 x 45.
     assert record["eval_share_rollout_seconds"] == 12.0 / 30.0
     assert record["eval_share_llm_tokens"] == 30.0 / 120.0
     kept = (await jobs.get_job(redis_client, JOB))["held_out"]

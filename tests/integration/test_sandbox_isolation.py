@@ -331,7 +331,7 @@ def test_a_non_root_caller_gets_the_same_sandbox():
 async def test_a_server_whose_sandbox_refuses_fails_a_job_that_runs_code_instead_of_scoring_zeros(
     monkeypatch, job, refused
 ):
-    from rollout.server import check_sandbox
+    from rollout.assembly import check_sandbox
     from services.config import parse_job_spec
 
     monkeypatch.setenv(SANDBOX_ENV, "off")  # not a mode: the sandbox refuses every call

@@ -23,9 +23,9 @@ import types
 
 import pytest
 
+from rollout.assembly import TASK_TOOLS
 from rollout.engine import Generation
 from rollout.episode import EpisodeRunner
-from rollout.server import TASK_TOOLS
 from rollout.tasks.tau2 import Tau2Task
 from rollout.tools.box import ToolBox
 from services.config import RolloutSpec, TaskSpec

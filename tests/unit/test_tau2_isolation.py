@@ -18,8 +18,8 @@ import time
 
 import pytest
 
+from rollout.assembly import TASK_TOOLS
 from rollout.episode import Episode
-from rollout.server import TASK_TOOLS
 from rollout.tasks.tau2 import Tau2Task, worlds
 from rollout.tasks.tau2.arithmetic import _guarded
 from rollout.tools.base import ToolCall

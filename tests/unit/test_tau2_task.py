@@ -14,9 +14,10 @@ from rollout.episode import Episode, EpisodeRunner
 from rollout.interactions.llm_user import UserSimulatorError
 from rollout.interactions.role_play import RolePlayUser, swapped
 from rollout.tasks.tau2 import MAX_ERRORS, STOP_MARKER, Tau2Task, termination
-from rollout.tau2_eval import interval, pass_hat_k
+from rollout.tau2_eval import interval
 from rollout.tools.box import ToolResult, ToolUsage
 from services.config import RLJob, RolloutSpec, TaskSpec
+from services.held_out import pass_hat_k
 from services.tokenization import ChatTokenizer
 
 MODEL = {"path": "/models/m"}
@@ -183,7 +184,7 @@ def test_a_tau2_spec_has_as_many_examples_as_its_split_has_tasks_and_no_more():
 
 
 async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that_leave_the_world_as_it_was():
-    from rollout.server import TASK_TOOLS
+    from rollout.assembly import TASK_TOOLS
     from rollout.tools.base import ToolCall
     from rollout.tools.box import ToolBox
     from rollout.tools.parsers import Parsed

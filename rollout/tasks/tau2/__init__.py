@@ -100,7 +100,7 @@ STOP_MARKER = "###STOP###"
 class Tau2Task:
     """A domain's tasks in one split. Beyond a `TaskSet`, it brings its own tools (`tools`),
     a world per episode (`world`) and a brief for a role-played user (`brief`, ending on
-    `stop_markers`); the rollout server wires them up (`rollout.server.task_user`, `task_tools`)."""
+    `stop_markers`); the rollout server wires them up (`rollout.assembly.task_user`, `task_tools`)."""
 
     rule_user = None
     stop_markers = (STOP_MARKER, "###TRANSFER###", "###OUT-OF-SCOPE###")
