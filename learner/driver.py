@@ -136,7 +136,10 @@ class Driver:
         try:
             self.worker.run(Command(kind="job", job_id=job_id, spec_json=spec.model_dump_json()))
             self.current_run = run_for(self, job_id, spec)
-            await self.current_run.run(resuming)
+            try:
+                await self.current_run.run(resuming)
+            finally:
+                self.current_run.close()
         except LearnerStopping:
             self.worker.run(Command(kind="end"))
             raise

@@ -60,6 +60,20 @@ def shares(spend: dict[str, float]) -> dict[str, float]:
     }
 
 
+def tracked_rows(round_: Round, count: int) -> list[dict]:
+    """The round's first `count` conversations (by example and trial), for the trackers' table."""
+    kept = sorted(round_.results.values(), key=lambda r: (r.example, r.trial))[:count]
+    return [
+        {
+            "example": r.example,
+            "trial": r.trial,
+            "success": r.metrics.get("success", 0.0),
+            "conversation": r.conversation,
+        }
+        for r in kept
+    ]
+
+
 class ResultReader:
     """Reads a job's held-out results and lost conversations from cursors into its rounds."""
 
@@ -205,7 +219,8 @@ class HeldOutEvaluation:
         self.spend["eval_rollout_seconds"] += record["rollout_seconds"]
         self.spend["eval_llm_tokens"] += record["llm_tokens"]
         record |= shares(self.spend)
-        await self.steps.write_eval(record)
+        rows = tracked_rows(round_, self.steps.trackers.conversations_kept)
+        await self.steps.write_eval(record, rows)
         self.recorded.add(round_.step)
         HELD_OUT_STEP.labels(self.job_id).set(round_.step)
         for name, value in record.items():

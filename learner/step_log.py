@@ -20,6 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from learner import health
 from learner.group_log import reward_sources
+from learner.tracking import Trackers
 from services import jobs, protocol
 from services.config import HealthRule
 from services.queues import Keys
@@ -237,9 +238,17 @@ class StepLog:
     its health rules."""
 
     def __init__(
-        self, client: aioredis.Redis, job_id: str, run_dir: Path, rules: list[HealthRule], keep: int = 10_000
+        self,
+        client: aioredis.Redis,
+        job_id: str,
+        run_dir: Path,
+        rules: list[HealthRule],
+        keep: int = 10_000,
+        trackers: Trackers | None = None,
     ) -> None:
         self.redis = client
+        self.trackers = trackers or Trackers(None, run_dir, job_id, {})
+        """The experiment trackers every record also goes to (`learner.tracking`)."""
         self.job_id = job_id
         self.path = run_dir / "metrics.jsonl"
         self.rules = rules
@@ -273,14 +282,26 @@ class StepLog:
         await jobs.record_progress(self.redis, self.job_id, step, version, record)
         self.export_gauges(record, step, version)
         await self.export_queue_gauges()
+        await self.track(record)
 
-    async def write_eval(self, record: dict) -> None:
+    async def write_eval(self, record: dict, conversations: list[dict] | None = None) -> None:
         """A held-out evaluation's record, into the file and the history beside the steps
-        (the job's step and latest step metrics stay the training step's)."""
+        (the job's step and latest step metrics stay the training step's); some of its
+        conversations go to the trackers' table."""
         record["time"] = time.time()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         await jobs.append_history(self.redis, self.job_id, json.dumps(record), self.keep)
+        await self.track(record, (record["step"], conversations) if conversations else None)
+
+    async def track(self, record: dict, conversations: tuple[int, list[dict]] | None = None) -> None:
+        """The record (and a held-out round's conversations) to the trackers; a tracker that
+        failed is named in the job's alerts."""
+        self.trackers.log(record)
+        if conversations is not None:
+            self.trackers.conversations(*conversations)
+        for message in self.trackers.take_failures():
+            await jobs.add_alert(self.redis, self.job_id, message)
 
     # ---- idle time -----------------------------------------------------------------
 

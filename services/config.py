@@ -636,6 +636,27 @@ class EvalSpec(_Strict):
     )
 
 
+class WandbSpec(_Strict):
+    project: str = Field("tandem", pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="The W&B project of the run.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: the run stays in the job's folder (`wandb sync` uploads it later); online: the "
+        "learner sends it as it goes, which the operator allows (TANDEM_ALLOW_ONLINE_TRACKING) and keys.",
+    )
+
+
+class TrackingSpec(_Strict):
+    """Experiment trackers the job's numbers also go to, from the learner, in the job's run
+    folder (`runs/<job>/tensorboard`, `runs/<job>/wandb`): the spec as config, every step's and
+    held-out evaluation's numbers, and held-out conversations as a table."""
+
+    tensorboard: bool = Field(False, description="TensorBoard event files.")
+    wandb: WandbSpec | None = Field(None, description="A Weights & Biases run (offline unless allowed).")
+    conversations: int = Field(
+        8, ge=0, le=256, description="Held-out conversations per evaluation put in the trackers' table."
+    )
+
+
 class _JobBase(_Strict):
     """What every kind of job names: the model, the task, and how to roll out, score and
     train. A job spec is one of the kinds below, picked by `kind` (`rl` when it is left out)."""
@@ -648,6 +669,7 @@ class _JobBase(_Strict):
     train: TrainSpec = TrainSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
     tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
+    tracking: TrackingSpec | None = Field(None, description="Experiment trackers (TensorBoard, W&B); none when unset.")
     judge_weight: float = Field(
         1.0,
         gt=0.0,
@@ -887,6 +909,11 @@ class ApiSettings(_ToolSettings):
     )
     tokens: str = Field(
         "", description="'token:tenant,...'; empty: no auth, and then the API listens on loopback only (local use)."
+    )
+    allow_online_tracking: bool = Field(
+        False,
+        description="Accept jobs whose tracking.wandb.mode is online: the learner then sends their numbers "
+        "to W&B with the learner's own key (WANDB_API_KEY).",
     )
     max_judge_weight: float = Field(
         10.0, gt=0, le=1000.0, description="The largest judge_weight a job may ask for (422 above it)."

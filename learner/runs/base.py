@@ -14,6 +14,7 @@ from learner import checkpoint, warm_start
 from learner.control import Command, GroupBroken, RankLost, Worker
 from learner.runs.checkpoints import Checkpoints
 from learner.step_log import StepLog
+from learner.tracking import Trackers
 from services import job_lease, jobs
 from services.config import JobSpec, LearnerSettings
 
@@ -51,7 +52,8 @@ class Run:
         self.version = 0
         self.step = 0
         self.run_dir = Path(self.settings.runs_dir) / job_id
-        self.steps = StepLog(self.redis, job_id, self.run_dir, self.health_rules(), self.settings.history_keep)
+        trackers = Trackers(spec.tracking, self.run_dir, job_id, spec.model_dump(mode="json"))
+        self.steps = StepLog(self.redis, job_id, self.run_dir, self.health_rules(), self.settings.history_keep, trackers)
         self.checkpoints = Checkpoints(self.redis, self.worker, self.settings, job_id, spec.train)
 
     def health_rules(self) -> list:
@@ -116,6 +118,10 @@ class Run:
         """What a cancelled job keeps before it ends: what a stop keeps (its checkpoint), so
         `tandem resume` continues it as it would a stopped one."""
         await self.checkpoint(stopping=True)
+
+    def close(self) -> None:
+        """What the run holds open beyond it: its trackers (flushed and closed)."""
+        self.steps.trackers.close()
 
     def export_policy(self) -> None:
         """The policy as it stands, as the job's model (`runs/<job>/policy`; all ranks)."""

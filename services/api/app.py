@@ -241,6 +241,23 @@ def check_judge_weight(spec: JobSpec, settings: ApiSettings) -> None:
         )
 
 
+def check_tracking(spec: JobSpec, settings: ApiSettings) -> None:
+    """A 422 naming `tracking.wandb.mode` for an online run the operator does not allow: the
+    learner would send a tenant's numbers out under the operator's key."""
+    wandb = spec.tracking.wandb if spec.tracking is not None else None
+    if wandb is not None and wandb.mode == "online" and not settings.allow_online_tracking:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("body", "tracking", "wandb", "mode"),
+                    "input": "online",
+                    "msg": "online tracking is off on this server (TANDEM_ALLOW_ONLINE_TRACKING): use offline",
+                }
+            ]
+        )
+
+
 def check_spec_size(spec: JobSpec, settings: ApiSettings) -> None:
     """A 413 for a spec whose stored form (its JSON) is over `max_spec_bytes`."""
     size_bytes = len(spec.model_dump_json().encode())
@@ -384,6 +401,7 @@ async def admitted(spec: JobSpec, request: Request) -> JobSpec:
     if roots is not None:
         spec = confine_paths(spec, roots)
     check_judge_weight(spec, settings)
+    check_tracking(spec, settings)
     check_spec_size(spec, settings)
     # Files are read on a thread: a slow read or parse does not stall other requests.
     spec = await asyncio.to_thread(check_tools, spec, settings, request.app.state.tool_catalog, roots)

@@ -522,3 +522,34 @@ async def test_a_fleet_record_that_does_not_decode_does_not_stop_a_jobs_learner(
     publisher = WeightPublisher(redis_client, "t-0123abcd", LearnerSettings(), worker=None)
 
     assert await publisher.live_servers() == ["gpu-a"]
+
+
+async def test_online_tracking_is_refused_naming_the_field_unless_the_operator_allows_it(api, redis_url, redis_client):
+    """A tenant's job would have the learner send its numbers out under the operator's W&B key."""
+    online = {**SPEC, "tracking": {"wandb": {"mode": "online"}}}
+
+    refused = await api.post("/v1/jobs", json=online)
+
+    assert refused.status_code == 422
+    [error] = refused.json()["detail"]
+    assert error["loc"] == ["body", "tracking", "wandb", "mode"] and "TANDEM_ALLOW_ONLINE_TRACKING" in error["msg"]
+    assert await redis_client.keys(Keys.jobs_queued("*")) == []
+    offline = {**SPEC, "tracking": {"wandb": {}, "tensorboard": True}}
+    assert (await api.post("/v1/jobs", json=offline)).status_code == 201
+    allowing = create_app(ApiSettings(redis_url=redis_url, allow_online_tracking=True))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=allowing), base_url="http://api") as client:
+        assert (await client.post("/v1/jobs", json=online)).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "tracking, loc",
+    [
+        ({"wandb": {"project": "../../etc"}}, ["body", "tracking", "wandb", "project"]),  # names a folder in W&B's tree
+        ({"conversations": 100000}, ["body", "tracking", "conversations"]),
+        ({"tensorboard": "yes"}, ["body", "tracking", "tensorboard"]),
+    ],
+)
+async def test_a_bad_tracking_section_gets_422_naming_the_field(api, tracking, loc):
+    response = await api.post("/v1/jobs", json={**SPEC, "tracking": tracking})
+    assert response.status_code == 422
+    assert loc in [error["loc"][: len(loc)] for error in response.json()["detail"]]

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import stand_in_upstreams, wait_for
+from trackers import tensorboard_scalars, tensorboard_texts, wandb_run
 
 from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
 from rollout.tasks import clarify
@@ -58,6 +59,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         "train": {"num_steps": 3, "batch_size": 4, "max_staleness": 1, "lr": 1e-4},
         "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
         "eval": {"every": 2, "examples": 3, "trials": 2},
+        "tracking": {"tensorboard": True, "wandb": {"project": "tandem-test"}, "conversations": 4},
     }
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
     with contextlib.ExitStack() as stack:
@@ -114,3 +116,15 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     assert record["held_out"]["step"] == 3
     trained = [t for h in history for t in h["task_ids"]]
     assert len(trained) == len(set(trained)) == 12  # held-out conversations are never training tasks
+
+    # The trackers, read back by their own readers: the steps and evaluations, the spec as
+    # the W&B run's config, 4 held-out conversations per round as a table.
+    run_dir = tmp_path / "runs" / job_id
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["rl/reward_mean"]] == [1, 2, 3]
+    assert scalars["eval/success"] == [(e["step"], pytest.approx(e["success"])) for e in evaluations]
+    assert [step for step, _ in tensorboard_texts(run_dir / "tensorboard", "eval/conversations")] == [0, 2, 3]
+    config, rows = wandb_run(run_dir)
+    assert config["reward"]["preset"] == "collabllm" and config["eval"]["trials"] == 2
+    assert [r["eval/step"] for r in rows if "eval/success" in r] == [0, 2, 3]
+    assert [r["eval/conversations/nrows"] for r in rows if "eval/conversations/nrows" in r] == [4, 4, 4]
