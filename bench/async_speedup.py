@@ -213,6 +213,7 @@ def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> d
     return {
         "job_id": job_id,
         "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
+        "job_eval": [h for h in client.history(job_id) if h.get("phase") == "eval"],
         "provider": {
             k: after[k] - before[k]
             for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
@@ -248,6 +249,8 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     runs (label -> seed -> run)."""
     base = base_spec(out, args.steps, args.lr)
     base["train"]["export_every"] = args.export_every
+    if args.job_eval:  # held-out rounds inside each job, to measure what they take from it
+        base["eval"] = {"every": args.job_eval, "examples": args.job_eval_examples}
     stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
     env = {
         "TANDEM_RUNS_DIR": str(out / "runs"),
@@ -431,6 +434,9 @@ def make_report(
             row["held_out_plateau"] = plateau(row["held_out_curve"], row["steps"])
             groups_file = out / "runs" / run["job_id"] / "groups.jsonl"
             row["groups"] = async_groups.summarize(group_log.read(groups_file)) if groups_file.exists() else None
+            last_round = (run.get("job_eval") or [{}])[-1]  # its shares are the job's, so far
+            for share in ("eval_share_rollout_seconds", "eval_share_llm_tokens"):
+                row[f"job_{share}"] = last_round.get(share)
             rows.setdefault(label, {})[seed] = row
     sync_label = SETTINGS[0][0]
     for by_seed in rows.values():
@@ -476,6 +482,8 @@ def make_report(
             "mismatch_kl_mean": pick("mismatch_kl_mean"),
             "learner_idle_ratio": pick("learner_idle_ratio"),
             "budget_use": pick("budget_use"),
+            "job_eval_share_rollout_seconds": pick("job_eval_share_rollout_seconds"),
+            "job_eval_share_llm_tokens": pick("job_eval_share_llm_tokens"),
             **{key: spread([row.get(key) for row in by_seed.values()]) for key in MIX_FIGURES},
         }
     return {
@@ -540,6 +548,8 @@ def print_report(report: dict) -> None:
         ("LLM tokens wasted", "wasted_llm_tokens", ".0f", ""),
         ("LLM tokens/sample", "llm_tokens_per_trained_sample", ".0f", ""),
         ("  vs sync", "llm_tokens_per_sample_vs_sync", ".3f", "x"),
+        ("in-job eval: time", "job_eval_share_rollout_seconds", ".3f", ""),
+        ("in-job eval: LLM tok", "job_eval_share_llm_tokens", ".3f", ""),
     )
     for label, s in report["settings"].items():
         print(
@@ -671,6 +681,14 @@ def main() -> None:
         help="keep the runs already in --out (training.json) and run only the missing ones",
     )
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
+    parser.add_argument(
+        "--job-eval",
+        type=int,
+        default=0,
+        help="held-out rounds inside each job every N steps (its eval section), to measure their share of the "
+        "rollout time and LLM tokens; 0: none (the held-out curves come from exported policies afterwards)",
+    )
+    parser.add_argument("--job-eval-examples", type=int, default=32, help="held-out conversations per in-job round")
     parser.add_argument("--out", default="bench/results/async_speedup")
     args = parser.parse_args()
     args.settings = args.settings.split(",")
