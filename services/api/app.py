@@ -26,7 +26,9 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
+import msgspec
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
@@ -38,10 +40,11 @@ from starlette.routing import Match
 
 from services import jobs, preference, protocol
 from services.api.events import JobChanges, StreamSlots, job_events
+from services.api.page import page_router
 from services.auth import match_bearer
 from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
-from services.queues import Keys, connect
+from services.queues import FIELD, Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
 
 
@@ -71,6 +74,19 @@ class JobView(BaseModel):
     resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
     resumed_error: str | None = Field(None, description="The error it had then, if any.")
     spec: JobSpec
+
+
+class HeldOutConversation(BaseModel):
+    """One conversation of a held-out round, as a rollout server played and scored it."""
+
+    round: int = Field(description="The step (policy version) whose round it belongs to.")
+    example: int
+    trial: int
+    server_id: str
+    metrics: dict[str, float] = Field(description="success, tokens, turns, well_formed, the task's metrics, judge.")
+    versions: list[int] = Field(description="The oldest and newest weight version behind its tokens.")
+    seconds: float
+    conversation: list[dict[str, str]] = Field(description="role and content of each message, as played.")
 
 
 class JobCreated(BaseModel):
@@ -343,6 +359,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(job_control_router())
     app.include_router(job_records_router())
     app.include_router(servers_router())
+    app.include_router(page_router())
     return app
 
 
@@ -505,6 +522,29 @@ def job_records_router() -> APIRouter:
         response.headers["x-tandem-history-start"] = str(first)
         return [json.loads(r) for r in raw]
 
+    @router.get("/v1/jobs/{job_id}/conversations", response_model=list[HeldOutConversation], responses=ERRORS)
+    async def conversations(
+        request: Request,
+        step: int | None = Query(None, ge=0, description="The round (its step); the newest when left out."),
+        order: Literal["example", "lowest", "highest"] = Query("example", description="By example, or by success."),
+        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
+        limit: int = Query(100, ge=1, le=1000),
+        record: dict = Depends(owned),
+    ) -> list[HeldOutConversation]:
+        """The conversations of one held-out round (`eval` in the spec): what the policy said,
+        what the user answered, and how each was scored."""
+        found = await held_out_conversations(request.app.state.redis, record["id"], step)
+        keep = {
+            "all": lambda m: True,
+            "malformed": lambda m: m.get("well_formed", 1.0) < 1.0,
+            "asked": lambda m: m.get("asked", 0.0) > 0.0,
+            "not_asked": lambda m: m.get("asked", 0.0) == 0.0,
+        }[only]
+        found = [c for c in found if keep(c.metrics)]
+        if order != "example":
+            found.sort(key=lambda c: (c.metrics.get("success", 0.0), c.example, c.trial), reverse=order == "highest")
+        return found[:limit]
+
     @router.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
     async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
         raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
@@ -524,6 +564,39 @@ def job_records_router() -> APIRouter:
         return [Membership(**json.loads(r)) for r in raw]
 
     return router
+
+
+RESULTS_PAGE = 1000
+"""Held-out results read per round trip."""
+
+
+async def held_out_conversations(client, job_id: str, step: int | None) -> list[HeldOutConversation]:
+    """The held-out round `step`'s conversations (the newest round's when None), by example
+    and trial; a result played twice counts once, one that does not decode is skipped."""
+    by_round: dict[int, dict[tuple[int, int], HeldOutConversation]] = {}
+    cursor = "-"
+    while entries := await client.xrange(Keys.eval_results(job_id), min=cursor, count=RESULTS_PAGE):
+        for _, fields in entries:
+            try:
+                result = protocol.decode(fields.get(FIELD, b""), protocol.EvalResult)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                continue
+            if step is None or result.round == step:
+                by_round.setdefault(result.round, {})[(result.example, result.trial)] = HeldOutConversation(
+                    round=result.round,
+                    example=result.example,
+                    trial=result.trial,
+                    server_id=result.server_id,
+                    metrics=result.metrics,
+                    versions=result.versions,
+                    seconds=result.elapsed_s,
+                    conversation=result.conversation,
+                )
+        cursor = "(" + entries[-1][0].decode()
+    if not by_round:
+        return []
+    chosen = by_round[step if step is not None else max(by_round)]
+    return [chosen[key] for key in sorted(chosen)]
 
 
 async def operator(request: Request, who: str = Depends(tenant)) -> str:
