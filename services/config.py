@@ -609,7 +609,11 @@ class EvalSpec(_Strict):
     )
     final: bool = Field(True, description="Evaluate the final policy before the job ends.")
     examples: int = Field(
-        64, ge=1, le=100_000, description="Held-out conversations per evaluation (tau2: at most its split's tasks)."
+        32,
+        ge=1,
+        le=100_000,
+        description="Held-out conversations per evaluation (tau2: at most its split's tasks). Its share of the "
+        "rollout time is about examples x trials / (every x batch_size x group_size), plus the first and last rounds.",
     )
     trials: int = Field(
         1, ge=1, le=16, description="Plays of each example per evaluation: pass^k is reported for k up to trials."
