@@ -182,9 +182,9 @@ class HeldOutEvaluation:
         self.spend.update(spend or {})
         if self.spec is None:
             return
-        _, raw = await jobs.read_history(self.redis, self.job_id, 0)
-        records = [json.loads(r) for r in raw]
-        self.recorded = {r["step"] for r in records if r.get("phase") == "eval"}
+        # The run folder's file, not Redis: Redis keeps only the newest records of a long job.
+        lines = self.steps.path.read_text().splitlines() if self.steps.path.exists() else []
+        self.recorded = {r["step"] for r in map(json.loads, lines) if r.get("phase") == "eval"}
         self.rounds, self.reader = {}, ResultReader(self.redis, self.job_id)
         await self.load_rounds()
 

@@ -491,14 +491,14 @@ class ServedJob:
                 continue
             deliveries, backlog = backlog[: capacity - len(inflight)], backlog[capacity - len(inflight) :]
             for lane in self.lanes if not deliveries else ():
-                free = min(capacity - len(inflight), lane.share - lane.held(inflight))
+                free = room(lane, inflight, deliveries, capacity)
                 if free > 0:  # the last lane (tasks) blocks briefly: the loop's only wait for work
                     block_ms = 200 if lane is self.lanes[-1] and not deliveries else None
                     deliveries += [(lane, d) for d in await lane.consumer.read(free, block_ms=block_ms)]
             if not deliveries and time.monotonic() - last_reclaim > settings.heartbeat_s:
                 last_reclaim = time.monotonic()
                 for lane in self.lanes:
-                    free = min(capacity - len(inflight), lane.share - lane.held(inflight))
+                    free = room(lane, inflight, deliveries, capacity)
                     if free > 0:
                         idle_ms = int(settings.task_reclaim_idle_s * 1000)
                         deliveries += [(lane, d) for d in await lane.consumer.reclaim(idle_ms, free)]
@@ -586,6 +586,13 @@ class Lane:
 
     def held(self, inflight: dict) -> int:
         return sum(consumer is self.consumer for consumer, _ in inflight)
+
+
+def room(lane: Lane, inflight: dict, starting: list, capacity: int) -> int:
+    """How many more entries `lane` may take now: within the server's `capacity` and the
+    lane's share, counting the entries in flight and those read this turn (`starting`)."""
+    held = lane.held(inflight) + sum(other is lane for other, _ in starting)
+    return min(capacity - len(inflight) - len(starting), lane.share - held)
 
 
 def held_entries(keys) -> dict[StreamConsumer, list[bytes]]:
