@@ -5,7 +5,7 @@ A round is the policy of one version evaluated on every held-out example (`servi
 `eval.every` steps and at the end: one `EvalTask` per example and trial on the job's eval
 tasks stream. It asks each round once: the round's entry in `eval:rounds` is set with HSETNX,
 so a resumed run that trains through the step again asks nothing more. Rollout servers play
-the conversations beside the training tasks (`rollout.server.ServedJob.run_eval`), with
+the conversations beside the training tasks (`rollout.server.ServedJob.play_eval`), with
 whatever weights they hold when each turn is generated: a round's record says which versions
 its tokens came from.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -106,9 +107,14 @@ class ResultReader:
             log.warning("job %s: an eval result that does not decode, skipped", self.job_id)
             return
         round_ = rounds.get(result.round)
-        if round_ is not None and result.job_id == self.job_id:
-            round_.results[(result.example, result.trial)] = result
-            self.received += 1
+        if round_ is None or result.job_id != self.job_id:
+            return
+        self.received += 1
+        if not all(math.isfinite(value) for value in result.metrics.values()):  # would poison the means
+            log.warning("job %s: a held-out result with a non-finite metric, counted as lost", self.job_id)
+            round_.lost.add((result.example, result.trial))
+            return
+        round_.results[(result.example, result.trial)] = result
 
 
 def decoded(data: bytes, kind: type):

@@ -274,11 +274,15 @@ class StepLog:
         await jobs.trim_history(self.redis, self.job_id, length)
         await asyncio.to_thread(keep_lines, self.path, length)
 
-    async def write(self, record: dict, step: int, version: int) -> None:
+    async def append(self, record: dict) -> None:
+        """The record, stamped, at the end of `metrics.jsonl` and of the job's history."""
         record["time"] = time.time()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         await jobs.append_history(self.redis, self.job_id, json.dumps(record), self.keep)
+
+    async def write(self, record: dict, step: int, version: int) -> None:
+        await self.append(record)
         await jobs.record_progress(self.redis, self.job_id, step, version, record)
         self.export_gauges(record, step, version)
         await self.export_queue_gauges()
@@ -288,10 +292,7 @@ class StepLog:
         """A held-out evaluation's record, into the file and the history beside the steps
         (the job's step and latest step metrics stay the training step's); some of its
         conversations go to the trackers' table."""
-        record["time"] = time.time()
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        await jobs.append_history(self.redis, self.job_id, json.dumps(record), self.keep)
+        await self.append(record)
         await self.track(record, (record["step"], conversations) if conversations else None)
 
     async def track(self, record: dict, conversations: tuple[int, list[dict]] | None = None) -> None:

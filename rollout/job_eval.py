@@ -68,6 +68,7 @@ async def evaluate_policy(spec: RLJob, args) -> tuple[dict, list[dict]]:
     """Every held-out example `eval.trials` times: the round's record and each conversation."""
     from rollout.assembly import assemble, check_sandbox, held_out_player
     from rollout.engine import Engine
+    from rollout.tau2_eval import progress
     from services.judge_client import JudgeClient
     from services.tool_catalog import load_catalog
 
@@ -86,17 +87,15 @@ async def evaluate_policy(spec: RLJob, args) -> tuple[dict, list[dict]]:
             for example in held_out(spec).examples
         ]
         round_ = Round(args.step or 0, len(tasks), time.time())
-        slots, done = asyncio.Semaphore(args.concurrency), [0]
+        slots = asyncio.Semaphore(args.concurrency)
 
         async def one(task: protocol.EvalTask) -> None:
             async with slots:
                 result = await asyncio.create_task(player.play(task))
             round_.results[(task.example, task.trial)] = result
-            done[0] += 1
-            print(f"\rheld-out conversations: {done[0]}/{len(tasks)}", end="", file=sys.stderr, flush=True)
+            progress(len(round_.results), len(tasks), spec.task.name)
 
         await asyncio.gather(*(one(task) for task in tasks))
-        print(file=sys.stderr)
     finally:
         await client.aclose()
         engine.shutdown()

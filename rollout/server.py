@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,8 +128,6 @@ class RolloutServer:
         and its task group never closed)."""
         self.busy_exported_s = 0.0
         """The engine's busy seconds already counted under the current job."""
-        self.held_out: HeldOutPlayer | None = None
-        """The prepared job's player of held-out conversations (None when it evaluates none)."""
         self.busy_rate = TrailingRate(window_s=60.0)
 
     @property
@@ -267,7 +264,7 @@ class RolloutServer:
                 if not spec.uses_rollout_servers:  # an offline job: the learner trains on a file
                     await self.wait_out(job_id)
                     continue
-                rollout = await self.prepare_job(job_id, spec)
+                rollout, held_out = await self.prepare_job(job_id, spec)
             except Exception as err:  # a model that does not load, an unknown task...
                 log.exception("cannot serve job %s", job_id)
                 await self.redis.hset(
@@ -275,23 +272,24 @@ class RolloutServer:
                 )
                 await self.wait_out(job_id)  # the learner fails the job; do not retry in a loop
                 continue
-            await self.serve_job(job_id, spec, rollout)
+            await self.serve_job(job_id, spec, rollout, held_out)
 
     async def wait_out(self, job_id: str) -> None:
         """Until the job leaves `jobs:running` (or a drain is asked for)."""
         while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
             await asyncio.sleep(0.5)
 
-    async def prepare_job(self, job_id: str, spec: JobSpec) -> GroupRollout:
+    async def prepare_job(self, job_id: str, spec: JobSpec) -> tuple[GroupRollout, HeldOutPlayer | None]:
         """The engine with the job's model; the job's tokenizer, task set, user and rewards,
-        which turn its tasks into groups, and the player of its held-out conversations."""
+        which turn its tasks into groups, and the player of its held-out conversations (None
+        when it evaluates none)."""
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await check_sandbox(spec)
         await self.prepare_engine(spec)
         played = await assemble(
             self.engine, spec, job_id, self.judge_client, self.tool_catalog, self.settings.allow_inline_mcp
         )
-        self.held_out = await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
+        held_out = await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
         return GroupRollout(
             played.runner,
             played.task_set,
@@ -303,14 +301,17 @@ class RolloutServer:
             generate=spec.ranked_conversations,
             seed=spec.train.seed,
             openings=spec.task.opening == "simulator",
-        )
+        ), held_out
 
-    async def serve_job(self, job_id: str, spec: JobSpec, rollout: GroupRollout) -> None:
-        consumer = await self.consumer(Keys.tasks(job_id), protocol.Task, job_id)
-        evaluation = None
-        if self.held_out is not None:
-            evaluation = (self.held_out, await self.consumer(Keys.eval_tasks(job_id), protocol.EvalTask, job_id))
-        self.job = ServedJob(self, job_id, spec, consumer, rollout, evaluation)
+    async def serve_job(
+        self, job_id: str, spec: JobSpec, rollout: GroupRollout, held_out: HeldOutPlayer | None
+    ) -> None:
+        capacity = self.settings.max_concurrent_tasks
+        lanes = [Lane(await self.consumer(Keys.tasks(job_id), protocol.Task, job_id), capacity)]
+        if held_out is not None:  # held-out conversations first, up to half the tasks: training goes on beside them
+            eval_consumer = await self.consumer(Keys.eval_tasks(job_id), protocol.EvalTask, job_id)
+            lanes.insert(0, Lane(eval_consumer, max(1, capacity // 2)))
+        self.job = ServedJob(self, job_id, spec, lanes, rollout, held_out)
         # Engine busy time counts from here, under this job (the engine may be new).
         self.busy_exported_s, self.busy_rate = self.engine.busy.busy_s(), TrailingRate(window_s=60.0)
         try:
@@ -360,19 +361,14 @@ class ServedJob:
         server: RolloutServer,
         job_id: str,
         spec: JobSpec,
-        consumer: StreamConsumer,
+        lanes: list[Lane],
         rollout: GroupRollout,
-        evaluation: tuple[HeldOutPlayer, StreamConsumer] | None = None,
+        held_out: HeldOutPlayer | None = None,
     ) -> None:
         self.server, self.job_id, self.spec = server, job_id, spec
-        self.consumer, self.rollout = consumer, rollout
-        self.lanes = [Lane(consumer, self.run_task, server.settings.max_concurrent_tasks)]
-        """Where its work comes from, read in this order: held-out conversations first (up to
-        half the server's tasks, so training goes on beside an evaluation), then tasks."""
-        self.held_out = evaluation[0] if evaluation else None
-        if evaluation:
-            share = max(1, server.settings.max_concurrent_tasks // 2)
-            self.lanes.insert(0, Lane(evaluation[1], self.run_eval, share))
+        self.lanes, self.rollout, self.held_out = lanes, rollout, held_out
+        """Where its work comes from, read in this order: the last lane is the tasks, any
+        before it the held-out conversations."""
         self.synced = asyncio.Event()
         """Set once the engine is in a weight update of this job: tasks wait for it."""
         self.synced_plan: tuple[str, int, int] | None = None
@@ -504,7 +500,7 @@ class ServedJob:
                         deliveries += [(lane, d) for d in await lane.consumer.reclaim(idle_ms, free)]
             for lane, delivery in deliveries:
                 key = (lane.consumer, delivery.entry_id)
-                task = asyncio.create_task(lane.run(delivery))
+                task = asyncio.create_task(self.run(lane.consumer, delivery))
                 inflight[key] = task
                 task.add_done_callback(lambda _, key=key: inflight.pop(key, None))
             INFLIGHT.labels(self.job_id).set(len(inflight))
@@ -515,73 +511,63 @@ class ServedJob:
         fields = {"task": task_id, "server": self.server.server_id, "error": error}
         await self.server.redis.xadd(Keys.task_errors(self.job_id), fields, maxlen=TASK_ERRORS_KEPT, approximate=True)
 
-    async def run_task(self, delivery: Delivery) -> None:
-        """The task's group into the trajectories stream, then the task acknowledged and its
-        journal dropped. Bad task content goes to the dead-letter stream; any other failure
-        leaves the task pending for a retry (and its journal for the server that retries)."""
-        task = delivery.message
-        task_set = self.rollout.task_set
-        started = time.perf_counter()
+    async def run(self, consumer: StreamConsumer, delivery: Delivery) -> None:
+        """One entry, held-out or task, played and its outcome published, then acknowledged.
+        Bad content goes to the dead-letter stream; any other failure leaves the entry pending
+        for a retry (and a task's journal for the server that retries)."""
+        message, started = delivery.message, time.perf_counter()
+        held_out = isinstance(message, protocol.EvalTask)
+        kind = "eval_" if held_out else ""
         try:
-            if not 0 <= task.example < len(task_set):
-                raise BadTask(f"example {task.example} outside the task set (size {len(task_set)})")
-            journal = await Journal.open(
-                self.server.redis, self.job_id, task.task_id, self.server.settings.idempotency_ttl_s
-            )
-            group = await self.rollout.group(task, journal)
-            group.elapsed_s = time.perf_counter() - started
-            group.dispatched_version = task.dispatched_version
-            await publish(self.server.redis, Keys.trajectories(self.job_id), group)
-            await self.consumer.ack(delivery.entry_id)
-            await journal.discard()
-        except asyncio.CancelledError:
-            raise
-        except (BadTask, TokenizationMismatch) as err:  # bad task content: no retry can fix it
-            await self.consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
-            TASKS.labels(self.job_id, "dead").inc()
-            return
-        except Exception as err:
-            log.exception("task %d failed; it stays pending for a retry", task.task_id)
-            TASKS.labels(self.job_id, "error").inc()
-            await self.note_error(task.task_id, err)
-            return
-        TASKS.labels(self.job_id, "ok").inc()
-        EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
-
-    async def run_eval(self, delivery: Delivery) -> None:
-        """A held-out conversation's result into the job's eval results, then its entry
-        acknowledged; bad content to the dead-letter stream, any other failure left pending
-        for a retry (as `run_task`)."""
-        task = delivery.message
-        consumer = self.lanes[0].consumer
-        try:
-            size = len(self.held_out.task)
-            if not 0 <= task.example < size:
-                raise BadTask(f"held-out example {task.example} outside the held-out set (size {size})")
-            result = await self.held_out.play(task)
-            await publish(self.server.redis, Keys.eval_results(self.job_id), result)
+            journal = await (self.play_eval(message) if held_out else self.play_task(message, started))
             await consumer.ack(delivery.entry_id)
+            if journal is not None:  # kept until the ack: a retry before it replays the same turns
+                await journal.discard()
         except asyncio.CancelledError:
             raise
-        except (BadTask, TokenizationMismatch) as err:
-            await consumer.dead_letter(delivery.entry_id, protocol.encode(task), str(err))
-            TASKS.labels(self.job_id, "eval_dead").inc()
+        except (BadTask, TokenizationMismatch) as err:  # bad content: no retry can fix it
+            await consumer.dead_letter(delivery.entry_id, protocol.encode(message), str(err))
+            TASKS.labels(self.job_id, f"{kind}dead").inc()
             return
         except Exception as err:
-            log.exception("held-out conversation %d/%d failed; it stays pending for a retry", task.round, task.example)
-            TASKS.labels(self.job_id, "eval_error").inc()
-            await self.note_error(-1, err)
+            name = f"held-out conversation {message.round}/{message.example}" if held_out else f"task {message.task_id}"
+            log.exception("%s failed; it stays pending for a retry", name)
+            TASKS.labels(self.job_id, f"{kind}error").inc()
+            await self.note_error(-1 if held_out else message.task_id, err)
             return
-        TASKS.labels(self.job_id, "eval_ok").inc()
+        TASKS.labels(self.job_id, f"{kind}ok").inc()
+        if not held_out:
+            EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
+
+    async def play_task(self, task: protocol.Task, started: float) -> Journal:
+        """The task's group into the trajectories stream; its journal, for the caller to drop
+        once the task is acknowledged."""
+        size = len(self.rollout.task_set)
+        if not 0 <= task.example < size:
+            raise BadTask(f"example {task.example} outside the task set (size {size})")
+        redis, ttl_s = self.server.redis, self.server.settings.idempotency_ttl_s
+        journal = await Journal.open(redis, self.job_id, task.task_id, ttl_s)
+        group = await self.rollout.group(task, journal)
+        group.elapsed_s = time.perf_counter() - started
+        group.dispatched_version = task.dispatched_version
+        await publish(redis, Keys.trajectories(self.job_id), group)
+        return journal
+
+    async def play_eval(self, task: protocol.EvalTask) -> None:
+        """The held-out conversation's result into the job's eval results (no journal: a
+        retry plays it afresh, and the learner keeps one result per example and trial)."""
+        size = len(self.held_out.task)
+        if not 0 <= task.example < size:
+            raise BadTask(f"held-out example {task.example} outside the held-out set (size {size})")
+        await publish(self.server.redis, Keys.eval_results(self.job_id), await self.held_out.play(task))
 
 
 @dataclass
 class Lane:
-    """One of a served job's work streams: its consumer, what runs an entry of it, and how
-    many of the server's tasks in flight it may hold."""
+    """One of a served job's work streams: its consumer, and how many of the server's tasks
+    in flight it may hold."""
 
     consumer: StreamConsumer
-    run: Callable[[Delivery], Awaitable[None]]
     share: int
 
     def held(self, inflight: dict) -> int:

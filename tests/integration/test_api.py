@@ -86,7 +86,15 @@ async def test_unknown_job_is_404(api):
 
 
 @pytest.mark.parametrize(
-    "method, path", [("GET", ""), ("GET", "/history"), ("GET", "/checkpoints"), ("GET", "/events"), ("POST", "/cancel")]
+    "method, path",
+    [
+        ("GET", ""),
+        ("GET", "/history"),
+        ("GET", "/checkpoints"),
+        ("GET", "/conversations"),
+        ("GET", "/events"),
+        ("POST", "/cancel"),
+    ],
 )
 async def test_an_id_naming_a_sub_key_or_a_record_without_a_spec_is_404(api, redis_client, method, path):
     job_id = (await api.post("/v1/jobs", json=SPEC)).json()["id"]
@@ -136,7 +144,7 @@ async def test_no_or_a_wrong_token_is_401(secured):
 async def test_a_tenant_sees_and_controls_only_its_own_jobs(secured):
     alpha = (await secured.post("/v1/jobs", json=SPEC, headers=bearer("alpha-token-0123456789"))).json()["id"]
 
-    for path in ("", "/history", "/checkpoints"):
+    for path in ("", "/history", "/checkpoints", "/conversations"):
         assert (
             await secured.get(f"/v1/jobs/{alpha}{path}", headers=bearer("beta-token-9876543210"))
         ).status_code == 403

@@ -156,3 +156,23 @@ async def test_the_final_wait_ends_at_its_deadline_with_what_came_in(redis_clien
     (record,) = await history(redis_client)
     assert record["step"] == 4 and not record["complete"] and record["episodes"] == 1
     assert waits  # the wait ran the job's checks between reads
+
+
+async def test_a_result_with_a_non_finite_metric_another_jobs_or_garbage_poisons_no_mean(redis_client, tmp_path):
+    job_spec = spec(trials=1)
+    await job_record(redis_client, job_spec)
+    evaluation = HeldOutEvaluation(redis_client, JOB, job_spec, StepLog(redis_client, JOB, tmp_path, []))
+    await evaluation.ask(0)
+    await publish(redis_client, Keys.eval_results(JOB), result(0, 0, 0, 1.0))
+    await publish(redis_client, Keys.eval_results(JOB), result(0, 1, 0, float("nan")))
+    await publish(redis_client, Keys.eval_results(JOB), result(0, 2, 0, 0.0, tokens=float("inf")))
+    foreign = protocol.EvalResult(
+        **{**protocol.msgspec.structs.asdict(result(0, 2, 0, 0.0)), "job_id": "other-0123abcd"}
+    )
+    await publish(redis_client, Keys.eval_results(JOB), foreign)
+    await redis_client.xadd(Keys.eval_results(JOB), {FIELD: b"\xc1 not msgpack"})
+    await evaluation.collect()
+
+    (record,) = await history(redis_client)
+    assert (record["episodes"], record["lost"], record["success"], record["tokens"]) == (1, 2, 1.0, 10.0)
+    assert json.loads(json.dumps(record, allow_nan=False)) == record  # nothing a JSON reader refuses

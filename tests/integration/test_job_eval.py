@@ -53,3 +53,6 @@ def test_a_jobs_policy_on_its_held_out_examples(tmp_path, tiny_model):
 
     missing = run_eval("--job", job.name, "--runs-dir", str(job.parent), "--step", "5")
     assert missing.returncode != 0 and "tandem export" in missing.stderr
+    # A job id is one folder name: a path would read a spec and a policy outside the runs folder.
+    outside = run_eval("--job", f"../{job.parent.name}/{job.name}", "--runs-dir", str(job.parent))
+    assert outside.returncode != 0 and "is not a job id" in outside.stderr

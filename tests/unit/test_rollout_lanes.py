@@ -7,12 +7,8 @@ from __future__ import annotations
 from rollout.server import Lane, room
 
 
-async def nothing(_) -> None:
-    return None
-
-
 def test_a_turns_reads_count_against_the_capacity_and_each_lanes_share():
-    held_out, tasks = Lane(object(), nothing, 2), Lane(object(), nothing, 4)
+    held_out, tasks = Lane(object(), 2), Lane(object(), 4)
     assert room(held_out, {}, [], 4) == 2  # its share
     read = [(held_out, "e1"), (held_out, "e2")]
     assert room(tasks, {}, read, 4) == 2  # the capacity less the two just read

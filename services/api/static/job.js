@@ -7,7 +7,6 @@ const jobId = decodeURIComponent(location.pathname.split("/")[2] || "");
 const REFRESH_MS = 5000;
 const LIVE = new Set(["PENDING", "RUNNING", "PAUSED"]);
 let timer = null;
-let shownRound = null;
 
 function $(id) { return document.getElementById(id); }
 
@@ -234,18 +233,28 @@ async function drawConversations() {
     row.addEventListener("click", () => showConversation(c, row));
     body.appendChild(row);
   });
-  const [best] = await api(`/v1/jobs/${jobId}/conversations?step=${round}&order=highest&limit=1`);
-  const [worst] = await api(`/v1/jobs/${jobId}/conversations?step=${round}&order=lowest&limit=1`);
+}
+
+async function drawExtremes() {
+  // The round's best and worst conversation, whatever the table's filter: one read of the round.
+  const round = $("round").value;
   const extremes = $("extremes");
   extremes.replaceChildren();
-  [["best", best], ["worst", worst]].forEach(([name, c]) => {
-    if (!c) return;
+  if (round === "") return;
+  const all = await api(`/v1/jobs/${jobId}/conversations?step=${round}&order=highest&limit=1000`);
+  if (!all.length) return;
+  [["best", all[0]], ["worst", all[all.length - 1]]].forEach(([name, c]) => {
     const side = el("div", null, "side");
     side.dataset.side = name;
     side.appendChild(el("h3", `${name}: ${describe(c)}`));
     turns(c.conversation, side);
     extremes.appendChild(side);
   });
+}
+
+async function drawRound() {
+  await drawExtremes();
+  await drawConversations();
 }
 
 function drawRounds(history) {
@@ -274,10 +283,7 @@ async function refresh() {
     $("job").hidden = false;
     drawRecord(record, history);
     drawCharts(history);
-    if (drawRounds(history) || shownRound === null) {
-      shownRound = $("round").value;
-      await drawConversations();
-    }
+    if (drawRounds(history)) await drawRound();  // a new round came in (or the first)
     document.body.dataset.loaded = "true";
     if (LIVE.has(record.status)) timer = setTimeout(refresh, REFRESH_MS);
   } catch (error) {
@@ -293,7 +299,8 @@ function start() {
     sessionStorage.setItem("tandem-token", $("token").value);
     refresh();
   });
-  ["round", "order", "only"].forEach(id => $(id).addEventListener("change", () => drawConversations().catch(showError)));
+  $("round").addEventListener("change", () => drawRound().catch(showError));
+  ["order", "only"].forEach(id => $(id).addEventListener("change", () => drawConversations().catch(showError)));
   refresh();
 }
 
