@@ -31,6 +31,7 @@ from rollout.tools.base import World
 from rollout.tools.box import ToolBox, ToolResult, ToolUsage, tool_message
 from rollout.tools.parsers import Parsed, parse_reply
 from services.config import RolloutSpec
+from services.protocol import RewardParts
 from services.tokenization import ChatTokenizer
 
 End = Literal["user_ended", "max_turns", "max_tokens", "truncated", "wrong_stop", "special_token"]
@@ -67,6 +68,8 @@ class Episode:
     every turn afresh."""
     tool_use: ToolUsage = field(default_factory=ToolUsage)
     """The tool calls made in this episode and their results."""
+    parts: RewardParts | None = None
+    """R* of this conversation taken apart, once a reward has scored it (a fork starts without)."""
 
     @classmethod
     def from_context(
@@ -101,6 +104,7 @@ class Episode:
             versions=list(self.versions),
             trace=f"{self.trace}/{name}",
             tool_use=self.tool_use.copy(),
+            parts=None,
         )
 
     def new_tokens(self) -> int:

@@ -49,7 +49,8 @@ async def play_held_out(
     if ok:
         row |= task.metrics(example, episode.messages)
     if ok and judge is not None and rubric:
-        (row["judge"],) = await judge.score_all(rubric, [judged(episode.messages)], None, f"{trace}/judge")
+        (verdict,) = await judge.score_all(rubric, [judged(episode.messages)], None, f"{trace}/judge")
+        row["judge"] = verdict.score
     return row | {
         "judge_tokens": float(spend.judge_tokens),
         "simulator_tokens": float(spend.simulator_tokens),

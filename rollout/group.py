@@ -24,6 +24,7 @@ from prometheus_client import Counter, Histogram, Summary
 
 from rollout.concurrent import gather_all
 from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
+from rollout.group_view import group_view
 from rollout.journal import Journal
 from rollout.rewards import multiturn
 from rollout.rewards.advantage import group_advantages
@@ -101,40 +102,50 @@ class GroupRollout:
     async def group(self, task: protocol.Task, journal: Journal | None = None) -> protocol.TrajectoryGroup:
         """`group_size` samples for the task's context, with group-relative advantages (a
         generate job's: a ranked conversation)."""
+        group, _ = await self.group_and_view(task, journal)
+        return group
+
+    async def group_and_view(
+        self, task: protocol.Task, journal: Journal | None = None
+    ) -> tuple[protocol.TrajectoryGroup, protocol.GroupView | None]:
+        """The task's group and its view for people (`rollout.group_view`; None for a
+        generate job, whose conversation is its record)."""
         if self.generate:
-            return await self.ranked_conversation(task, journal)
+            return await self.ranked_conversation(task, journal), None
         context = await self.context(task)
         futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
-        samples = await gather_all(
+        played = await gather_all(
             *(self.sample(task, index, context, journal, futures) for index in range(task.group_size))
         )
+        samples = [sample for sample, _, _ in played]
         advantages = group_advantages([s.reward for s in samples], self.spec.scale_advantage_by_std)
         for sample, advantage in zip(samples, advantages):
             sample.advantage = advantage
-        return protocol.TrajectoryGroup(
+        group = protocol.TrajectoryGroup(
             job_id=self.job_id, task_id=task.task_id, samples=samples, server_id=self.server_id, elapsed_s=0.0
         )
+        view = group_view(group, task, context, [(e, scored) for _, e, scored in played], self.spec)
+        return group, view
 
     async def sample(
         self, task: protocol.Task, index: int, context: list[dict], journal: Journal | None, futures: GroupFutures
-    ) -> protocol.Sample:
-        """One sample, its advantage still 0."""
-        sample, _ = await self.scored_sample(
+    ) -> tuple[protocol.Sample, Episode, list[Episode]]:
+        """One sample (its advantage still 0), its episode and the conversations its reward scored."""
+        return await self.scored_sample(
             task,
             f"{self.job_id}:{task.task_id}:{index}",
             futures,
             index,
             self.play(task.example, context, f"task{task.task_id}/s{index}", journal),
         )
-        return sample
 
     async def scored_sample(
         self, task: protocol.Task, sample_id: str, futures: GroupFutures, index: int, play: Awaitable[Episode]
-    ) -> tuple[protocol.Sample, Episode]:
-        """The sample `play` makes, scored as response `index` of its group, and its
-        episode. Runs as a task of its own (`gather_all`), so the `Spend` set here counts
-        this sample's calls only. Scoring holds one of the server's reward slots at a time
-        (`GroupFutures.slots`)."""
+    ) -> tuple[protocol.Sample, Episode, list[Episode]]:
+        """The sample `play` makes, scored as response `index` of its group, its episode and
+        the conversations its reward scored. Runs as a task of its own (`gather_all`), so the
+        `Spend` set here counts this sample's calls only. Scoring holds one of the server's
+        reward slots at a time (`GroupFutures.slots`)."""
         started = time.perf_counter()
         spend = Spend()
         SPEND.set(spend)
@@ -150,18 +161,22 @@ class GroupRollout:
         if self.runner.tools is not None:
             self.runner.tools.observe_episode(episode.tool_use)
             metrics |= usage_metrics(episode.tool_use)
-        return protocol.Sample(
-            sample_id=sample_id,
-            tokens=episode.tokens,
-            mask=episode.mask,
-            logprobs=episode.logprobs,
-            versions=episode.versions,
-            reward=reward,
-            advantage=0.0,
-            num_turns=episode.num_turns,
-            metrics=metrics,
-            reward_source=(spend.source | {"seed": str(self.seed)}) if spend.source else {},
-        ), episode
+        return (
+            protocol.Sample(
+                sample_id=sample_id,
+                tokens=episode.tokens,
+                mask=episode.mask,
+                logprobs=episode.logprobs,
+                versions=episode.versions,
+                reward=reward,
+                advantage=0.0,
+                num_turns=episode.num_turns,
+                metrics=metrics,
+                reward_source=(spend.source | {"seed": str(self.seed)}) if spend.source else {},
+            ),
+            episode,
+            scored,
+        )
 
     async def ranked_conversation(self, task: protocol.Task, journal: Journal | None) -> protocol.TrajectoryGroup:
         """CollabLLM's data generation: at each assistant turn, `group_size` responses to
@@ -186,13 +201,13 @@ class GroupRollout:
                     for index in range(task.group_size)
                 )
             )
-            for sample, episode in candidates:
+            for sample, episode, _ in candidates:
                 sample.metrics |= {"turn": float(turn), "context_messages": float(len(base.messages))}
                 samples.append(sample)
                 responses.append(episode.messages[-1]["content"])
             # Ties go to a well-formed response: a reply whose futures all pay the capped
             # penalty scores -1 like a malformed one, and only the former can carry on.
-            _, best = max(candidates, key=lambda c: (c[0].reward, c[1].well_formed()))
+            _, best, _ = max(candidates, key=lambda c: (c[0].reward, c[1].well_formed()))
             # A copy (the best sample keeps its own tokens), all context from here on: the
             # next turn's rewards count only what follows it.
             base = replace(

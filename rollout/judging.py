@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.concurrent import gather_all
+from rollout.tasks.base import Verdict
 from services.config import RewardSpec
 from services.judge_client import JudgeClient
 
@@ -44,16 +45,16 @@ class ProxyJudge:
 
     async def score_all(
         self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
-    ) -> list[float]:
-        """Each conversation's score; `call_id` keys the calls (`/c<i>` per conversation)."""
+    ) -> list[Verdict]:
+        """Each conversation's verdict; `call_id` keys the calls (`/c<i>` per conversation)."""
         options = {"job": self.job_id, "model": self.spec.judge_model, "cache": self.spec.judge_cache}
         if self.spec.judge_mode == "group" and len(conversations) > 1:
             group = await self.client.judge_group(rubric, conversations, reference, idempotency_key=call_id, **options)
-            return [r.score for r in group.results]
+            return [Verdict(r.score, r.verdict) for r in group.results]
         results = await gather_all(
             *(
                 self.client.judge(rubric, c, reference, idempotency_key=call_id and f"{call_id}/c{i}", **options)
                 for i, c in enumerate(conversations)
             )
         )
-        return [r.score for r in results]
+        return [Verdict(r.score, r.verdict) for r in results]

@@ -39,7 +39,7 @@ from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
-from services.queues import Delivery, Keys, StreamConsumer, connect, publish
+from services.queues import GROUPS_KEPT, Delivery, Keys, StreamConsumer, connect, publish
 from services.stats import TrailingRate
 from services.tokenization import TokenizationMismatch
 from services.tool_catalog import load_catalog
@@ -547,10 +547,12 @@ class ServedJob:
             raise BadTask(f"example {task.example} outside the task set (size {size})")
         redis, ttl_s = self.server.redis, self.server.settings.idempotency_ttl_s
         journal = await Journal.open(redis, self.job_id, task.task_id, ttl_s)
-        group = await self.rollout.group(task, journal)
+        group, view = await self.rollout.group_and_view(task, journal)
         group.elapsed_s = time.perf_counter() - started
         group.dispatched_version = task.dispatched_version
         await publish(redis, Keys.trajectories(self.job_id), group)
+        if view is not None:
+            await publish(redis, Keys.groups(self.job_id), view, maxlen=GROUPS_KEPT)
         return journal
 
     async def play_eval(self, task: protocol.EvalTask) -> None:

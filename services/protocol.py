@@ -119,6 +119,73 @@ class EvalResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The conversation as played (role, content), for people to read."""
 
 
+class RewardParts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """R* of one conversation taken apart (`rollout.rewards.conversation`):
+    reward = extrinsic_weight * r_ext - token_penalty + judge_weight * r_llm + tool_terms."""
+
+    reward: float
+    token_penalty: float
+    """min(lambda * counted tokens, 1), subtracted."""
+    r_ext: float | None = None
+    """The task's metric in [0, 1]; None when not asked (weight 0, or an unfinished conversation)."""
+    r_llm: float | None = None
+    """The judge's score in [0, 1]; None when not asked."""
+    tool_terms: float = 0.0
+    """ARTIST's format and tool-execution terms."""
+    verdict: str = ""
+    """The judge's one-sentence reason for `r_llm`."""
+
+
+class FutureView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One forward-sampled future of a response, as scored."""
+
+    messages: list[dict[str, str]]
+    """What followed the response: the user simulator's and the policy's turns (role, content)."""
+    parts: RewardParts
+    malformed: str = ""
+    """Why a later policy turn left the future unfinished ("" when it did not)."""
+
+
+class ResponseView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One sample of a training group, for people to read."""
+
+    index: int
+    messages: list[dict[str, str]]
+    """What the policy wrote after the context: the response m_j (multiturn mode) or the whole
+    conversation with the user's turns (episode mode)."""
+    reward: float
+    advantage: float
+    malformed: str = ""
+    """Why the format filter floored it ("" when well formed)."""
+    parts: RewardParts | None = None
+    """R* of the conversation itself, when it was scored as it stands (episode mode, window 0)."""
+    futures: list[FutureView] = []
+    """The futures behind its multiturn-aware reward (the mean of their R*)."""
+    metrics: dict[str, float] = {}
+
+
+class GroupView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A training group as text (`rollout.group_view`): what the job page's group browser
+    reads from the job's capped `groups` stream. Never trained on; its texts are cut at
+    `rollout.group_view.TEXT_CHARS`."""
+
+    schema: int = SCHEMA
+    job_id: str
+    task_id: int
+    example: int
+    server_id: str
+    mode: str
+    """`episode` or `multiturn` (`reward.mode`)."""
+    dispatched_version: int
+    versions: list[int]
+    """The oldest and newest weight version behind its trained tokens ([] when none)."""
+    weights: dict[str, float]
+    """`extrinsic_weight` and `judge_weight`, to read `RewardParts` with."""
+    context: list[dict[str, str]]
+    responses: list[ResponseView]
+    reward_source: dict[str, str] = {}
+
+
 class TensorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     """Checkpoint (Hugging Face) parameter name."""

@@ -36,6 +36,10 @@ DEAD_MAXLEN = 10_000
 """A dead stream keeps about this many newest entries: a producer that only sends garbage
 cannot grow Redis without bound (the dispatcher reads new dead entries at every wait, far
 faster than this many arrive)."""
+GROUPS_KEPT = 200
+"""Training-group views (`Keys.groups`) a job keeps, about (newest): at most about 200 x 8
+responses x 4 futures x a few messages of 4 kB (`rollout.group_view.TEXT_CHARS`), tens of
+MB in the worst case, far less in practice."""
 RELEASED_IDLE_MS = 10**10
 """The idle time (ms, about four months) a released entry claims: above any reclaim threshold."""
 
@@ -99,6 +103,11 @@ class Keys:
     def eval_rounds(job_id: str) -> str:
         """Evaluation round (its step) -> JSON {version, expected, dispatched}: each round dispatched once."""
         return f"{PREFIX}job:{job_id}:eval:rounds"
+
+    @staticmethod
+    def groups(job_id: str) -> str:
+        """Training groups as text (GroupView), capped to the newest few hundred: the job page's browser."""
+        return f"{PREFIX}job:{job_id}:groups"
 
     @staticmethod
     def events(job_id: str) -> str:
@@ -247,8 +256,9 @@ class Delivery(Generic[M]):
     message: M
 
 
-async def publish(client: aioredis.Redis, stream: str, message: msgspec.Struct) -> bytes:
-    return await client.xadd(stream, {FIELD: protocol.encode(message)})
+async def publish(client: aioredis.Redis, stream: str, message: msgspec.Struct, maxlen: int | None = None) -> bytes:
+    """Append `message` to `stream`; with `maxlen`, the stream keeps about that many newest."""
+    return await client.xadd(stream, {FIELD: protocol.encode(message)}, maxlen=maxlen, approximate=True)
 
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:

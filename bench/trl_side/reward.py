@@ -132,8 +132,8 @@ class ClarifyReward:
             judged = [[m for m in futures[i].messages if m["role"] != "system"] for i in finished]
             call_id = f"{self.job_id}/s{self.step}/r{response}/judge"
             reference = self.task.reference(example) if spec.judge_reference else None
-            scores = await self.judge.score_all(spec.judge_rubric, judged, reference, call_id)
+            verdicts = await self.judge.score_all(spec.judge_rubric, judged, reference, call_id)
             self.calls["judge"] += len(judged)
-            for i, score in zip(finished, scores):
-                rewards[i] += spec.judge_weight * score
+            for i, verdict in zip(finished, verdicts):
+                rewards[i] += spec.judge_weight * verdict.score
         return rewards

@@ -28,6 +28,7 @@ from rollout.episode import Episode
 from rollout.tasks.base import Judge, TaskSet
 from rollout.tools.box import ToolUsage
 from services.config import RewardSpec
+from services.protocol import RewardParts
 
 
 def minimum_reward(spec: RewardSpec) -> float:
@@ -44,30 +45,44 @@ async def conversation_rewards(
     judge: Judge | None = None,
     call_id: str = "",
 ) -> list[float]:
-    """R* of each conversation; one the policy left unfinished scores only its token
-    penalty. The judge is asked about the finished ones together (one call in group mode)."""
-    rewards = [-min(spec.token_penalty * counted_tokens(e, spec), 1.0) for e in episodes]
+    """R* of each conversation, each one's parts left in its `parts`; one the policy left
+    unfinished scores only its token penalty. The judge is asked about the finished ones
+    together (one call in group mode)."""
+    parts = [
+        RewardParts(reward=0.0, token_penalty=min(spec.token_penalty * counted_tokens(e, spec), 1.0)) for e in episodes
+    ]
     finished = [i for i, e in enumerate(episodes) if e.well_formed()]
-    if not finished:
-        return rewards
     for i in finished:
-        rewards[i] += tool_terms(episodes[i].tool_use, spec)
-    if spec.extrinsic_weight:
+        parts[i].tool_terms = tool_terms(episodes[i].tool_use, spec)
+    if finished and spec.extrinsic_weight:
         scores = await gather_all(*(task.score(example, episodes[i].messages, episodes[i]) for i in finished))
         for i, score in zip(finished, scores):
-            rewards[i] += spec.extrinsic_weight * score
-    if spec.judge_rubric and spec.judge_weight:
+            parts[i].r_ext = score
+    if finished and spec.judge_rubric and spec.judge_weight:
         if judge is None:
             raise RuntimeError(f"rubric {spec.judge_rubric!r} needs a judge client")
-        scores = await judge.score_all(
+        verdicts = await judge.score_all(
             spec.judge_rubric,
             [judged(episodes[i].messages) for i in finished],
             task.reference(example) if spec.judge_reference else None,
             call_id,
         )
-        for i, score in zip(finished, scores):
-            rewards[i] += spec.judge_weight * score
-    return rewards
+        for i, verdict in zip(finished, verdicts):
+            parts[i].r_llm, parts[i].verdict = verdict.score, verdict.reason
+    for episode, part in zip(episodes, parts):
+        part.reward = total(part, spec)
+        episode.parts = part
+    return [part.reward for part in parts]
+
+
+def total(parts: RewardParts, spec: RewardSpec) -> float:
+    """R* from its parts (a part not asked adds nothing)."""
+    reward = -parts.token_penalty + parts.tool_terms
+    if parts.r_ext is not None:
+        reward += spec.extrinsic_weight * parts.r_ext
+    if parts.r_llm is not None:
+        reward += spec.judge_weight * parts.r_llm
+    return reward
 
 
 def counted_tokens(episode: Episode, spec: RewardSpec) -> int:

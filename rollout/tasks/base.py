@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from rollout.interactions.base import UserSimulator
@@ -10,14 +11,23 @@ if TYPE_CHECKING:
     from rollout.episode import Episode
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the judge said of one conversation: its score in [0, 1] and its one-sentence
+    reason (what a person reads beside the score on the job page)."""
+
+    score: float
+    reason: str = ""
+
+
 class Judge(Protocol):
-    """R_llm: the judge's scores in [0, 1] for conversations (`rollout.judging.ProxyJudge`).
+    """R_llm: the judge's verdicts on conversations (`rollout.judging.ProxyJudge`).
     `call_id` names the request in its task (the proxy's idempotency key). Here because a
     task's metric may ask it (MATH-Chat with metric=judge); the rewards ask it for R_llm."""
 
     async def score_all(
         self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
-    ) -> list[float]: ...
+    ) -> list[Verdict]: ...
 
 
 class TaskSet(Protocol):

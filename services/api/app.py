@@ -44,7 +44,7 @@ from services.api.page import page_router
 from services.auth import match_bearer
 from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
-from services.queues import FIELD, Keys, connect
+from services.queues import FIELD, GROUPS_KEPT, Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
 
 
@@ -545,6 +545,28 @@ def job_records_router() -> APIRouter:
             found.sort(key=lambda c: (c.metrics.get("success", 0.0), c.example, c.trial), reverse=order == "highest")
         return found[:limit]
 
+    @router.get("/v1/jobs/{job_id}/groups", response_model=list[dict], responses=ERRORS)
+    async def groups(
+        request: Request,
+        version: int | None = Query(None, ge=0, description="Only groups whose newest tokens are of this version."),
+        order: Literal["recent", "lowest", "highest"] = Query(
+            "recent", description="Newest first, or by the group's lowest (highest) response reward."
+        ),
+        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
+        limit: int = Query(50, ge=1, le=GROUPS_KEPT),
+        record: dict = Depends(owned),
+    ) -> list[dict]:
+        """Recent training groups as text (`protocol.GroupView`, about the newest
+        `GROUPS_KEPT`): the context, each response with its reward, advantage and the parts
+        of R*, and each response's futures with the judge's verdict."""
+        found = await training_groups(request.app.state.redis, record["id"])
+        if version is not None:
+            found = [g for g in found if g.versions and g.versions[-1] == version]
+        found = [g for g in found if GROUP_FILTERS[only](g)]
+        if order != "recent":
+            found.sort(key=lambda g: min(r.reward for r in g.responses), reverse=order == "highest")
+        return [msgspec.to_builtins(g) for g in found[:limit]]
+
     @router.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
     async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
         raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
@@ -597,6 +619,32 @@ async def held_out_conversations(client, job_id: str, step: int | None) -> list[
         return []
     chosen = by_round[step if step is not None else max(by_round)]
     return [chosen[key] for key in sorted(chosen)]
+
+
+def asked(view: protocol.GroupView) -> bool:
+    return any(r.metrics.get("asked", 0.0) > 0.0 for r in view.responses)
+
+
+GROUP_FILTERS = {
+    "all": lambda view: True,
+    "malformed": lambda view: any(r.malformed or any(f.malformed for f in r.futures) for r in view.responses),
+    "asked": asked,
+    "not_asked": lambda view: not asked(view),
+}
+"""Which groups `GET /v1/jobs/{id}/groups?only=` keeps: `malformed` has a malformed response
+or future; `asked` has a response whose conversations asked the user (clarify's `asked`)."""
+
+
+async def training_groups(client, job_id: str) -> list[protocol.GroupView]:
+    """The job's recorded training groups, newest first; an entry that does not decode as a
+    view is skipped (the stream is capped, so this reads at most about `GROUPS_KEPT`)."""
+    views = []
+    for _, fields in await client.xrevrange(Keys.groups(job_id), count=GROUPS_KEPT + 100):
+        try:
+            views.append(protocol.decode(fields.get(FIELD, b""), protocol.GroupView))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            continue
+    return views
 
 
 async def operator(request: Request, who: str = Depends(tenant)) -> str:

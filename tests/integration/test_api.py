@@ -92,6 +92,7 @@ async def test_unknown_job_is_404(api):
         ("GET", "/history"),
         ("GET", "/checkpoints"),
         ("GET", "/conversations"),
+        ("GET", "/groups"),
         ("GET", "/events"),
         ("POST", "/cancel"),
     ],
@@ -144,7 +145,7 @@ async def test_no_or_a_wrong_token_is_401(secured):
 async def test_a_tenant_sees_and_controls_only_its_own_jobs(secured):
     alpha = (await secured.post("/v1/jobs", json=SPEC, headers=bearer("alpha-token-0123456789"))).json()["id"]
 
-    for path in ("", "/history", "/checkpoints", "/conversations"):
+    for path in ("", "/history", "/checkpoints", "/conversations", "/groups"):
         assert (
             await secured.get(f"/v1/jobs/{alpha}{path}", headers=bearer("beta-token-9876543210"))
         ).status_code == 403

@@ -78,6 +78,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         everything = api.get(f"/v1/jobs/{job_id}/history").json()
         history = [h for h in everything if h["phase"] == "rl"]
         evaluations = [h for h in everything if h["phase"] == "eval"]
+        groups = api.get(f"/v1/jobs/{job_id}/groups", params={"limit": 200}).json()
     assert record["status"] == "SUCCEEDED", record.get("error")
 
     stored = record["spec"]
@@ -114,6 +115,26 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     assert all(0.0 <= e["judge"] <= 1.0 for e in judged)
     assert not judged or judged[0]["judge_tokens"] > 0
     assert record["held_out"]["step"] == 3
+
+    # What the job page browses: each group the servers played, as text. A well-formed
+    # response's MR is the mean of its 3 futures' R*, each judged with a verdict.
+    assert len(groups) >= 12 and {len(g["responses"]) for g in groups} == {2}
+    futures = 0
+    for group in groups:
+        assert group["mode"] == "multiturn" and group["weights"]["judge_weight"] > 0
+        for response in group["responses"]:
+            if response["malformed"]:
+                assert response["futures"] == [] and response["reward"] == -1.0
+                continue
+            assert len(response["futures"]) == 3
+            assert response["reward"] == pytest.approx(sum(f["parts"]["reward"] for f in response["futures"]) / 3)
+            for future in response["futures"]:
+                futures += 1
+                # The simulator answers the response first, or ends the conversation there.
+                assert [m["role"] for m in future["messages"][:1]] in ([], ["user"])
+                if future["parts"]["r_llm"] is not None:
+                    assert future["parts"]["verdict"] and "judge_model" in group["reward_source"]
+    assert futures > 0
     trained = [t for h in history for t in h["task_ids"]]
     assert len(trained) == len(set(trained)) == 12  # held-out conversations are never training tasks
 

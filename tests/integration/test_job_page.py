@@ -1,8 +1,10 @@
 """A job's page in a real browser: Debian's headless Chromium, driven by Selenium, against the
 API on real Redis. The job's records are the ones a learner and a rollout server write
-(history records, held-out results on the eval stream). The page loads, its curves are
-drawn, a held-out conversation opens with its turns, model-written markup stays text, and a
-wrong token gets 401 and nothing of the job."""
+(history records, held-out results on the eval stream, group views on the groups stream).
+The page loads, its curves are drawn, a held-out conversation opens with its turns, a
+training group opens with its best and worst response and a future with the judge's
+verdict, model-written markup stays text, and a wrong token gets 401 and nothing of the
+job."""
 
 from __future__ import annotations
 
@@ -90,7 +92,66 @@ def seed_job(client: redis.Redis, api_url: str) -> str:
             conversation=[{"role": role, "content": content} for role, content in conversation],
         )
         client.xadd(Keys.eval_results(job_id), {b"m": protocol.encode(result)})
+    for view in group_views(job_id):
+        client.xadd(Keys.groups(job_id), {b"m": protocol.encode(view)})
+    client.xadd(Keys.groups(job_id), {b"m": b"not a view"})  # skipped, not a failure
     return job_id
+
+
+def parts(r_ext: float, r_llm: float, verdict: str) -> protocol.RewardParts:
+    return protocol.RewardParts(
+        reward=r_ext - 0.01 + 0.5 * r_llm, token_penalty=0.01, r_ext=r_ext, r_llm=r_llm, verdict=verdict
+    )
+
+
+def group_views(job_id: str) -> list[protocol.GroupView]:
+    """Two multiturn groups, at versions 1 and 2: in the newer one response 0 asked and its
+    futures did well, response 1 guessed (its future is judged with markup in the verdict)
+    and response 2 was cut short."""
+    request = {"role": "user", "content": "I'd like a fruit."}
+
+    def future(answer: str, r_ext: float, r_llm: float, verdict: str) -> protocol.FutureView:
+        turns = [{"role": "user", "content": "a pear"}, {"role": "assistant", "content": answer}]
+        return protocol.FutureView(messages=turns, parts=parts(r_ext, r_llm, verdict))
+
+    def response(index: int, text: str, futures: list, malformed: str = "") -> protocol.ResponseView:
+        reward = sum(f.parts.reward for f in futures) / len(futures) if futures else -1.0
+        return protocol.ResponseView(
+            index=index,
+            messages=[{"role": "assistant", "content": text}],
+            reward=reward,
+            advantage=0.0,
+            malformed=malformed,
+            futures=futures,
+            metrics={"asked": float(text.endswith("?"))},
+        )
+
+    def view(task_id: int, version: int, responses: list) -> protocol.GroupView:
+        return protocol.GroupView(
+            job_id=job_id,
+            task_id=task_id,
+            example=task_id,
+            server_id="rollout-0",
+            mode="multiturn",
+            dispatched_version=version - 1,
+            versions=[version - 1, version],
+            weights={"extrinsic_weight": 1.0, "judge_weight": 0.5},
+            context=[request],
+            responses=responses,
+            reward_source={"judge_model": "judge-9", "seed": "7"},
+        )
+
+    asking = response(
+        0,
+        "Which fruit?",
+        [future("a pear", 1.0, 0.9, "asked first, then answered"), future("a pear", 1.0, 0.8, "clear")],
+    )
+    guessing = response(1, "an apple", [future("an apple", 0.0, 0.1, INJECTED)])
+    cut = response(2, "a pe", [], malformed="truncated")
+    return [
+        view(3, 1, [response(0, "a plum", [future("a plum", 0.0, 0.2, "guessed")])]),
+        view(5, 2, [asking, guessing, cut]),
+    ]
 
 
 @pytest.fixture
@@ -136,6 +197,40 @@ def test_the_job_page_shows_curves_and_opens_a_held_out_conversation_and_refuses
         driver.find_element("css selector", "#round option[value='0']").click()
         wait_for(lambda: "an apple" in driver.find_element("id", "extremes").text, 10, "round 0's conversations")
 
+        # Training groups: newest first; one opens with its best and worst response side by
+        # side, and a future opens to the simulator's and the policy's turns and the verdict.
+        groups = driver.find_elements("css selector", "#groups tbody tr")
+        assert [r.find_element("css selector", "td").text for r in groups] == ["5", "3"]
+        groups[0].click()
+        shown = driver.find_element("id", "group")
+        assert "judge_model judge-9" in shown.text
+        best = shown.find_element("css selector", "[data-side=best]")
+        worst = shown.find_element("css selector", "[data-side=worst]")
+        assert "Which fruit?" in best.text and "malformed (truncated)" in worst.text
+        future = best.find_element("css selector", "details.future[data-future='1']")
+        assert "judge: clear" not in future.text  # closed: only its summary shows
+        assert "R* 1.39 = 1 × R_ext 1 − token penalty 0.01 + 0.5 × R_llm 0.8" in future.text
+        future.find_element("css selector", "summary").click()
+        wait_for(lambda: "judge: clear" in future.text, 10, "the future opened")
+        roles = [t.text for t in future.find_elements("css selector", ".turn .role")]
+        assert roles == ["user", "assistant"] and "a pear" in future.text
+        guessed = shown.find_element("css selector", ".response[data-response='1']:not(.side) details.future")
+        guessed.find_element("css selector", "summary").click()
+        wait_for(lambda: INJECTED in guessed.text, 10, "the guess's future")
+        assert driver.execute_script("return window.pwned") is None
+        assert driver.find_elements("css selector", "#job img") == []
+
+        # Filters: the asked groups, then the malformed ones, then a version.
+        driver.find_element("css selector", "#group-only option[value='malformed']").click()
+        wait_for(lambda: len(driver.find_elements("css selector", "#groups tbody tr")) == 1, 10, "malformed only")
+        driver.find_element("css selector", "#group-only option[value='all']").click()
+        driver.find_element("css selector", "#group-version option[value='1']").click()
+        wait_for(
+            lambda: [r.text.split()[0] for r in driver.find_elements("css selector", "#groups tbody tr")] == ["3"],
+            10,
+            "version 1's group",
+        )
+
         # Another tab with a wrong token: 401, and nothing of the job on the page.
         driver.execute_script("sessionStorage.clear()")
         driver.get(f"{url}/jobs/{job_id}#token=wrong-token-9876543210")
@@ -162,3 +257,32 @@ def test_the_page_is_a_static_file_with_a_policy_that_runs_only_its_own_script(p
         headers={"Authorization": f"Bearer {TOKEN}"},
     ).json()
     assert [(c["example"], c["metrics"]["success"]) for c in conversations] == [(1, 1.0), (0, 0.0)]
+
+
+def test_the_groups_route_filters_and_orders_recorded_groups_and_skips_bad_entries(page_api):
+    url, client = page_api
+    job_id = seed_job(client, url)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def tasks(**params) -> list[int]:
+        reply = httpx.get(f"{url}/v1/jobs/{job_id}/groups", params=params, headers=auth)
+        assert reply.status_code == 200, reply.text
+        return [g["task_id"] for g in reply.json()]
+
+    assert tasks() == [5, 3]  # newest first; the entry that is not a view is skipped
+    assert tasks(order="lowest") == [5, 3]  # task 5 holds the truncated response at -1
+    assert tasks(order="highest") == [3, 5]
+    assert tasks(only="malformed") == [5]
+    assert tasks(only="asked") == [5] and tasks(only="not_asked") == [3]
+    assert tasks(version=1) == [3] and tasks(version=9) == []
+    assert tasks(limit=1) == [5]
+    [group] = httpx.get(f"{url}/v1/jobs/{job_id}/groups", params={"version": 2}, headers=auth).json()
+    future = group["responses"][0]["futures"][0]
+    assert future["parts"] == {
+        "reward": pytest.approx(1.0 - 0.01 + 0.45), "token_penalty": 0.01, "r_ext": 1.0, "r_llm": 0.9,
+        "tool_terms": 0.0, "verdict": "asked first, then answered",
+    }  # fmt: skip
+    for bad in ({"limit": 0}, {"limit": 10_000}, {"order": "random"}, {"only": "x"}, {"version": -1}):
+        reply = httpx.get(f"{url}/v1/jobs/{job_id}/groups", params=bad, headers=auth)
+        assert reply.status_code == 422 and next(iter(bad)) in reply.text, bad
+    assert httpx.get(f"{url}/v1/jobs/{job_id}/groups").status_code == 401

@@ -20,6 +20,7 @@ from rollout.interactions.llm_user import NOT_STARTED, PERSON_RULES, LLMUser, tr
 from rollout.rewards.conversation import conversation_rewards
 from rollout.rewards.multiturn import score_response
 from rollout.tasks import clarify, load_task
+from rollout.tasks.base import Verdict
 from rollout.tasks.code_chat import CodeChatTask
 from rollout.tasks.contexts import ContextView, turn_contexts
 from rollout.tasks.doc_edit_chat import DocEditChatTask, document_bleu
@@ -170,7 +171,7 @@ class RecordingJudge:
 
     async def score_all(self, rubric, conversations, reference, call_id=""):
         self.seen.append((rubric, conversations, reference))
-        return [self.score] * len(conversations)
+        return [Verdict(self.score)] * len(conversations)
 
 
 async def test_the_judge_is_not_shown_the_reference_or_the_system_prompt_unless_asked():

@@ -9,6 +9,7 @@ from rollout.rewards.advantage import group_advantages
 from rollout.rewards.conversation import conversation_reward, conversation_rewards, episode_reward
 from rollout.rewards.multiturn import GroupFutures, more_futures, score_response
 from rollout.tasks import clarify
+from rollout.tasks.base import Verdict
 from rollout.tasks.clarify.task import ClarifyTask
 from services.config import RewardSpec, TaskSpec
 
@@ -35,9 +36,9 @@ class RecordingJudge:
 
     async def score_all(
         self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
-    ) -> list[float]:
+    ) -> list[Verdict]:
         self.calls += [len(m) for m in conversations]
-        return [self.scores[len(m)] for m in conversations]
+        return [Verdict(self.scores[len(m)]) for m in conversations]
 
 
 async def multiturn_reward(futures: list[Episode], task, example: int, spec: RewardSpec, judge=None) -> float:

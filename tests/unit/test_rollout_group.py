@@ -14,6 +14,7 @@ from rollout.episode import MALFORMED_REASONS, EpisodeRunner
 from rollout.group import GroupRollout
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
+from rollout.tasks.base import Verdict
 from rollout.tasks.clarify.task import ClarifyTask
 from services import protocol
 from services.config import RewardSpec, RolloutSpec, TaskSpec
@@ -136,14 +137,14 @@ async def test_reward_slots_bound_the_rewards_computed_at_once(tokenizer):
     class Judge:
         async def score_all(
             self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
-        ) -> list[float]:
+        ) -> list[Verdict]:
             nonlocal active, peak
             active += 1
             peak = max(peak, active)
             references.append(reference)
             await asyncio.sleep(0.01)
             active -= 1
-            return [0.5] * len(conversations)
+            return [Verdict(0.5)] * len(conversations)
 
     spec = RewardSpec(mode="episode", judge_rubric="interactivity", judge_weight=1.0, judge_reference=True)
     rollout, _ = group_rollout(tokenizer, [RIGHT], spec, "job-slots", judge=Judge(), reward_slots=2)

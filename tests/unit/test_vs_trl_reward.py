@@ -12,6 +12,7 @@ from bench.trl_side.reward import ClarifyReward
 from rollout.episode import Episode
 from rollout.rewards.conversation import conversation_rewards, minimum_reward
 from rollout.tasks import clarify
+from rollout.tasks.base import Verdict
 from services.config import JobSpec, parse_job_spec
 
 EOS = 2
@@ -25,7 +26,7 @@ class Judge:
 
     async def score_all(self, rubric, conversations, reference, call_id=""):
         self.seen += conversations
-        return [(sum(len(m["content"]) for m in c) % 7) / 6 for c in conversations]
+        return [Verdict((sum(len(m["content"]) for m in c) % 7) / 6) for c in conversations]
 
 
 class User:

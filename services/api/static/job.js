@@ -1,4 +1,4 @@
-// A Tandem job's page: its record, curves and held-out conversations, read from the job API
+// A Tandem job's page: its record, curves, held-out conversations and training groups, read from the job API
 // with the caller's token. Everything from the API is put in as text (textContent), never as
 // markup: conversations are written by models.
 "use strict";
@@ -7,6 +7,7 @@ const jobId = decodeURIComponent(location.pathname.split("/")[2] || "");
 const REFRESH_MS = 5000;
 const LIVE = new Set(["PENDING", "RUNNING", "PAUSED"]);
 let timer = null;
+let groupsDrawn = false;
 
 function $(id) { return document.getElementById(id); }
 
@@ -272,6 +273,110 @@ function drawRounds(history) {
   return true;
 }
 
+// ---- training groups -----------------------------------------------------------------
+
+function partsLine(parts, weights) {
+  // R* = w_ext * R_ext - penalty + w_llm * R_llm + tool terms, with the parts that were asked.
+  const terms = [];
+  if (parts.r_ext !== null) terms.push(`${fmt(weights.extrinsic_weight)} × R_ext ${fmt(parts.r_ext)}`);
+  terms.push(`− token penalty ${fmt(parts.token_penalty)}`);
+  if (parts.r_llm !== null) terms.push(`+ ${fmt(weights.judge_weight)} × R_llm ${fmt(parts.r_llm)}`);
+  if (parts.tool_terms) terms.push(`+ tool terms ${fmt(parts.tool_terms)}`);
+  return `R* ${fmt(parts.reward)} = ${terms.join(" ")}`;
+}
+
+function verdict(parts, into) {
+  if (parts && parts.verdict) into.appendChild(el("p", `judge: ${parts.verdict}`, "verdict"));
+}
+
+function responseBox(g, r, name) {
+  const box = el("div", null, "response");
+  box.dataset.response = String(r.index);
+  let head = `${name || `response ${r.index}`}: reward ${fmt(r.reward)}, advantage ${fmt(r.advantage)}`;
+  if (r.malformed) head += `, malformed (${r.malformed}): the floor, no futures`;
+  if ("asked" in r.metrics) head += `, asked ${fmt(r.metrics.asked)}`;
+  box.appendChild(el("h4", head));
+  if (r.parts) { box.appendChild(el("p", partsLine(r.parts, g.weights), "parts")); verdict(r.parts, box); }
+  turns(r.messages, box);
+  if (r.futures.length) box.appendChild(el("p", `MR = mean of ${r.futures.length} futures' R*`, "parts"));
+  r.futures.forEach((f, i) => {
+    const future = el("details", null, "future");
+    future.dataset.future = String(i);
+    let summary = `future ${i}: ${partsLine(f.parts, g.weights)}`;
+    if (f.malformed) summary += ` (unfinished: ${f.malformed})`;
+    future.appendChild(el("summary", summary));
+    verdict(f.parts, future);
+    turns(f.messages, future);
+    box.appendChild(future);
+  });
+  return box;
+}
+
+function showGroup(g, row) {
+  document.querySelectorAll("#groups tbody tr.open").forEach(r => r.classList.remove("open"));
+  if (row) row.classList.add("open");
+  const box = $("group");
+  box.replaceChildren(el("h3", `task ${g.task_id} (example ${g.example}), ${g.mode} mode, ` +
+    `versions ${g.versions.join("-") || "-"}, dispatched at ${g.dispatched_version}, server ${g.server_id}`));
+  const source = Object.entries(g.reward_source).map(([k, v]) => `${k} ${v}`).join(", ");
+  box.appendChild(el("p", `reward from: ${source || "no LLM (rules and the token penalty)"}`, "source"));
+  const context = el("details", null, "context");
+  context.open = true;
+  context.appendChild(el("summary", "context"));
+  turns(g.context, context);
+  box.appendChild(context);
+  const ranked = [...g.responses].sort((a, b) => b.reward - a.reward);
+  const sides = el("div", null, "extremes");
+  [["best", ranked[0]], ["worst", ranked[ranked.length - 1]]].forEach(([name, r]) => {
+    const side = responseBox(g, r, `${name}: response ${r.index}`);
+    side.classList.add("side");
+    side.dataset.side = name;
+    sides.appendChild(side);
+  });
+  box.appendChild(sides);
+  box.appendChild(el("h4", "every response"));
+  g.responses.forEach(r => box.appendChild(responseBox(g, r)));
+}
+
+async function drawGroupVersions() {
+  const all = await api(`/v1/jobs/${jobId}/groups?limit=200`);
+  const versions = [...new Set(all.filter(g => g.versions.length).map(g => g.versions[g.versions.length - 1]))];
+  versions.sort((a, b) => b - a);
+  const select = $("group-version");
+  const had = select.value;
+  select.replaceChildren(el("option", "all"), ...versions.map(v => {
+    const option = el("option", `version ${v}`);
+    option.value = String(v);
+    return option;
+  }));
+  select.options[0].value = "";
+  select.value = versions.includes(Number(had)) ? had : "";
+}
+
+async function drawGroups() {
+  const params = new URLSearchParams({ order: $("group-order").value, only: $("group-only").value, limit: "50" });
+  if ($("group-version").value !== "") params.set("version", $("group-version").value);
+  const found = await api(`/v1/jobs/${jobId}/groups?${params}`);
+  const body = $("groups").querySelector("tbody");
+  body.replaceChildren();
+  found.forEach(g => {
+    const rewards = g.responses.map(r => r.reward);
+    const asked = g.responses.filter(r => (r.metrics.asked || 0) > 0).length;
+    const malformed = g.responses.filter(r => r.malformed).length;
+    const row = el("tr");
+    [g.task_id, g.example, g.versions.join("-") || "-", g.responses.length, fmt(Math.min(...rewards)),
+      fmt(rewards.reduce((a, b) => a + b, 0) / rewards.length), fmt(Math.max(...rewards)), asked, malformed]
+      .forEach(v => row.appendChild(el("td", v)));
+    row.addEventListener("click", () => showGroup(g, row));
+    body.appendChild(row);
+  });
+}
+
+async function drawTraining() {
+  await drawGroupVersions();
+  await drawGroups();
+}
+
 // ---- the page ------------------------------------------------------------------------
 
 async function refresh() {
@@ -284,6 +389,7 @@ async function refresh() {
     drawRecord(record, history);
     drawCharts(history);
     if (drawRounds(history)) await drawRound();  // a new round came in (or the first)
+    if (!groupsDrawn) { groupsDrawn = true; await drawTraining(); }  // then on asking: a group may be open
     document.body.dataset.loaded = "true";
     if (LIVE.has(record.status)) timer = setTimeout(refresh, REFRESH_MS);
   } catch (error) {
@@ -301,6 +407,9 @@ function start() {
   });
   $("round").addEventListener("change", () => drawRound().catch(showError));
   ["order", "only"].forEach(id => $(id).addEventListener("change", () => drawConversations().catch(showError)));
+  ["group-version", "group-order", "group-only"].forEach(
+    id => $(id).addEventListener("change", () => drawGroups().catch(showError)));
+  $("group-refresh").addEventListener("click", () => drawTraining().catch(showError));
   refresh();
 }
 
