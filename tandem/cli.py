@@ -280,7 +280,10 @@ def cmd_submit(args: argparse.Namespace) -> None:
     from tandem.client import ApiClient, load_spec_file
 
     job = ApiClient(args.api, args.token).submit(load_spec_file(args.file))
-    print(job["id"])
+    print(job["id"])  # alone on stdout, for scripts: JOB=$(tandem submit spec.yaml)
+    print(
+        f"its page: {args.api.rstrip('/')}/jobs/{job['id']} (add #token=... when the API has tokens)", file=sys.stderr
+    )
 
 
 def cmd_list(args: argparse.Namespace) -> None:

@@ -73,7 +73,7 @@ def run_demo(out: Path, steps: int | None = None, placement: Placement | None = 
     with Stack(out / "logs", ports=Ports.free(), placement=placement, extra_env={"TANDEM_RUNS_DIR": str(out)}) as stack:
         client = ApiClient(stack.api_url)
         job_id = client.submit(spec)["id"]
-        print(f"submitted {job_id}; logs in {out / 'logs'}")
+        print(f"submitted {job_id}; logs in {out / 'logs'}; its page: {stack.api_url}/jobs/{job_id}")
         record = follow(client, job_id)
         history = client.history(job_id)
     summary = summarize(record, history)

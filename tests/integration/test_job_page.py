@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import httpx
 import pytest
 import redis
 from polling import wait_for
 
+from devtools.browser import MISSING, chromium
+from devtools.browser import available as chromium_available
 from devtools.provider import serve_in_thread
 from services import protocol
 from services.api.app import create_app
@@ -32,28 +33,13 @@ INJECTED = '<img src=x onerror="window.pwned = 1">'
 
 
 def browser():
-    """Headless Chromium through Selenium, or a skip naming what is missing (a failure
-    where CI requires it: TANDEM_REQUIRE_CHROMIUM)."""
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        message = "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
+    """Headless Chromium, or a skip naming what is missing (a failure where CI requires it:
+    TANDEM_REQUIRE_CHROMIUM)."""
+    if not chromium_available():
         if os.environ.get("TANDEM_REQUIRE_CHROMIUM"):
-            pytest.fail(message)
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,1800",
-    ):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(driver), options=options)
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
+    return chromium()
 
 
 def seed_job(client: redis.Redis, api_url: str) -> str:

@@ -370,6 +370,7 @@ async function drawGroups() {
     row.addEventListener("click", () => showGroup(g, row));
     body.appendChild(row);
   });
+  $("groups").dataset.drawn = params.toString();  // what the table shows, for a reader to wait on
 }
 
 async function drawTraining() {

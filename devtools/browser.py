@@ -1,0 +1,28 @@
+"""Headless Chromium (Debian's `chromium` and `chromium-driver`) driven by Selenium: what the
+job page's browser test and its screenshot script run the page in."""
+
+from __future__ import annotations
+
+import shutil
+
+MISSING = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; .ci/run does)"
+
+
+def available() -> bool:
+    return bool(shutil.which("chromium") and shutil.which("chromedriver"))
+
+
+def chromium(width: int = 1400, height: int = 1800):
+    """A headless Chromium session at `width` x `height`; RuntimeError(MISSING) without the
+    packages."""
+    if not available():
+        raise RuntimeError(MISSING)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.add_argument(f"--window-size={width},{height}")
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
