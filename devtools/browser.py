@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-MISSING = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; .ci/run does)"
+MISSING = "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
 
 
 def available() -> bool:
