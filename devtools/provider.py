@@ -28,6 +28,9 @@ It behaves like a provider:
   fixed `service_ms`.
 - With an API key configured, a request with another key gets 401 quoting the key it sent,
   as providers do.
+- Prompt caching, with `prompt_cache` set: as providers discount a prompt whose beginning
+  they saw lately, a reply's `usage.prompt_tokens_details.cached_tokens` counts the tokens of
+  the longest run of leading messages (not the whole prompt) an earlier request began with.
 
 Admin routes (no auth: a test double). `POST /admin/script {"replies": [...]}` queues replies
 taken one per chat request: `{"content": "..."}` answers with that text, `{"status": 500}`
@@ -69,6 +72,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -167,6 +171,7 @@ class LocalUpstreamConfig(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     seed: int = 0
     api_key: str | None = None
+    prompt_cache: bool = Field(False, description="Report cached prompt tokens (`prompt_tokens_details`).")
 
 
 @dataclass
@@ -297,6 +302,10 @@ def count_prompt_tokens(messages: list[dict], chars_per_token: float | None = No
     return sum(per_message) + hidden(request or {}, BILLED_REQUEST_FIELDS) + REPLY_PRIMING_TOKENS
 
 
+PREFIXES_KEPT = 100_000
+"""Leading-message runs the prompt cache remembers before it starts afresh."""
+
+
 class LocalUpstream:
     def __init__(
         self,
@@ -324,6 +333,8 @@ class LocalUpstream:
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
         self.request_tags: Counter[str] = Counter()
+        self.prefixes: set[str] = set()
+        """Digests of every run of leading messages a request began with (`prompt_cache`)."""
         self.stats = {
             "requests": 0,
             "accepted": 0,
@@ -334,6 +345,7 @@ class LocalUpstream:
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "tokens_accepted": 0,
+            "cached_tokens": 0,
             "recognised": 0,
             "faulted": 0,
             "latency_s_total": 0.0,
@@ -420,6 +432,8 @@ class LocalUpstream:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if self.config.prompt_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens(body.get("messages", []))}
         return {
             "id": f"local-{self.stats['requests']}",
             "object": "chat.completion",
@@ -428,6 +442,20 @@ class LocalUpstream:
             "choices": choices,
             "usage": usage,
         }
+
+    def cached_tokens(self, messages: list[dict]) -> int:
+        """The tokens of the longest run of leading messages, short of the whole prompt, that
+        an earlier request began with; this request's runs are remembered for later ones."""
+        digest, cached = hashlib.sha256(), 0
+        for end, message in enumerate(messages, 1):
+            digest.update(json.dumps(message, sort_keys=True).encode())
+            seen = digest.hexdigest()
+            if end < len(messages) and seen in self.prefixes:
+                cached = count_prompt_tokens(messages[:end], self.config.prompt_chars_per_token) - REPLY_PRIMING_TOKENS
+            self.prefixes.add(seen)
+        if len(self.prefixes) > PREFIXES_KEPT:  # a provider's cache forgets too
+            self.prefixes.clear()
+        return cached
 
     async def chat(self, request: Request) -> JSONResponse:
         self.stats["requests"] += 1
@@ -522,6 +550,7 @@ class LocalUpstream:
         self.stats["prompt_tokens"] += usage["prompt_tokens"]
         self.stats["completion_tokens"] += usage["completion_tokens"]
         self.stats["tokens_accepted"] += usage["total_tokens"]
+        self.stats["cached_tokens"] += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
     async def stream(self, body: dict, reply: dict, charge: Charge, script: dict) -> AsyncIterator[bytes]:
         """The reply as server-sent events, a word per chunk, paced like the plain reply."""
@@ -691,6 +720,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-p99-s", type=float, default=Latency().p99_s)
     parser.add_argument("--tokens-per-s", type=float, default=Latency().tokens_per_s)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-cache", action="store_true", help="report cached prompt tokens, as providers do")
     parser.add_argument("--api-key-env", help="environment variable holding the key clients must send")
     parser.add_argument(
         "--fault",
@@ -715,6 +745,7 @@ def main(argv: list[str] | None = None) -> None:
         latency=latency,
         seed=args.seed,
         api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+        prompt_cache=args.prompt_cache,
     )
     app = create_app(config)
     app.state.upstream.set_fault(FAULT.validate_python({"mode": args.fault}))

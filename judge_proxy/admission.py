@@ -54,6 +54,8 @@ class Attempts:
     priority: str
     tag: str = ""
     """Sent upstream as `X-Client-Request-Id` (the client's idempotency key, if any)."""
+    role: str = ""
+    """What the job's bill calls the request (`judge_proxy.spend.ROLES`); its priority when unset."""
     failed: dict[str, str] = field(default_factory=dict)
     """Upstream name -> why it failed (5xx, timeout, ...)."""
     rate_limited_last: bool = False

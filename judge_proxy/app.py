@@ -21,8 +21,10 @@ them, or a job's credential made with one, which is how the proxy knows the job 
 charged to), `X-Tandem-Job` (jobs share a model's budget by their `judge_weight` and take
 turns in the queue; with tokens it may only repeat the credential's job), `X-Tandem-Priority: judge|simulator`
 (default simulator for chat; /v1/judge is
-always judge), `X-Request-Id` (optional) and `Idempotency-Key` (optional: a retry with the
-same key and body gets the stored reply, and no second upstream call; `judge_proxy.memory`).
+always judge), `X-Tandem-Role: simulator|judge|extraction|eval` (what the job's bill calls
+the request, `judge_proxy.spend`; default its priority), `X-Request-Id` (optional) and
+`Idempotency-Key` (optional: a retry with the same key and body gets the stored reply, and
+no second upstream call; `judge_proxy.memory`).
 Response headers: `X-Request-Id` on every response (the client's when it sent a usable one,
 else a new one; log lines of the request carry it), and on chat replies `X-Tandem-Upstream`
 (who answered), `X-Tandem-Remembered: true` on a reply from memory,
@@ -63,6 +65,7 @@ from judge_proxy.proxy import Proxy
 from judge_proxy.queue import PRIORITIES
 from judge_proxy.replies import joined_within
 from judge_proxy.rubrics import RUBRICS, Rubric
+from judge_proxy.spend import ROLE, role_of
 from judge_proxy.upstream import Upstream
 from services.auth import credential_job, match_bearer
 from services.config import JudgeProxySettings
@@ -225,6 +228,7 @@ def chat_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Jud
         model_for(settings, job, chat.model)
         max_tokens = chat.max_completion_tokens or chat.max_tokens or settings.default_max_tokens
         priority = priority_of(request)
+        charged_as(request, priority)
         tag = request.headers.get("idempotency-key", "")
         key = proxy.chat_memory_key(body, job, tag)
         gateway = proxy.gateway
@@ -254,6 +258,7 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
     @router.post("/v1/judge", response_model=JudgeResult)
     async def judge(request: Request) -> JudgeResult:
         job = authorize(request)
+        charged_as(request, "judge")
         ask = validated(JudgeRequest, await json_object(request, settings.max_request_bytes))
         rubric = rubric_for(ask.rubric, ask.reference)
         return await proxy.judge.single(
@@ -269,6 +274,7 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
     @router.post("/v1/judge/group", response_model=GroupJudgeResult)
     async def judge_group(request: Request) -> GroupJudgeResult:
         job = authorize(request)
+        charged_as(request, "judge")
         ask = validated(GroupJudgeRequest, await json_object(request, settings.max_request_bytes))
         rubric = rubric_for(ask.rubric, ask.reference)
         candidates = [[t.model_dump() for t in c] for c in ask.candidates]
@@ -459,6 +465,15 @@ def priority_of(request: Request) -> str:
             400, f"X-Tandem-Priority must be one of {list(PRIORITIES)}, not {priority!r}", "invalid_request_error"
         )
     return priority
+
+
+def charged_as(request: Request, priority: str) -> None:
+    """The role this request's calls are charged to its job as (`X-Tandem-Role`, else its
+    priority; `judge_proxy.spend`); 400 naming the roles for another."""
+    try:
+        ROLE.set(role_of(request.headers.get("x-tandem-role", ""), priority))
+    except ValueError as err:
+        raise ProxyError(400, str(err), "invalid_request_error") from None
 
 
 def timing_headers(completion: Completion) -> dict[str, str]:

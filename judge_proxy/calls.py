@@ -24,6 +24,7 @@ from judge_proxy.admission import Admission, Attempts, Grant, Group
 from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
 from judge_proxy.replies import ReplyRefused, decoded, over_cap
+from judge_proxy.spend import JobSpend, call_cost
 from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
@@ -64,10 +65,11 @@ def outcome_of(status: int) -> str:
 class Caller:
     """Makes a granted request's upstream call (`call`) and settles what it cost."""
 
-    def __init__(self, settings: JudgeProxySettings, rng: random.Random, admission: Admission) -> None:
+    def __init__(self, settings: JudgeProxySettings, rng: random.Random, admission: Admission, spend: JobSpend) -> None:
         self.settings = settings
         self.rng = rng
         self.admission = admission
+        self.spend = spend
 
     async def call(
         self,
@@ -123,7 +125,7 @@ class Caller:
             return None
         await upstream.circuit.succeeded()
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
-        settle_later = functools.partial(charge, group, grant, reply, attempts, _usage(data))
+        settle_later = functools.partial(charge, group, grant, reply, attempts, _usage(data), self.spend)
         return Completion(upstream.name, reply.body, data, settle_later, upstream_s=attempts.upstream_s)
 
     def relay(
@@ -132,7 +134,7 @@ class Caller:
         """A stream's completion: its events pass through as they arrive; the budget is
         settled when it ends, however it ends."""
         metrics.REQUESTS.labels(grant.upstream.name, "ok").inc()
-        events = relayed(group, grant, reply, attempts, client_wants_usage)
+        events = relayed(group, grant, reply, attempts, client_wants_usage, self.spend)
         return Completion(grant.upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events)
 
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
@@ -165,7 +167,7 @@ class Caller:
 
 
 async def relayed(
-    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
+    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool, spend: JobSpend
 ) -> AsyncIterator[bytes]:
     """A stream's events as they arrive; an error event when it breaks off (the upstream's
     connection, a timeout, an event the proxy refuses), and the budget settled at the end:
@@ -202,7 +204,7 @@ async def relayed(
         # the settle must run shielded or the lease and reservation stay held.
         with anyio.CancelScope(shield=True):
             await asyncio.gather(
-                charge(group, grant, reply, attempts, usage if outcome == "complete" else {}),
+                charge(group, grant, reply, attempts, usage if outcome == "complete" else {}, spend),
                 stream_ended(grant, outcome, why),
             )
 
@@ -214,9 +216,12 @@ def broken(err: Exception) -> str:
     return str(err) if isinstance(err, ReplyRefused) else type(err).__name__
 
 
-async def charge(group: Group, grant: Grant, reply: Reply, attempts: Attempts, usage: dict[str, int]) -> None:
+async def charge(
+    group: Group, grant: Grant, reply: Reply, attempts: Attempts, usage: dict[str, int], spend: JobSpend
+) -> None:
     """Settle a call the upstream answered with what its `usage` reports, bounded by what
-    the request could cost (`Budget.billed`): no report, all that was reserved."""
+    the request could cost (`Budget.billed`): no report, all that was reserved. The job is
+    charged its cost (`judge_proxy.spend`) with the budget."""
     upstream, lease = grant.upstream, grant.lease
     used, outlier = upstream.budget.billed(lease, usage.get("total_tokens"))
     if outlier:
@@ -228,7 +233,11 @@ async def charge(group: Group, grant: Grant, reply: Reply, attempts: Attempts, u
         )
     _record_usage(upstream.name, lease.tokens, used)
     metrics.JOB_TOKENS.labels(attempts.job, attempts.priority).inc(used)
-    await settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"), usage_outlier=outlier)
+    cost = call_cost(upstream.config.prices, usage, used)
+    await asyncio.gather(
+        settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"), usage_outlier=outlier),
+        spend.charge(attempts.job, attempts.role or attempts.priority, cost),
+    )
 
 
 async def settle(
@@ -316,11 +325,20 @@ def _json_or_none(data: str) -> dict:
 
 
 def _usage(data: dict) -> dict[str, int]:
-    """The reply's `usage` counts (only the integer ones), empty when it has none."""
+    """The reply's `usage` counts (only the integer ones), with the prompt's cached tokens
+    (`prompt_tokens_details.cached_tokens`) as `cached_tokens`; empty when it has none."""
     usage = data.get("usage") if isinstance(data, dict) else None
     if not isinstance(usage, dict):
         return {}
-    return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+    counts = {k: v for k, v in usage.items() if _integer(v)}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and _integer(details.get("cached_tokens")):
+        counts["cached_tokens"] = details["cached_tokens"]
+    return counts
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 async def _nothing() -> None:

@@ -55,6 +55,7 @@ from judge_proxy.errors import ProxyError
 from judge_proxy.health import Health
 from judge_proxy.queue import Admitter
 from judge_proxy.share import Share, Weights
+from judge_proxy.spend import ROLE, JobSpend
 from judge_proxy.upstream import Upstream, UpstreamConfig, format_duration
 from services.config import JudgeProxySettings
 from services.stats import TrailingRate
@@ -72,7 +73,7 @@ class Gateway:
         self.groups: dict[str, Group] = {}
         rng = random.Random()
         self.admission = Admission(Weights(redis), rng)
-        self.caller = Caller(settings, rng, self.admission)
+        self.caller = Caller(settings, rng, self.admission, JobSpend(redis))
         self.health = Health(redis, settings, self.groups)
         self.setup_groups(configs)
         self.longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
@@ -128,7 +129,7 @@ class Gateway:
         self.admission.check_fits(group, need)
         payload = upstream_body(body, max_tokens)
         deadline = time.monotonic() + self.settings.queue_deadline_s
-        attempts = Attempts(job, priority, tag)
+        attempts = Attempts(job, priority, tag, role=ROLE.get() or priority)
         for attempt in range(self.settings.max_attempts):
             grant = await self.admission.admit(group, need, attempts, deadline, job, priority)
             upstream_payload = msgspec.json.encode(

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from judge_proxy.budget import PROMPT_RATIO_BAND, Budget, LimitModel
 from judge_proxy.circuit import Circuit
 from judge_proxy.replies import over_cap, read_capped
+from judge_proxy.spend import Prices
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Tokens the chat format adds per message (role, separators), as OpenAI's counting guide."""
@@ -80,6 +81,10 @@ class UpstreamConfig(BaseModel):
     )
     prompt_margin: float = Field(
         0.05, ge=0, le=1, description="Reserve this share above the learned prompt token count."
+    )
+    prices: Prices | None = Field(
+        None,
+        description="USD per million tokens, for what each job's calls cost (`judge_proxy.spend`); none: tokens only.",
     )
     prompt_ratio_band: tuple[float, float] = Field(
         PROMPT_RATIO_BAND,

@@ -34,7 +34,7 @@ async def play_held_out(
 ) -> tuple[dict[str, float], Episode]:
     """One conversation of `example` and its scores (the module's docstring lists them),
     with what its judge and simulator calls cost. Runs in a task of its own (a `SPEND`)."""
-    spend = Spend()
+    spend = Spend(role="eval")
     SPEND.set(spend)
     episode = await runner.run(example, task.context(example), trace)
     ok = episode.well_formed()

@@ -36,6 +36,7 @@ class ProxyJudge:
             job=self.job_id,
             priority="judge",
             response_format=response_format,
+            role="extraction",
         )
         return result.content
 

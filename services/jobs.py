@@ -302,6 +302,7 @@ def job_keys(job_id: str) -> list[str]:
         Keys.eval_results(job_id),
         Keys.eval_rounds(job_id),
         Keys.groups(job_id),
+        Keys.job_spend(job_id),
     ]
 
 

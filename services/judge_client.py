@@ -79,6 +79,9 @@ class Spend:
     source: dict[str, str] = field(default_factory=dict)
     """What answered: `judge_model`, `simulator_model` (as the upstreams named themselves),
     `rubric_sha256`; a key that saw several values holds them all, sorted, comma-joined."""
+    role: str = ""
+    """The role every call made under it is charged as on the job's bill (`eval` for a
+    held-out conversation's); unset: each call's own."""
 
     def note(self, **source: str) -> None:
         for key, value in source.items():
@@ -142,11 +145,14 @@ class JudgeClient:
         idempotency_key: str = "",
         response_format: dict | None = None,
         seed: int | None = None,
+        role: str = "",
     ) -> ChatResult:
+        """A chat completion; `role` names it on the job's bill (`judge_proxy.spend`; its
+        priority when unset, and `eval` for every call under an evaluation's `Spend`)."""
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         body |= {"response_format": response_format} if response_format else {}
         body |= {"seed": seed} if seed is not None else {}
-        reply, headers = await self._post("/v1/chat/completions", body, job, priority, idempotency_key)
+        reply, headers = await self._post("/v1/chat/completions", body, job, priority, idempotency_key, role)
         remembered = headers.get("x-tandem-remembered") == "true"
         usage = reply.get("usage", {})
         self._spent(priority, usage, remembered)
@@ -245,10 +251,14 @@ class JudgeClient:
         return self.session
 
     async def _post(
-        self, path: str, body: dict, job: str, priority: str, idempotency_key: str = ""
+        self, path: str, body: dict, job: str, priority: str, idempotency_key: str = "", role: str = ""
     ) -> tuple[dict, dict[str, str]]:
         """The reply's JSON and headers, after retries."""
         headers = {"x-tandem-job": job, "x-tandem-priority": priority}
+        spend = SPEND.get()
+        role = (spend.role if spend is not None else "") or role
+        if role:
+            headers["x-tandem-role"] = role
         if self.token and job:  # the proxy charges a job only for calls made with its credential
             headers["authorization"] = f"Bearer {job_credential(self.token, job)}"
         if idempotency_key:

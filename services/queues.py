@@ -105,6 +105,12 @@ class Keys:
         return f"{PREFIX}job:{job_id}:eval:rounds"
 
     @staticmethod
+    def job_spend(job_id: str) -> str:
+        """What the job's LLM calls cost, by role: `usd:<role>`, `tokens:<role>`, `cached:<role>`,
+        `calls:<role>` (the judge proxy's `judge_proxy.spend`)."""
+        return f"{PREFIX}job:{job_id}:spend"
+
+    @staticmethod
     def groups(job_id: str) -> str:
         """Training groups as text (GroupView), capped to the newest few hundred: the job page's browser."""
         return f"{PREFIX}job:{job_id}:groups"

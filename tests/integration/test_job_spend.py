@@ -1,0 +1,109 @@
+"""What a job's calls cost, charged by the real proxy (in-process, ASGI) in front of the
+stand-in provider with its prompt cache, on a real Redis: the job's `spend` hash against
+the usage the provider reported, priced by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import pytest
+
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as stand_in_app
+from judge_proxy.app import create_app
+from services.config import JudgeProxySettings
+from services.queues import Keys
+from tandem.redis_embed import free_port
+
+PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
+SYSTEM = {"role": "system", "content": "You play a person who wants a fruit and knows which one."}
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    config = LocalUpstreamConfig(tpm=6_000_000, rpm=60_000, service_ms=0, seed=1, prompt_cache=True)
+    with serve_in_thread(stand_in_app(config), free_port()) as url:
+        yield url
+
+
+@pytest.fixture
+async def proxy(stand_in, redis_url, redis_client, tmp_path):
+    httpx.post(f"{stand_in}/admin/reset").raise_for_status()
+    await redis_client.flushdb()
+    entries = [{"name": "priced", "model": "judge", "upstream_model": "local-model", "base_url": f"{stand_in}/v1"}]
+    entries[0] |= {"tpm": 600_000, "rpm": 6000}
+    entries[0]["prices"] = PRICES
+    path = tmp_path / "upstreams.json"
+    path.write_text(json.dumps({"upstreams": entries}))
+    app = create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(path)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30) as client:
+        yield client
+    await app.state.proxy.aclose()
+
+
+async def ask(proxy, messages: list[dict], role: str = "", job: str = "job-a", **extra) -> httpx.Response:
+    headers = {"x-tandem-job": job} | ({"x-tandem-role": role} if role else {})
+    body = {"model": "judge", "messages": messages, "max_tokens": 20, "temperature": 0.0, **extra}
+    return await proxy.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def usd(usage: dict) -> float:
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    fresh = usage["prompt_tokens"] - cached
+    return (fresh * 3.0 + cached * 0.3 + usage["completion_tokens"] * 15.0) / 1e6
+
+
+async def spend(redis_client, job: str) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in (await redis_client.hgetall(Keys.job_spend(job))).items()}
+
+
+async def test_each_call_is_charged_to_its_job_and_role_at_its_upstreams_prices(proxy, redis_client):
+    first = [SYSTEM, {"role": "user", "content": "Which fruit do you want?"}]
+    second = [*first, {"role": "assistant", "content": "A pear."}, {"role": "user", "content": "Ripe or not?"}]
+    # The third is not at temperature 0, so the proxy's memory does not answer it for free.
+    replies = [await ask(proxy, first), await ask(proxy, second), await ask(proxy, first, "eval", temperature=0.7)]
+    usages = [r.raise_for_status().json()["usage"] for r in replies]
+
+    # The second call began with the first's two messages: the provider billed them as cached.
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]
+    charged = await spend(redis_client, "job-a")
+    assert charged["usd:simulator"] == pytest.approx(usd(usages[0]) + usd(usages[1]))
+    assert charged["usd:eval"] == pytest.approx(usd(usages[2]))
+    assert charged["tokens:simulator"] == usages[0]["total_tokens"] + usages[1]["total_tokens"]
+    assert charged["cached:simulator"] == usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert charged["cached:eval"] == usages[2]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
+    assert (charged["calls:simulator"], charged["calls:eval"]) == (2, 1)
+    assert await spend(redis_client, "job-b") == {}  # another job paid nothing
+
+
+async def test_a_verdict_is_charged_as_the_judges(proxy, redis_client):
+    conversation = [{"role": "user", "content": "I want a fruit."}, {"role": "assistant", "content": "Which one?"}]
+    reply = await proxy.post(
+        "/v1/judge", json={"rubric": "interactivity", "messages": conversation}, headers={"x-tandem-job": "job-j"}
+    )
+    verdict = reply.raise_for_status().json()
+    charged = await spend(redis_client, "job-j")
+    assert set(charged) == {"usd:judge", "tokens:judge", "cached:judge", "calls:judge"}
+    assert charged["tokens:judge"] == sum(verdict["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+    assert charged["usd:judge"] > 0
+
+
+async def test_a_provider_whose_usage_does_not_add_up_is_billed_the_budgets_count_at_the_dearer_price(
+    proxy, redis_client, stand_in
+):
+    httpx.post(f"{stand_in}/admin/script", json={"replies": [{"usage": {"prompt_tokens": 10**9}}]}).raise_for_status()
+    reply = await ask(proxy, [{"role": "user", "content": "hello"}], job="job-x")
+    usage = reply.raise_for_status().json()["usage"]
+    assert usage["prompt_tokens"] == 10**9  # passed through as reported; its total is the honest count
+    charged = await spend(redis_client, "job-x")
+    assert charged["tokens:simulator"] == usage["total_tokens"] < 100  # what the budget billed
+    assert charged["usd:simulator"] == pytest.approx(usage["total_tokens"] * 15 / 1e6)  # not 10**9 tokens
+
+
+async def test_an_unknown_role_is_400_naming_the_roles_and_charges_nothing(proxy, redis_client):
+    reply = await ask(proxy, [{"role": "user", "content": "hello"}], role="free", job="job-r")
+    assert reply.status_code == 400 and "X-Tandem-Role must be one of" in reply.text
+    assert await spend(redis_client, "job-r") == {}

@@ -1,0 +1,54 @@
+"""What a call costs its job (`judge_proxy.spend.call_cost`), by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from judge_proxy.spend import CallCost, Prices, call_cost, role_of
+
+PRICES = Prices(input_per_mtok=3.0, output_per_mtok=15.0, cached_input_per_mtok=0.3)
+
+
+def test_cached_prompt_tokens_are_billed_at_the_cached_price():
+    usage = {"prompt_tokens": 10_000, "completion_tokens": 500, "total_tokens": 10_500, "cached_tokens": 8_000}
+    # 2,000 fresh at $3, 8,000 cached at $0.30, 500 out at $15, per million.
+    assert call_cost(PRICES, usage, billed=10_500) == CallCost(10_500, 8_000, pytest.approx(0.0159))
+
+
+def test_without_a_cached_price_cached_tokens_cost_the_input_price():
+    prices = Prices(input_per_mtok=2.0, output_per_mtok=8.0)
+    usage = {"prompt_tokens": 1_000, "completion_tokens": 100, "cached_tokens": 600}
+    assert call_cost(prices, usage, billed=1_100).usd == pytest.approx((1_000 * 2 + 100 * 8) / 1e6)
+
+
+def test_more_cached_than_prompt_tokens_counts_the_prompt_at_most():
+    usage = {"prompt_tokens": 100, "completion_tokens": 10, "cached_tokens": 5_000}
+    assert call_cost(PRICES, usage, billed=110) == CallCost(110, 100, pytest.approx((100 * 0.3 + 10 * 15) / 1e6))
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {},  # no usage reported
+        {"prompt_tokens": 10**9, "completion_tokens": 1},  # more than the budget billed
+        {"prompt_tokens": -50, "completion_tokens": 10},
+        {"prompt_tokens": 40},  # half a report
+    ],
+)
+def test_usage_that_cannot_be_believed_costs_the_billed_tokens_at_the_dearer_price(usage):
+    assert call_cost(PRICES, usage, billed=300) == CallCost(300, 0, pytest.approx(300 * 15 / 1e6))
+
+
+def test_an_upstream_without_prices_costs_tokens_only():
+    usage = {"prompt_tokens": 70, "completion_tokens": 30, "cached_tokens": 20}
+    assert call_cost(None, usage, billed=100) == CallCost(100, 20, 0.0)
+    assert call_cost(None, {}, billed=100) == CallCost(100, 0, 0.0)
+
+
+def test_the_role_is_the_header_or_the_priority_and_nothing_else():
+    assert role_of("", "simulator") == "simulator"
+    assert role_of("EVAL", "judge") == "eval"
+    with pytest.raises(
+        ValueError, match=r"X-Tandem-Role must be one of \['simulator', 'judge', 'extraction', 'eval'\]"
+    ):
+        role_of("free", "judge")
