@@ -98,6 +98,10 @@ REWARD = {
     "user_model": "judge",
     "scale_advantage_by_std": False,
 }
+COST_FIGURES = ("cost_usd", "cost_usd_per_step", "cost_usd_per_sample")
+EXAMPLE_PRICES = {"input_per_mtok": 0.15, "output_per_mtok": 0.6, "cached_input_per_mtok": 0.075}
+"""USD per million tokens put on the stand-in, as an example (a small hosted model's list
+price in 2025): what the runs' bills are counted in. Not a measurement of any provider."""
 WARM_START_STEPS = 400
 FIRST_LR = 5e-4
 """The step size of the first measurements (runs kept from before `--lr` were made at it),
@@ -126,8 +130,9 @@ class StandIn:
         self.upstreams_file.write_text(
             f"upstreams:\n  - name: {UPSTREAM}\n    model: judge\n    base_url: {self.url}/v1\n"
             f"    tpm: {tpm}\n    rpm: {rpm}\n    max_concurrency: 256\n    timeout_s: 60\n"
-            "    limit_model: bucket\n"
-        )  # the stand-in's own rule
+            "    limit_model: bucket\n"  # the stand-in's own rule
+            f"    prices: {json.dumps(EXAMPLE_PRICES)}\n"
+        )
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.log = open(out / "logs" / "stand-in.log", "wb")
         self.process = subprocess.Popen(
@@ -146,6 +151,7 @@ class StandIn:
                 "--latency",
                 "--seed",
                 str(seed),
+                "--prompt-cache",
             ],
             cwd=REPO,
             stdout=self.log,
@@ -214,6 +220,7 @@ def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> d
         "job_id": job_id,
         "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
         "job_eval": [h for h in client.history(job_id) if h.get("phase") == "eval"],
+        "spend": client.get(job_id).get("spend", {}),
         "provider": {
             k: after[k] - before[k]
             for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
@@ -386,7 +393,24 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         "provider_latency_mean_s": run["provider"]["latency_s_total"] / max(run["provider"]["accepted"], 1),
         "staleness_histogram": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         "mismatch_kl_mean": sum(h.get("mismatch_kl", 0.0) for h in history) / len(history),
+        **run_cost(run),
         "curve": {"seconds": seconds, "reward_ma": average, "reward": [h["reward_mean"] for h in history]},
+    }
+
+
+def run_cost(run: dict) -> dict:
+    """What the run's LLM calls cost at `EXAMPLE_PRICES`, as the proxy charged its job: in
+    all, per step and per trained sample, and by role (none for runs kept from before)."""
+    spend, history = run.get("spend") or {}, run["history"]
+    if "usd" not in spend:
+        return {}
+    samples = sum(h["samples"] for h in history)
+    return {
+        "cost_usd": spend["usd"],
+        "cost_usd_per_step": spend["usd"] / len(history),
+        "cost_usd_per_sample": spend["usd"] / max(samples, 1),
+        "cost_usd_by_role": {role: part["usd"] for role, part in spend["by_role"].items()},
+        "cost_cached_share": spend["cached"] / max(spend["tokens"], 1),
     }
 
 
@@ -484,7 +508,14 @@ def make_report(
             "budget_use": pick("budget_use"),
             "job_eval_share_rollout_seconds": pick("job_eval_share_rollout_seconds"),
             "job_eval_share_llm_tokens": pick("job_eval_share_llm_tokens"),
+            "cost_usd_per_step": spread(
+                [row.get("cost_usd_per_step") for row in by_seed.values()]
+            ),  # none in runs kept from before
+            "cost_usd_per_sample": spread(
+                [row.get("cost_usd_per_sample") for row in by_seed.values()]
+            ),  # none in runs kept from before
             **{key: spread([row.get(key) for row in by_seed.values()]) for key in MIX_FIGURES},
+            **{key: spread([row.get(key) for row in by_seed.values()]) for key in COST_FIGURES},  # not in old runs
         }
     return {
         "steps": args.steps,
@@ -550,6 +581,9 @@ def print_report(report: dict) -> None:
         ("  vs sync", "llm_tokens_per_sample_vs_sync", ".3f", "x"),
         ("in-job eval: time", "job_eval_share_rollout_seconds", ".3f", ""),
         ("in-job eval: LLM tok", "job_eval_share_llm_tokens", ".3f", ""),
+        ("cost, example prices", "cost_usd", ".4f", " $"),
+        ("  per step", "cost_usd_per_step", ".5f", " $"),
+        ("  per trained sample", "cost_usd_per_sample", ".6f", " $"),
     )
     for label, s in report["settings"].items():
         print(

@@ -163,6 +163,24 @@ LIST_PAGE = 200
 """Index entries read per round trip when listing one tenant's jobs."""
 
 
+SPEND_KINDS = ("usd", "tokens", "cached", "calls")
+
+
+async def job_spend(client: aioredis.Redis, job_id: str) -> dict:
+    """What the job's LLM calls have cost so far, as the judge proxy charged them
+    (`judge_proxy.spend`): `usd`, `tokens`, `cached` and `calls` in all, and `by_role`."""
+    by_role: dict[str, dict[str, float]] = {}
+    for field, value in (await client.hgetall(Keys.job_spend(job_id))).items():
+        kind, _, role = field.decode().partition(":")
+        if kind not in SPEND_KINDS:
+            continue
+        by_role.setdefault(role, {"usd": 0.0, "tokens": 0, "cached": 0, "calls": 0})[kind] = (
+            float(value) if kind == "usd" else int(value)
+        )
+    totals = {kind: sum(r[kind] for r in by_role.values()) for kind in SPEND_KINDS}
+    return totals | {"by_role": by_role}
+
+
 async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dict]:
     """The tenant's newest `limit` job records, newest first. Pages down the index (one
     pipeline of reads per page) until `limit` are found or it ends, so other tenants' newer

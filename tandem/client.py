@@ -104,7 +104,7 @@ def follow(client: ApiClient, job_id: str, poll_s: float = 0.5) -> dict:
             progress.update(
                 steps[-1]["step"] if steps else None,
                 desc=f"{job_id} {phase}",
-                postfix=_postfix(steps) | _held_out_postfix(record) if steps else None,
+                postfix=_postfix(steps) | _held_out_postfix(record) | _cost_postfix(steps[-1]) if steps else None,
             )
             if record["status"] in TERMINAL:
                 return record
@@ -131,6 +131,13 @@ def held_out_line(record: dict) -> str:
     shown.append(f"{record.get('tokens', 0.0):.0f} tokens")
     incomplete = "" if record.get("complete", True) else ", incomplete"
     return f"held-out at step {record['step']}: {', '.join(shown)} ({record['episodes']} conversations{incomplete})"
+
+
+def _cost_postfix(last: dict) -> dict[str, str]:
+    """What the job's LLM calls cost so far, and at this rate by its end (when any did)."""
+    if not last.get("cost_usd"):
+        return {}
+    return {"cost": f"${last['cost_usd']:.4g} of ~${last.get('cost_usd_projected', last['cost_usd']):.4g}"}
 
 
 def _held_out_postfix(record: dict) -> dict[str, str]:

@@ -115,6 +115,10 @@ def summarize(record: dict, history: list[dict]) -> dict:
         "stale_groups_dropped": last.get("stale_dropped", 0),
         "duplicate_groups_skipped": last.get("duplicates", 0),
         "trained_tokens": sum(r["trained_tokens"] for r in rl),
+        # What its LLM calls cost (the judge proxy's bill; the demo's user and reward are
+        # rule-based, so none): in all and per step.
+        "cost_usd": last.get("cost_usd", 0.0),
+        "cost_usd_per_step": mean(rl, "cost_usd_step"),
         **held_out_summary(history),
     }
 

@@ -189,6 +189,7 @@ class GenerateRun(RolloutFedRun):
         await self.publisher.wait_for_servers(self.check_waiting)
         await self.publisher.publish(self.version)
         await self.intake.read_backlog()
+        await self.cost.begin(len(self.files.task_ids))
         self.steps.start_rl()
         total = self.spec.generate.conversations
         while len(self.files.task_ids) < total:
@@ -257,6 +258,7 @@ class GenerateRun(RolloutFedRun):
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
             **mean_by_key([g.conversation_metrics for g in groups]),
             **self.steps.waited(wait_s),
+            **await self.cost.after_step(done, sum(len(g.samples) for g in groups), self.spec.generate.conversations),
         }
         await self.steps.write(record, done, self.version)
 

@@ -54,6 +54,7 @@ class RLRun(RolloutFedRun):
         await self.publisher.publish(self.version)
         await self.evaluation.ask(self.step)  # the warm start's policy, or the resumed step's
         await self.intake.read_backlog()
+        await self.cost.begin(self.step)
         self.steps.start_rl()
         self.intake.log.start()
         while self.step < self.spec.train.num_steps:
@@ -96,6 +97,7 @@ class RLRun(RolloutFedRun):
         self.step += 1
         sync = await self.publisher.publish(self.version)
         await self.intake.trained_on(batch)
+        cost = await self.cost.after_step(self.step, sum(len(g.samples) for g in groups), self.spec.train.num_steps)
         record = rl_record(
             self.step,
             self.version,
@@ -104,7 +106,7 @@ class RLRun(RolloutFedRun):
             step_seconds,
             sync["seconds"],
             self.steps.waited(wait_s),
-            self.counts() | self.intake.mix.record(),
+            self.counts() | self.intake.mix.record() | cost,
         )
         self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)

@@ -1,12 +1,14 @@
 """The parts of a run fed by rollout servers (RL and generate jobs): the dispatcher that
 admits tasks, the trajectory stream, the weight publisher that keeps the servers'
-membership and versions, the watchdog that keeps the job from waiting in silence, and the
-held-out evaluation the servers also play (an RL job's, when it has `eval`)."""
+membership and versions, the watchdog that keeps the job from waiting in silence, the
+held-out evaluation the servers also play (an RL job's, when it has `eval`), and the meter
+of what the job's LLM calls cost."""
 
 from __future__ import annotations
 
 import time
 
+from learner.cost import CostMeter
 from learner.dispatcher import Dispatcher
 from learner.evaluation import HeldOutEvaluation
 from learner.publisher import WeightPublisher
@@ -27,6 +29,7 @@ class RolloutFedRun(Run):
         super().__init__(learner, job_id, spec)
         self.dispatcher = self.dispatcher_class(self.redis, job_id, spec)
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
+        self.cost = CostMeter(self.redis, job_id)
         self.gauges_at = 0.0
         self.evaluation: HeldOutEvaluation | None = None
         self.watchdog = Watchdog(

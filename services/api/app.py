@@ -70,6 +70,11 @@ class JobView(BaseModel):
         description="The latest held-out evaluation (job spec `eval`): its step, success and the task's metrics; "
         "empty before the first.",
     )
+    spend: dict = Field(
+        default_factory=dict,
+        description="What its LLM calls cost so far, as the judge proxy charged them: usd, tokens, cached, calls, "
+        "and by_role (simulator, judge, extraction, eval); only on GET /v1/jobs/{id}.",
+    )
     resumes: int = Field(0, description="Times the job was resumed after it ended (`POST /v1/jobs/{id}/resume`).")
     resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
     resumed_error: str | None = Field(None, description="The error it had then, if any.")
@@ -454,8 +459,8 @@ def jobs_router() -> APIRouter:
         return [JobView(**r) for r in await jobs.list_jobs(request.app.state.redis, who, limit)]
 
     @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=ERRORS)
-    async def get(record: dict = Depends(owned)) -> JobView:
-        return JobView(**record)
+    async def get(request: Request, record: dict = Depends(owned)) -> JobView:
+        return JobView(**record, spend=await jobs.job_spend(request.app.state.redis, record["id"]))
 
     @router.get(
         "/v1/jobs/{job_id}/events",

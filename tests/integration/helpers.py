@@ -169,23 +169,16 @@ def vllm_counted(vllm_url: str) -> int:
     return int(metric_sum(text, "vllm:prompt_tokens_total", "vllm:generation_tokens_total"))
 
 
-def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256) -> Path:
+def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256, prices: dict | None = None) -> Path:
     """The judge proxy's upstreams file for one stand-in provider at `url` serving `judge`,
-    with a budget no test reaches."""
-    path.write_text(
-        json.dumps(
-            {
-                "upstreams": [
-                    {
-                        "name": "stand-in",
-                        "model": "judge",
-                        "base_url": f"{url}/v1",
-                        "tpm": 50_000_000,
-                        "rpm": 500_000,
-                        "max_concurrency": max_concurrency,
-                    }
-                ]
-            }
-        )
-    )
+    with a budget no test reaches (and `prices`, USD per million tokens, if given)."""
+    upstream = {
+        "name": "stand-in",
+        "model": "judge",
+        "base_url": f"{url}/v1",
+        "tpm": 50_000_000,
+        "rpm": 500_000,
+        "max_concurrency": max_concurrency,
+    }
+    path.write_text(json.dumps({"upstreams": [upstream | ({"prices": prices} if prices else {})]}))
     return path

@@ -22,6 +22,8 @@ from tandem.launcher import Ports, Stack
 from tandem.redis_embed import free_port
 
 pytestmark = pytest.mark.slow
+PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
+"""Example prices (USD per million tokens) on the stand-in, so the job has a bill."""
 
 
 def ranked_conversations(path: Path, examples: list[clarify.ClarifyExample]) -> None:
@@ -64,7 +66,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
-        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, max_concurrency=64)
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=PRICES)
         env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
         api = httpx.Client(base_url=system.api_url, timeout=10)
@@ -79,6 +81,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         history = [h for h in everything if h["phase"] == "rl"]
         evaluations = [h for h in everything if h["phase"] == "eval"]
         groups = api.get(f"/v1/jobs/{job_id}/groups", params={"limit": 200}).json()
+        spent = api.get(f"/v1/jobs/{job_id}").json()["spend"]
     assert record["status"] == "SUCCEEDED", record.get("error")
 
     stored = record["spec"]
@@ -135,6 +138,18 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
                 if future["parts"]["r_llm"] is not None:
                     assert future["parts"]["verdict"] and "judge_model" in group["reward_source"]
     assert futures > 0
+
+    # The bill: every call charged to the job by role; each step records what it cost, and
+    # its projection to the end is exact at the last step. The final held-out round's calls
+    # come after the last step, so the proxy's sums hold at least what the steps recorded.
+    assert set(spent["by_role"]) == {"simulator", "judge", "eval"}
+    assert all(part["usd"] > 0 and part["calls"] > 0 for part in spent["by_role"].values())
+    assert [h["cost_usd"] for h in history] == sorted(h["cost_usd"] for h in history)
+    before = history[0]["cost_usd"] - history[0]["cost_usd_step"]  # spent before the first step (round 0, the first tasks)
+    assert sum(h["cost_usd_step"] for h in history) == pytest.approx(history[-1]["cost_usd"] - before)
+    assert history[-1]["cost_usd_projected"] == pytest.approx(history[-1]["cost_usd"])
+    assert 0 < history[-1]["cost_usd"] <= spent["usd"]
+    assert history[-1]["cost_usd_per_sample"] == pytest.approx(history[-1]["cost_usd_step"] / history[-1]["samples"])
     trained = [t for h in history for t in h["task_ids"]]
     assert len(trained) == len(set(trained)) == 12  # held-out conversations are never training tasks
 

@@ -50,13 +50,19 @@ def seed_job(client: redis.Redis, api_url: str) -> str:
     records = [
         {"phase": "sft", "sft_step": 1, "loss": 2.0},
         {"phase": "eval", "step": 0, "version": 0, "success": 0.25, "episodes": 2, "complete": True},
-        {"phase": "rl", "step": 1, "reward_mean": 0.3, "staleness_mean": 0.0, "staleness_max": 0, "trained_tokens": 90},
+        {"phase": "rl", "step": 1, "reward_mean": 0.3, "staleness_mean": 0.0, "staleness_max": 0, "trained_tokens": 90,
+         "cost_usd": 0.01, "cost_usd_step": 0.01, "cost_usd_projected": 0.04},
         {"phase": "rl", "step": 2, "reward_mean": 0.6, "staleness_mean": 1.0, "staleness_max": 1, "trained_tokens": 99,
+         "cost_usd": 0.025, "cost_usd_step": 0.015, "cost_usd_projected": 0.05,
          "health": ["health rule (warn): well_formed < 0.5 for 1 steps (step 2: 0.4)"]},
         {"phase": "eval", "step": 2, "version": 2, "success": 0.5, "episodes": 2, "complete": True},
     ]  # fmt: skip
     for index, record in enumerate(records):
         client.rpush(Keys.history(job_id), json.dumps(record | {"time": 1000.0 + index}))
+    client.hset(Keys.job(job_id), "metrics", json.dumps(records[3]))  # as the learner's step writes it
+    spend = {"usd:judge": 0.02, "tokens:judge": 5000, "cached:judge": 0, "calls:judge": 10}
+    spend |= {"usd:simulator": 0.01, "tokens:simulator": 3000, "cached:simulator": 1200, "calls:simulator": 20}
+    client.hset(Keys.job_spend(job_id), mapping=spend)  # as the judge proxy charges it
     ask = [("user", "I'd like a fruit."), ("assistant", "Which fruit?")]
     turns = {
         (0, 0): [("user", "I'd like a fruit."), ("assistant", "an apple")],
@@ -162,10 +168,16 @@ def test_the_job_page_shows_curves_and_opens_a_held_out_conversation_and_refuses
         assert status.startswith("PENDING") and "step 0 of 4" in status
         titles = driver.execute_script("return [...document.querySelectorAll('.chart')].map(c => c.dataset.title)")
         assert "Reward and held-out success" in titles and "Staleness (versions)" in titles
+        assert "Cost of LLM calls (USD)" in titles
+        summary = driver.find_element("id", "summary").text
+        assert "cost of LLM calls: $0.03 so far (judge $0.02, simulator $0.01; 8000 tokens, 1200 cached)" in summary
+        assert "about $0.05 by the end at this rate" in summary
         drawn = driver.execute_script(
             "return [...document.querySelectorAll('.chart polyline.series')].map(l => l.dataset.name)"
         )
-        assert {"training reward (mean)", "held-out success", "mean", "max"} <= set(drawn)
+        assert {"training reward (mean)", "held-out success", "mean", "max", "so far", "projected at the end"} <= set(
+            drawn
+        )
         assert "well_formed < 0.5" in driver.find_element("id", "alerts").text
 
         # The newest round is shown; its rows open their conversation, turn by turn.

@@ -4,7 +4,6 @@ the usage the provider reported, priced by hand."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx

@@ -34,3 +34,14 @@ def test_a_ratio_with_a_missing_or_zero_side_is_none():
     assert async_speedup.ratio(6.0, 2.0) == 3.0
     assert async_speedup.ratio(None, 2.0) is None and async_speedup.ratio(6.0, None) is None
     assert async_speedup.ratio(6.0, 0.0) is None  # a target reached at 0 s is not infinitely sooner
+
+
+def test_a_runs_cost_is_the_proxys_bill_per_step_and_per_trained_sample():
+    spend = {"usd": 0.012, "tokens": 40_000, "cached": 10_000, "calls": 90}
+    spend["by_role"] = {"judge": {"usd": 0.004}, "simulator": {"usd": 0.008}}
+    run = {"spend": spend, "history": [{"samples": 32}, {"samples": 32}, {"samples": 16}]}
+    cost = async_speedup.run_cost(run)
+    assert cost["cost_usd"] == 0.012 and abs(cost["cost_usd_per_step"] - 0.004) < 1e-15
+    assert abs(cost["cost_usd_per_sample"] - 0.012 / 80) < 1e-15
+    assert cost["cost_usd_by_role"] == {"judge": 0.004, "simulator": 0.008} and cost["cost_cached_share"] == 0.25
+    assert async_speedup.run_cost({"history": [{"samples": 8}]}) == {}  # a run kept from before costs were kept

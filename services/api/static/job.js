@@ -154,12 +154,27 @@ function drawCharts(history) {
       { name: "judge", points: points(steps, "judge_tokens_step") },
     ]),
     lineChart("Judge budget left", [{ name: "share left", points: points(steps, "judge_budget_left") }]),
+    lineChart("Cost of LLM calls (USD)", [
+      { name: "so far", points: points(steps, "cost_usd") },
+      { name: "projected at the end", points: points(steps, "cost_usd_projected") },
+    ]),
+    lineChart("Cost per step (USD)", [{ name: "per step", points: points(steps, "cost_usd_step") }]),
     lineChart("Throughput (trained tokens per second)", [{ name: "tokens/s", points: throughput(steps) }]),
     lineChart("Warm start (SFT loss)", [{ name: "loss", points: points(warm, "loss", "sft_step") }]),
   );
 }
 
 // ---- record --------------------------------------------------------------------------
+
+function costLine(record) {
+  // The proxy's live sums, by role, and the last step's projection to the job's end.
+  const spend = record.spend || {};
+  if (!spend.calls) return "no calls yet";
+  const roles = Object.entries(spend.by_role || {}).map(([role, part]) => `${role} $${fmt(part.usd)}`);
+  const projected = record.metrics.cost_usd_projected;
+  return `$${fmt(spend.usd)} so far (${roles.join(", ")}; ${fmt(spend.tokens)} tokens, ${fmt(spend.cached)} cached)` +
+    (projected !== undefined ? `, about $${fmt(projected)} by the end at this rate` : "");
+}
 
 function drawRecord(record, history) {
   $("title").textContent = `Tandem job ${record.id}`;
@@ -176,6 +191,7 @@ function drawRecord(record, history) {
     ["task", record.spec && record.spec.task ? record.spec.task.name : "?"],
     ["latest held-out success", "success" in held ? `${fmt(held.success)} at step ${held.step}` : "none yet"],
     ["latest training reward", "reward_mean" in record.metrics ? fmt(record.metrics.reward_mean) : "-"],
+    ["cost of LLM calls", costLine(record)],
   ];
   const list = el("ul");
   facts.forEach(([name, value]) => list.appendChild(el("li", `${name}: ${value}`)));
