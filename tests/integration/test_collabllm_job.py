@@ -145,7 +145,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
     assert set(spent["by_role"]) == {"simulator", "judge", "eval"}
     assert all(part["usd"] > 0 and part["calls"] > 0 for part in spent["by_role"].values())
     assert [h["cost_usd"] for h in history] == sorted(h["cost_usd"] for h in history)
-    before = history[0]["cost_usd"] - history[0]["cost_usd_step"]  # spent before the first step (round 0, the first tasks)
+    before = history[0]["cost_usd"] - history[0]["cost_usd_step"]  # spent before the first step
     assert sum(h["cost_usd_step"] for h in history) == pytest.approx(history[-1]["cost_usd"] - before)
     assert history[-1]["cost_usd_projected"] == pytest.approx(history[-1]["cost_usd"])
     assert 0 < history[-1]["cost_usd"] <= spent["usd"]
