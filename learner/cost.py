@@ -14,7 +14,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
-from services import jobs
+from services import jobs, protocol
 
 COST = Gauge("tandem_job_cost_usd", "What the job's LLM calls have cost so far (USD)", ["job"])
 PROJECTED = Gauge("tandem_job_cost_projected_usd", "Cost so far plus this run's mean step cost x steps left", ["job"])
@@ -32,9 +32,9 @@ class CostMeter:
         usd = (await jobs.job_spend(self.redis, self.job_id))["usd"]
         self.last_usd, self.start = usd, (step, usd)
 
-    async def after_step(self, step: int, samples: int, total_steps: int) -> dict[str, float]:
-        """The cost fields of step `step`'s record, which trained `samples` samples of a job
-        of `total_steps` steps."""
+    async def after_step(self, step: int, groups: list[protocol.TrajectoryGroup], total_steps: int) -> dict[str, float]:
+        """The cost fields of the record of step `step` (of `total_steps`), made of `groups`."""
+        samples = sum(len(g.samples) for g in groups)
         spend = await jobs.job_spend(self.redis, self.job_id)
         usd = spend["usd"]
         first_step, first_usd = self.start or (0, 0.0)

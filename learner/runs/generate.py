@@ -258,7 +258,7 @@ class GenerateRun(RolloutFedRun):
             "rollout_seconds_mean": sum(g.elapsed_s for g in groups) / len(groups),
             **mean_by_key([g.conversation_metrics for g in groups]),
             **self.steps.waited(wait_s),
-            **await self.cost.after_step(done, sum(len(g.samples) for g in groups), self.spec.generate.conversations),
+            **await self.cost.after_step(done, groups, self.spec.generate.conversations),
         }
         await self.steps.write(record, done, self.version)
 

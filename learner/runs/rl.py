@@ -97,7 +97,6 @@ class RLRun(RolloutFedRun):
         self.step += 1
         sync = await self.publisher.publish(self.version)
         await self.intake.trained_on(batch)
-        cost = await self.cost.after_step(self.step, sum(len(g.samples) for g in groups), self.spec.train.num_steps)
         record = rl_record(
             self.step,
             self.version,
@@ -106,7 +105,7 @@ class RLRun(RolloutFedRun):
             step_seconds,
             sync["seconds"],
             self.steps.waited(wait_s),
-            self.counts() | self.intake.mix.record() | cost,
+            self.counts() | self.intake.mix.record() | await self.cost.after_step(self.step, groups, train.num_steps),
         )
         self.steps.observe_step(record)
         fired = await self.steps.judge_health(record)

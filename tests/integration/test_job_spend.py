@@ -1,6 +1,6 @@
 """What a job's calls cost, charged by the real proxy (in-process, ASGI) in front of the
 stand-in provider with its prompt cache, on a real Redis: the job's `spend` hash against
-the usage the provider reported, priced by hand."""
+the usage the provider reported, priced by hand; and the learner's step records of it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ import pytest
 from devtools.provider import LocalUpstreamConfig, serve_in_thread
 from devtools.provider import create_app as stand_in_app
 from judge_proxy.app import create_app
+from learner.cost import CostMeter
+from services import protocol
 from services.config import JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port
 
 PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
+SAMPLE = protocol.Sample(
+    sample_id="s", tokens=[1], mask=[1], logprobs=[-0.1], versions=[0], reward=0.0, advantage=0.0, num_turns=1
+)
 SYSTEM = {"role": "system", "content": "You play a person who wants a fruit and knows which one."}
 
 
@@ -106,3 +111,23 @@ async def test_an_unknown_role_is_400_naming_the_roles_and_charges_nothing(proxy
     reply = await ask(proxy, [{"role": "user", "content": "hello"}], role="free", job="job-r")
     assert reply.status_code == 400 and "X-Tandem-Role must be one of" in reply.text
     assert await spend(redis_client, "job-r") == {}
+
+
+async def test_the_learners_step_records_price_steps_and_project_the_end_by_hand(redis_client):
+    meter = CostMeter(redis_client, "job-m")
+    key = Keys.job_spend("job-m")
+    await redis_client.hset(key, mapping={"usd:eval": 0.5, "calls:eval": 4})  # round 0, before step 1
+    await meter.begin(0)
+    group = protocol.TrajectoryGroup(job_id="job-m", task_id=0, samples=[SAMPLE] * 4, server_id="s", elapsed_s=0.0)
+
+    await redis_client.hset(key, mapping={"usd:simulator": 0.6, "usd:judge": 0.4, "tokens:judge": 900})
+    first = await meter.after_step(1, [group, group], total_steps=10)
+    assert first["cost_usd"] == pytest.approx(1.5) and first["cost_usd_step"] == pytest.approx(1.0)
+    assert first["cost_usd_per_sample"] == pytest.approx(1.0 / 8)  # 2 groups of 4
+    assert first["cost_usd_projected"] == pytest.approx(1.5 + 1.0 * 9)
+    assert (first["cost_usd_judge"], first["cost_usd_eval"], first["cost_tokens"]) == (0.4, 0.5, 900.0)
+
+    await redis_client.hincrbyfloat(key, "usd:judge", 0.5)
+    second = await meter.after_step(2, [group], total_steps=10)
+    assert second["cost_usd_step"] == pytest.approx(0.5)
+    assert second["cost_usd_projected"] == pytest.approx(2.0 + (2.0 - 0.5) / 2 * 8)  # this run's mean step: 0.75
