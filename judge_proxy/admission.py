@@ -18,6 +18,7 @@ from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
+from judge_proxy.spend import Held, JobSpend
 from judge_proxy.upstream import Upstream, weighted_order
 from services.upstream_health import outage_of
 
@@ -31,6 +32,8 @@ class Grant:
     """Taken from the job's share of the group (settled with the lease)."""
     probe: bool = False
     """The call is its upstream's half-open probe: its outcome closes or reopens the circuit."""
+    held: Held | None = None
+    """What it holds of its job's caps (`JobSpend.hold`) until it settles."""
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Group:
     upstreams: list[Upstream]
     admitter: Admitter[Grant]
     share: Share
+    spend: JobSpend
+    """The jobs' bills and caps (one for the proxy; every group holds it)."""
     structured: bool
     """Its upstreams keep to a JSON schema in `response_format` (all or none of them)."""
 

@@ -24,7 +24,7 @@ from judge_proxy.admission import Admission, Attempts, Grant, Group
 from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
 from judge_proxy.replies import ReplyRefused, decoded, over_cap
-from judge_proxy.spend import JobSpend, call_cost
+from judge_proxy.spend import call_cost
 from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
@@ -65,11 +65,10 @@ def outcome_of(status: int) -> str:
 class Caller:
     """Makes a granted request's upstream call (`call`) and settles what it cost."""
 
-    def __init__(self, settings: JudgeProxySettings, rng: random.Random, admission: Admission, spend: JobSpend) -> None:
+    def __init__(self, settings: JudgeProxySettings, rng: random.Random, admission: Admission) -> None:
         self.settings = settings
         self.rng = rng
         self.admission = admission
-        self.spend = spend
 
     async def call(
         self,
@@ -125,7 +124,7 @@ class Caller:
             return None
         await upstream.circuit.succeeded()
         metrics.REQUESTS.labels(upstream.name, "ok").inc()
-        settle_later = functools.partial(charge, group, grant, reply, attempts, _usage(data), self.spend)
+        settle_later = functools.partial(charge, group, grant, reply, attempts, _usage(data))
         return Completion(upstream.name, reply.body, data, settle_later, upstream_s=attempts.upstream_s)
 
     def relay(
@@ -134,7 +133,7 @@ class Caller:
         """A stream's completion: its events pass through as they arrive; the budget is
         settled when it ends, however it ends."""
         metrics.REQUESTS.labels(grant.upstream.name, "ok").inc()
-        events = relayed(group, grant, reply, attempts, client_wants_usage, self.spend)
+        events = relayed(group, grant, reply, attempts, client_wants_usage)
         return Completion(grant.upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events)
 
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
@@ -167,7 +166,7 @@ class Caller:
 
 
 async def relayed(
-    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool, spend: JobSpend
+    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
 ) -> AsyncIterator[bytes]:
     """A stream's events as they arrive; an error event when it breaks off (the upstream's
     connection, a timeout, an event the proxy refuses), and the budget settled at the end:
@@ -204,7 +203,7 @@ async def relayed(
         # the settle must run shielded or the lease and reservation stay held.
         with anyio.CancelScope(shield=True):
             await asyncio.gather(
-                charge(group, grant, reply, attempts, usage if outcome == "complete" else {}, spend),
+                charge(group, grant, reply, attempts, usage if outcome == "complete" else {}),
                 stream_ended(grant, outcome, why),
             )
 
@@ -216,9 +215,7 @@ def broken(err: Exception) -> str:
     return str(err) if isinstance(err, ReplyRefused) else type(err).__name__
 
 
-async def charge(
-    group: Group, grant: Grant, reply: Reply, attempts: Attempts, usage: dict[str, int], spend: JobSpend
-) -> None:
+async def charge(group: Group, grant: Grant, reply: Reply, attempts: Attempts, usage: dict[str, int]) -> None:
     """Settle a call the upstream answered with what its `usage` reports, bounded by what
     the request could cost (`Budget.billed`): no report, all that was reserved. The job is
     charged its cost (`judge_proxy.spend`) with the budget."""
@@ -236,7 +233,7 @@ async def charge(
     cost = call_cost(upstream.config.prices, usage, used)
     await asyncio.gather(
         settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"), usage_outlier=outlier),
-        spend.charge(attempts.job, attempts.role or attempts.priority, cost),
+        group.spend.charge(attempts.job, attempts.role or attempts.priority, cost),
     )
 
 
@@ -268,7 +265,9 @@ async def settle(
             reset_requests_s=reset_s(headers, "requests"),
         ),
         group.share.refund(grant.job, grant.share_tokens - used_tokens),
+        group.spend.release(grant.job, grant.held),
     )
+    grant.held = None  # released once, however many settles follow
     group.admitter.wake()
 
 

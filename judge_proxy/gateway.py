@@ -73,7 +73,8 @@ class Gateway:
         self.groups: dict[str, Group] = {}
         rng = random.Random()
         self.admission = Admission(Weights(redis), rng)
-        self.caller = Caller(settings, rng, self.admission, JobSpend(redis))
+        self.caller = Caller(settings, rng, self.admission)
+        self.spend = JobSpend(redis)
         self.health = Health(redis, settings, self.groups)
         self.setup_groups(configs)
         self.longest_call_s = max((c.timeout_s for c in configs), default=60.0) * settings.max_attempts
@@ -97,8 +98,9 @@ class Gateway:
             upstream = Upstream(config, budget, self.health.circuit(config), self.settings.max_reply_bytes)
             if config.model not in self.groups:
                 admitter = Admitter(self.settings.judge_priority_weight, tokens_per_s=0.0, release=self.release)
+                share = Share(self.redis, config.model)
                 self.groups[config.model] = Group(
-                    config.model, [], admitter, Share(self.redis, config.model), config.structured_output
+                    config.model, [], admitter, share, self.spend, config.structured_output
                 )
             group = self.groups[config.model]
             group.upstreams.append(upstream)
@@ -132,6 +134,7 @@ class Gateway:
         attempts = Attempts(job, priority, tag, role=ROLE.get() or priority)
         for attempt in range(self.settings.max_attempts):
             grant = await self.admission.admit(group, need, attempts, deadline, job, priority)
+            await self.hold_caps(group, grant, need, job)
             upstream_payload = msgspec.json.encode(
                 {**payload, "model": grant.upstream.config.upstream_model or group.model}
             )
@@ -148,6 +151,27 @@ class Gateway:
                 completion.queue_s = attempts.queue_s
                 return completion
         raise exhausted(group, attempts, priority)
+
+    async def hold_caps(self, group: Group, grant: Grant, need: Need, job: str) -> None:
+        """Hold the call's dearest cost against its job's caps until it settles; 402
+        `spend_cap_reached` (the grant given back) when that would pass one."""
+        budget = await self.admission.weights.budget(job) if job else None
+        if budget is None or (budget.usd is None and budget.tokens is None):
+            return
+        tokens = need.cost(grant.upstream)
+        prices = grant.upstream.config.prices
+        usd = tokens * max(prices.input_per_mtok, prices.output_per_mtok) / 1e6 if prices else 0.0
+        held = await group.spend.hold(job, budget, usd, tokens)
+        if held is None:
+            await self.release(grant)
+            spent = await group.spend.total(job)
+            raise ProxyError(
+                402,
+                f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
+                f"${spent[0]:.4f}, {spent[1]} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
+                "spend_cap_reached",
+            )
+        grant.held = held
 
     async def settled(
         self, body: dict, max_tokens: int, n: int, *, job: str, priority: str, tag: str = ""

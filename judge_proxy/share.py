@@ -48,7 +48,8 @@ import redis.asyncio as aioredis
 
 from judge_proxy.budget import NOW_S_LUA
 from judge_proxy.upstream import UpstreamConfig
-from services.jobs import judge_weight
+from services.config import BudgetSpec
+from services.jobs import judge_terms
 from services.queues import Keys
 
 ACTIVE_S = 5.0
@@ -218,18 +219,25 @@ class Share:
 
 
 class Weights:
-    """Each job's `judge_weight`, read from its record at most every `ttl_s` per replica."""
+    """Each job's `judge_weight` and `budget`, read from its record at most every `ttl_s`
+    per replica."""
 
     def __init__(self, client: aioredis.Redis, ttl_s: float = WEIGHT_TTL_S) -> None:
         self.client = client
         self.ttl_s = ttl_s
-        self.read: dict[str, tuple[float, float]] = {}
-        """Job -> (weight, `time.monotonic()` when read)."""
+        self.read: dict[str, tuple[tuple[float, BudgetSpec], float]] = {}
+        """Job -> ((weight, budget), `time.monotonic()` when read)."""
 
-    async def of(self, job: str) -> float:
+    async def terms(self, job: str) -> tuple[float, BudgetSpec]:
         cached = self.read.get(job)
         if cached is not None and time.monotonic() - cached[1] < self.ttl_s:
             return cached[0]
-        weight = await judge_weight(self.client, job)
-        self.read[job] = (weight, time.monotonic())
-        return weight
+        terms = await judge_terms(self.client, job)
+        self.read[job] = (terms, time.monotonic())
+        return terms
+
+    async def of(self, job: str) -> float:
+        return (await self.terms(job))[0]
+
+    async def budget(self, job: str) -> BudgetSpec:
+        return (await self.terms(job))[1]

@@ -17,6 +17,12 @@ prices costs tokens only.
 The sums live in Redis, in the job's `spend` hash (`usd:<role>`, `tokens:<role>`,
 `cached:<role>`, `calls:<role>`), shared by every proxy replica: what the learner records per
 step, the API shows as the job's cost, and a job's cap is held against.
+
+Caps (`budget` in the job's spec): before a call goes upstream it holds its dearest cost
+(every token it reserved at the dearer price) in the same hash (`held_usd`, `held_tokens`),
+in one script that refuses when the bill so far, what calls in flight hold and this call's
+hold would pass a cap. The hold goes back when the call settles, its true cost charged. So
+no call is made that could take the bill past the cap, whatever replica makes it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.config import BudgetSpec
 from services.queues import Keys
 
 ROLES = ("simulator", "judge", "extraction", "eval")
@@ -81,11 +88,63 @@ def call_cost(prices: Prices | None, usage: dict[str, int], billed: int) -> Call
     return CallCost(prompt + completion, cached, usd)
 
 
+@dataclass(frozen=True)
+class Held:
+    """What one call in flight holds of its job's caps."""
+
+    usd: float
+    tokens: int
+
+
+# KEYS[1]: the job's spend hash. ARGV: the usd cap and the token cap (-1: none), what this
+# call would hold (usd, tokens). Returns 1 and holds it, or 0.
+HOLD_LUA = """
+local fields = redis.call('HGETALL', KEYS[1])
+local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
+for i = 1, #fields, 2 do
+  local name, value = fields[i], tonumber(fields[i + 1])
+  if string.sub(name, 1, 4) == 'usd:' then usd = usd + value
+  elseif string.sub(name, 1, 7) == 'tokens:' then tokens = tokens + value
+  elseif name == 'held_usd' then held_usd = value
+  elseif name == 'held_tokens' then held_tokens = value end
+end
+local usd_cap, tokens_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+if usd_cap >= 0 and usd + held_usd + tonumber(ARGV[3]) > usd_cap then return 0 end
+if tokens_cap >= 0 and tokens + held_tokens + tonumber(ARGV[4]) > tokens_cap then return 0 end
+redis.call('HINCRBYFLOAT', KEYS[1], 'held_usd', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'held_tokens', ARGV[4])
+return 1
+"""
+
+
 class JobSpend:
-    """Charges calls to their jobs' `spend` hashes."""
+    """Charges calls to their jobs' `spend` hashes, and holds calls in flight against caps."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
+        self._hold = redis.register_script(HOLD_LUA)
+
+    async def hold(self, job: str, budget: BudgetSpec, usd: float, tokens: int) -> Held | None:
+        """Hold a call's dearest cost (`usd`, `tokens`) against the job's caps; None when it
+        could take the bill past one (the call must not be made)."""
+        caps = [-1 if budget.usd is None else budget.usd, -1 if budget.tokens is None else budget.tokens]
+        held = await self._hold(keys=[Keys.job_spend(job)], args=[*caps, usd, tokens])
+        return Held(usd, tokens) if held else None
+
+    async def release(self, job: str, held: Held | None) -> None:
+        """Give back what a settled call held (its true cost is charged by `charge`)."""
+        if held is None:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrbyfloat(Keys.job_spend(job), "held_usd", -held.usd)
+            pipe.hincrby(Keys.job_spend(job), "held_tokens", -held.tokens)
+            await pipe.execute()
+
+    async def total(self, job: str) -> tuple[float, int]:
+        """The job's bill so far: USD and tokens."""
+        fields = await self.redis.hgetall(Keys.job_spend(job))
+        usd = sum(float(v) for k, v in fields.items() if k.startswith(b"usd:"))
+        return usd, sum(int(v) for k, v in fields.items() if k.startswith(b"tokens:"))
 
     async def charge(self, job: str, role: str, cost: CallCost) -> None:
         JOB_COST.labels(job, role).inc(cost.usd)

@@ -661,6 +661,16 @@ class TrackingSpec(_Strict):
     )
 
 
+class BudgetSpec(_Strict):
+    """A cap on what the job's LLM calls may cost (the judge proxy's bill, `judge_proxy.spend`).
+    The proxy makes no call whose dearest cost would take the bill past a cap (402
+    `spend_cap_reached`); an RL job stops admitting tasks once the ones it has admitted would
+    spend what is left, trains them, and ends SUCCEEDED with the reason."""
+
+    usd: float | None = Field(None, gt=0, description="At most this many US dollars (upstreams' prices).")
+    tokens: int | None = Field(None, gt=0, description="At most this many provider tokens, prompt and completion.")
+
+
 class _JobBase(_Strict):
     """What every kind of job names: the model, the task, and how to roll out, score and
     train. A job spec is one of the kinds below, picked by `kind` (`rl` when it is left out)."""
@@ -674,6 +684,7 @@ class _JobBase(_Strict):
     warm_start: WarmStartSpec = WarmStartSpec()
     tools: ToolsSpec | None = Field(None, description="Tools the policy may call between its replies.")
     tracking: TrackingSpec | None = Field(None, description="Experiment trackers (TensorBoard, W&B); none when unset.")
+    budget: BudgetSpec = Field(BudgetSpec(), description="Caps on what its LLM calls cost; none when unset.")
     judge_weight: float = Field(
         1.0,
         gt=0.0,

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from services import job_lease
-from services.config import JOB_NAME, JobSpec, parse_job_spec_json
+from services.config import JOB_NAME, BudgetSpec, JobSpec, parse_job_spec_json
 from services.queues import Keys
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -207,11 +207,15 @@ async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
     return parse_job_spec_json(await client.hget(Keys.job(job_id), "spec"))
 
 
-async def judge_weight(client: aioredis.Redis, job_id: str) -> float:
-    """The job's `judge_weight` (its share of a judge upstream against other jobs); 1 for an
-    id with no job record (tests, clients outside Tandem)."""
+async def judge_terms(client: aioredis.Redis, job_id: str) -> tuple[float, BudgetSpec]:
+    """What the judge proxy holds the job to: its `judge_weight` (its share of a judge
+    upstream against other jobs) and its `budget`; 1 and no cap for an id with no job record
+    (tests, clients outside Tandem)."""
     spec = await client.hget(Keys.job(job_id), "spec")
-    return 1.0 if spec is None else parse_job_spec_json(spec).judge_weight
+    if spec is None:
+        return 1.0, BudgetSpec()
+    parsed = parse_job_spec_json(spec)
+    return parsed.judge_weight, parsed.budget
 
 
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never

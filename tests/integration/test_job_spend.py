@@ -131,3 +131,24 @@ async def test_the_learners_step_records_price_steps_and_project_the_end_by_hand
     second = await meter.after_step(2, [group], total_steps=10)
     assert second["cost_usd_step"] == pytest.approx(0.5)
     assert second["cost_usd_projected"] == pytest.approx(2.0 + (2.0 - 0.5) / 2 * 8)  # this run's mean step: 0.75
+
+
+@pytest.mark.parametrize("cap, limit", [("usd", 0.002), ("tokens", 200)])
+async def test_no_call_is_made_that_could_take_a_job_past_its_cap(proxy, redis_client, stand_in, cap, limit):
+    spec = {"model": {"path": "/models/tiny"}, "budget": {cap: limit}}
+    await redis_client.hset(Keys.job("job-cap"), mapping={"spec": json.dumps(spec)})
+    refused = None
+    for turn in range(100):  # each call holds ~40 tokens at $15/M ($0.0006): either cap ends it in a few
+        reply = await ask(proxy, [{"role": "user", "content": f"question {turn}"}], job="job-cap", temperature=0.7)
+        if reply.status_code != 200:
+            refused = reply
+            break
+    assert refused is not None and refused.status_code == 402
+    assert refused.json()["error"]["type"] == "spend_cap_reached" and "job-cap" in refused.json()["error"]["message"]
+    stats = httpx.get(f"{stand_in}/admin/stats").json()
+    charged = await spend(redis_client, "job-cap")
+    assert stats["accepted"] == charged["calls:simulator"] == turn  # the refused call never went upstream
+    assert turn >= 2 and charged[f"{cap}:simulator"] <= limit  # the cap holds; nothing is held once calls settle
+    assert charged["held_usd"] == pytest.approx(0.0, abs=1e-12) and charged["held_tokens"] == 0
+    # Another job, without a cap, is not held back.
+    assert (await ask(proxy, [{"role": "user", "content": "hello"}], job="job-free")).status_code == 200
