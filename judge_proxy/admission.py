@@ -122,7 +122,29 @@ class Admission:
                 retry_after_s=timeout.retry_after_s,
             ) from None
         attempts.queue_s += waited_s
+        await self.hold_caps(group, grant, need, job)
         return grant
+
+    async def hold_caps(self, group: Group, grant: Grant, need: Need, job: str) -> None:
+        """Hold the call's dearest cost against its job's caps until it settles; 402
+        `spend_cap_reached` (the grant given back) when that would pass one."""
+        budget = await self.weights.budget(job) if job else None
+        if budget is None or (budget.usd is None and budget.tokens is None):
+            return
+        tokens = need.cost(grant.upstream)
+        prices = grant.upstream.config.prices
+        usd = tokens * max(prices.input_per_mtok, prices.output_per_mtok) / 1e6 if prices else 0.0
+        held = await group.spend.hold(job, budget, usd, tokens)
+        if held is None:
+            await group.admitter.release(grant)
+            spent = await group.spend.total(job)
+            raise ProxyError(
+                402,
+                f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
+                f"${spent[0]:.4f}, {spent[1]} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
+                "spend_cap_reached",
+            )
+        grant.held = held
 
     def reservation(
         self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float, failed: dict[str, str]

@@ -134,7 +134,6 @@ class Gateway:
         attempts = Attempts(job, priority, tag, role=ROLE.get() or priority)
         for attempt in range(self.settings.max_attempts):
             grant = await self.admission.admit(group, need, attempts, deadline, job, priority)
-            await self.hold_caps(group, grant, need, job)
             upstream_payload = msgspec.json.encode(
                 {**payload, "model": grant.upstream.config.upstream_model or group.model}
             )
@@ -151,27 +150,6 @@ class Gateway:
                 completion.queue_s = attempts.queue_s
                 return completion
         raise exhausted(group, attempts, priority)
-
-    async def hold_caps(self, group: Group, grant: Grant, need: Need, job: str) -> None:
-        """Hold the call's dearest cost against its job's caps until it settles; 402
-        `spend_cap_reached` (the grant given back) when that would pass one."""
-        budget = await self.admission.weights.budget(job) if job else None
-        if budget is None or (budget.usd is None and budget.tokens is None):
-            return
-        tokens = need.cost(grant.upstream)
-        prices = grant.upstream.config.prices
-        usd = tokens * max(prices.input_per_mtok, prices.output_per_mtok) / 1e6 if prices else 0.0
-        held = await group.spend.hold(job, budget, usd, tokens)
-        if held is None:
-            await self.release(grant)
-            spent = await group.spend.total(job)
-            raise ProxyError(
-                402,
-                f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
-                f"${spent[0]:.4f}, {spent[1]} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
-                "spend_cap_reached",
-            )
-        grant.held = held
 
     async def settled(
         self, body: dict, max_tokens: int, n: int, *, job: str, priority: str, tag: str = ""

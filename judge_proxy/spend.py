@@ -97,7 +97,8 @@ class Held:
 
 
 # KEYS[1]: the job's spend hash. ARGV: the usd cap and the token cap (-1: none), what this
-# call would hold (usd, tokens). Returns 1 and holds it, or 0.
+# call would hold (usd, tokens). Returns 1 and holds it, or 0 and counts the refusal
+# (`refused`: what tells the learner the cap binds).
 HOLD_LUA = """
 local fields = redis.call('HGETALL', KEYS[1])
 local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
@@ -109,8 +110,11 @@ for i = 1, #fields, 2 do
   elseif name == 'held_tokens' then held_tokens = value end
 end
 local usd_cap, tokens_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-if usd_cap >= 0 and usd + held_usd + tonumber(ARGV[3]) > usd_cap then return 0 end
-if tokens_cap >= 0 and tokens + held_tokens + tonumber(ARGV[4]) > tokens_cap then return 0 end
+if (usd_cap >= 0 and usd + held_usd + tonumber(ARGV[3]) > usd_cap)
+   or (tokens_cap >= 0 and tokens + held_tokens + tonumber(ARGV[4]) > tokens_cap) then
+  redis.call('HINCRBY', KEYS[1], 'refused', 1)
+  return 0
+end
 redis.call('HINCRBYFLOAT', KEYS[1], 'held_usd', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'held_tokens', ARGV[4])
 return 1

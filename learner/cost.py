@@ -15,29 +15,75 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
 from services import jobs, protocol
+from services.config import BudgetSpec, TrainSpec
+from services.queues import Keys
 
 COST = Gauge("tandem_job_cost_usd", "What the job's LLM calls have cost so far (USD)", ["job"])
 PROJECTED = Gauge("tandem_job_cost_projected_usd", "Cost so far plus this run's mean step cost x steps left", ["job"])
+
+
+def planned_steps(step: int, per_step: float, spent: float, cap: float, admitted_steps: int, num_steps: int) -> int:
+    """How many steps a job can train within `cap`, at step `step` having spent `spent` at
+    `per_step` a step: the steps the money left pays for at that rate, but never fewer than
+    its tasks already admitted fill (`admitted_steps`: their calls are paid for in part, and
+    are trained, not thrown away) nor more than `num_steps`."""
+    affordable = step + int((cap - spent) // per_step) if per_step > 0 else num_steps
+    return max(admitted_steps, min(affordable, num_steps))
+
+
+class SpendCapReached(Exception):
+    """The judge proxy refused a call of the job: its spend cap binds now."""
 
 
 class CostMeter:
     def __init__(self, redis: aioredis.Redis, job_id: str) -> None:
         self.redis, self.job_id = redis, job_id
         self.last_usd = 0.0
-        self.start: tuple[int, float] | None = None
-        """(step, cost so far) when this run's steps began: the mean step cost is over them."""
+        self.start: tuple[int, float, int] | None = None
+        """(step, cost so far, tokens so far) when this run's steps began: the mean step cost is over them."""
+        self.spend: dict = {}
+        """The job's bill as the last step read it (`services.jobs.job_spend`)."""
 
     async def begin(self, step: int) -> None:
         """This run trains from `step` (0, or the step it resumed from)."""
-        usd = (await jobs.job_spend(self.redis, self.job_id))["usd"]
-        self.last_usd, self.start = usd, (step, usd)
+        self.spend = await jobs.job_spend(self.redis, self.job_id)
+        self.last_usd, self.start = self.spend["usd"], (step, self.spend["usd"], self.spend["tokens"])
+
+    def planned(self, step: int, budget: BudgetSpec, admitted_tasks: int, train: TrainSpec) -> int:
+        """The steps the job can train within its `budget` at this run's mean step cost
+        (`planned_steps`, for each cap), having admitted `admitted_tasks` tasks."""
+        first_step, first_usd, first_tokens = self.start or (0, 0.0, 0)
+        steps = max(step - first_step, 1)
+        admitted_steps = -(-admitted_tasks // train.batch_size)
+        plans = [train.num_steps]
+        if budget.usd is not None:
+            per_step = (self.spend["usd"] - first_usd) / steps
+            plans.append(planned_steps(step, per_step, self.spend["usd"], budget.usd, admitted_steps, train.num_steps))
+        if budget.tokens is not None:
+            per_step = (self.spend["tokens"] - first_tokens) / steps
+            spent = self.spend["tokens"]
+            plans.append(planned_steps(step, per_step, spent, budget.tokens, admitted_steps, train.num_steps))
+        return min(plans)
+
+    async def check_refused(self) -> None:
+        """`SpendCapReached` once the proxy has refused a call of the job for its cap."""
+        if int(await self.redis.hget(Keys.job_spend(self.job_id), "refused") or 0):
+            raise SpendCapReached()
+
+    def reason(self, step: int, budget: BudgetSpec, num_steps: int) -> str:
+        """Why a job ended before `num_steps`, for its record."""
+        caps = ", ".join(f"{name} {value}" for name, value in (("usd", budget.usd), ("tokens", budget.tokens)) if value)
+        return (
+            f"spend cap reached at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "
+            f"{self.spend.get('tokens', 0)} tokens spent of budget {caps}"
+        )
 
     async def after_step(self, step: int, groups: list[protocol.TrajectoryGroup], total_steps: int) -> dict[str, float]:
         """The cost fields of the record of step `step` (of `total_steps`), made of `groups`."""
         samples = sum(len(g.samples) for g in groups)
-        spend = await jobs.job_spend(self.redis, self.job_id)
+        spend = self.spend = await jobs.job_spend(self.redis, self.job_id)
         usd = spend["usd"]
-        first_step, first_usd = self.start or (0, 0.0)
+        first_step, first_usd, _ = self.start or (0, 0.0, 0)
         per_step = (usd - first_usd) / max(step - first_step, 1)
         record = {
             "cost_usd": usd,

@@ -43,6 +43,9 @@ class Dispatcher:
         self.dead_lettered = 0
         """Tasks of this run replaced because they or their groups went to the dead stream."""
         self._orders: dict[int, list[int]] = {}
+        self.total_steps = spec.train.num_steps
+        """The steps the job will train: `num_steps`, or fewer once a spend cap binds
+        (`learner.cost.CostMeter.planned_steps`); no task is admitted beyond them."""
 
     @property
     def outstanding(self) -> int:
@@ -52,7 +55,7 @@ class Dispatcher:
         """How many tasks may have been admitted by the step after `version`: the staleness
         rule (a generate job's dispatcher admits every task at once, `runs.generate.AllAtOnce`)."""
         train = self.spec.train
-        return min((train.max_staleness + version + 1) * train.batch_size, train.num_steps * train.batch_size)
+        return min((train.max_staleness + version + 1) * train.batch_size, self.total_steps * train.batch_size)
 
     def example(self, task_id: int) -> int:
         size = self.spec.task.num_examples

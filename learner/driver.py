@@ -138,6 +138,7 @@ class Driver:
             self.current_run = run_for(self, job_id, spec)
             try:
                 await self.current_run.run(resuming)
+                error = self.current_run.ended_early  # SUCCEEDED short of its steps: why
             finally:
                 self.current_run.close()
         except LearnerStopping:

@@ -243,12 +243,13 @@ class HeldOutEvaluation:
             "" if complete else " (incomplete)",
         )
 
-    async def finish(self, waiting: Callable[[], Awaitable[None]]) -> None:
-        """Wait for every round still out, for at most `eval.timeout_s`, calling `waiting`
-        between reads (cancels, stops, the watchdog); record what is in by then."""
+    async def finish(self, waiting: Callable[[], Awaitable[None]], wait: bool = True) -> None:
+        """Wait for every round still out, for at most `eval.timeout_s` (not at all without
+        `wait`: a spend cap refuses their calls), calling `waiting` between reads (cancels,
+        stops, the watchdog); record what is in by then."""
         if self.spec is None:
             return
-        deadline = time.monotonic() + self.spec.timeout_s
+        deadline = time.monotonic() + (self.spec.timeout_s if wait else 0.0)
         await self.collect()
         while self.rounds and time.monotonic() < deadline:
             await waiting()

@@ -51,6 +51,8 @@ class Run:
         self.spec = spec
         self.version = 0
         self.step = 0
+        self.ended_early = ""
+        """Why the job ends before its steps yet SUCCEEDED (a spend cap): its record's reason."""
         self.run_dir = Path(self.settings.runs_dir) / job_id
         trackers = Trackers(spec.tracking, self.run_dir, job_id, spec.model_dump(mode="json"))
         self.steps = StepLog(self.redis, job_id, self.run_dir, self.health_rules(), self.settings.history_keep, trackers)

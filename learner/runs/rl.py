@@ -12,22 +12,37 @@ writes and resumes from, and the held-out evaluation when the job has `eval`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from learner import pairs as pair_picking
 from learner import policy
 from learner.control import Command
+from learner.cost import SpendCapReached
 from learner.evaluation import HeldOutEvaluation
 from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
 from learner.mix import Mix
 from learner.runs.rollout_fed import RolloutFedRun
 from learner.step_log import rl_record
-from services import retention
+from services import protocol, retention
+from services.config import TrainSpec
 from services.queues import Delivery, Keys
 
 log = logging.getLogger(__name__)
+
+
+def training_command(groups: list[protocol.TrajectoryGroup], train: TrainSpec) -> tuple[Command, dict]:
+    """What every rank runs for a step on `groups`: RL on their samples, or online DPO on
+    each group's best and worst response (with what picking the pairs counted)."""
+    if train.algorithm != "dpo":
+        return Command(kind="rl", samples=[s for g in groups for s in g.samples]), {}
+    pairs, too_long = pair_picking.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
+    return Command(kind="dpo", samples=pairs), {
+        "pairs_too_long": float(too_long),
+        "trained_tokens": sum(sum(s.mask) for s in pairs),
+    }
 
 
 class RLRun(RolloutFedRun):
@@ -57,20 +72,28 @@ class RLRun(RolloutFedRun):
         await self.cost.begin(self.step)
         self.steps.start_rl()
         self.intake.log.start()
-        while self.step < self.spec.train.num_steps:
+        with contextlib.suppress(SpendCapReached):  # the proxy refuses its calls: what is out will not come
+            await self.train_steps()
+        if self.step < self.spec.train.num_steps:  # a spend cap ended it
+            self.ended_early = self.cost.reason(self.step, self.spec.budget, self.spec.train.num_steps)
+        await self.checkpoint()  # the final one, unless the last step's is written already
+        self.export_policy()
+        await self.evaluation.finish(self.while_waiting, wait=not self.ended_early)
+
+    async def train_steps(self) -> None:
+        """Steps until `num_steps`, or fewer once a spend cap binds (`plan_within_budget`)."""
+        while self.step < self.dispatcher.total_steps:
             await self.check_cancel()
             waited = time.monotonic()
-            batch = await self.intake.collect(self.version, self.while_waiting)
+            batch = await self.intake.collect(self.version, self.waiting_for_groups)
             await self.train(batch, time.monotonic() - waited)
             if self.checkpoints.due(self.step):
                 await self.checkpoint()
             if self.spec.train.export_every and self.step % self.spec.train.export_every == 0:
                 self.worker.run(Command(kind="export", path=str(self.run_dir / "policies" / f"step-{self.step:06d}")))
-            if self.step < self.spec.train.num_steps:
+            await self.plan_within_budget(self.step)
+            if self.step < self.dispatcher.total_steps:
                 await self.check_stop()
-        await self.checkpoint()  # the final one, unless the last step's is written already
-        self.export_policy()
-        await self.evaluation.finish(self.while_waiting)
 
     async def start(self) -> None:
         """A fresh start: the warm start, then the step-0 checkpoint RL begins from."""
@@ -84,14 +107,8 @@ class RLRun(RolloutFedRun):
         groups = [d.message for d in batch]
         started = time.perf_counter()
         train = self.spec.train
-        if train.algorithm == "dpo":  # online DPO: each group's best and worst response
-            pairs, too_long = pair_picking.pairs_from_groups(groups, train.pair_margin, train.max_tokens_per_rank)
-            metrics = self.worker.run(Command(kind="dpo", samples=pairs)) | {
-                "pairs_too_long": float(too_long),
-                "trained_tokens": sum(sum(s.mask) for s in pairs),
-            }
-        else:
-            metrics = self.worker.run(Command(kind="rl", samples=[s for g in groups for s in g.samples]))
+        command, picked = training_command(groups, train)
+        metrics = self.worker.run(command) | picked
         step_seconds = time.perf_counter() - started
         self.version += 1
         self.step += 1
@@ -114,9 +131,6 @@ class RLRun(RolloutFedRun):
             await retention.trim_acked(self.redis, stream)
         await self.steps.act_on(fired)
         await self.evaluation.after_step(self.step, groups)  # the new version's round, if due
-
-    def counts(self) -> dict[str, int]:
-        return self.intake.counts | self.publisher.counts
 
     async def checkpoint(self, stopping: bool = False) -> None:
         """Write a checkpoint (all ranks), then acknowledge what it covers. With periodic

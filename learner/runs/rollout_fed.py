@@ -52,6 +52,28 @@ class RolloutFedRun(Run):
             Keys.dead(self.job_id),
         ).setup()
 
+    def counts(self) -> dict[str, int]:
+        return self.intake.counts | self.publisher.counts
+
+    async def waiting_for_groups(self) -> None:
+        """While a batch waits: what `while_waiting` does, and `SpendCapReached` once the
+        proxy has refused a call of the job for its spend cap (its groups will not come)."""
+        await self.while_waiting()
+        if self.spec.budget.usd is not None or self.spec.budget.tokens is not None:
+            await self.cost.check_refused()
+
+    async def plan_within_budget(self, step: int) -> None:
+        """After a step: the steps the job's spend cap leaves it (the dispatcher admits no
+        task beyond them), and `SpendCapReached` once the proxy refuses its calls."""
+        budget = self.spec.budget
+        if budget.usd is None and budget.tokens is None:
+            return
+        planned = self.cost.planned(step, budget, self.dispatcher.outstanding, self.spec.train)
+        if planned != self.dispatcher.total_steps:
+            log.info("job %s: its spend cap leaves %d steps of %d", self.job_id, planned, self.spec.train.num_steps)
+        self.dispatcher.total_steps = planned
+        await self.cost.check_refused()
+
     async def while_waiting(self) -> None:
         """A read for groups found none: honour a cancel or stop, follow the membership, and
         let the watchdog pause, resume or fail the job."""

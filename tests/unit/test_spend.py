@@ -52,3 +52,15 @@ def test_the_role_is_the_header_or_the_priority_and_nothing_else():
         ValueError, match=r"X-Tandem-Role must be one of \['simulator', 'judge', 'extraction', 'eval'\]"
     ):
         role_of("free", "judge")
+
+
+def test_the_steps_a_cap_leaves_are_what_the_money_left_buys_at_the_mean_step_cost():
+    from learner.cost import planned_steps
+
+    # At step 4, $0.45 spent at $0.10 a step, cap $1: 5 more steps are paid for.
+    assert planned_steps(4, per_step=0.1, spent=0.45, cap=1.0, admitted_steps=6, num_steps=20) == 9
+    # Tasks already admitted fill 6 steps: they are trained even when the money runs short.
+    assert planned_steps(4, per_step=0.1, spent=0.95, cap=1.0, admitted_steps=6, num_steps=20) == 6
+    # Never more than the job's steps; nothing spent per step yet leaves them all.
+    assert planned_steps(4, per_step=0.01, spent=0.1, cap=1.0, admitted_steps=6, num_steps=20) == 20
+    assert planned_steps(0, per_step=0.0, spent=0.0, cap=1.0, admitted_steps=2, num_steps=20) == 20
