@@ -6,6 +6,7 @@ once with 503 `upstream_unavailable` (nothing reserved), its `retry-after` the n
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -69,6 +70,20 @@ class Attempts:
     upstream_s: float = 0.0
 
 
+CAP_WAIT_S = 0.1
+"""How often a call waiting for its job's calls in flight to give back cap holds looks again."""
+
+
+def dearest_usd(upstream: Upstream, need: Need) -> float:
+    """The most a call can cost on `upstream`: the prompt it reserves at the input price
+    (none of it cached) and every completion token at the output price (0 without prices)."""
+    prices = upstream.config.prices
+    if prices is None:
+        return 0.0
+    prompt = need.cost(upstream) - need.fixed_tokens
+    return (prompt * prices.input_per_mtok + need.fixed_tokens * prices.output_per_mtok) / 1e6
+
+
 @dataclass(frozen=True)
 class Need:
     """What one request asks of an upstream's budget."""
@@ -108,12 +123,14 @@ class Admission:
         candidates = [u for u in group.upstreams if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise exhausted(group, attempts, priority)
+        held = await self.hold_caps(group, candidates, need, job, deadline)
         try_admit = self.reservation(group, candidates, need, job, await self.weights.of(job), attempts.failed)
         try:
             grant, waited_s = await group.admitter.admit(
                 job, priority, min(need.cost(u) for u in candidates), deadline - time.monotonic(), try_admit
             )
         except QueueTimeout as timeout:
+            await group.spend.release(job, held)
             metrics.REJECTED.labels(priority).inc()
             raise ProxyError(
                 429,
@@ -121,30 +138,46 @@ class Admission:
                 "rate_limited",
                 retry_after_s=timeout.retry_after_s,
             ) from None
+        except BaseException:
+            await group.spend.release(job, held)
+            raise
         attempts.queue_s += waited_s
-        await self.hold_caps(group, grant, need, job)
+        grant.held = held
         return grant
 
-    async def hold_caps(self, group: Group, grant: Grant, need: Need, job: str) -> None:
-        """Hold the call's dearest cost against its job's caps until it settles; 402
-        `spend_cap_reached` (the grant given back) when that would pass one."""
+    async def hold_caps(
+        self, group: Group, candidates: list[Upstream], need: Need, job: str, deadline: float
+    ) -> Held | None:
+        """Hold the call's dearest cost (on the dearest candidate) against its job's caps
+        until it settles. While calls in flight hold what it needs it waits for them, until
+        `deadline` (then 429); when even the bill so far leaves no room, 402
+        `spend_cap_reached`. None: the job has no cap."""
         budget = await self.weights.budget(job) if job else None
         if budget is None or (budget.usd is None and budget.tokens is None):
-            return
-        tokens = need.cost(grant.upstream)
-        prices = grant.upstream.config.prices
-        usd = tokens * max(prices.input_per_mtok, prices.output_per_mtok) / 1e6 if prices else 0.0
-        held = await group.spend.hold(job, budget, usd, tokens)
-        if held is None:
-            await group.admitter.release(grant)
-            spent = await group.spend.total(job)
-            raise ProxyError(
-                402,
-                f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
-                f"${spent[0]:.4f}, {spent[1]} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
-                "spend_cap_reached",
-            )
-        grant.held = held
+            return None
+        tokens = max(need.cost(u) for u in candidates)
+        usd = max(dearest_usd(u, need) for u in candidates)
+        while (held := await group.spend.hold(job, budget, usd, tokens)) is None:
+            spent_usd, spent_tokens = await group.spend.total(job)
+            if (budget.usd is not None and spent_usd + usd > budget.usd) or (
+                budget.tokens is not None and spent_tokens + tokens > budget.tokens
+            ):
+                await group.spend.refused(job)
+                raise ProxyError(
+                    402,
+                    f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
+                    f"${spent_usd:.4f}, {spent_tokens} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
+                    "spend_cap_reached",
+                )
+            if time.monotonic() > deadline:
+                raise ProxyError(
+                    429,
+                    f"job {job!r}: its calls in flight hold what is left of its spend cap",
+                    "rate_limited",
+                    retry_after_s=1.0,
+                )
+            await asyncio.sleep(CAP_WAIT_S)
+        return held
 
     def reservation(
         self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float, failed: dict[str, str]

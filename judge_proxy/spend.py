@@ -19,10 +19,13 @@ The sums live in Redis, in the job's `spend` hash (`usd:<role>`, `tokens:<role>`
 step, the API shows as the job's cost, and a job's cap is held against.
 
 Caps (`budget` in the job's spec): before a call goes upstream it holds its dearest cost
-(every token it reserved at the dearer price) in the same hash (`held_usd`, `held_tokens`),
+(every token it may reserve at the dearer price) in the same hash (`held_usd`, `held_tokens`),
 in one script that refuses when the bill so far, what calls in flight hold and this call's
 hold would pass a cap. The hold goes back when the call settles, its true cost charged. So
-no call is made that could take the bill past the cap, whatever replica makes it.
+no call is made that could take the bill past the cap, whatever replica makes it. A call
+refused while others hold the room waits for them to settle (429 after the queue
+deadline); one that the bill alone leaves no room for is 402 `spend_cap_reached`, counted
+in the hash (`refused`) for the learner to end the job on.
 """
 
 from __future__ import annotations
@@ -97,8 +100,7 @@ class Held:
 
 
 # KEYS[1]: the job's spend hash. ARGV: the usd cap and the token cap (-1: none), what this
-# call would hold (usd, tokens). Returns 1 and holds it, or 0 and counts the refusal
-# (`refused`: what tells the learner the cap binds).
+# call would hold (usd, tokens). Returns 1 and holds it, or 0.
 HOLD_LUA = """
 local fields = redis.call('HGETALL', KEYS[1])
 local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
@@ -112,7 +114,6 @@ end
 local usd_cap, tokens_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 if (usd_cap >= 0 and usd + held_usd + tonumber(ARGV[3]) > usd_cap)
    or (tokens_cap >= 0 and tokens + held_tokens + tonumber(ARGV[4]) > tokens_cap) then
-  redis.call('HINCRBY', KEYS[1], 'refused', 1)
   return 0
 end
 redis.call('HINCRBYFLOAT', KEYS[1], 'held_usd', ARGV[3])
@@ -143,6 +144,11 @@ class JobSpend:
             pipe.hincrbyfloat(Keys.job_spend(job), "held_usd", -held.usd)
             pipe.hincrby(Keys.job_spend(job), "held_tokens", -held.tokens)
             await pipe.execute()
+
+    async def refused(self, job: str) -> None:
+        """Count a call refused because the bill so far leaves no room for it: what tells the
+        learner the cap binds (`refused` in the hash)."""
+        await self.redis.hincrby(Keys.job_spend(job), "refused", 1)
 
     async def total(self, job: str) -> tuple[float, int]:
         """The job's bill so far: USD and tokens."""

@@ -70,8 +70,9 @@ class CostMeter:
         if int(await self.redis.hget(Keys.job_spend(self.job_id), "refused") or 0):
             raise SpendCapReached()
 
-    def reason(self, step: int, budget: BudgetSpec, num_steps: int) -> str:
+    async def reason(self, step: int, budget: BudgetSpec, num_steps: int) -> str:
         """Why a job ended before `num_steps`, for its record."""
+        self.spend = await jobs.job_spend(self.redis, self.job_id)
         caps = ", ".join(f"{name} {value}" for name, value in (("usd", budget.usd), ("tokens", budget.tokens)) if value)
         return (
             f"spend cap reached at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "

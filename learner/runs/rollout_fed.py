@@ -6,6 +6,7 @@ of what the job's LLM calls cost."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from learner.cost import CostMeter
@@ -18,6 +19,7 @@ from services import protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer
 
+log = logging.getLogger(__name__)
 GAUGES_EVERY_S = 5.0
 """How often the queue gauges are brought up to date while the learner waits (a step does it too)."""
 

@@ -1,0 +1,76 @@
+"""A judge-bound job with a spend cap, through the whole system (API, learner, a rollout
+server on vLLM, the judge proxy in front of the stand-in provider with example prices): it
+ends SUCCEEDED short of its steps with the reason, its bill within the cap, no call past the
+cap at the provider, and the policy it trained exported."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import stand_in_upstreams, wait_for
+
+from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
+from tandem.demo import write_demonstrations
+from tandem.launcher import Ports, Stack
+from tandem.redis_embed import free_port
+
+pytestmark = pytest.mark.slow
+PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
+STEPS = 30
+CAP_USD = 0.06
+"""About four steps of this job at these prices (its steps cost $0.001-0.027 each, $0.012
+on average, in a run without the cap): the cap binds well before step 30 and after the
+first step, whose cost never came near it."""
+
+
+def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: Path, tiny_model):
+    warm_start = tmp_path / "warm.jsonl"
+    write_demonstrations(warm_start, num=1000, share=0.5)
+    spec = {
+        "name": "capped",
+        "model": {"path": str(tiny_model), "max_model_len": 512},
+        "task": {"name": "clarify", "user": "llm", "num_examples": 64},
+        "rollout": {"group_size": 2, "max_new_tokens": 24, "max_turns": 2, "max_total_tokens": 256},
+        "reward": {"mode": "multiturn", "window": 1, "num_futures": 2, "judge_rubric": "interactivity",
+                   "judge_weight": 0.5, "judge_model": "judge", "user_model": "judge"},
+        "train": {"num_steps": STEPS, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
+        # Well-formed replies from the start, so futures are played and judged every step.
+        "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
+        "budget": {"usd": CAP_USD},
+    }  # fmt: skip
+    stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3, prompt_cache=True)
+    with contextlib.ExitStack() as stack:
+        stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=PRICES)
+        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
+        system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
+        api = httpx.Client(base_url=system.api_url, timeout=10)
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        record = wait_for(
+            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED") and r,
+            600,
+            "the capped job",
+            interval_s=1,
+        )
+        history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
+        provider = httpx.get(f"{stand_in_url}/admin/stats").json()
+
+    print(
+        "DEBUG",
+        len(history),
+        record.get("error"),
+        record["spend"]["usd"],
+        [round(h["cost_usd_step"], 5) for h in history],
+    )
+    assert record["status"] == "SUCCEEDED", record.get("error")
+    steps = len(history)
+    assert 1 <= steps < STEPS and record["step"] == steps
+    assert record["error"].startswith(f"spend cap reached at step {steps} of {STEPS}: $")
+    spent = record["spend"]
+    assert spent["usd"] <= CAP_USD  # the proxy made no call that could pass it
+    assert provider["accepted"] == spent["calls"]  # every call the provider answered is on the bill
+    assert history[-1]["cost_usd"] <= spent["usd"]
+    assert (tmp_path / "runs" / job_id / "policy" / "model.safetensors").exists()
