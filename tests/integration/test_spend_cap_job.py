@@ -58,13 +58,6 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
         provider = httpx.get(f"{stand_in_url}/admin/stats").json()
 
-    print(
-        "DEBUG",
-        len(history),
-        record.get("error"),
-        record["spend"]["usd"],
-        [round(h["cost_usd_step"], 5) for h in history],
-    )
     assert record["status"] == "SUCCEEDED", record.get("error")
     steps = len(history)
     assert 1 <= steps < STEPS and record["step"] == steps
