@@ -25,6 +25,7 @@ start is kept as the step-0 checkpoint, so a resumed run plays the same policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from prometheus_client import Counter
 from learner import checkpoint
 from learner import pairs as pair_picking
 from learner.control import Command
+from learner.cost import SpendCapReached
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
 from learner.runs.rollout_fed import RolloutFedRun
@@ -192,12 +194,15 @@ class GenerateRun(RolloutFedRun):
         await self.cost.begin(len(self.files.task_ids))
         self.steps.start_rl()
         total = self.spec.generate.conversations
-        while len(self.files.task_ids) < total:
-            await self.check_cancel()
-            waited = time.monotonic()
-            size = min(self.spec.train.batch_size, total - len(self.files.task_ids))
-            batch = await self.intake.collect(self.version, self.while_waiting, size=size)
-            await self.write(batch, time.monotonic() - waited)
+        with contextlib.suppress(SpendCapReached):  # the proxy refuses its calls: keep what is written
+            while len(self.files.task_ids) < total:
+                await self.check_cancel()
+                waited = time.monotonic()
+                size = min(self.spec.train.batch_size, total - len(self.files.task_ids))
+                batch = await self.intake.collect(self.version, self.waiting_for_groups, size=size)
+                await self.write(batch, time.monotonic() - waited)
+        if len(self.files.task_ids) < total:
+            self.ended_early = await self.cost.reason(len(self.files.task_ids), self.spec.budget, total)
 
     async def resume(self) -> None:
         """Continue from the files' last commit: its tasks are done, and the dispatcher
