@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -17,13 +18,15 @@ import redis.asyncio as aioredis
 from polling import wait_for  # noqa: F401  (the integration tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.provider import LocalUpstreamConfig, serve_in_thread
+from devtools.provider import create_app as create_provider
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
 from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
 from services.tokenization import ChatTokenizer
-from tandem.launcher import learner_command, process_tree, served_model  # noqa: F401 (tests import served_model here)
+from tandem.launcher import Ports, Stack, learner_command, process_tree, served_model  # noqa: F401 (tests import served_model here)
 from tandem.redis_embed import free_port
 
 
@@ -167,6 +170,21 @@ def vllm_counted(vllm_url: str) -> int:
     """Prompt plus generated tokens, as vLLM's own /metrics count them."""
     text = httpx.get(f"{vllm_url}/metrics").text
     return int(metric_sum(text, "vllm:prompt_tokens_total", "vllm:generation_tokens_total"))
+
+
+@contextlib.contextmanager
+def judge_bound_system(
+    tmp_path: Path, stand_in: LocalUpstreamConfig, prices: dict | None = None
+) -> Iterator[tuple[httpx.Client, str]]:
+    """The whole system (API, learner, a rollout server, the judge proxy) in front of a
+    stand-in provider serving `judge`, with `prices` on it and runs in `tmp_path/runs`: a
+    client of its API, and the stand-in's address."""
+    with contextlib.ExitStack() as stack:
+        stand_in_url = stack.enter_context(serve_in_thread(create_provider(stand_in), free_port()))
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=prices)
+        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
+        system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
+        yield httpx.Client(base_url=system.api_url, timeout=10), stand_in_url
 
 
 def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256, prices: dict | None = None) -> Path:

@@ -5,17 +5,14 @@ cap at the provider, and the policy it trained exported."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import stand_in_upstreams, wait_for
+from helpers import job_ended, judge_bound_system
 
-from devtools.provider import LocalUpstreamConfig, create_app, serve_in_thread
+from devtools.provider import LocalUpstreamConfig
 from tandem.demo import write_demonstrations
-from tandem.launcher import Ports, Stack
-from tandem.redis_embed import free_port
 
 pytestmark = pytest.mark.slow
 PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
@@ -42,19 +39,9 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
         "budget": {"usd": CAP_USD},
     }  # fmt: skip
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3, prompt_cache=True)
-    with contextlib.ExitStack() as stack:
-        stand_in_url = stack.enter_context(serve_in_thread(create_app(stand_in), free_port()))
-        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=PRICES)
-        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
-        system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
-        api = httpx.Client(base_url=system.api_url, timeout=10)
+    with judge_bound_system(tmp_path, stand_in, PRICES) as (api, stand_in_url):
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
-        record = wait_for(
-            lambda: (r := api.get(f"/v1/jobs/{job_id}").json())["status"] in ("SUCCEEDED", "FAILED") and r,
-            600,
-            "the capped job",
-            interval_s=1,
-        )
+        record = job_ended(api, job_id, timeout_s=600)
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
         provider = httpx.get(f"{stand_in_url}/admin/stats").json()
 
