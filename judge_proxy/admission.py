@@ -19,7 +19,7 @@ from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
-from judge_proxy.spend import Held, JobSpend
+from judge_proxy.spend import Held, JobSpend, Refusal
 from judge_proxy.upstream import Upstream, weighted_order
 from services.upstream_health import outage_of
 
@@ -157,16 +157,13 @@ class Admission:
             return None
         tokens = max(need.cost(u) for u in candidates)
         usd = max(dearest_usd(u, need) for u in candidates)
-        while (held := await group.spend.hold(job, budget, usd, tokens)) is None:
-            spent_usd, spent_tokens = await group.spend.total(job)
-            if (budget.usd is not None and spent_usd + usd > budget.usd) or (
-                budget.tokens is not None and spent_tokens + tokens > budget.tokens
-            ):
-                await group.spend.refused(job)
+        while isinstance(held := await group.spend.hold(job, budget, usd, tokens), Refusal):
+            if not held.wait:
                 raise ProxyError(
                     402,
                     f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
-                    f"${spent_usd:.4f}, {spent_tokens} tokens): this call could cost ${usd:.4f}, {tokens} tokens",
+                    f"${held.spent_usd:.4f}, {held.spent_tokens} tokens): this call could cost ${usd:.4f}, "
+                    f"{tokens} tokens",
                     "spend_cap_reached",
                 )
             if time.monotonic() > deadline:

@@ -99,8 +99,20 @@ class Held:
     tokens: int
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a call may not hold what it needs: `wait` (calls in flight hold the room; it
+    comes back as they settle) or not (the bill so far leaves none), and the bill so far."""
+
+    wait: bool
+    spent_usd: float
+    spent_tokens: int
+
+
 # KEYS[1]: the job's spend hash. ARGV: the usd cap and the token cap (-1: none), what this
-# call would hold (usd, tokens). Returns 1 and holds it, or 0.
+# call would hold (usd, tokens). Returns {1} and holds it; {0, usd, tokens} when calls in
+# flight hold the room; {-1, usd, tokens} when the bill alone leaves none (counted in
+# `refused`). The bill is returned as strings (Lua numbers become integers on the way out).
 HOLD_LUA = """
 local fields = redis.call('HGETALL', KEYS[1])
 local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
@@ -112,13 +124,19 @@ for i = 1, #fields, 2 do
   elseif name == 'held_tokens' then held_tokens = value end
 end
 local usd_cap, tokens_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-if (usd_cap >= 0 and usd + held_usd + tonumber(ARGV[3]) > usd_cap)
-   or (tokens_cap >= 0 and tokens + held_tokens + tonumber(ARGV[4]) > tokens_cap) then
-  return 0
+local need_usd, need_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+local function passes(held_usd, held_tokens)
+  return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
+      or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
 end
+if passes(0, 0) then
+  redis.call('HINCRBY', KEYS[1], 'refused', 1)
+  return {-1, tostring(usd), tostring(tokens)}
+end
+if passes(held_usd, held_tokens) then return {0, tostring(usd), tostring(tokens)} end
 redis.call('HINCRBYFLOAT', KEYS[1], 'held_usd', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'held_tokens', ARGV[4])
-return 1
+return {1}
 """
 
 
@@ -129,12 +147,14 @@ class JobSpend:
         self.redis = redis
         self._hold = redis.register_script(HOLD_LUA)
 
-    async def hold(self, job: str, budget: BudgetSpec, usd: float, tokens: int) -> Held | None:
-        """Hold a call's dearest cost (`usd`, `tokens`) against the job's caps; None when it
-        could take the bill past one (the call must not be made)."""
+    async def hold(self, job: str, budget: BudgetSpec, usd: float, tokens: int) -> Held | Refusal:
+        """Hold a call's dearest cost (`usd`, `tokens`) against the job's caps, or say why
+        it may not (the call must not be made now, or, with the bill as it is, ever)."""
         caps = [-1 if budget.usd is None else budget.usd, -1 if budget.tokens is None else budget.tokens]
-        held = await self._hold(keys=[Keys.job_spend(job)], args=[*caps, usd, tokens])
-        return Held(usd, tokens) if held else None
+        verdict = await self._hold(keys=[Keys.job_spend(job)], args=[*caps, usd, tokens])
+        if verdict[0] == 1:
+            return Held(usd, tokens)
+        return Refusal(wait=verdict[0] == 0, spent_usd=float(verdict[1]), spent_tokens=int(float(verdict[2])))
 
     async def release(self, job: str, held: Held | None) -> None:
         """Give back what a settled call held (its true cost is charged by `charge`)."""
@@ -144,17 +164,6 @@ class JobSpend:
             pipe.hincrbyfloat(Keys.job_spend(job), "held_usd", -held.usd)
             pipe.hincrby(Keys.job_spend(job), "held_tokens", -held.tokens)
             await pipe.execute()
-
-    async def refused(self, job: str) -> None:
-        """Count a call refused because the bill so far leaves no room for it: what tells the
-        learner the cap binds (`refused` in the hash)."""
-        await self.redis.hincrby(Keys.job_spend(job), "refused", 1)
-
-    async def total(self, job: str) -> tuple[float, int]:
-        """The job's bill so far: USD and tokens."""
-        fields = await self.redis.hgetall(Keys.job_spend(job))
-        usd = sum(float(v) for k, v in fields.items() if k.startswith(b"usd:"))
-        return usd, sum(int(v) for k, v in fields.items() if k.startswith(b"tokens:"))
 
     async def charge(self, job: str, role: str, cost: CallCost) -> None:
         JOB_COST.labels(job, role).inc(cost.usd)

@@ -37,22 +37,21 @@ def response_view(
     """Sample `index` of a group: `episode` is what the policy played from a context of
     `context_len` messages, `scored` the conversations its reward averaged (the episode
     itself, or its futures; none when the format filter floored it)."""
-    futures = [c for c in scored if c is not episode]
     return protocol.ResponseView(
         index=index,
         messages=after(episode, context_len),
         reward=sample.reward,
         advantage=sample.advantage,
         malformed=episode.malformed_reason(),
-        parts=episode.parts if any(c is episode for c in scored) else None,
+        parts=episode.parts,  # set only when a reward scored the conversation itself
         futures=[
             protocol.FutureView(
                 messages=after(future, len(episode.messages)),
                 parts=future.parts,
                 malformed=future.malformed_reason(),
             )
-            for future in futures
-            if future.parts is not None
+            for future in scored
+            if future is not episode
         ],
         metrics=sample.metrics,
     )

@@ -363,6 +363,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(jobs_router())
     app.include_router(job_control_router())
     app.include_router(job_records_router())
+    app.include_router(conversations_router())
     app.include_router(servers_router())
     app.include_router(page_router())
     return app
@@ -527,51 +528,6 @@ def job_records_router() -> APIRouter:
         response.headers["x-tandem-history-start"] = str(first)
         return [json.loads(r) for r in raw]
 
-    @router.get("/v1/jobs/{job_id}/conversations", response_model=list[HeldOutConversation], responses=ERRORS)
-    async def conversations(
-        request: Request,
-        step: int | None = Query(None, ge=0, description="The round (its step); the newest when left out."),
-        order: Literal["example", "lowest", "highest"] = Query("example", description="By example, or by success."),
-        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
-        limit: int = Query(100, ge=1, le=1000),
-        record: dict = Depends(owned),
-    ) -> list[HeldOutConversation]:
-        """The conversations of one held-out round (`eval` in the spec): what the policy said,
-        what the user answered, and how each was scored."""
-        found = await held_out_conversations(request.app.state.redis, record["id"], step)
-        keep = {
-            "all": lambda m: True,
-            "malformed": lambda m: m.get("well_formed", 1.0) < 1.0,
-            "asked": lambda m: m.get("asked", 0.0) > 0.0,
-            "not_asked": lambda m: m.get("asked", 0.0) == 0.0,
-        }[only]
-        found = [c for c in found if keep(c.metrics)]
-        if order != "example":
-            found.sort(key=lambda c: (c.metrics.get("success", 0.0), c.example, c.trial), reverse=order == "highest")
-        return found[:limit]
-
-    @router.get("/v1/jobs/{job_id}/groups", response_model=list[dict], responses=ERRORS)
-    async def groups(
-        request: Request,
-        version: int | None = Query(None, ge=0, description="Only groups whose newest tokens are of this version."),
-        order: Literal["recent", "lowest", "highest"] = Query(
-            "recent", description="Newest first, or by the group's lowest (highest) response reward."
-        ),
-        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
-        limit: int = Query(50, ge=1, le=GROUPS_KEPT),
-        record: dict = Depends(owned),
-    ) -> list[dict]:
-        """Recent training groups as text (`protocol.GroupView`, about the newest
-        `GROUPS_KEPT`): the context, each response with its reward, advantage and the parts
-        of R*, and each response's futures with the judge's verdict."""
-        found = await training_groups(request.app.state.redis, record["id"])
-        if version is not None:
-            found = [g for g in found if g.versions and g.versions[-1] == version]
-        found = [g for g in found if GROUP_FILTERS[only](g)]
-        if order != "recent":
-            found.sort(key=lambda g: min(r.reward for r in g.responses), reverse=order == "highest")
-        return [msgspec.to_builtins(g) for g in found[:limit]]
-
     @router.get("/v1/jobs/{job_id}/checkpoints", response_model=list[Checkpoint], responses=ERRORS)
     async def checkpoints(request: Request, record: dict = Depends(owned)) -> list[Checkpoint]:
         raw = await request.app.state.redis.lrange(Keys.checkpoints(record["id"]), 0, -1)
@@ -589,6 +545,56 @@ def job_records_router() -> APIRouter:
         """Every change in the rollout servers on the job: who joined, who left and why."""
         raw = await request.app.state.redis.lrange(Keys.servers(record["id"]), 0, -1)
         return [Membership(**json.loads(r)) for r in raw]
+
+    return router
+
+
+def conversations_router() -> APIRouter:
+    """What a job's conversations were: its held-out rounds and its recent training groups."""
+    router = APIRouter()
+
+    @router.get("/v1/jobs/{job_id}/conversations", response_model=list[HeldOutConversation], responses=ERRORS)
+    async def conversations(
+        request: Request,
+        step: int | None = Query(None, ge=0, description="The round (its step); the newest when left out."),
+        order: Literal["example", "lowest", "highest"] = Query("example", description="By example, or by success."),
+        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
+        limit: int = Query(100, ge=1, le=1000),
+        record: dict = Depends(owned),
+    ) -> list[HeldOutConversation]:
+        """The conversations of one held-out round (`eval` in the spec): what the policy said,
+        what the user answered, and how each was scored."""
+        found = await held_out_conversations(request.app.state.redis, record["id"], step)
+        found = [c for c in found if METRIC_FILTERS[only](c.metrics)]
+        if order != "example":
+            found.sort(key=lambda c: (c.metrics.get("success", 0.0), c.example, c.trial), reverse=order == "highest")
+        return found[:limit]
+
+    @router.get("/v1/jobs/{job_id}/groups", response_model=list[dict], responses=ERRORS)
+    async def groups(
+        request: Request,
+        response: Response,
+        version: int | None = Query(None, ge=0, description="Only groups whose newest tokens are of this version."),
+        order: Literal["recent", "lowest", "highest"] = Query(
+            "recent", description="Newest first, or by the group's lowest (highest) response reward."
+        ),
+        only: Literal["all", "malformed", "asked", "not_asked"] = Query("all"),
+        limit: int = Query(50, ge=1, le=GROUPS_KEPT),
+        record: dict = Depends(owned),
+    ) -> list[dict]:
+        """Recent training groups as text (`protocol.GroupView`, about the newest
+        `GROUPS_KEPT`): the context, each response with its reward, advantage and the parts
+        of R*, and each response's futures with the judge's verdict. `X-Tandem-Group-Versions`
+        lists the versions the recorded groups came from, newest first (what `version` takes)."""
+        found = await training_groups(request.app.state.redis, record["id"])
+        versions = sorted({g.versions[-1] for g in found if g.versions}, reverse=True)
+        response.headers["x-tandem-group-versions"] = ",".join(map(str, versions))
+        if version is not None:
+            found = [g for g in found if g.versions and g.versions[-1] == version]
+        found = [g for g in found if GROUP_FILTERS[only](g)]
+        if order != "recent":
+            found.sort(key=lambda g: min(r.reward for r in g.responses), reverse=order == "highest")
+        return [msgspec.to_builtins(g) for g in found[:limit]]
 
     return router
 
@@ -626,6 +632,15 @@ async def held_out_conversations(client, job_id: str, step: int | None) -> list[
     return [chosen[key] for key in sorted(chosen)]
 
 
+METRIC_FILTERS = {
+    "all": lambda metrics: True,
+    "malformed": lambda metrics: metrics.get("well_formed", 1.0) < 1.0,
+    "asked": lambda metrics: metrics.get("asked", 0.0) > 0.0,
+    "not_asked": lambda metrics: metrics.get("asked", 0.0) == 0.0,
+}
+"""Which held-out conversations `GET /v1/jobs/{id}/conversations?only=` keeps, by their metrics."""
+
+
 def asked(view: protocol.GroupView) -> bool:
     return any(r.metrics.get("asked", 0.0) > 0.0 for r in view.responses)
 
@@ -637,7 +652,8 @@ GROUP_FILTERS = {
     "not_asked": lambda view: not asked(view),
 }
 """Which groups `GET /v1/jobs/{id}/groups?only=` keeps: `malformed` has a malformed response
-or future; `asked` has a response whose conversations asked the user (clarify's `asked`)."""
+or future; `asked` has a response whose conversations asked the user (clarify's `asked`),
+`not_asked` none."""
 
 
 async def training_groups(client, job_id: str) -> list[protocol.GroupView]:

@@ -57,6 +57,11 @@ async def test_a_submitted_job_is_pending_listed_and_queued_for_a_learner(api, r
         ({**SPEC, "rollout": {"group_size": 0}}, ["body", "rollout", "group_size"]),
         ({**SPEC, "reward": {"mode": "vibes"}}, ["body", "reward", "mode"]),
         ({**SPEC, "surprise": 1}, ["body", "surprise"]),
+        ({**SPEC, "budget": {"usd": -5}}, ["body", "budget", "usd"]),  # a cap no call fits, or a sign trick
+        ({**SPEC, "budget": {"usd": 0}}, ["body", "budget", "usd"]),
+        ({**SPEC, "budget": {"tokens": 1.5}}, ["body", "budget", "tokens"]),
+        ({**SPEC, "budget": {"usd": "infinite"}}, ["body", "budget", "usd"]),
+        ({**SPEC, "budget": {"usd": 5, "held_usd": -100}}, ["body", "budget", "held_usd"]),
         ({**SPEC, "health": [{"metric": "vibes", "above": 1}]}, ["body", "health", 0, "metric"]),
         ({**SPEC, "health": [{"metric": "entropy", "below": 0.1, "steps": 0}]}, ["body", "health", 0, "steps"]),
         ({**SPEC, "health": [{"metric": "entropy"}]}, ["body", "health", 0]),  # neither above nor below

@@ -149,6 +149,7 @@ async def test_no_call_is_made_that_could_take_a_job_past_its_cap(proxy, redis_c
     charged = await spend(redis_client, "job-cap")
     assert stats["accepted"] == charged["calls:simulator"] == turn  # the refused call never went upstream
     assert turn >= 2 and charged[f"{cap}:simulator"] <= limit  # the cap holds; nothing is held once calls settle
+    assert f"spent ${charged['usd:simulator']:.4f}, {charged['tokens:simulator']:.0f} tokens" in refused.text
     assert charged["held_usd"] == pytest.approx(0.0, abs=1e-12) and charged["held_tokens"] == 0
     # Another job, without a cap, is not held back.
     assert (await ask(proxy, [{"role": "user", "content": "hello"}], job="job-free")).status_code == 200

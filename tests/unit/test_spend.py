@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from judge_proxy.calls import _usage
 from judge_proxy.spend import CallCost, Prices, call_cost, role_of
 
 PRICES = Prices(input_per_mtok=3.0, output_per_mtok=15.0, cached_input_per_mtok=0.3)
@@ -19,6 +20,17 @@ def test_without_a_cached_price_cached_tokens_cost_the_input_price():
     prices = Prices(input_per_mtok=2.0, output_per_mtok=8.0)
     usage = {"prompt_tokens": 1_000, "completion_tokens": 100, "cached_tokens": 600}
     assert call_cost(prices, usage, billed=1_100).usd == pytest.approx((1_000 * 2 + 100 * 8) / 1e6)
+
+
+@pytest.mark.parametrize(
+    "details",
+    [{"cached_tokens": -400}, {"cached_tokens": "400"}, {"cached_tokens": True}, {"cached_tokens": 1.5}, "400", None],
+)
+def test_a_providers_cached_count_that_is_no_count_is_no_discount(details):
+    # What the proxy reads from a reply, then prices: nothing believed cached but a count.
+    usage = _usage({"usage": {"prompt_tokens": 1_000, "completion_tokens": 10, "prompt_tokens_details": details}})
+    cost = call_cost(PRICES, usage, billed=1_010)
+    assert cost == CallCost(1_010, 0, pytest.approx((1_000 * 3 + 10 * 15) / 1e6))
 
 
 def test_more_cached_than_prompt_tokens_counts_the_prompt_at_most():

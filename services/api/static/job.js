@@ -8,6 +8,13 @@ const REFRESH_MS = 5000;
 const LIVE = new Set(["PENDING", "RUNNING", "PAUSED"]);
 let timer = null;
 let groupsDrawn = false;
+const asked = {};  // table -> number of its newest request: an older reply is not drawn
+
+function newest(table) {
+  // A check that the request made now is still the table's newest when its reply comes.
+  const mine = (asked[table] = (asked[table] || 0) + 1);
+  return () => asked[table] === mine;
+}
 
 function $(id) { return document.getElementById(id); }
 
@@ -31,16 +38,21 @@ class ApiError extends Error {
   constructor(status, detail) { super(`${status}: ${detail}`); this.status = status; }
 }
 
-async function api(path) {
+async function reply(path) {
+  // The API's reply to `path` with the caller's token, or an ApiError with its detail.
   const token = sessionStorage.getItem("tandem-token") || "";
   const headers = token ? { Authorization: `Bearer ${token}` } : {};
-  const reply = await fetch(path, { headers });
-  if (!reply.ok) {
-    let detail = reply.statusText;
-    try { detail = (await reply.json()).detail || detail; } catch (_) { /* not JSON */ }
-    throw new ApiError(reply.status, typeof detail === "string" ? detail : JSON.stringify(detail));
+  const answer = await fetch(path, { headers });
+  if (!answer.ok) {
+    let detail = answer.statusText;
+    try { detail = (await answer.json()).detail || detail; } catch (_) { /* not JSON */ }
+    throw new ApiError(answer.status, typeof detail === "string" ? detail : JSON.stringify(detail));
   }
-  return reply.json();
+  return answer;
+}
+
+async function api(path) {
+  return (await reply(path)).json();
 }
 
 function showError(error) {
@@ -238,7 +250,9 @@ async function drawConversations() {
   const round = $("round").value;
   if (round === "") return;
   const query = `step=${round}&order=${$("order").value}&only=${$("only").value}&limit=1000`;
+  const current = newest("conversations");
   const found = await api(`/v1/jobs/${jobId}/conversations?${query}`);
+  if (!current()) return;  // the filters changed while it was asked for
   const body = $("conversations").querySelector("tbody");
   body.replaceChildren();
   found.forEach(c => {
@@ -354,11 +368,12 @@ function showGroup(g, row) {
   g.responses.forEach(r => box.appendChild(responseBox(g, r)));
 }
 
-async function drawGroupVersions() {
-  const all = await api(`/v1/jobs/${jobId}/groups?limit=200`);
-  const versions = [...new Set(all.filter(g => g.versions.length).map(g => g.versions[g.versions.length - 1]))];
-  versions.sort((a, b) => b - a);
+function drawGroupVersions(header) {
+  // The versions the recorded groups came from (the route's X-Tandem-Group-Versions).
+  const versions = (header || "").split(",").filter(v => v !== "").map(Number);
   const select = $("group-version");
+  const shown = [...select.options].slice(1).map(o => Number(o.value));
+  if (versions.join() === shown.join()) return;  // unchanged: leave the list as the reader has it
   const had = select.value;
   select.replaceChildren(el("option", "all"), ...versions.map(v => {
     const option = el("option", `version ${v}`);
@@ -372,7 +387,11 @@ async function drawGroupVersions() {
 async function drawGroups() {
   const params = new URLSearchParams({ order: $("group-order").value, only: $("group-only").value, limit: "50" });
   if ($("group-version").value !== "") params.set("version", $("group-version").value);
-  const found = await api(`/v1/jobs/${jobId}/groups?${params}`);
+  const current = newest("groups");
+  const answer = await reply(`/v1/jobs/${jobId}/groups?${params}`);
+  const found = await answer.json();
+  if (!current()) return;  // the filters changed while it was asked for
+  drawGroupVersions(answer.headers.get("x-tandem-group-versions"));
   const body = $("groups").querySelector("tbody");
   body.replaceChildren();
   found.forEach(g => {
@@ -389,11 +408,6 @@ async function drawGroups() {
   $("groups").dataset.drawn = params.toString();  // what the table shows, for a reader to wait on
 }
 
-async function drawTraining() {
-  await drawGroupVersions();
-  await drawGroups();
-}
-
 // ---- the page ------------------------------------------------------------------------
 
 async function refresh() {
@@ -406,7 +420,7 @@ async function refresh() {
     drawRecord(record, history);
     drawCharts(history);
     if (drawRounds(history)) await drawRound();  // a new round came in (or the first)
-    if (!groupsDrawn) { groupsDrawn = true; await drawTraining(); }  // then on asking: a group may be open
+    if (!groupsDrawn) { groupsDrawn = true; await drawGroups(); }  // then on asking: a group may be open
     document.body.dataset.loaded = "true";
     if (LIVE.has(record.status)) timer = setTimeout(refresh, REFRESH_MS);
   } catch (error) {
@@ -426,7 +440,7 @@ function start() {
   ["order", "only"].forEach(id => $(id).addEventListener("change", () => drawConversations().catch(showError)));
   ["group-version", "group-order", "group-only"].forEach(
     id => $(id).addEventListener("change", () => drawGroups().catch(showError)));
-  $("group-refresh").addEventListener("click", () => drawTraining().catch(showError));
+  $("group-refresh").addEventListener("click", () => drawGroups().catch(showError));
   refresh();
 }
 
