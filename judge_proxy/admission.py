@@ -6,7 +6,6 @@ once with 503 `upstream_unavailable` (nothing reserved), its `retry-after` the n
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import time
@@ -19,7 +18,7 @@ from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
-from judge_proxy.spend import Held, JobSpend, Refusal
+from judge_proxy.spend import Held, JobSpend, bills_of, hold_caps
 from judge_proxy.upstream import Upstream, weighted_order
 from services.upstream_health import outage_of
 
@@ -34,7 +33,9 @@ class Grant:
     probe: bool = False
     """The call is its upstream's half-open probe: its outcome closes or reopens the circuit."""
     held: Held | None = None
-    """What it holds of its job's caps (`JobSpend.hold`) until it settles."""
+    """What it holds of its bills' caps (`JobSpend.hold`) until it settles."""
+    bills: list[str] = field(default_factory=list)
+    """The spend hashes its cost is charged to: its job's and its tenant's month (`bills_of`)."""
 
 
 @dataclass
@@ -68,10 +69,6 @@ class Attempts:
     last_pause_s: float = 0.0
     queue_s: float = 0.0
     upstream_s: float = 0.0
-
-
-CAP_WAIT_S = 0.1
-"""How often a call waiting for its job's calls in flight to give back cap holds looks again."""
 
 
 def dearest_usd(upstream: Upstream, need: Need) -> float:
@@ -123,14 +120,17 @@ class Admission:
         candidates = [u for u in group.upstreams if u.name not in attempts.failed and need.cost(u) <= u.config.tpm]
         if not candidates:
             raise exhausted(group, attempts, priority)
-        held = await self.hold_caps(group, candidates, need, job, deadline)
-        try_admit = self.reservation(group, candidates, need, job, await self.weights.of(job), attempts.failed)
+        terms = await self.weights.terms(job)
+        bills = bills_of(job, terms)
+        usd, tokens = max(dearest_usd(u, need) for u in candidates), max(need.cost(u) for u in candidates)
+        held = await hold_caps(group.spend, job, bills, usd, tokens, deadline)
+        try_admit = self.reservation(group, candidates, need, job, terms.weight, attempts.failed)
         try:
             grant, waited_s = await group.admitter.admit(
                 job, priority, min(need.cost(u) for u in candidates), deadline - time.monotonic(), try_admit
             )
         except QueueTimeout as timeout:
-            await group.spend.release(job, held)
+            await group.spend.release(held)
             metrics.REJECTED.labels(priority).inc()
             raise ProxyError(
                 429,
@@ -139,42 +139,11 @@ class Admission:
                 retry_after_s=timeout.retry_after_s,
             ) from None
         except BaseException:
-            await group.spend.release(job, held)
+            await group.spend.release(held)
             raise
         attempts.queue_s += waited_s
-        grant.held = held
+        grant.held, grant.bills = held, [b.key for b in bills]
         return grant
-
-    async def hold_caps(
-        self, group: Group, candidates: list[Upstream], need: Need, job: str, deadline: float
-    ) -> Held | None:
-        """Hold the call's dearest cost (on the dearest candidate) against its job's caps
-        until it settles. While calls in flight hold what it needs it waits for them, until
-        `deadline` (then 429); when even the bill so far leaves no room, 402
-        `spend_cap_reached`. None: the job has no cap."""
-        budget = await self.weights.budget(job) if job else None
-        if budget is None or (budget.usd is None and budget.tokens is None):
-            return None
-        tokens = max(need.cost(u) for u in candidates)
-        usd = max(dearest_usd(u, need) for u in candidates)
-        while isinstance(held := await group.spend.hold(job, budget, usd, tokens), Refusal):
-            if not held.wait:
-                raise ProxyError(
-                    402,
-                    f"job {job!r} reached its spend cap (budget: usd {budget.usd}, tokens {budget.tokens}; spent "
-                    f"${held.spent_usd:.4f}, {held.spent_tokens} tokens): this call could cost ${usd:.4f}, "
-                    f"{tokens} tokens",
-                    "spend_cap_reached",
-                )
-            if time.monotonic() > deadline:
-                raise ProxyError(
-                    429,
-                    f"job {job!r}: its calls in flight hold what is left of its spend cap",
-                    "rate_limited",
-                    retry_after_s=1.0,
-                )
-            await asyncio.sleep(CAP_WAIT_S)
-        return held
 
     def reservation(
         self, group: Group, candidates: list[Upstream], need: Need, job: str, weight: float, failed: dict[str, str]

@@ -233,7 +233,7 @@ async def charge(group: Group, grant: Grant, reply: Reply, attempts: Attempts, u
     cost = call_cost(upstream.config.prices, usage, used)
     await asyncio.gather(
         settle(group, grant, used, reply, prompt_tokens=usage.get("prompt_tokens"), usage_outlier=outlier),
-        group.spend.charge(attempts.job, attempts.role or attempts.priority, cost),
+        group.spend.charge(attempts.job, grant.bills, attempts.role or attempts.priority, cost),
     )
 
 
@@ -265,7 +265,7 @@ async def settle(
             reset_requests_s=reset_s(headers, "requests"),
         ),
         group.share.refund(grant.job, grant.share_tokens - used_tokens),
-        group.spend.release(grant.job, grant.held),
+        group.spend.release(grant.held),
     )
     grant.held = None  # released once, however many settles follow
     group.admitter.wake()

@@ -48,8 +48,7 @@ import redis.asyncio as aioredis
 
 from judge_proxy.budget import NOW_S_LUA
 from judge_proxy.upstream import UpstreamConfig
-from services.config import BudgetSpec
-from services.jobs import judge_terms
+from services.jobs import JudgeTerms, judge_terms
 from services.queues import Keys
 
 ACTIVE_S = 5.0
@@ -219,16 +218,16 @@ class Share:
 
 
 class Weights:
-    """Each job's `judge_weight` and `budget`, read from its record at most every `ttl_s`
-    per replica."""
+    """Each job's terms (`judge_weight`, `budget`, tenant and the cap on its month), read
+    from its record at most every `ttl_s` per replica."""
 
     def __init__(self, client: aioredis.Redis, ttl_s: float = WEIGHT_TTL_S) -> None:
         self.client = client
         self.ttl_s = ttl_s
-        self.read: dict[str, tuple[tuple[float, BudgetSpec], float]] = {}
-        """Job -> ((weight, budget), `time.monotonic()` when read)."""
+        self.read: dict[str, tuple[JudgeTerms, float]] = {}
+        """Job -> (its terms, `time.monotonic()` when read)."""
 
-    async def terms(self, job: str) -> tuple[float, BudgetSpec]:
+    async def terms(self, job: str) -> JudgeTerms:
         cached = self.read.get(job)
         if cached is not None and time.monotonic() - cached[1] < self.ttl_s:
             return cached[0]
@@ -237,7 +236,4 @@ class Weights:
         return terms
 
     async def of(self, job: str) -> float:
-        return (await self.terms(job))[0]
-
-    async def budget(self, job: str) -> BudgetSpec:
-        return (await self.terms(job))[1]
+        return (await self.terms(job)).weight

@@ -14,22 +14,26 @@ which is never more than the call reserved) is charged the billed tokens at the 
 the input and output prices: a conservative bill for what cannot be believed. An upstream without
 prices costs tokens only.
 
-The sums live in Redis, in the job's `spend` hash (`usd:<role>`, `tokens:<role>`,
-`cached:<role>`, `calls:<role>`), shared by every proxy replica: what the learner records per
-step, the API shows as the job's cost, and a job's cap is held against.
+The sums live in Redis, shared by every proxy replica, in two bills: the job's `spend` hash
+(`usd:<role>`, `tokens:<role>`, `cached:<role>`, `calls:<role>`), what the learner records
+per step and the API shows as the job's cost, and the same sums for its tenant's calendar
+month (`services.bills`), what the API shows the tenant.
 
-Caps (`budget` in the job's spec): before a call goes upstream it holds its dearest cost
-(every token it may reserve at the dearer price) in the same hash (`held_usd`, `held_tokens`),
-in one script that refuses when the bill so far, what calls in flight hold and this call's
-hold would pass a cap. The hold goes back when the call settles, its true cost charged. So
-no call is made that could take the bill past the cap, whatever replica makes it. A call
-refused while others hold the room waits for them to settle (429 after the queue
-deadline); one that the bill alone leaves no room for is 402 `spend_cap_reached`, counted
-in the hash (`refused`) for the learner to end the job on.
+Caps: the job's `budget`, and the operator's cap on every tenant's month. Before a call
+goes upstream it holds its dearest cost (every token it may reserve at the dearer price) in
+both bills (`held_usd`, `held_tokens`), in one script that refuses when, in either, the bill
+so far, what calls in flight hold and this call's hold would pass a cap. The hold goes back
+when the call settles, its true cost charged. So no call is made that could take a bill past
+its cap, whatever replica makes it. A call refused while others hold the room waits for them
+to settle (429 after the queue deadline); one that a bill alone leaves no room for is 402
+`spend_cap_reached`, counted in the job's hash (`refused`, and `refused_by`: which cap) for
+the learner to end the job on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -37,7 +41,10 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
+from judge_proxy.errors import ProxyError
+from services import bills
 from services.config import BudgetSpec
+from services.jobs import JudgeTerms
 from services.queues import Keys
 
 ROLES = ("simulator", "judge", "extraction", "eval")
@@ -92,92 +99,165 @@ def call_cost(prices: Prices | None, usage: dict[str, int], billed: int) -> Call
 
 
 @dataclass(frozen=True)
+class Bill:
+    """A spend hash a call is charged to, and the caps held against it there."""
+
+    key: str
+    cap: BudgetSpec
+    label: str
+    """What the cap is called when it refuses (`the job's spend cap (usd 0.5)`), for the job's record."""
+
+
+@dataclass(frozen=True)
 class Held:
-    """What one call in flight holds of its job's caps."""
+    """What one call in flight holds of its bills' caps."""
 
     usd: float
     tokens: int
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Refusal:
     """Why a call may not hold what it needs: `wait` (calls in flight hold the room; it
-    comes back as they settle) or not (the bill so far leaves none), and the bill so far."""
+    comes back as they settle) or not (the bill so far leaves none), which bill refused,
+    and that bill so far."""
 
     wait: bool
+    bill: Bill
     spent_usd: float
     spent_tokens: int
 
 
-# KEYS[1]: the job's spend hash. ARGV: the usd cap and the token cap (-1: none), what this
-# call would hold (usd, tokens). Returns {1} and holds it; {0, usd, tokens} when calls in
-# flight hold the room; {-1, usd, tokens} when the bill alone leaves none (counted in
-# `refused`). The bill is returned as strings (Lua numbers become integers on the way out).
+# KEYS: the spend hashes a call is charged to, the job's first. ARGV: what the call would
+# hold (usd, tokens), then each hash's usd cap, token cap (-1: none) and label. Returns {1}
+# and holds it in every hash; {0, i, usd, tokens} when calls in flight hold the room in hash
+# i; {-1, i, usd, tokens} when hash i's bill alone leaves none, counted in the job's hash
+# (`refused`, and `refused_by`: the label) for the learner to end the job on. The bill is
+# returned as strings (Lua numbers become integers on the way out).
 HOLD_LUA = """
-local fields = redis.call('HGETALL', KEYS[1])
-local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
-for i = 1, #fields, 2 do
-  local name, value = fields[i], tonumber(fields[i + 1])
-  if string.sub(name, 1, 4) == 'usd:' then usd = usd + value
-  elseif string.sub(name, 1, 7) == 'tokens:' then tokens = tokens + value
-  elseif name == 'held_usd' then held_usd = value
-  elseif name == 'held_tokens' then held_tokens = value end
+local need_usd, need_tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
+local waits = 0
+for k = 1, #KEYS do
+  local fields = redis.call('HGETALL', KEYS[k])
+  local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
+  for i = 1, #fields, 2 do
+    local name, value = fields[i], tonumber(fields[i + 1])
+    if string.sub(name, 1, 4) == 'usd:' then usd = usd + value
+    elseif string.sub(name, 1, 7) == 'tokens:' then tokens = tokens + value
+    elseif name == 'held_usd' then held_usd = value
+    elseif name == 'held_tokens' then held_tokens = value end
+  end
+  local usd_cap, tokens_cap = tonumber(ARGV[3 * k]), tonumber(ARGV[3 * k + 1])
+  local function passes(held_usd, held_tokens)
+    return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
+        or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
+  end
+  if passes(0, 0) then
+    redis.call('HINCRBY', KEYS[1], 'refused', 1)
+    redis.call('HSET', KEYS[1], 'refused_by', ARGV[3 * k + 2])
+    return {-1, k, tostring(usd), tostring(tokens)}
+  end
+  if waits == 0 and passes(held_usd, held_tokens) then waits = {0, k, tostring(usd), tostring(tokens)} end
 end
-local usd_cap, tokens_cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-local need_usd, need_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
-local function passes(held_usd, held_tokens)
-  return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
-      or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
+if waits ~= 0 then return waits end
+for k = 1, #KEYS do
+  redis.call('HINCRBYFLOAT', KEYS[k], 'held_usd', ARGV[1])
+  redis.call('HINCRBY', KEYS[k], 'held_tokens', ARGV[2])
 end
-if passes(0, 0) then
-  redis.call('HINCRBY', KEYS[1], 'refused', 1)
-  return {-1, tostring(usd), tostring(tokens)}
-end
-if passes(held_usd, held_tokens) then return {0, tostring(usd), tostring(tokens)} end
-redis.call('HINCRBYFLOAT', KEYS[1], 'held_usd', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'held_tokens', ARGV[4])
 return {1}
 """
 
 
 class JobSpend:
-    """Charges calls to their jobs' `spend` hashes, and holds calls in flight against caps."""
+    """Charges calls to their bills (their job's and their tenant's spend hashes), and holds
+    calls in flight against the caps there."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self._hold = redis.register_script(HOLD_LUA)
 
-    async def hold(self, job: str, budget: BudgetSpec, usd: float, tokens: int) -> Held | Refusal:
-        """Hold a call's dearest cost (`usd`, `tokens`) against the job's caps, or say why
-        it may not (the call must not be made now, or, with the bill as it is, ever)."""
-        caps = [-1 if budget.usd is None else budget.usd, -1 if budget.tokens is None else budget.tokens]
-        verdict = await self._hold(keys=[Keys.job_spend(job)], args=[*caps, usd, tokens])
+    async def hold(self, bills: list[Bill], usd: float, tokens: int) -> Held | Refusal:
+        """Hold a call's dearest cost (`usd`, `tokens`) against its bills' caps, or say why
+        it may not (the call must not be made now, or, with a bill as it is, ever)."""
+        args: list = [usd, tokens]
+        for bill in bills:
+            args += [_cap(bill.cap.usd), _cap(bill.cap.tokens), bill.label]
+        verdict = await self._hold(keys=[b.key for b in bills], args=args)
         if verdict[0] == 1:
-            return Held(usd, tokens)
-        return Refusal(wait=verdict[0] == 0, spent_usd=float(verdict[1]), spent_tokens=int(float(verdict[2])))
+            return Held(usd, tokens, tuple(b.key for b in bills))
+        bill = bills[int(verdict[1]) - 1]
+        return Refusal(verdict[0] == 0, bill, spent_usd=float(verdict[2]), spent_tokens=int(float(verdict[3])))
 
-    async def release(self, job: str, held: Held | None) -> None:
+    async def release(self, held: Held | None) -> None:
         """Give back what a settled call held (its true cost is charged by `charge`)."""
         if held is None:
             return
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrbyfloat(Keys.job_spend(job), "held_usd", -held.usd)
-            pipe.hincrby(Keys.job_spend(job), "held_tokens", -held.tokens)
+            for key in held.keys:
+                pipe.hincrbyfloat(key, "held_usd", -held.usd)
+                pipe.hincrby(key, "held_tokens", -held.tokens)
             await pipe.execute()
 
-    async def charge(self, job: str, role: str, cost: CallCost) -> None:
+    async def charge(self, job: str, keys: list[str], role: str, cost: CallCost) -> None:
+        """Charge a call of `job` (in the metrics) to the spend hashes `keys` (its bills')."""
         JOB_COST.labels(job, role).inc(cost.usd)
         JOB_CACHED.labels(job).inc(cost.cached)
-        if not job:  # a call no job made (an operator's): in the metrics only
+        if not keys:  # a call no job made (an operator's): in the metrics only
             return
         async with self.redis.pipeline(transaction=True) as pipe:
-            key = Keys.job_spend(job)
-            pipe.hincrbyfloat(key, f"usd:{role}", cost.usd)
-            pipe.hincrby(key, f"tokens:{role}", cost.tokens)
-            pipe.hincrby(key, f"cached:{role}", cost.cached)
-            pipe.hincrby(key, f"calls:{role}", 1)
-            pipe.expire(key, SPEND_TTL_S)  # a late call after the job's keys were deleted leaves no key for good
+            for key in keys:
+                pipe.hincrbyfloat(key, f"usd:{role}", cost.usd)
+                pipe.hincrby(key, f"tokens:{role}", cost.tokens)
+                pipe.hincrby(key, f"cached:{role}", cost.cached)
+                pipe.hincrby(key, f"calls:{role}", 1)
+                pipe.expire(key, SPEND_TTL_S)  # a late call after the job's keys were deleted leaves no key for good
             await pipe.execute()
+
+
+def _cap(value: float | int | None) -> float | int:
+    return -1 if value is None else value
+
+
+CAP_WAIT_S = 0.1
+"""How often a call waiting for calls in flight to give back cap holds looks again."""
+
+
+def bills_of(job: str, terms: JudgeTerms, now: float | None = None) -> list[Bill]:
+    """The spend hashes a call of `job` is charged to: its job's and, when the job has a
+    record, its tenant's this month (`services.bills`); none for a call no job made."""
+    if not job:
+        return []
+    found = [Bill(Keys.job_spend(job), terms.budget, bills.job_cap_label(terms.budget))]
+    if terms.tenant is not None:
+        month = bills.period(now)
+        label = bills.tenant_cap_label(terms.tenant, month, terms.tenant_cap)
+        found.append(Bill(Keys.tenant_spend(terms.tenant, month), terms.tenant_cap, label))
+    return found
+
+
+async def hold_caps(
+    spend: JobSpend, job: str, owed: list[Bill], usd: float, tokens: int, deadline: float
+) -> Held | None:
+    """Hold a call's dearest cost (`usd`, `tokens`) against the caps of the bills it is
+    `owed` to, until it settles. While calls in flight hold what it needs it waits for them,
+    until `deadline` (`time.monotonic()`; then 429); when even a bill so far leaves no room,
+    402 `spend_cap_reached` naming the cap. None: no bill has a cap."""
+    if all(b.cap.usd is None and b.cap.tokens is None for b in owed):
+        return None
+    while isinstance(held := await spend.hold(owed, usd, tokens), Refusal):
+        if not held.wait:
+            raise ProxyError(
+                402,
+                f"job {job!r} reached {held.bill.label}: ${held.spent_usd:.4f} and {held.spent_tokens} tokens "
+                f"spent, and this call could cost ${usd:.4f}, {tokens} tokens",
+                "spend_cap_reached",
+            )
+        if time.monotonic() > deadline:
+            why = f"job {job!r}: calls in flight hold what is left of {held.bill.label}"
+            raise ProxyError(429, why, "rate_limited", retry_after_s=1.0)
+        await asyncio.sleep(CAP_WAIT_S)
+    return held
 
 
 def role_of(header: str, priority: str) -> str:

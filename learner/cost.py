@@ -43,40 +43,51 @@ class CostMeter:
         """(step, cost so far, tokens so far) when this run's steps began: the mean step cost is over them."""
         self.spend: dict = {}
         """The job's bill as the last step read it (`services.jobs.job_spend`)."""
+        self.binding = ""
+        """Why the plan is short of the job's steps (`planned`), if it is."""
 
     async def begin(self, step: int) -> None:
         """This run trains from `step` (0, or the step it resumed from)."""
         self.spend = await jobs.job_spend(self.redis, self.job_id)
         self.last_usd, self.start = self.spend["usd"], (step, self.spend["usd"], self.spend["tokens"])
 
-    def planned(self, step: int, budget: BudgetSpec, admitted_tasks: int, train: TrainSpec) -> int:
-        """The steps the job can train within its `budget` at this run's mean step cost
-        (`planned_steps`, for each cap), having admitted `admitted_tasks` tasks."""
+    def planned(
+        self, step: int, caps: list[tuple[str, BudgetSpec, dict]], admitted_tasks: int, train: TrainSpec
+    ) -> int:
+        """The steps the job can train within its `caps` (each named, with the bill it
+        holds: the job's own, its tenant's month) at this run's mean step cost
+        (`planned_steps`), having admitted `admitted_tasks` tasks. A tenant's other jobs spend
+        its month too, so there the plan is the most this job can reach, and the proxy's
+        refusal the stop. The cap that binds is kept (`binding`) for the job's record."""
         first_step, first_usd, first_tokens = self.start or (0, 0.0, 0)
         steps = max(step - first_step, 1)
-        admitted_steps = -(-admitted_tasks // train.batch_size)
-        plans = [train.num_steps]
-        if budget.usd is not None:
-            per_step = (self.spend["usd"] - first_usd) / steps
-            plans.append(planned_steps(step, per_step, self.spend["usd"], budget.usd, admitted_steps, train.num_steps))
-        if budget.tokens is not None:
-            per_step = (self.spend["tokens"] - first_tokens) / steps
-            spent = self.spend["tokens"]
-            plans.append(planned_steps(step, per_step, spent, budget.tokens, admitted_steps, train.num_steps))
-        return min(plans)
+        per_step = {"usd": (self.spend["usd"] - first_usd) / steps}
+        per_step["tokens"] = (self.spend["tokens"] - first_tokens) / steps
+        admitted, plan = -(-admitted_tasks // train.batch_size), train.num_steps
+        for label, cap, bill in caps:
+            for kind, limit in (("usd", cap.usd), ("tokens", cap.tokens)):
+                if limit is None:
+                    continue
+                steps_within = planned_steps(step, per_step[kind], bill[kind], limit, admitted, train.num_steps)
+                if steps_within < plan:
+                    plan, self.binding = steps_within, f"{label} leaves no room for more steps"
+        return plan
 
     async def check_refused(self) -> None:
-        """`SpendCapReached` once the proxy has refused a call of the job for its cap."""
+        """`SpendCapReached` once the proxy has refused a call of the job for a cap (its
+        own, or its tenant's month's)."""
         if int(await self.redis.hget(Keys.job_spend(self.job_id), "refused") or 0):
             raise SpendCapReached()
 
-    async def reason(self, step: int, budget: BudgetSpec, num_steps: int) -> str:
-        """Why a job ended before `num_steps`, for its record."""
+    async def reason(self, step: int, num_steps: int) -> str:
+        """Why a job ended before `num_steps`, for its record: the cap that refused its call,
+        or else the one its plan stopped at."""
         self.spend = await jobs.job_spend(self.redis, self.job_id)
-        caps = ", ".join(f"{name} {value}" for name, value in (("usd", budget.usd), ("tokens", budget.tokens)) if value)
+        refused_by = await self.redis.hget(Keys.job_spend(self.job_id), "refused_by")
+        why = f"{refused_by.decode()} refused a call" if refused_by else self.binding or "a spend cap refused a call"
         return (
             f"spend cap reached at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "
-            f"{self.spend.get('tokens', 0)} tokens spent of budget {caps}"
+            f"{self.spend.get('tokens', 0)} tokens spent; {why}"
         )
 
     async def after_step(self, step: int, groups: list[protocol.TrajectoryGroup], total_steps: int) -> dict[str, float]:

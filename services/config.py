@@ -933,6 +933,15 @@ class ApiSettings(_ToolSettings):
     max_judge_weight: float = Field(
         10.0, gt=0, le=1000.0, description="The largest judge_weight a job may ask for (422 above it)."
     )
+    tenant_budget_usd: float | None = Field(
+        None,
+        gt=0,
+        description="The most each tenant's jobs' LLM calls may cost in a calendar month (UTC), at the upstreams' "
+        "prices; the judge proxy makes no call past it. Set it alike on every API replica. None: no cap.",
+    )
+    tenant_budget_tokens: int | None = Field(
+        None, gt=0, description="The most provider tokens each tenant's jobs may use in a calendar month. None: no cap."
+    )
     operators: str = Field(
         "",
         description="Comma-separated tenants allowed the rollout-server routes (list, drain); "
@@ -949,6 +958,11 @@ class ApiSettings(_ToolSettings):
     def _auth_or_loopback(self) -> ApiSettings:
         _require_tokens_off_loopback(self.host, self.tokens, "TANDEM_TOKENS")
         return self
+
+    @property
+    def tenant_budget(self) -> BudgetSpec:
+        """The cap on every tenant's month (`services.bills`)."""
+        return BudgetSpec(usd=self.tenant_budget_usd, tokens=self.tenant_budget_tokens)
 
 
 class _ReplaySettings(_ProcessSettings):

@@ -22,10 +22,11 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from services import job_lease
+from services import bills, job_lease
 from services.config import JOB_NAME, BudgetSpec, JobSpec, parse_job_spec_json
 from services.queues import Keys
 
@@ -163,22 +164,10 @@ LIST_PAGE = 200
 """Index entries read per round trip when listing one tenant's jobs."""
 
 
-SPEND_KINDS = ("usd", "tokens", "cached", "calls")
-
-
 async def job_spend(client: aioredis.Redis, job_id: str) -> dict:
     """What the job's LLM calls have cost so far, as the judge proxy charged them
     (`judge_proxy.spend`): `usd`, `tokens`, `cached` and `calls` in all, and `by_role`."""
-    by_role: dict[str, dict[str, float]] = {}
-    for field, value in (await client.hgetall(Keys.job_spend(job_id))).items():
-        kind, _, role = field.decode().partition(":")
-        if kind not in SPEND_KINDS:
-            continue
-        by_role.setdefault(role, {"usd": 0.0, "tokens": 0, "cached": 0, "calls": 0})[kind] = (
-            float(value) if kind == "usd" else int(value)
-        )
-    totals = {kind: sum(r[kind] for r in by_role.values()) for kind in SPEND_KINDS}
-    return totals | {"by_role": by_role}
+    return bills.bill_of(await client.hgetall(Keys.job_spend(job_id)))
 
 
 async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dict]:
@@ -207,15 +196,31 @@ async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
     return parse_job_spec_json(await client.hget(Keys.job(job_id), "spec"))
 
 
-async def judge_terms(client: aioredis.Redis, job_id: str) -> tuple[float, BudgetSpec]:
-    """What the judge proxy holds the job to: its `judge_weight` (its share of a judge
-    upstream against other jobs) and its `budget`; 1 and no cap for an id with no job record
-    (tests, clients outside Tandem)."""
-    spec = await client.hget(Keys.job(job_id), "spec")
+@dataclass(frozen=True)
+class JudgeTerms:
+    """What the judge proxy holds a job to."""
+
+    weight: float
+    """Its `judge_weight`: its share of a judge upstream against other jobs."""
+    budget: BudgetSpec
+    """Its own caps."""
+    tenant: str | None
+    """Whose it is (None: no job record, so no tenant's month to charge)."""
+    tenant_cap: BudgetSpec
+    """The operator's cap on its tenant's month (`services.bills`)."""
+
+
+async def judge_terms(client: aioredis.Redis, job_id: str) -> JudgeTerms:
+    """The job's terms; weight 1, no cap and no tenant for an id with no job record (tests,
+    clients outside Tandem)."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hmget(Keys.job(job_id), "spec", "tenant")
+        pipe.hgetall(Keys.tenant_caps)
+        (spec, tenant), caps = await pipe.execute()
     if spec is None:
-        return 1.0, BudgetSpec()
+        return JudgeTerms(1.0, BudgetSpec(), None, BudgetSpec())
     parsed = parse_job_spec_json(spec)
-    return parsed.judge_weight, parsed.budget
+    return JudgeTerms(parsed.judge_weight, parsed.budget, (tenant or b"").decode(), bills.cap_of(caps))
 
 
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never

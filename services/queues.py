@@ -110,6 +110,16 @@ class Keys:
         `calls:<role>` (the judge proxy's `judge_proxy.spend`)."""
         return f"{PREFIX}job:{job_id}:spend"
 
+    tenant_caps = PREFIX + "tenant:caps"
+    """The operator's cap on each tenant's monthly spend (`usd`, `tokens`), as the API's
+    settings say (`services.tenant_spend`); the judge proxy holds calls against it."""
+
+    @staticmethod
+    def tenant_spend(tenant: str, period: str) -> str:
+        """What a tenant's jobs' LLM calls cost in one calendar month (`period`, `2026-11`),
+        fields as in `job_spend`."""
+        return f"{PREFIX}tenant:{tenant}:spend:{period}"
+
     @staticmethod
     def groups(job_id: str) -> str:
         """Training groups as text (GroupView), capped to the newest few hundred: the job page's browser."""

@@ -202,7 +202,7 @@ class GenerateRun(RolloutFedRun):
                 batch = await self.intake.collect(self.version, self.waiting_for_groups, size=size)
                 await self.write(batch, time.monotonic() - waited)
         if len(self.files.task_ids) < total:
-            self.ended_early = await self.cost.reason(len(self.files.task_ids), self.spec.budget, total)
+            self.ended_early = await self.cost.reason(len(self.files.task_ids), total)
 
     async def resume(self) -> None:
         """Continue from the files' last commit: its tasks are done, and the dispatcher

@@ -75,7 +75,7 @@ class RLRun(RolloutFedRun):
         with contextlib.suppress(SpendCapReached):  # the proxy refuses its calls: what is out will not come
             await self.train_steps()
         if self.step < self.spec.train.num_steps:  # a spend cap ended it
-            self.ended_early = await self.cost.reason(self.step, self.spec.budget, self.spec.train.num_steps)
+            self.ended_early = await self.cost.reason(self.step, self.spec.train.num_steps)
         await self.checkpoint()  # the final one, unless the last step's is written already
         self.export_policy()
         await self.evaluation.finish(self.while_waiting, wait=not self.ended_early)

@@ -15,7 +15,7 @@ from learner.evaluation import HeldOutEvaluation
 from learner.publisher import WeightPublisher
 from learner.runs.base import Learner, Run
 from learner.watchdog import Watchdog
-from services import protocol
+from services import bills, jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer
 
@@ -61,18 +61,18 @@ class RolloutFedRun(Run):
         """While a batch waits: what `while_waiting` does, and `SpendCapReached` once the
         proxy has refused a call of the job for its spend cap (its groups will not come)."""
         await self.while_waiting()
-        if self.spec.budget.usd is not None or self.spec.budget.tokens is not None:
-            await self.cost.check_refused()
+        await self.cost.check_refused()
 
     async def plan_within_budget(self, step: int) -> None:
-        """After a step: the steps the job's spend cap leaves it (the dispatcher admits no
-        task beyond them), and `SpendCapReached` once the proxy refuses its calls."""
-        budget = self.spec.budget
-        if budget.usd is None and budget.tokens is None:
-            return
-        planned = self.cost.planned(step, budget, self.dispatcher.outstanding, self.spec.train)
+        """After a step: the steps its spend caps leave the job (its own `budget`, and its
+        tenant's month; the dispatcher admits no task beyond them), and `SpendCapReached`
+        once the proxy refuses its calls for a cap."""
+        terms = await jobs.judge_terms(self.redis, self.job_id)
+        month = await bills.month(self.redis, terms.tenant or "", terms.tenant_cap)
+        caps = [(bills.job_cap_label(terms.budget), terms.budget, self.cost.spend), (month.label, month.cap, month.spent)]
+        planned = self.cost.planned(step, caps, self.dispatcher.outstanding, self.spec.train)
         if planned != self.dispatcher.total_steps:
-            log.info("job %s: its spend cap leaves %d steps of %d", self.job_id, planned, self.spec.train.num_steps)
+            log.info("job %s: its spend caps leave %d steps of %d", self.job_id, planned, self.spec.train.num_steps)
         self.dispatcher.total_steps = planned
         await self.cost.check_refused()
 

@@ -14,7 +14,9 @@ Bodies over `max_body_bytes` get 413, specs over `max_spec_bytes` (as stored) to
 Quotas, per tenant: at most `max_pending_jobs` PENDING jobs (429 for the next; a job still
 PENDING after `pending_ttl_s` ends FAILED, expired), and `max_event_streams` event streams
 open at once in this process (429). A `tools.file` is read off the event loop, and only up
-to `max_tools_file_bytes` (422 naming the field above it).
+to `max_tools_file_bytes` (422 naming the field above it). Money: each tenant's month is
+held to `tenant_budget_usd` / `tenant_budget_tokens` (`services.bills`: the judge proxy makes
+no call past it, and a new job is 402 once it is spent); `GET /v1/spend` shows the month.
 
 The rollout-server routes act on the shared fleet, not on a tenant's job: with tokens set,
 only the tenants in `settings.operators` may use them (403 for others).
@@ -23,8 +25,10 @@ only the tenants in `settings.operators` may use them (403 for others).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
@@ -38,11 +42,11 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.routing import Match
 
-from services import jobs, preference, protocol
+from services import bills, jobs, preference, protocol
 from services.api.events import JobChanges, StreamSlots, job_events
 from services.api.page import page_router
 from services.auth import match_bearer
-from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, JobSpec, ToolCatalog, ToolsSpec
+from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, BudgetSpec, JobSpec, ToolCatalog, ToolsSpec
 from services.metrics import metrics_router
 from services.queues import FIELD, GROUPS_KEPT, Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
@@ -79,6 +83,19 @@ class JobView(BaseModel):
     resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
     resumed_error: str | None = Field(None, description="The error it had then, if any.")
     spec: JobSpec
+
+
+class TenantSpend(BaseModel):
+    """What a tenant's jobs' LLM calls cost this calendar month (UTC), as the judge proxy
+    charged them, and the operator's cap on it (`TANDEM_TENANT_BUDGET_USD`, `..._TOKENS`)."""
+
+    period: str = Field(description="The month, `2026-11`.")
+    cap: BudgetSpec
+    usd: float
+    tokens: int
+    cached: int
+    calls: int
+    by_role: dict = Field(description="Role (simulator, judge, extraction, eval) -> usd, tokens, cached, calls.")
 
 
 class HeldOutConversation(BaseModel):
@@ -338,11 +355,25 @@ class BodySizeLimit:
         await self.app(scope, counted, send)
 
 
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """While the API runs it keeps the operator's cap on each tenant's month in Redis, where
+    the judge proxy reads it (`services.bills`)."""
+    keeper = asyncio.create_task(bills.keep_caps(app.state.redis, app.state.settings.tenant_budget))
+    try:
+        yield
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
+
+
 def create_app(settings: ApiSettings) -> FastAPI:
     app = FastAPI(
         title="Tandem job API",
         version="0.1.0",
         description="Submit asynchronous RL jobs, follow their progress, cancel and resume them.",
+        lifespan=lifespan,
     )
     app.state.settings = settings
     # The same client as every other process: calls time out, wait out a short Redis outage
@@ -440,17 +471,37 @@ def jobs_router() -> APIRouter:
         "/v1/jobs",
         status_code=201,
         response_model=JobCreated,
-        responses={400: {"model": Error}, 401: {"model": Error}, 413: {"model": Error}, 429: {"model": Error}},
+        responses={
+            400: {"model": Error},
+            401: {"model": Error},
+            402: {"model": Error},
+            413: {"model": Error},
+            429: {"model": Error},
+        },
     )
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         settings = request.app.state.settings
         spec = await admitted(spec, request)
         await expire_own(request, who)
+        month = await bills.month(request.app.state.redis, who, settings.tenant_budget)
+        if month.exhausted:
+            raise HTTPException(
+                402,
+                f"tenant {who!r} has spent its cap for {month.period} (${month.spent['usd']:.4f} and "
+                f"{month.spent['tokens']} tokens of {month.cap.model_dump(exclude_none=True)}): no call of a new job "
+                "could be made before the month ends (TANDEM_TENANT_BUDGET_USD, TANDEM_TENANT_BUDGET_TOKENS)",
+            )
         try:
             job_id = await jobs.create_job(request.app.state.redis, spec, who, settings.max_pending_jobs)
         except jobs.QueueFull as exc:
             raise HTTPException(429, str(exc)) from None
         return JobCreated(id=job_id, status=jobs.JobStatus.PENDING)
+
+    @router.get("/v1/spend", response_model=TenantSpend, responses={401: {"model": Error}})
+    async def spend(request: Request, who: str = Depends(tenant)) -> TenantSpend:
+        """What the tenant's jobs' LLM calls cost this month, and the operator's cap on it."""
+        month = await bills.month(request.app.state.redis, who, request.app.state.settings.tenant_budget)
+        return TenantSpend(**month.view())
 
     @router.get("/v1/jobs", response_model=list[JobView], responses={401: {"model": Error}})
     async def list_jobs(

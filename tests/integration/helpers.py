@@ -174,15 +174,15 @@ def vllm_counted(vllm_url: str) -> int:
 
 @contextlib.contextmanager
 def judge_bound_system(
-    tmp_path: Path, stand_in: LocalUpstreamConfig, prices: dict | None = None
+    tmp_path: Path, stand_in: LocalUpstreamConfig, prices: dict | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[httpx.Client, str]]:
-    """The whole system (API, learner, a rollout server, the judge proxy) in front of a
-    stand-in provider serving `judge`, with `prices` on it and runs in `tmp_path/runs`: a
-    client of its API, and the stand-in's address."""
+    """The whole system (API, learner, a rollout server, the judge proxy; `env` added to
+    theirs) in front of a stand-in provider serving `judge`, with `prices` on it and runs in
+    `tmp_path/runs`: a client of its API, and the stand-in's address."""
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_provider(stand_in), free_port()))
         upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=prices)
-        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams)}
+        env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams), **(env or {})}
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
         yield httpx.Client(base_url=system.api_url, timeout=10), stand_in_url
 

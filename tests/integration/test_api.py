@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import pytest
 
-from services import jobs
+from services import bills, jobs
 from services.api.app import create_app
 from services.config import ApiSettings, parse_job_spec
 from services.queues import Keys
@@ -567,3 +568,44 @@ async def test_a_bad_tracking_section_gets_422_naming_the_field(api, tracking, l
     response = await api.post("/v1/jobs", json={**SPEC, "tracking": tracking})
     assert response.status_code == 422
     assert loc in [error["loc"][: len(loc)] for error in response.json()["detail"]]
+
+
+async def test_a_tenants_month_is_shown_to_it_alone_and_once_spent_refuses_new_jobs_with_402(redis_url, redis_client):
+    app = create_app(ApiSettings(redis_url=redis_url, tokens=TOKENS, tenant_budget_usd=1.0))
+    alpha, beta = bearer("alpha-token-0123456789"), bearer("beta-token-9876543210")
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as api,
+    ):
+        # While the API runs, the operator's cap is in Redis for the judge proxy.
+        for _ in range(100):  # its first write is at once; a few round trips at most
+            if (await bills.read_caps(redis_client)).usd == 1.0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await bills.read_caps(redis_client)).usd == 1.0
+        month = Keys.tenant_spend("alpha", bills.period())
+        await redis_client.hset(month, mapping={"usd:judge": 0.4, "tokens:judge": 900, "calls:judge": 3})
+        shown = (await api.get("/v1/spend", headers=alpha)).json()
+        assert (shown["period"], shown["usd"], shown["calls"], shown["cap"]) == (
+            bills.period(),
+            0.4,
+            3,
+            {"usd": 1.0, "tokens": None},
+        )
+        assert (await api.get("/v1/spend", headers=beta)).json()["usd"] == 0.0  # alpha's month is not beta's
+        assert (await api.get("/v1/spend")).status_code == 401
+
+        await redis_client.hincrbyfloat(month, "usd:simulator", 0.6)  # alpha's month reaches its cap
+        refused = await api.post("/v1/jobs", json=SPEC, headers=alpha)
+        assert refused.status_code == 402 and "TANDEM_TENANT_BUDGET_USD" in refused.text
+        assert "'alpha' has spent its cap for" in refused.text
+        assert await redis_client.zcard(Keys.jobs_queued("alpha")) == 0  # nothing queued
+        assert (await api.post("/v1/jobs", json=SPEC, headers=beta)).status_code == 201
+    # Gone with the API, the cap stays as last written (the proxy still holds tenants to it).
+    assert (await bills.read_caps(redis_client)).usd == 1.0
+
+
+@pytest.mark.parametrize("value", [-1, 0, "lots"])
+def test_a_tenant_cap_that_is_not_a_positive_number_is_refused_at_startup(redis_url, value):
+    with pytest.raises(ValueError, match="tenant_budget_usd"):
+        ApiSettings(redis_url=redis_url, tenant_budget_usd=value)

@@ -13,8 +13,8 @@ from devtools.provider import LocalUpstreamConfig, serve_in_thread
 from devtools.provider import create_app as stand_in_app
 from judge_proxy.app import create_app
 from learner.cost import CostMeter
-from services import protocol
-from services.config import JudgeProxySettings
+from services import bills, protocol
+from services.config import BudgetSpec, JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port
 
@@ -59,8 +59,10 @@ def usd(usage: dict) -> float:
     return (fresh * 3.0 + cached * 0.3 + usage["completion_tokens"] * 15.0) / 1e6
 
 
-async def spend(redis_client, job: str) -> dict[str, float]:
-    return {k.decode(): float(v) for k, v in (await redis_client.hgetall(Keys.job_spend(job))).items()}
+async def spend(redis_client, job: str, key: str = "") -> dict[str, float]:
+    """A job's spend hash (or the one at `key`), its numbers (not `refused_by`)."""
+    raw = await redis_client.hgetall(key or Keys.job_spend(job))
+    return {k.decode(): float(v) for k, v in raw.items() if k != b"refused_by"}
 
 
 async def test_each_call_is_charged_to_its_job_and_role_at_its_upstreams_prices(proxy, redis_client):
@@ -149,7 +151,45 @@ async def test_no_call_is_made_that_could_take_a_job_past_its_cap(proxy, redis_c
     charged = await spend(redis_client, "job-cap")
     assert stats["accepted"] == charged["calls:simulator"] == turn  # the refused call never went upstream
     assert turn >= 2 and charged[f"{cap}:simulator"] <= limit  # the cap holds; nothing is held once calls settle
-    assert f"spent ${charged['usd:simulator']:.4f}, {charged['tokens:simulator']:.0f} tokens" in refused.text
+    assert f"${charged['usd:simulator']:.4f} and {charged['tokens:simulator']:.0f} tokens spent" in refused.text
+    refused_by = await redis_client.hget(Keys.job_spend("job-cap"), "refused_by")
+    assert refused_by == f"the job's spend cap ({cap} {limit})".encode()
     assert charged["held_usd"] == pytest.approx(0.0, abs=1e-12) and charged["held_tokens"] == 0
     # Another job, without a cap, is not held back.
     assert (await ask(proxy, [{"role": "user", "content": "hello"}], job="job-free")).status_code == 200
+
+
+async def test_a_tenants_month_is_capped_across_its_jobs_and_other_tenants_are_not_held_back(
+    proxy, redis_client, stand_in
+):
+    await bills.write_caps(redis_client, BudgetSpec(usd=0.002))
+    spec = json.dumps({"model": {"path": "/models/tiny"}})
+    for job, tenant in (("job-t1", "acme"), ("job-t2", "acme"), ("job-o", "other")):
+        await redis_client.hset(Keys.job(job), mapping={"spec": spec, "tenant": tenant})
+    refused, turn = None, 0
+    for turn in range(100):  # each call holds ~40 tokens at $15/M ($0.0006): the cap ends it in a few
+        job = ("job-t1", "job-t2")[turn % 2]  # two jobs of one tenant, neither with a cap of its own
+        reply = await ask(proxy, [{"role": "user", "content": f"question {turn}"}], job=job, temperature=0.7)
+        if reply.status_code != 200:
+            refused = reply
+            break
+    assert refused is not None and refused.status_code == 402, refused
+    label = f"the spend cap of tenant 'acme' for {bills.period()} (usd 0.002)"
+    assert refused.json()["error"]["type"] == "spend_cap_reached" and label in refused.json()["error"]["message"]
+    month = await spend(redis_client, "", Keys.tenant_spend("acme", bills.period()))
+    first, second = await spend(redis_client, "job-t1"), await spend(redis_client, "job-t2")
+    assert stats_accepted(stand_in) == month["calls:simulator"] == turn >= 2  # the refused call never went upstream
+    assert month["usd:simulator"] == pytest.approx(first["usd:simulator"] + second["usd:simulator"])
+    assert month["usd:simulator"] <= 0.002
+    assert month["held_usd"] == pytest.approx(0.0, abs=1e-12) and month["held_tokens"] == 0
+    # The refused job's own bill says which cap refused it, for the learner to end it on.
+    refused_job = ("job-t1", "job-t2")[turn % 2]
+    assert await redis_client.hget(Keys.job_spend(refused_job), "refused_by") == label.encode()
+    assert (await spend(redis_client, refused_job))["refused"] == 1
+    # Another tenant's job is not held back; its month is its own.
+    assert (await ask(proxy, [{"role": "user", "content": "hello"}], job="job-o")).status_code == 200
+    assert (await spend(redis_client, "", Keys.tenant_spend("other", bills.period())))["calls:simulator"] == 1
+
+
+def stats_accepted(stand_in: str) -> int:
+    return httpx.get(f"{stand_in}/admin/stats").json()["accepted"]

@@ -1,10 +1,12 @@
-"""A judge-bound job with a spend cap, through the whole system (API, learner, a rollout
-server on vLLM, the judge proxy in front of the stand-in provider with example prices): it
-ends SUCCEEDED short of its steps with the reason, its bill within the cap, no call past the
-cap at the provider, and the policy it trained exported."""
+"""A judge-bound job with a spend cap (its own, or the operator's on its tenant's month),
+through the whole system (API, learner, a rollout server on vLLM, the judge proxy in front
+of the stand-in provider with example prices): it ends SUCCEEDED short of its steps with the
+reason, its bill within the cap, no call past the cap at the provider, and the policy it
+trained exported."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -23,7 +25,10 @@ on average, in a run without the cap): the cap binds well before step 30 and aft
 first step, whose cost never came near it."""
 
 
-def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: Path, tiny_model):
+@pytest.mark.parametrize("capped", ["job", "tenant"])
+def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: Path, tiny_model, capped: str):
+    """`job`: the spec's `budget`; `tenant`: the operator's cap on the tenant's month, in the
+    API's settings, and none in the spec."""
     warm_start = tmp_path / "warm.jsonl"
     write_demonstrations(warm_start, num=1000, share=0.5)
     spec = {
@@ -36,20 +41,32 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
         "train": {"num_steps": STEPS, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
         # Well-formed replies from the start, so futures are played and judged every step.
         "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
-        "budget": {"usd": CAP_USD},
     }  # fmt: skip
+    env = {}
+    if capped == "job":
+        spec["budget"] = {"usd": CAP_USD}
+    else:
+        env["TANDEM_TENANT_BUDGET_USD"] = str(CAP_USD)
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3, prompt_cache=True)
-    with judge_bound_system(tmp_path, stand_in, PRICES) as (api, stand_in_url):
+    with judge_bound_system(tmp_path, stand_in, PRICES, env) as (api, stand_in_url):
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
         record = job_ended(api, job_id, timeout_s=600)
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
         provider = httpx.get(f"{stand_in_url}/admin/stats").json()
+        month = api.get("/v1/spend").json()
 
     assert record["status"] == "SUCCEEDED", record.get("error")
     steps = len(history)
     assert 1 <= steps < STEPS and record["step"] == steps
     assert record["error"].startswith(f"spend cap reached at step {steps} of {STEPS}: $")
+    cap = "the job's spend cap" if capped == "job" else f"the spend cap of tenant '' for {month['period']}"
+    # The cap named: its plan stopped the job, or the proxy refused a call for it.
+    ending = f"; {re.escape(cap)} \\(usd {CAP_USD}\\) (leaves no room for more steps|refused a call)$"
+    assert re.search(ending, record["error"]), record["error"]
     spent = record["spend"]
+    # The tenant's month holds this one job's calls; its cap is the operator's, or none.
+    assert (month["usd"], month["calls"]) == (pytest.approx(spent["usd"]), spent["calls"])
+    assert month["cap"]["usd"] == (CAP_USD if capped == "tenant" else None)
     assert spent["usd"] <= CAP_USD  # the proxy made no call that could pass it
     assert provider["accepted"] == spent["calls"]  # every call the provider answered is on the bill
     assert history[-1]["cost_usd"] <= spent["usd"]
