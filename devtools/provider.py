@@ -172,6 +172,11 @@ class LocalUpstreamConfig(BaseModel):
     seed: int = 0
     api_key: str | None = None
     prompt_cache: bool = Field(False, description="Report cached prompt tokens (`prompt_tokens_details`).")
+    coarse_judge_models: list[str] = Field(
+        [],
+        description="Models (as requests name them) that judge as a cheaper model that reads less might: "
+        "interactivity's clarification by its anchors, every other criterion 5 (`provider_replies.coarse`).",
+    )
 
 
 @dataclass
@@ -417,7 +422,7 @@ class LocalUpstream:
         """The reply: `content` (scripted), else the stand-in's answer to a prompt it knows,
         else filler; cut at `max_tokens` (finish_reason `length`)."""
         if content is None:
-            content = reply_for(body.get("messages", []))
+            content = reply_for(body.get("messages", []), coarse=body.get("model") in self.config.coarse_judge_models)
             self.stats["recognised"] += content is not None
         choices, completion_tokens = [], 0
         for index in range(body.get("n", 1)):

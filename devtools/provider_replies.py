@@ -13,7 +13,9 @@ only what the prompt contains (no hidden channel to the task):
   by whether the final answer states the reference's key word. The reply is a one-line
   rationale and the JSON object the rubric asks for; to a group prompt (several
   `<candidate>` conversations after `<shared>` turns), the JSON list with one object per
-  candidate, each scored as it would be alone. Asked for an opening (an empty
+  candidate, each scored as it would be alone. A model the stand-in is told judges
+  coarsely (`coarse_judge_models`) scores interactivity's clarification alone, the rest 5:
+  a second, cheaper judge to compare against (`tandem rejudge`). Asked for an opening (an empty
   conversation), the user names the category only, as the task's vague requests do;
 - **the extraction of a final document or code** (`rollout.tasks.extraction`): the body of
   the last fenced block the assistant wrote, or nothing when it wrote none;
@@ -42,8 +44,9 @@ from services.quoting import TAG, fenced_blocks, quoted_turns
 _WORD = re.compile(r"[a-z]+")
 
 
-def reply_for(messages: list[dict]) -> str | None:
-    """The stand-in's answer to a chat request, or None when it does not recognise it."""
+def reply_for(messages: list[dict], coarse: bool = False) -> str | None:
+    """The stand-in's answer to a chat request, or None when it does not recognise it; as a
+    judge, a `coarse` one's (`coarse`)."""
     system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
     if not isinstance(system, str):
         return None
@@ -56,7 +59,7 @@ def reply_for(messages: list[dict]) -> str | None:
         return role_play_reply(system, messages)
     if system.startswith(JUDGE_OPENING):
         case = next((m.get("content") for m in messages if m.get("role") == "user"), "")
-        return verdict_reply(system, case if isinstance(case, str) else "")
+        return verdict_reply(system, case if isinstance(case, str) else "", coarse)
     return None
 
 
@@ -158,28 +161,36 @@ def accuracy_scores(turns: list[tuple[str, str]], reference: str) -> dict[str, i
     return {"correctness": 10 if key[-1] in _WORD.findall(replies[-1].lower()) else 0}
 
 
-def verdict_reply(system: str, case: str) -> str | None:
+def coarse(scores: dict[str, int]) -> dict[str, int]:
+    """A judge that reads less than the anchors ask: it sees whether the assistant asked
+    (clarification, by its anchor) and gives every other criterion a middling 5."""
+    return {name: value if name == "clarification" else 5 for name, value in scores.items()}
+
+
+def verdict_reply(system: str, case: str, coarse_judge: bool = False) -> str | None:
     read = read_case(case)
     reference = read.reference or ""
     if read.candidates:
         objects = [
             {"candidate": number} | scored
             for number, turns in read.candidates.items()
-            if (scored := verdict_of(system, stripped(turns), reference)) is not None
+            if (scored := verdict_of(system, stripped(turns), reference, coarse_judge)) is not None
         ]
         if len(objects) < len(read.candidates):
             return None
         return f"Scoring each candidate against the anchors.\n{json.dumps(objects)}"
-    scored = verdict_of(system, stripped(read.turns), reference)
+    scored = verdict_of(system, stripped(read.turns), reference, coarse_judge)
     return None if scored is None else f"Scoring each criterion against its anchors.\n{json.dumps(scored)}"
 
 
-def verdict_of(system: str, turns: list[tuple[str, str]], reference: str) -> dict | None:
-    """The rubric's criteria scores and a verdict sentence for one conversation."""
+def verdict_of(system: str, turns: list[tuple[str, str]], reference: str, coarse_judge: bool = False) -> dict | None:
+    """The rubric's criteria scores and a verdict sentence for one conversation (a
+    `coarse_judge`'s: `coarse`)."""
     if not turns:
         return None
     if "understanding:" in system and "clarification:" in system:
         scores = interactivity_scores(turns)
+        scores = coarse(scores) if coarse_judge else scores
     elif "correctness:" in system and reference:
         scores = accuracy_scores(turns, reference)
     else:

@@ -9,6 +9,8 @@
 - `POST /v1/judge/group`: `{rubric, candidates: [[message...]...], reference?, model?, cache?}`
   -> `{results: [verdict...], usage, fallback, remembered}`: every candidate scored in one
   judge call where the reply allows (`judge_proxy.judge.GroupVerdicts`).
+- `GET /v1/spend`: the caller's job's bill so far (`judge_proxy.spend`): usd, tokens, cached,
+  calls, by role; a job's credential reads only its own job's.
 - `GET /v1/budget`: limits and every part of the shared state per upstream (levels, the
   pacing bucket, leases, totals, the learned ratio and the outlier counts; never keys).
 - `GET /v1/upstreams`: each upstream's circuit (state, since, failures, reason, seconds to
@@ -67,11 +69,13 @@ from judge_proxy.replies import joined_within
 from judge_proxy.rubrics import RUBRICS, Rubric
 from judge_proxy.spend import ROLE, role_of
 from judge_proxy.upstream import Upstream
+from services import bills
 from services.auth import credential_job, match_bearer
 from services.config import JudgeProxySettings
 from services.judge_api import GroupJudgeRequest, GroupJudgeResult, JudgeRequest, JudgeResult
 from services.logs import REQUEST_ID
 from services.metrics import metrics_router
+from services.queues import Keys
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +292,28 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
             idempotency_key=request.headers.get("idempotency-key"),
         )
 
+    @router.get("/v1/spend", response_model=JobBill)
+    async def spend(request: Request) -> JobBill:
+        """What the caller's job (its credential's; `X-Tandem-Job` without tokens) has been
+        charged so far; 400 for a caller charged to no job."""
+        job = authorize(request)
+        if not job:
+            why = "the caller is charged to no job: send a job's credential (or X-Tandem-Job without tokens)"
+            raise ProxyError(400, why, "invalid_request_error")
+        return JobBill(job=job, **bills.bill_of(await proxy.redis.hgetall(Keys.job_spend(job))))
+
     return router
+
+
+class JobBill(BaseModel):
+    """A job's bill at the proxy (`judge_proxy.spend`)."""
+
+    job: str
+    usd: float
+    tokens: int
+    cached: int
+    calls: int
+    by_role: dict[str, dict[str, float]]
 
 
 def model_for(settings: JudgeProxySettings, job: str, model: str) -> str:

@@ -10,6 +10,8 @@ policy writes, and nothing reads it back into training.
 
 from __future__ import annotations
 
+import re
+
 from rollout.episode import Episode
 from services import protocol
 from services.config import RewardSpec
@@ -18,12 +20,21 @@ TEXT_CHARS = 4000
 """A message's text in a view is cut here (the page names how much was cut)."""
 
 
+CUT = re.compile(r"\n\[\.\.\. \d+ more characters\]\Z")
+"""How a cut message's text ends."""
+
+
 def text(message: dict) -> dict[str, str]:
     """A message's role and content, its content cut at `TEXT_CHARS`."""
     content = str(message.get("content") or "")
     if len(content) > TEXT_CHARS:
         content = f"{content[:TEXT_CHARS]}\n[... {len(content) - TEXT_CHARS} more characters]"
     return {"role": str(message.get("role", "")), "content": content}
+
+
+def was_cut(content: str) -> bool:
+    """Whether `text` cut this content (a view's reader then holds less than was said)."""
+    return len(content) > TEXT_CHARS and CUT.search(content) is not None
 
 
 def after(episode: Episode, start: int) -> list[dict[str, str]]:

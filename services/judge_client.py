@@ -250,6 +250,17 @@ class JudgeClient:
             self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout, connector=connector)
         return self.session
 
+    async def bill(self, job: str) -> dict:
+        """What the proxy has charged `job` so far (`GET /v1/spend`): usd, tokens, cached,
+        calls, by_role."""
+        headers = {"x-tandem-job": job}
+        if self.token:
+            headers["authorization"] = f"Bearer {job_credential(self.token, job)}"
+        reply = await self._try("GET", "/v1/spend", None, headers)
+        if isinstance(reply, JudgeError):
+            raise reply
+        return reply[0]
+
     async def _post(
         self, path: str, body: dict, job: str, priority: str, idempotency_key: str = "", role: str = ""
     ) -> tuple[dict, dict[str, str]]:

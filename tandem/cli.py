@@ -177,6 +177,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     tau2_eval.main(args)
 
 
+def cmd_rejudge(args: argparse.Namespace) -> None:
+    """A job's judged conversations scored again by another judge or rubric, compared."""
+    from tandem import rejudge
+
+    rejudge.main(args)
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from tandem.models import export_job
 
@@ -558,6 +565,30 @@ def build_parser() -> argparse.ArgumentParser:
         ("resume", cmd_resume, "continue a FAILED or CANCELLED job from its newest checkpoint"),
     ):
         api_client_parser(name, run, help_text, "job_id")
+    p = api_client_parser(
+        "rejudge",
+        cmd_rejudge,
+        "score a job's stored conversations again with another judge (or rubric) through the judge proxy, "
+        "and compare: agreement, rank correlation per group, flipped pairs, cost",
+        "job_id",
+    )
+    p.add_argument("--judge-model", required=True, help="the model group at the proxy to judge with")
+    p.add_argument("--rubric", default="", help="a rubric the proxy knows (default: the job's reward.judge_rubric)")
+    p.add_argument(
+        "--steps", default="", help="A:B: only groups dispatched at weight versions A..B (either may be left out)"
+    )
+    p.add_argument(
+        "--judge-url",
+        default=os.environ.get("TANDEM_JUDGE_URL", "http://127.0.0.1:8001"),
+        help="the judge proxy (default $TANDEM_JUDGE_URL)",
+    )
+    p.add_argument(
+        "--judge-token",
+        default=os.environ.get("TANDEM_JUDGE_TOKEN", ""),
+        help="a client token of the proxy (default $TANDEM_JUDGE_TOKEN); the calls are charged to a key of their own",
+    )
+    p.add_argument("--concurrency", type=positive, default=8, help="verdicts asked for at once")
+    p.add_argument("--out", default="", help="the comparison's JSON (default rejudge-JOB-MODEL.json)")
     api_client_parser("servers", cmd_servers, "list the rollout servers (operators)")
     p = api_client_parser(
         "drain",

@@ -61,6 +61,12 @@ class ApiClient:
     def checkpoints(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def groups(self, job_id: str) -> list[dict]:
+        """Every training group the job keeps as text (`protocol.GroupView`), newest first."""
+        from services.queues import GROUPS_KEPT
+
+        return self._call("GET", f"/v1/jobs/{job_id}/groups", params={"limit": GROUPS_KEPT})
+
     def datasets(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/datasets")
 

@@ -174,29 +174,40 @@ def vllm_counted(vllm_url: str) -> int:
 
 @contextlib.contextmanager
 def judge_bound_system(
-    tmp_path: Path, stand_in: LocalUpstreamConfig, prices: dict | None = None, env: dict[str, str] | None = None
-) -> Iterator[tuple[httpx.Client, str]]:
+    tmp_path: Path,
+    stand_in: LocalUpstreamConfig,
+    prices: dict | None = None,
+    env: dict[str, str] | None = None,
+    also: dict[str, dict] | None = None,
+) -> Iterator[tuple[httpx.Client, str, str]]:
     """The whole system (API, learner, a rollout server, the judge proxy; `env` added to
-    theirs) in front of a stand-in provider serving `judge`, with `prices` on it and runs in
-    `tmp_path/runs`: a client of its API, and the stand-in's address."""
+    theirs) in front of a stand-in provider serving `judge`, with `prices` on it (and the
+    models in `also`, each with its prices) and runs in `tmp_path/runs`: a client of its API,
+    the stand-in's address and the judge proxy's."""
     with contextlib.ExitStack() as stack:
         stand_in_url = stack.enter_context(serve_in_thread(create_provider(stand_in), free_port()))
-        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=prices)
+        upstreams = stand_in_upstreams(tmp_path / "upstreams.json", stand_in_url, 64, prices=prices, also=also)
         env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams), **(env or {})}
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
-        yield httpx.Client(base_url=system.api_url, timeout=10), stand_in_url
+        yield httpx.Client(base_url=system.api_url, timeout=10), stand_in_url, system.judge_url
 
 
-def stand_in_upstreams(path: Path, url: str, max_concurrency: int = 256, prices: dict | None = None) -> Path:
+def stand_in_upstreams(
+    path: Path, url: str, max_concurrency: int = 256, prices: dict | None = None, also: dict[str, dict] | None = None
+) -> Path:
     """The judge proxy's upstreams file for one stand-in provider at `url` serving `judge`,
-    with a budget no test reaches (and `prices`, USD per million tokens, if given)."""
-    upstream = {
-        "name": "stand-in",
-        "model": "judge",
-        "base_url": f"{url}/v1",
-        "tpm": 50_000_000,
-        "rpm": 500_000,
-        "max_concurrency": max_concurrency,
-    }
-    path.write_text(json.dumps({"upstreams": [upstream | ({"prices": prices} if prices else {})]}))
+    with a budget no test reaches (and `prices`, USD per million tokens, if given), and the
+    models in `also` (name -> prices) from the same stand-in."""
+    upstreams = []
+    for model, priced in {"judge": prices, **(also or {})}.items():
+        upstream = {
+            "name": "stand-in" if model == "judge" else f"stand-in-{model}",
+            "model": model,
+            "base_url": f"{url}/v1",
+            "tpm": 50_000_000,
+            "rpm": 500_000,
+            "max_concurrency": max_concurrency,
+        }
+        upstreams.append(upstream | ({"prices": priced} if priced else {}))
+    path.write_text(json.dumps({"upstreams": upstreams}))
     return path

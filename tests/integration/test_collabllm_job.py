@@ -60,7 +60,7 @@ def test_a_preset_job_trains_later_turns_with_the_judge_and_simulator_behind_the
         "tracking": {"tensorboard": True, "wandb": {"project": "tandem-test"}, "conversations": 4},
     }
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3)
-    with judge_bound_system(tmp_path, stand_in, PRICES) as (api, _):
+    with judge_bound_system(tmp_path, stand_in, PRICES) as (api, _, _):
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
         record = job_ended(api, job_id, timeout_s=600)
         everything = api.get(f"/v1/jobs/{job_id}/history").json()

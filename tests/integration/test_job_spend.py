@@ -14,6 +14,7 @@ from devtools.provider import create_app as stand_in_app
 from judge_proxy.app import create_app
 from learner.cost import CostMeter
 from services import bills, protocol
+from services.auth import job_credential
 from services.config import BudgetSpec, JudgeProxySettings
 from services.queues import Keys
 from tandem.redis_embed import free_port
@@ -23,6 +24,7 @@ SAMPLE = protocol.Sample(
     sample_id="s", tokens=[1], mask=[1], logprobs=[-0.1], versions=[0], reward=0.0, advantage=0.0, num_turns=1
 )
 SYSTEM = {"role": "system", "content": "You play a person who wants a fruit and knows which one."}
+SYSTEM_ONLY = [SYSTEM, {"role": "user", "content": "Which fruit?"}]
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +195,27 @@ async def test_a_tenants_month_is_capped_across_its_jobs_and_other_tenants_are_n
 
 def stats_accepted(stand_in: str) -> int:
     return httpx.get(f"{stand_in}/admin/stats").json()["accepted"]
+
+
+async def test_a_caller_reads_only_its_own_jobs_bill(stand_in, redis_url, redis_client, tmp_path):
+    entries = [{"name": "priced", "model": "judge", "upstream_model": "local-model", "base_url": f"{stand_in}/v1"}]
+    entries[0] |= {"tpm": 600_000, "rpm": 6000}
+    entries[0]["prices"] = PRICES
+    path = tmp_path / "upstreams.json"
+    path.write_text(json.dumps({"upstreams": entries}))
+    app = create_app(JudgeProxySettings(redis_url=redis_url, upstreams=str(path), client_tokens="secret"))
+    await redis_client.hset(Keys.job_spend("job-b"), mapping={"usd:judge": 0.5, "calls:judge": 2})
+    as_a = {"authorization": f"Bearer {job_credential('secret', 'job-a')}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as proxy:
+        asked = await proxy.post("/v1/chat/completions", json={"model": "judge", "messages": SYSTEM_ONLY}, headers=as_a)
+        own = await proxy.get("/v1/spend", headers=as_a)
+        other = await proxy.get("/v1/spend", headers=as_a | {"x-tandem-job": "job-b"})  # job-b's bill is not a's
+        no_job = await proxy.get("/v1/spend", headers={"authorization": "Bearer secret"})
+        anonymous = await proxy.get("/v1/spend", headers={"x-tandem-job": "job-b"})
+    await app.state.proxy.aclose()
+
+    assert asked.status_code == 200
+    assert own.status_code == 200 and own.json()["job"] == "job-a" and own.json()["calls"] == 1
+    assert own.json()["usd"] == pytest.approx(usd(asked.json()["usage"]))
+    assert (other.status_code, no_job.status_code, anonymous.status_code) == (403, 400, 401)
+    assert "job-b" not in no_job.text and "0.5" not in other.text

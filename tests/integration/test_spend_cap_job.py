@@ -48,7 +48,7 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
     else:
         env["TANDEM_TENANT_BUDGET_USD"] = str(CAP_USD)
     stand_in = LocalUpstreamConfig(tpm=50_000_000, rpm=500_000, models=["judge"], seed=3, prompt_cache=True)
-    with judge_bound_system(tmp_path, stand_in, PRICES, env) as (api, stand_in_url):
+    with judge_bound_system(tmp_path, stand_in, PRICES, env) as (api, stand_in_url, _):
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
         record = job_ended(api, job_id, timeout_s=600)
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
