@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from judge_proxy import metrics
-from judge_proxy.budget import Lease
+from judge_proxy.budget import LEASE_MARGIN_S, Lease
 from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
@@ -81,6 +81,14 @@ def dearest_usd(upstream: Upstream, need: Need) -> float:
     return (prompt * prices.input_per_mtok + need.fixed_tokens * prices.output_per_mtok) / 1e6
 
 
+def hold_ttl_s(candidates: list[Upstream], deadline: float) -> float:
+    """How long a call's cap hold lives unless renewed: its wait in the queue (until
+    `deadline`), then the longest its call may go with nothing arriving, and a margin (a
+    stream renews it as it arrives, as it does its budget lease)."""
+    quiet_s = max(u.config.quiet_bound_s for u in candidates)
+    return max(deadline - time.monotonic(), 0.0) + quiet_s + LEASE_MARGIN_S
+
+
 @dataclass(frozen=True)
 class Need:
     """What one request asks of an upstream's budget."""
@@ -123,7 +131,7 @@ class Admission:
         terms = await self.weights.terms(job)
         bills = bills_of(job, terms)
         usd, tokens = max(dearest_usd(u, need) for u in candidates), max(need.cost(u) for u in candidates)
-        held = await hold_caps(group.spend, job, bills, usd, tokens, deadline)
+        held = await hold_caps(group.spend, job, bills, usd, tokens, deadline, hold_ttl_s(candidates, deadline))
         try_admit = self.reservation(group, candidates, need, job, terms.weight, attempts.failed)
         try:
             grant, waited_s = await group.admitter.admit(

@@ -178,7 +178,8 @@ async def relayed(
     try:
         async for event in sse_events(upstream.lines(reply.events), upstream.max_reply_bytes):
             if time.monotonic() - renewed > LEASE_MARGIN_S:  # see `Budget.renew`
-                await upstream.budget.renew(lease)
+                hold_ttl_s = upstream.config.quiet_bound_s + LEASE_MARGIN_S
+                await asyncio.gather(upstream.budget.renew(lease), group.spend.renew(grant.held, hold_ttl_s))
                 renewed = time.monotonic()
             data = sse_data(event)
             if data == "[DONE]":

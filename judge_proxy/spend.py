@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
+from judge_proxy.budget import NOW_S_LUA
 from judge_proxy.errors import ProxyError
 from services import bills
 from services.config import BudgetSpec
@@ -110,11 +112,13 @@ class Bill:
 
 @dataclass(frozen=True)
 class Held:
-    """What one call in flight holds of its bills' caps."""
+    """What one call in flight holds of its bills' caps: `usd` and `tokens` in each hash of
+    `keys`, under `member` in each one's holds (`Keys.cap_holds`) until it settles or expires."""
 
     usd: float
     tokens: int
     keys: tuple[str, ...]
+    member: str
 
 
 @dataclass(frozen=True)
@@ -129,17 +133,42 @@ class Refusal:
     spent_tokens: int
 
 
-# KEYS: the spend hashes a call is charged to, the job's first. ARGV: what the call would
-# hold (usd, tokens), then each hash's usd cap, token cap (-1: none) and label. Returns {1}
-# and holds it in every hash; {0, i, usd, tokens} when calls in flight hold the room in hash
-# i; {-1, i, usd, tokens} when hash i's bill alone leaves none, counted in the job's hash
-# (`refused`, and `refused_by`: the label) for the learner to end the job on. The bill is
-# returned as strings (Lua numbers become integers on the way out).
-HOLD_LUA = """
+# A hold is a member `<id>:<usd>:<tokens>` of its bill's holds zset, scored by when it
+# expires (Redis's clock), and its amounts are in the bill's `held_usd` and `held_tokens`.
+# Every script that reads the holds first drops the expired ones and takes their amounts
+# out of the sums: a proxy killed with calls in flight leaves nothing held for longer than
+# a hold's time to live.
+_DROP_EXPIRED = (
+    NOW_S_LUA
+    + """
+local function drop_expired(bill, holds, now)
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', holds, '-inf', now)) do
+    local _, _, usd, tokens = string.find(member, '^[^:]+:([^:]+):([^:]+)$')
+    redis.call('HINCRBYFLOAT', bill, 'held_usd', -tonumber(usd))
+    redis.call('HINCRBY', bill, 'held_tokens', -tonumber(tokens))
+  end
+  redis.call('ZREMRANGEBYSCORE', holds, '-inf', now)
+end
+"""
+)
+
+# KEYS: each bill's spend hash and its holds, in pairs, the job's first. ARGV: what the call
+# would hold (usd, tokens), its member and time to live, then each bill's usd cap, token cap
+# (-1: none) and label. Returns {1} and holds it in every bill; {0, i, usd, tokens} when
+# calls in flight hold the room in bill i; {-1, i, usd, tokens} when bill i's sum alone
+# leaves none, counted in the job's hash (`refused`, and `refused_by`: the label) for the
+# learner to end the job on. The bill is returned as strings (Lua numbers become integers
+# on the way out).
+HOLD_LUA = (
+    _DROP_EXPIRED
+    + """
 local need_usd, need_tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_s()
 local waits = 0
-for k = 1, #KEYS do
-  local fields = redis.call('HGETALL', KEYS[k])
+for k = 1, #KEYS / 2 do
+  local bill = KEYS[2 * k - 1]
+  drop_expired(bill, KEYS[2 * k], now)
+  local fields = redis.call('HGETALL', bill)
   local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
   for i = 1, #fields, 2 do
     local name, value = fields[i], tonumber(fields[i + 1])
@@ -148,25 +177,50 @@ for k = 1, #KEYS do
     elseif name == 'held_usd' then held_usd = value
     elseif name == 'held_tokens' then held_tokens = value end
   end
-  local usd_cap, tokens_cap = tonumber(ARGV[3 * k]), tonumber(ARGV[3 * k + 1])
+  local usd_cap, tokens_cap = tonumber(ARGV[2 + 3 * k]), tonumber(ARGV[3 + 3 * k])
   local function passes(held_usd, held_tokens)
     return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
         or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
   end
   if passes(0, 0) then
     redis.call('HINCRBY', KEYS[1], 'refused', 1)
-    redis.call('HSET', KEYS[1], 'refused_by', ARGV[3 * k + 2])
+    redis.call('HSET', KEYS[1], 'refused_by', ARGV[4 + 3 * k])
     return {-1, k, tostring(usd), tostring(tokens)}
   end
   if waits == 0 and passes(held_usd, held_tokens) then waits = {0, k, tostring(usd), tostring(tokens)} end
 end
 if waits ~= 0 then return waits end
-for k = 1, #KEYS do
-  redis.call('HINCRBYFLOAT', KEYS[k], 'held_usd', ARGV[1])
-  redis.call('HINCRBY', KEYS[k], 'held_tokens', ARGV[2])
+for k = 1, #KEYS / 2 do
+  redis.call('HINCRBYFLOAT', KEYS[2 * k - 1], 'held_usd', ARGV[1])
+  redis.call('HINCRBY', KEYS[2 * k - 1], 'held_tokens', ARGV[2])
+  redis.call('ZADD', KEYS[2 * k], now + tonumber(ARGV[4]), ARGV[3])
+  redis.call('EXPIRE', KEYS[2 * k], math.ceil(tonumber(ARGV[4])) + 60)
 end
 return {1}
 """
+)
+
+# KEYS: bill and holds pairs. ARGV: the member, its usd and tokens. Gives back a hold that has
+# not expired (one that has was given back by the script that dropped it).
+RELEASE_LUA = """
+for k = 1, #KEYS / 2 do
+  if redis.call('ZREM', KEYS[2 * k], ARGV[1]) == 1 then
+    redis.call('HINCRBYFLOAT', KEYS[2 * k - 1], 'held_usd', -tonumber(ARGV[2]))
+    redis.call('HINCRBY', KEYS[2 * k - 1], 'held_tokens', -tonumber(ARGV[3]))
+  end
+end
+return 1
+"""
+
+# KEYS: holds zsets. ARGV: the member, its time to live. A stream still arriving keeps its hold.
+RENEW_LUA = (
+    NOW_S_LUA
+    + """
+local now = now_s()
+for k = 1, #KEYS do redis.call('ZADD', KEYS[k], 'XX', now + tonumber(ARGV[2]), ARGV[1]) end
+return 1
+"""
+)
 
 
 class JobSpend:
@@ -176,16 +230,20 @@ class JobSpend:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self._hold = redis.register_script(HOLD_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
+        self._renew = redis.register_script(RENEW_LUA)
 
-    async def hold(self, bills: list[Bill], usd: float, tokens: int) -> Held | Refusal:
-        """Hold a call's dearest cost (`usd`, `tokens`) against its bills' caps, or say why
-        it may not (the call must not be made now, or, with a bill as it is, ever)."""
-        args: list = [usd, tokens]
+    async def hold(self, bills: list[Bill], usd: float, tokens: int, ttl_s: float) -> Held | Refusal:
+        """Hold a call's dearest cost (`usd`, `tokens`) against its bills' caps for at most
+        `ttl_s` unless renewed, or say why it may not (the call must not be made now, or,
+        with a bill as it is, ever)."""
+        member = f"{uuid.uuid4().hex}:{usd!r}:{tokens}"
+        args: list = [usd, tokens, member, ttl_s]
         for bill in bills:
             args += [_cap(bill.cap.usd), _cap(bill.cap.tokens), bill.label]
-        verdict = await self._hold(keys=[b.key for b in bills], args=args)
+        verdict = await self._hold(keys=[k for b in bills for k in (b.key, Keys.cap_holds(b.key))], args=args)
         if verdict[0] == 1:
-            return Held(usd, tokens, tuple(b.key for b in bills))
+            return Held(usd, tokens, tuple(b.key for b in bills), member)
         bill = bills[int(verdict[1]) - 1]
         return Refusal(verdict[0] == 0, bill, spent_usd=float(verdict[2]), spent_tokens=int(float(verdict[3])))
 
@@ -193,11 +251,13 @@ class JobSpend:
         """Give back what a settled call held (its true cost is charged by `charge`)."""
         if held is None:
             return
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for key in held.keys:
-                pipe.hincrbyfloat(key, "held_usd", -held.usd)
-                pipe.hincrby(key, "held_tokens", -held.tokens)
-            await pipe.execute()
+        keys = [k for key in held.keys for k in (key, Keys.cap_holds(key))]
+        await self._release(keys=keys, args=[held.member, held.usd, held.tokens])
+
+    async def renew(self, held: Held | None, ttl_s: float) -> None:
+        """Keep a call's hold another `ttl_s` (a stream that is still arriving)."""
+        if held is not None:
+            await self._renew(keys=[Keys.cap_holds(key) for key in held.keys], args=[held.member, ttl_s])
 
     async def charge(self, job: str, keys: list[str], role: str, cost: CallCost) -> None:
         """Charge a call of `job` (in the metrics) to the spend hashes `keys` (its bills')."""
@@ -237,15 +297,16 @@ def bills_of(job: str, terms: JudgeTerms, now: float | None = None) -> list[Bill
 
 
 async def hold_caps(
-    spend: JobSpend, job: str, owed: list[Bill], usd: float, tokens: int, deadline: float
+    spend: JobSpend, job: str, owed: list[Bill], usd: float, tokens: int, deadline: float, ttl_s: float
 ) -> Held | None:
     """Hold a call's dearest cost (`usd`, `tokens`) against the caps of the bills it is
-    `owed` to, until it settles. While calls in flight hold what it needs it waits for them,
+    `owed` to, until it settles or `ttl_s` passes without a renewal (a proxy killed with calls
+    in flight leaves no hold behind for longer). While calls in flight hold what it needs it waits for them,
     until `deadline` (`time.monotonic()`; then 429); when even a bill so far leaves no room,
     402 `spend_cap_reached` naming the cap. None: no bill has a cap."""
     if all(b.cap.usd is None and b.cap.tokens is None for b in owed):
         return None
-    while isinstance(held := await spend.hold(owed, usd, tokens), Refusal):
+    while isinstance(held := await spend.hold(owed, usd, tokens, ttl_s), Refusal):
         if not held.wait:
             raise ProxyError(
                 402,

@@ -110,6 +110,12 @@ class Keys:
         `calls:<role>` (the judge proxy's `judge_proxy.spend`)."""
         return f"{PREFIX}job:{job_id}:spend"
 
+    @staticmethod
+    def cap_holds(bill: str) -> str:
+        """Calls in flight holding their most against the caps of the spend hash `bill`
+        (`job_spend`, `tenant_spend`): member `<id>:<usd>:<tokens>` -> when it expires."""
+        return f"{bill}:holds"
+
     tenant_caps = PREFIX + "tenant:caps"
     """The operator's cap on each tenant's monthly spend (`usd`, `tokens`), as the API's
     settings say (`services.tenant_spend`); the judge proxy holds calls against it."""

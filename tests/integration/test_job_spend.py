@@ -4,6 +4,7 @@ the usage the provider reported, priced by hand; and the learner's step records 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from devtools.provider import LocalUpstreamConfig, serve_in_thread
 from devtools.provider import create_app as stand_in_app
 from judge_proxy.app import create_app
+from judge_proxy.spend import Bill, Held, JobSpend, Refusal
 from learner.cost import CostMeter
 from services import bills, protocol
 from services.auth import job_credential
@@ -219,3 +221,28 @@ async def test_a_caller_reads_only_its_own_jobs_bill(stand_in, redis_url, redis_
     assert own.json()["usd"] == pytest.approx(usd(asked.json()["usage"]))
     assert (other.status_code, no_job.status_code, anonymous.status_code) == (403, 400, 401)
     assert "job-b" not in no_job.text and "0.5" not in other.text
+
+
+async def test_a_hold_its_proxy_never_gave_back_expires_and_the_cap_frees_its_room(redis_client):
+    # A proxy killed with a call in flight never releases its hold: the hold expires.
+    spend = JobSpend(redis_client)
+    key = Keys.job_spend("job-k")
+    bill = Bill(key, BudgetSpec(usd=1.0), "the job's spend cap (usd 1.0)")
+    # TTLs of 2 s: the few Redis round trips before the sleep take milliseconds, not seconds.
+    lost = await spend.hold([bill], 0.7, 100, ttl_s=2.0)  # its proxy dies now
+    assert isinstance(lost, Held)
+    refused = await spend.hold([bill], 0.5, 100, ttl_s=30)
+    assert isinstance(refused, Refusal) and refused.wait  # the lost hold leaves no room yet
+    kept = await spend.hold([bill], 0.2, 50, ttl_s=2.0)
+    assert isinstance(kept, Held)
+    await spend.renew(kept, ttl_s=30)  # a stream still arriving keeps its hold
+    await asyncio.sleep(2.5)
+    second = await spend.hold([bill], 0.5, 100, ttl_s=30)  # the lost hold is dropped on the way
+    assert isinstance(second, Held)
+    assert float(await redis_client.hget(key, "held_usd")) == pytest.approx(0.2 + 0.5)
+    await spend.release(lost)  # a late release of an expired hold gives nothing back twice
+    await spend.release(kept)
+    await spend.release(second)
+    assert float(await redis_client.hget(key, "held_usd")) == pytest.approx(0.0, abs=1e-12)
+    assert int(await redis_client.hget(key, "held_tokens")) == 0
+    assert await redis_client.zcard(Keys.cap_holds(key)) == 0
