@@ -18,7 +18,7 @@ from judge_proxy.circuit import Gate
 from judge_proxy.errors import ProxyError, too_large
 from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
-from judge_proxy.spend import Held, JobSpend, bills_of, hold_caps
+from judge_proxy.spend import Bill, Held, JobSpend, bills_of, hold_caps
 from judge_proxy.upstream import Upstream, weighted_order
 from services.upstream_health import outage_of
 
@@ -131,7 +131,12 @@ class Admission:
         terms = await self.weights.terms(job)
         bills = bills_of(job, terms)
         usd, tokens = max(dearest_usd(u, need) for u in candidates), max(need.cost(u) for u in candidates)
-        held = await hold_caps(group.spend, job, bills, usd, tokens, deadline, hold_ttl_s(candidates, deadline))
+
+        async def fresh() -> list[Bill]:
+            return bills_of(job, await self.weights.terms(job, fresh=True))
+
+        ttl_s = hold_ttl_s(candidates, deadline)
+        held = await hold_caps(group.spend, job, bills, usd, tokens, deadline, ttl_s, fresh)
         try_admit = self.reservation(group, candidates, need, job, terms.weight, attempts.failed)
         try:
             grant, waited_s = await group.admitter.admit(

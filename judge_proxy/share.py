@@ -227,9 +227,10 @@ class Weights:
         self.read: dict[str, tuple[JudgeTerms, float]] = {}
         """Job -> (its terms, `time.monotonic()` when read)."""
 
-    async def terms(self, job: str) -> JudgeTerms:
+    async def terms(self, job: str, fresh: bool = False) -> JudgeTerms:
+        """The job's terms, as read at most `ttl_s` ago (`fresh`: read now)."""
         cached = self.read.get(job)
-        if cached is not None and time.monotonic() - cached[1] < self.ttl_s:
+        if not fresh and cached is not None and time.monotonic() - cached[1] < self.ttl_s:
             return cached[0]
         terms = await judge_terms(self.client, job)
         self.read[job] = (terms, time.monotonic())

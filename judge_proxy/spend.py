@@ -25,9 +25,10 @@ both bills (`held_usd`, `held_tokens`), in one script that refuses when, in eith
 so far, what calls in flight hold and this call's hold would pass a cap. The hold goes back
 when the call settles, its true cost charged. So no call is made that could take a bill past
 its cap, whatever replica makes it. A call refused while others hold the room waits for them
-to settle (429 after the queue deadline); one that a bill alone leaves no room for is 402
-`spend_cap_reached`, counted in the job's hash (`refused`, and `refused_by`: which cap) for
-the learner to end the job on.
+to settle (429 after the queue deadline); one that a bill alone leaves no room for, even
+with the caps read afresh (a resume may have raised one), is 402 `spend_cap_reached`,
+marked in the job's hash (`refused`, and `refused_by`: which cap) for the learner to end the
+job on. Holds expire: a proxy killed with calls in flight leaves none behind for long.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -153,12 +155,10 @@ end
 )
 
 # KEYS: each bill's spend hash and its holds, in pairs, the job's first. ARGV: what the call
-# would hold (usd, tokens), its member and time to live, then each bill's usd cap, token cap
-# (-1: none) and label. Returns {1} and holds it in every bill; {0, i, usd, tokens} when
-# calls in flight hold the room in bill i; {-1, i, usd, tokens} when bill i's sum alone
-# leaves none, counted in the job's hash (`refused`, and `refused_by`: the label) for the
-# learner to end the job on. The bill is returned as strings (Lua numbers become integers
-# on the way out).
+# would hold (usd, tokens), its member and time to live, then each bill's usd cap and token
+# cap (-1: none). Returns {1} and holds it in every bill; {0, i, usd, tokens} when calls in
+# flight hold the room in bill i; {-1, i, usd, tokens} when bill i's sum alone leaves none.
+# The bill is returned as strings (Lua numbers become integers on the way out).
 HOLD_LUA = (
     _DROP_EXPIRED
     + """
@@ -177,16 +177,12 @@ for k = 1, #KEYS / 2 do
     elseif name == 'held_usd' then held_usd = value
     elseif name == 'held_tokens' then held_tokens = value end
   end
-  local usd_cap, tokens_cap = tonumber(ARGV[2 + 3 * k]), tonumber(ARGV[3 + 3 * k])
+  local usd_cap, tokens_cap = tonumber(ARGV[3 + 2 * k]), tonumber(ARGV[4 + 2 * k])
   local function passes(held_usd, held_tokens)
     return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
         or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
   end
-  if passes(0, 0) then
-    redis.call('HINCRBY', KEYS[1], 'refused', 1)
-    redis.call('HSET', KEYS[1], 'refused_by', ARGV[4 + 3 * k])
-    return {-1, k, tostring(usd), tostring(tokens)}
-  end
+  if passes(0, 0) then return {-1, k, tostring(usd), tostring(tokens)} end
   if waits == 0 and passes(held_usd, held_tokens) then waits = {0, k, tostring(usd), tostring(tokens)} end
 end
 if waits ~= 0 then return waits end
@@ -240,7 +236,7 @@ class JobSpend:
         member = f"{uuid.uuid4().hex}:{usd!r}:{tokens}"
         args: list = [usd, tokens, member, ttl_s]
         for bill in bills:
-            args += [_cap(bill.cap.usd), _cap(bill.cap.tokens), bill.label]
+            args += [_cap(bill.cap.usd), _cap(bill.cap.tokens)]
         verdict = await self._hold(keys=[k for b in bills for k in (b.key, Keys.cap_holds(b.key))], args=args)
         if verdict[0] == 1:
             return Held(usd, tokens, tuple(b.key for b in bills), member)
@@ -253,6 +249,14 @@ class JobSpend:
             return
         keys = [k for key in held.keys for k in (key, Keys.cap_holds(key))]
         await self._release(keys=keys, args=[held.member, held.usd, held.tokens])
+
+    async def refused(self, job: str, bill: Bill) -> None:
+        """Mark the job refused by `bill`'s cap (`refused`, `refused_by`: its label), for the
+        learner to end it on."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(Keys.job_spend(job), "refused", 1)
+            pipe.hset(Keys.job_spend(job), "refused_by", bill.label)
+            await pipe.execute()
 
     async def renew(self, held: Held | None, ttl_s: float) -> None:
         """Keep a call's hold another `ttl_s` (a stream that is still arriving)."""
@@ -297,17 +301,34 @@ def bills_of(job: str, terms: JudgeTerms, now: float | None = None) -> list[Bill
 
 
 async def hold_caps(
-    spend: JobSpend, job: str, owed: list[Bill], usd: float, tokens: int, deadline: float, ttl_s: float
+    spend: JobSpend,
+    job: str,
+    owed: list[Bill],
+    usd: float,
+    tokens: int,
+    deadline: float,
+    ttl_s: float,
+    fresh: Callable[[], Awaitable[list[Bill]]],
 ) -> Held | None:
     """Hold a call's dearest cost (`usd`, `tokens`) against the caps of the bills it is
     `owed` to, until it settles or `ttl_s` passes without a renewal (a proxy killed with calls
-    in flight leaves no hold behind for longer). While calls in flight hold what it needs it waits for them,
-    until `deadline` (`time.monotonic()`; then 429); when even a bill so far leaves no room,
-    402 `spend_cap_reached` naming the cap. None: no bill has a cap."""
-    if all(b.cap.usd is None and b.cap.tokens is None for b in owed):
-        return None
-    while isinstance(held := await spend.hold(owed, usd, tokens, ttl_s), Refusal):
+    in flight leaves no hold behind for longer). While calls in flight hold what it needs it
+    waits for them, until `deadline` (`time.monotonic()`; then 429); when even a bill so far
+    leaves no room, the caps are read afresh (`fresh`: a cap raised since they were read,
+    by a resume, counts) and, if one still refuses, 402 `spend_cap_reached` naming it,
+    marked on the job's bill (`JobSpend.refused`). None: no bill has a cap."""
+    read_afresh = False
+    while True:
+        if all(b.cap.usd is None and b.cap.tokens is None for b in owed):
+            return None
+        held = await spend.hold(owed, usd, tokens, ttl_s)
+        if not isinstance(held, Refusal):
+            return held
+        if not held.wait and not read_afresh:
+            owed, read_afresh = await fresh(), True
+            continue
         if not held.wait:
+            await spend.refused(job, held.bill)
             raise ProxyError(
                 402,
                 f"job {job!r} reached {held.bill.label}: ${held.spent_usd:.4f} and {held.spent_tokens} tokens "
@@ -318,7 +339,6 @@ async def hold_caps(
             why = f"job {job!r}: calls in flight hold what is left of {held.bill.label}"
             raise ProxyError(429, why, "rate_limited", retry_after_s=1.0)
         await asyncio.sleep(CAP_WAIT_S)
-    return held
 
 
 def role_of(header: str, priority: str) -> str:

@@ -86,7 +86,7 @@ class CostMeter:
         refused_by = await self.redis.hget(Keys.job_spend(self.job_id), "refused_by")
         why = f"{refused_by.decode()} refused a call" if refused_by else self.binding or "a spend cap refused a call"
         return (
-            f"spend cap reached at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "
+            f"{jobs.CAP_REACHED} at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "
             f"{self.spend.get('tokens', 0)} tokens spent; {why}"
         )
 

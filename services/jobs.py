@@ -8,9 +8,10 @@ every step, and ends it. A job still PENDING after `pending_ttl_s` ends FAILED, 
 A job whose progress waits on something outside it (a judge upstream that is down, no
 rollout server) is PAUSED with `paused_reason` and `paused_since` (`learner.watchdog`); it
 stays in `jobs:running`, so its servers keep their tasks, and goes back to RUNNING by
-itself when what it waited on is back. A FAILED or CANCELLED job that recorded a checkpoint
-can be resumed (`resume`): PENDING again on its tenant's queue, it is claimed like any other
-and continued from its newest complete checkpoint.
+itself when what it waited on is back. A FAILED or CANCELLED job that recorded a checkpoint,
+or one a spend cap ended, can be resumed (`resume`, with a raised cap): PENDING again on its
+tenant's queue, it is claimed like any other and continued from its newest complete
+checkpoint.
 """
 
 from __future__ import annotations
@@ -291,18 +292,30 @@ return 1
 # resumes it has seen why it ended); `resumed_from` and `resumed_error` keep what it ended
 # as, and `resumes` counts the resumes, which is how the learner's claim tells a resumed
 # PENDING job from a new one.
+CAP_REACHED = "spend cap reached"
+"""How the reason of a job that a spend cap ended (SUCCEEDED) begins (`learner.cost`)."""
+
+# KEYS: the tenant's queue, the job's changed channel, its checkpoints, its spend hash, then
+# every key of the job (its record first). ARGV: now, the id, the queue's limit, and a new
+# spec (JSON; '' keeps the spec). A FAILED or CANCELLED job resumes, and one a spend cap
+# ended (SUCCEEDED, its reason `spend cap reached ...`): its refusal is cleared, so its calls
+# go on until a cap (raised in the new spec, or the tenant's next month) binds again.
 RESUME_LUA = """
-local current = redis.call('HGET', KEYS[4], 'status')
-if current ~= 'FAILED' and current ~= 'CANCELLED' then return current or false end
+local record = KEYS[5]
+local current = redis.call('HGET', record, 'status')
+local error = redis.call('HGET', record, 'error') or ''
+local capped = current == 'SUCCEEDED' and string.sub(error, 1, #ARGV[5]) == ARGV[5]
+if current ~= 'FAILED' and current ~= 'CANCELLED' and not capped then return current or false end
 if redis.call('LLEN', KEYS[3]) == 0 then return 'NO_CHECKPOINT' end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 'QUEUE_FULL' end
-local error = redis.call('HGET', KEYS[4], 'error') or ''
-redis.call('HDEL', KEYS[4], 'finished', 'error', 'cancel_requested', 'paused_reason', 'paused_since')
-redis.call('HDEL', KEYS[4], 'restarts_at_step')
-redis.call('HSET', KEYS[4], 'status', 'PENDING', 'resumed_from', current, 'resumed_error', error)
-redis.call('HINCRBY', KEYS[4], 'resumes', 1)
+redis.call('HDEL', record, 'finished', 'error', 'cancel_requested', 'paused_reason', 'paused_since')
+redis.call('HDEL', record, 'restarts_at_step')
+redis.call('HSET', record, 'status', 'PENDING', 'resumed_from', current, 'resumed_error', error)
+if ARGV[4] ~= '' then redis.call('HSET', record, 'spec', ARGV[4]) end
+redis.call('HDEL', KEYS[4], 'refused', 'refused_by')
+redis.call('HINCRBY', record, 'resumes', 1)
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-for i = 4, #KEYS do redis.call('PERSIST', KEYS[i]) end
+for i = 5, #KEYS do redis.call('PERSIST', KEYS[i]) end
 redis.call('PUBLISH', KEYS[2], 'PENDING')
 return 'RESUMED'
 """
@@ -396,15 +409,32 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
     return status.decode() if status else None
 
 
-async def resume(client: aioredis.Redis, job_id: str, max_pending: int = sys.maxsize) -> None:
-    """Queue an ended FAILED or CANCELLED job again, PENDING, for a learner to continue from
-    its newest complete checkpoint; its keys no longer expire. NotResumable (saying why) when
-    it has no record, has not ended, SUCCEEDED, or recorded no checkpoint; QueueFull when its
-    tenant has `max_pending` jobs queued already. Whether the checkpoint still loads only the
-    learner, which holds the runs folder, can tell: if none does, it fails the job again."""
+async def resume(
+    client: aioredis.Redis, job_id: str, max_pending: int = sys.maxsize, budget: BudgetSpec | None = None
+) -> None:
+    """Queue an ended job again, PENDING, for a learner to continue from its newest complete
+    checkpoint; its keys no longer expire. A FAILED or CANCELLED job resumes, and one a spend
+    cap ended, with its `budget` replaced when one is given. NotResumable (saying why) when
+    it has no record, has not ended, SUCCEEDED otherwise, or recorded no checkpoint;
+    BudgetTooLow when `budget` leaves nothing above what the job spent; QueueFull when its
+    tenant has `max_pending` jobs queued already. Whether the checkpoint still loads only
+    the learner, which holds the runs folder, can tell: if none does, it fails the job again."""
+    spec = ""
+    if budget is not None:
+        stored = await client.hget(Keys.job(job_id), "spec")
+        if stored is None:
+            raise NotResumable(not_resumable_reason(job_id, None))
+        await check_raised(client, job_id, budget)
+        spec = parse_job_spec_json(stored).model_copy(update={"budget": budget}).model_dump_json()
     answer = await client.register_script(RESUME_LUA)(
-        keys=[await queue_of(client, job_id), Keys.job_changed(job_id), Keys.checkpoints(job_id), *job_keys(job_id)],
-        args=[time.time(), job_id, max_pending],
+        keys=[
+            await queue_of(client, job_id),
+            Keys.job_changed(job_id),
+            Keys.checkpoints(job_id),
+            Keys.job_spend(job_id),
+            *job_keys(job_id),
+        ],
+        args=[time.time(), job_id, max_pending, spec, CAP_REACHED],
     )
     answer = answer.decode() if answer else None
     if answer == "RESUMED":
@@ -412,6 +442,24 @@ async def resume(client: aioredis.Redis, job_id: str, max_pending: int = sys.max
     if answer == "QUEUE_FULL":
         raise QueueFull(f"the job's tenant has {max_pending} jobs pending already (TANDEM_MAX_PENDING_JOBS)")
     raise NotResumable(not_resumable_reason(job_id, answer))
+
+
+class BudgetTooLow(ValueError):
+    """A new budget that leaves nothing above what the job spent; `field` names the cap."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+async def check_raised(client: aioredis.Redis, job_id: str, budget: BudgetSpec) -> None:
+    """BudgetTooLow when a cap of `budget` is not above what the job has spent."""
+    spent = await job_spend(client, job_id)
+    for field, cap in (("usd", budget.usd), ("tokens", budget.tokens)):
+        if cap is not None and cap <= spent[field]:
+            raise BudgetTooLow(
+                field, f"budget.{field} {cap} is not above what job {job_id} has spent ({spent[field]:g} {field})"
+            )
 
 
 def not_resumable_reason(job_id: str, answer: str | None) -> str:
@@ -424,7 +472,7 @@ def not_resumable_reason(job_id: str, answer: str | None) -> str:
         )
     if answer == JobStatus.SUCCEEDED.value:
         return f"job {job_id} SUCCEEDED: it has nothing left to train"
-    return f"job {job_id} is {answer}, not ended: only a FAILED or CANCELLED job resumes"
+    return f"job {job_id} is {answer}, not ended: only a FAILED or CANCELLED job, or one a spend cap ended, resumes"
 
 
 RECORD_PROGRESS_LUA = (

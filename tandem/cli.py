@@ -334,7 +334,8 @@ def cmd_resume(args: argparse.Namespace) -> None:
     from tandem.client import ApiClient, ApiError
 
     try:
-        print(ApiClient(args.api, args.token).resume(args.job_id)["status"])
+        budget = {k: v for k, v in (("usd", args.budget_usd), ("tokens", args.budget_tokens)) if v is not None}
+        print(ApiClient(args.api, args.token).resume(args.job_id, budget or None)["status"])
     except ApiError as err:  # the API says why the job does not resume
         sys.exit(str(err))
 
@@ -562,9 +563,16 @@ def build_parser() -> argparse.ArgumentParser:
         ("follow", cmd_follow, "follow a job with a progress bar"),
         ("datasets", cmd_datasets, "list the files a generate job wrote"),
         ("cancel", cmd_cancel, "cancel a job"),
-        ("resume", cmd_resume, "continue a FAILED or CANCELLED job from its newest checkpoint"),
     ):
         api_client_parser(name, run, help_text, "job_id")
+    p = api_client_parser(
+        "resume",
+        cmd_resume,
+        "continue a FAILED or CANCELLED job, or one a spend cap ended, from its newest checkpoint",
+        "job_id",
+    )
+    p.add_argument("--budget-usd", type=float, default=None, help="its new cap in US dollars (above what it spent)")
+    p.add_argument("--budget-tokens", type=int, default=None, help="its new cap in provider tokens")
     p = api_client_parser(
         "rejudge",
         cmd_rejudge,

@@ -55,8 +55,9 @@ class ApiClient:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
-    def resume(self, job_id: str) -> dict:
-        return self._call("POST", f"/v1/jobs/{job_id}/resume")
+    def resume(self, job_id: str, budget: dict | None = None) -> dict:
+        """Queue an ended job again; `budget` (`{usd, tokens}`) replaces its caps."""
+        return self._call("POST", f"/v1/jobs/{job_id}/resume", json={"budget": budget} if budget else None)
 
     def checkpoints(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")

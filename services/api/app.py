@@ -39,7 +39,7 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.routing import Match
 
 from services import bills, jobs, preference, protocol
@@ -83,6 +83,16 @@ class JobView(BaseModel):
     resumed_from: str | None = Field(None, description="The status the job had when it was last resumed.")
     resumed_error: str | None = Field(None, description="The error it had then, if any.")
     spec: JobSpec
+
+
+class ResumeRequest(BaseModel):
+    """What may change when an ended job is resumed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: BudgetSpec | None = Field(
+        None, description="New caps on what its LLM calls cost (a raised cap for a job a cap ended); kept when unset."
+    )
 
 
 class TenantSpend(BaseModel):
@@ -548,13 +558,18 @@ def job_control_router() -> APIRouter:
         response_model=JobView,
         responses=ERRORS | {409: {"model": Error}, 429: {"model": Error}},
     )
-    async def resume(request: Request, record: dict = Depends(owned)) -> JobView:
-        """A FAILED or CANCELLED job is queued again (PENDING) and a learner continues it from
-        its newest complete checkpoint; its keys are kept again. 409 says why not: it has not
-        ended, it SUCCEEDED, or it recorded no checkpoint. 429: the tenant's queue is full."""
+    async def resume(request: Request, body: ResumeRequest | None = None, record: dict = Depends(owned)) -> JobView:
+        """A FAILED or CANCELLED job, or one a spend cap ended, is queued again (PENDING) and a
+        learner continues it from its newest complete checkpoint; its keys are kept again.
+        `budget` replaces the job's caps (each above what it spent, else 422 naming the
+        field). 409 says why not: it has not ended, it SUCCEEDED otherwise, or it recorded no
+        checkpoint. 429: the tenant's queue is full."""
         client = request.app.state.redis
+        budget = body.budget if body is not None else None
         try:
-            await jobs.resume(client, record["id"], request.app.state.settings.max_pending_jobs)
+            await jobs.resume(client, record["id"], request.app.state.settings.max_pending_jobs, budget)
+        except jobs.BudgetTooLow as exc:
+            raise HTTPException(422, [{"loc": ["body", "budget", exc.field], "msg": str(exc)}]) from None
         except jobs.NotResumable as exc:
             raise HTTPException(409, str(exc)) from None
         except jobs.QueueFull as exc:

@@ -131,3 +131,40 @@ async def test_a_resume_past_the_tenants_pending_quota_gets_429(redis_url, redis
 
     assert response.status_code == 429
     assert (await jobs.get_job(redis_client, job_id))["status"] == "FAILED"
+
+
+async def test_a_job_a_spend_cap_ended_resumes_with_a_raised_cap_and_its_refusal_cleared(api, redis_client):
+    job_id = (await api.post("/v1/jobs", json={**SPEC, "budget": {"usd": 0.5}}, headers=ALPHA)).json()["id"]
+    assert await claim_job(redis_client, job_id, LearnerSettings()) is not None
+    await redis_client.rpush(Keys.checkpoints(job_id), json.dumps({"step": 4, "version": 4, "path": "/x", "time": 0}))
+    spend = Keys.job_spend(job_id)
+    await redis_client.hset(spend, mapping={"usd:judge": 0.48, "tokens:judge": 9000, "refused": 2, "refused_by": "x"})
+    reason = f"{jobs.CAP_REACHED} at step 4 of 30: $0.4800 and 9000 tokens spent; the job's spend cap (usd 0.5) ..."
+    await jobs.set_status(redis_client, job_id, jobs.JobStatus.SUCCEEDED, reason, RETENTION_S)
+    resume = f"/v1/jobs/{job_id}/resume"
+
+    low = await api.post(resume, json={"budget": {"usd": 0.4}}, headers=ALPHA)  # below what it spent
+    unknown = await api.post(resume, json={"budget": {"usd": 1.0}, "spec": {}}, headers=ALPHA)
+    negative = await api.post(resume, json={"budget": {"usd": -1}}, headers=ALPHA)
+    assert low.status_code == 422 and low.json()["detail"][0]["loc"] == ["body", "budget", "usd"]
+    assert "not above what job" in low.text
+    assert unknown.status_code == 422 and ["body", "spec"] in [e["loc"] for e in unknown.json()["detail"]]
+    assert negative.status_code == 422
+    assert (await jobs.get_job(redis_client, job_id))["status"] == "SUCCEEDED"  # nothing changed
+
+    raised = await api.post(resume, json={"budget": {"usd": 1.0}}, headers=ALPHA)
+    assert raised.status_code == 200, raised.text
+    job = raised.json()
+    assert (job["status"], job["resumed_from"], job["resumed_error"]) == ("PENDING", "SUCCEEDED", reason)
+    assert job["spec"]["budget"] == {"usd": 1.0, "tokens": None}
+    assert await redis_client.hmget(spend, "refused", "refused_by") == [None, None]
+    assert float(await redis_client.hget(spend, "usd:judge")) == 0.48  # the bill so far stays
+    claimed = await claim_job(redis_client, job_id, LearnerSettings())
+    assert claimed is not None and claimed[1] and claimed[0].budget.usd == 1.0  # a resume, at the new cap
+
+
+async def test_a_job_that_succeeded_at_its_steps_does_not_resume_even_with_a_budget(api, redis_client):
+    job_id = await ended_job(api, redis_client, jobs.JobStatus.SUCCEEDED)
+    response = await api.post(f"/v1/jobs/{job_id}/resume", json={"budget": {"usd": 5.0}}, headers=ALPHA)
+    assert response.status_code == 409 and "nothing left to train" in response.text
+    assert (await jobs.get_job(redis_client, job_id))["spec"]["budget"] == {"usd": None, "tokens": None}

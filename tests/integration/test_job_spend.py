@@ -161,6 +161,11 @@ async def test_no_call_is_made_that_could_take_a_job_past_its_cap(proxy, redis_c
     assert charged["held_usd"] == pytest.approx(0.0, abs=1e-12) and charged["held_tokens"] == 0
     # Another job, without a cap, is not held back.
     assert (await ask(proxy, [{"role": "user", "content": "hello"}], job="job-free")).status_code == 200
+    # A cap raised since the proxy read it (a resume) counts at once, not after its cache's 10 s.
+    await redis_client.hset(Keys.job("job-cap"), "spec", json.dumps({**spec, "budget": {cap: limit * 100}}))
+    await redis_client.hdel(Keys.job_spend("job-cap"), "refused", "refused_by")
+    assert (await ask(proxy, [{"role": "user", "content": "again"}], job="job-cap", temperature=0.7)).status_code == 200
+    assert await redis_client.hget(Keys.job_spend("job-cap"), "refused") is None
 
 
 async def test_a_tenants_month_is_capped_across_its_jobs_and_other_tenants_are_not_held_back(

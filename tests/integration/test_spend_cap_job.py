@@ -54,6 +54,12 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
         history = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
         provider = httpx.get(f"{stand_in_url}/admin/stats").json()
         month = api.get("/v1/spend").json()
+        if capped == "job":  # the user raises the cap, and the job goes on from where it stopped
+            raised = api.post(f"/v1/jobs/{job_id}/resume", json={"budget": {"usd": 2 * CAP_USD}})
+            assert raised.status_code == 200, raised.text
+            again = job_ended(api, job_id, timeout_s=600)
+            more = [h for h in api.get(f"/v1/jobs/{job_id}/history").json() if h["phase"] == "rl"]
+            provider_again = httpx.get(f"{stand_in_url}/admin/stats").json()
 
     assert record["status"] == "SUCCEEDED", record.get("error")
     steps = len(history)
@@ -71,3 +77,10 @@ def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: P
     assert provider["accepted"] == spent["calls"]  # every call the provider answered is on the bill
     assert history[-1]["cost_usd"] <= spent["usd"]
     assert (tmp_path / "runs" / job_id / "policy" / "model.safetensors").exists()
+    if capped == "job":
+        # Resumed at twice the cap, it trained on past the first stop and stopped at the new cap.
+        assert again["status"] == "SUCCEEDED" and again["resumes"] == 1, again.get("error")
+        assert steps < again["step"] <= len({h["step"] for h in more})
+        assert f"(usd {2 * CAP_USD})" in again["error"]
+        assert spent["usd"] < again["spend"]["usd"] <= 2 * CAP_USD
+        assert provider_again["accepted"] == again["spend"]["calls"]
