@@ -26,6 +26,7 @@ from services import jobs, protocol
 from services.config import JobSpec
 from services.queues import Keys, StreamConsumer, publish
 from services.tokenization import ChatTokenizer
+from tandem.demo import write_demonstrations
 from tandem.launcher import Ports, Stack, learner_command, process_tree, served_model  # noqa: F401 (tests import served_model here)
 from tandem.redis_embed import free_port
 
@@ -190,6 +191,24 @@ def judge_bound_system(
         env = {"TANDEM_RUNS_DIR": str(tmp_path / "runs"), "TANDEM_UPSTREAMS": str(upstreams), **(env or {})}
         system = stack.enter_context(Stack(tmp_path / "logs", ports=Ports.free(), extra_env=env))
         yield httpx.Client(base_url=system.api_url, timeout=10), stand_in_url, system.judge_url
+
+
+def judge_bound_spec(tmp_path: Path, model: Path, name: str, steps: int, group_size: int = 2, **reward) -> dict:
+    """A clarify job whose user simulator and judge are the proxy's `judge`, warm-started
+    (demonstrations written in `tmp_path`) so that its replies are well formed from the
+    start and futures are played and judged every step; `reward` adds to its reward."""
+    warm_start = tmp_path / "warm.jsonl"
+    write_demonstrations(warm_start, num=1000, share=0.5)
+    return {
+        "name": name,
+        "model": {"path": str(model), "max_model_len": 512},
+        "task": {"name": "clarify", "user": "llm", "num_examples": 64},
+        "rollout": {"group_size": group_size, "max_new_tokens": 24, "max_turns": 2, "max_total_tokens": 256},
+        "reward": {"mode": "multiturn", "window": 1, "num_futures": 2, "judge_rubric": "interactivity",
+                   "judge_weight": 0.5, "judge_model": "judge", "user_model": "judge", **reward},
+        "train": {"num_steps": steps, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
+        "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
+    }  # fmt: skip
 
 
 def stand_in_upstreams(

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import job_ended, judge_bound_system
+from helpers import job_ended, judge_bound_spec, judge_bound_system
 
 from devtools.provider import LocalUpstreamConfig
 from tandem.cli import main
-from tandem.demo import write_demonstrations
 
 pytestmark = pytest.mark.slow
 PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0}
@@ -28,18 +27,7 @@ def test_rejudge_compares_a_finished_jobs_verdicts_with_the_same_and_a_second_ju
 ):
     """`group`: the job's judge scored each response's futures in one call, and so does the
     re-judging."""
-    warm_start = tmp_path / "warm.jsonl"
-    write_demonstrations(warm_start, num=1000, share=0.5)
-    spec = {
-        "name": "judged",
-        "model": {"path": str(tiny_model), "max_model_len": 512},
-        "task": {"name": "clarify", "user": "llm", "num_examples": 64},
-        "rollout": {"group_size": 3, "max_new_tokens": 24, "max_turns": 2, "max_total_tokens": 256},
-        "reward": {"mode": "multiturn", "window": 1, "num_futures": 2, "judge_rubric": "interactivity",
-                   "judge_weight": 0.5, "judge_model": "judge", "user_model": "judge", "judge_mode": judge_mode},
-        "train": {"num_steps": STEPS, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
-        "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
-    }  # fmt: skip
+    spec = judge_bound_spec(tmp_path, tiny_model, "judged", STEPS, group_size=3, judge_mode=judge_mode)
     stand_in = LocalUpstreamConfig(
         tpm=50_000_000, rpm=500_000, models=["judge", "judge-coarse"], seed=3, coarse_judge_models=["judge-coarse"]
     )

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import job_ended, judge_bound_system
+from helpers import job_ended, judge_bound_spec, judge_bound_system
 
 from devtools.provider import LocalUpstreamConfig
-from tandem.demo import write_demonstrations
 
 pytestmark = pytest.mark.slow
 PRICES = {"input_per_mtok": 3.0, "output_per_mtok": 15.0, "cached_input_per_mtok": 0.3}
@@ -29,19 +28,7 @@ first step, whose cost never came near it."""
 def test_a_capped_job_ends_succeeded_at_its_cap_with_no_call_past_it(tmp_path: Path, tiny_model, capped: str):
     """`job`: the spec's `budget`; `tenant`: the operator's cap on the tenant's month, in the
     API's settings, and none in the spec."""
-    warm_start = tmp_path / "warm.jsonl"
-    write_demonstrations(warm_start, num=1000, share=0.5)
-    spec = {
-        "name": "capped",
-        "model": {"path": str(tiny_model), "max_model_len": 512},
-        "task": {"name": "clarify", "user": "llm", "num_examples": 64},
-        "rollout": {"group_size": 2, "max_new_tokens": 24, "max_turns": 2, "max_total_tokens": 256},
-        "reward": {"mode": "multiturn", "window": 1, "num_futures": 2, "judge_rubric": "interactivity",
-                   "judge_weight": 0.5, "judge_model": "judge", "user_model": "judge"},
-        "train": {"num_steps": STEPS, "batch_size": 2, "max_staleness": 1, "lr": 1e-4},
-        # Well-formed replies from the start, so futures are played and judged every step.
-        "warm_start": {"steps": 150, "batch_size": 32, "lr": 3e-3, "data": str(warm_start)},
-    }  # fmt: skip
+    spec = judge_bound_spec(tmp_path, tiny_model, "capped", STEPS)
     env = {}
     if capped == "job":
         spec["budget"] = {"usd": CAP_USD}
