@@ -556,7 +556,7 @@ def job_control_router() -> APIRouter:
     @router.post(
         "/v1/jobs/{job_id}/resume",
         response_model=JobView,
-        responses=ERRORS | {409: {"model": Error}, 429: {"model": Error}},
+        responses=ERRORS | {400: {"model": Error}, 409: {"model": Error}, 429: {"model": Error}},
     )
     async def resume(request: Request, body: ResumeRequest | None = None, record: dict = Depends(owned)) -> JobView:
         """A FAILED or CANCELLED job, or one a spend cap ended, is queued again (PENDING) and a
