@@ -305,15 +305,10 @@ def judge_router(proxy: Proxy, authorize: Callable[[Request], str], settings: Ju
     return router
 
 
-class JobBill(BaseModel):
+class JobBill(bills.BillView):
     """A job's bill at the proxy (`judge_proxy.spend`)."""
 
     job: str
-    usd: float
-    tokens: int
-    cached: int
-    calls: int
-    by_role: dict[str, dict[str, float]]
 
 
 def model_for(settings: JudgeProxySettings, job: str, model: str) -> str:

@@ -235,6 +235,3 @@ class Weights:
         terms = await judge_terms(self.client, job)
         self.read[job] = (terms, time.monotonic())
         return terms
-
-    async def of(self, job: str) -> float:
-        return (await self.terms(job)).weight

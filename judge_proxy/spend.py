@@ -319,7 +319,7 @@ async def hold_caps(
     marked on the job's bill (`JobSpend.refused`). None: no bill has a cap."""
     read_afresh = False
     while True:
-        if all(b.cap.usd is None and b.cap.tokens is None for b in owed):
+        if not any(b.cap.limits for b in owed):
             return None
         held = await spend.hold(owed, usd, tokens, ttl_s)
         if not isinstance(held, Refusal):

@@ -65,9 +65,7 @@ class CostMeter:
         per_step["tokens"] = (self.spend["tokens"] - first_tokens) / steps
         admitted, plan = -(-admitted_tasks // train.batch_size), train.num_steps
         for label, cap, bill in caps:
-            for kind, limit in (("usd", cap.usd), ("tokens", cap.tokens)):
-                if limit is None:
-                    continue
+            for kind, limit in cap.limits.items():
                 steps_within = planned_steps(step, per_step[kind], bill[kind], limit, admitted, train.num_steps)
                 if steps_within < plan:
                     plan, self.binding = steps_within, f"{label} leaves no room for more steps"

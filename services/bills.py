@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 
 from services.config import BudgetSpec
@@ -39,19 +40,14 @@ async def write_caps(client: aioredis.Redis, cap: BudgetSpec) -> None:
     """Make `cap` the cap on every tenant's month (none: no cap)."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.delete(Keys.tenant_caps)
-        fields = {k: v for k, v in (("usd", cap.usd), ("tokens", cap.tokens)) if v is not None}
-        if fields:
-            pipe.hset(Keys.tenant_caps, mapping=fields)
+        if cap.limits:
+            pipe.hset(Keys.tenant_caps, mapping=cap.limits)
         await pipe.execute()
 
 
-async def read_caps(client: aioredis.Redis) -> BudgetSpec:
-    """The cap on every tenant's month, as the API last wrote it."""
-    return cap_of(await client.hgetall(Keys.tenant_caps))
-
-
 def cap_of(raw: dict[bytes, bytes]) -> BudgetSpec:
-    """The `Keys.tenant_caps` hash read back."""
+    """The `Keys.tenant_caps` hash read back: the cap on every tenant's month, as the API
+    last wrote it."""
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     usd, tokens = fields.get("usd"), fields.get("tokens")
     return BudgetSpec(usd=None if usd is None else float(usd), tokens=None if tokens is None else int(tokens))
@@ -72,6 +68,18 @@ def bill_of(raw: dict[bytes, bytes]) -> dict:
     return totals | {"by_role": by_role}
 
 
+class BillView(BaseModel):
+    """A bill as the job API and the judge proxy show it (`bill_of`)."""
+
+    usd: float
+    tokens: int
+    cached: int
+    calls: int
+    by_role: dict[str, dict[str, float]] = Field(
+        description="Role (simulator, judge, extraction, eval) -> usd, tokens, cached, calls."
+    )
+
+
 def job_cap_label(cap: BudgetSpec) -> str:
     """What a job's own cap is called in its record and in a refusal."""
     return f"the job's spend cap ({describe(cap)})"
@@ -83,7 +91,7 @@ def tenant_cap_label(tenant: str, month: str, cap: BudgetSpec) -> str:
 
 
 def describe(cap: BudgetSpec) -> str:
-    return ", ".join(f"{name} {value}" for name, value in (("usd", cap.usd), ("tokens", cap.tokens)) if value)
+    return ", ".join(f"{name} {value}" for name, value in cap.limits.items())
 
 
 @dataclass(frozen=True)
@@ -98,9 +106,7 @@ class Month:
     @property
     def exhausted(self) -> bool:
         """The month's bill has reached a cap: no call of the tenant can be made."""
-        return (self.cap.usd is not None and self.spent["usd"] >= self.cap.usd) or (
-            self.cap.tokens is not None and self.spent["tokens"] >= self.cap.tokens
-        )
+        return any(self.spent[field] >= cap for field, cap in self.cap.limits.items())
 
     @property
     def label(self) -> str:

@@ -670,6 +670,11 @@ class BudgetSpec(_Strict):
     usd: float | None = Field(None, gt=0, description="At most this many US dollars (upstreams' prices).")
     tokens: int | None = Field(None, gt=0, description="At most this many provider tokens, prompt and completion.")
 
+    @property
+    def limits(self) -> dict[str, float | int]:
+        """The caps set, by the bill's field they hold (`usd`, `tokens`); empty: no cap."""
+        return {name: value for name, value in (("usd", self.usd), ("tokens", self.tokens)) if value is not None}
+
 
 class _JobBase(_Strict):
     """What every kind of job names: the model, the task, and how to roll out, score and

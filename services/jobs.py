@@ -286,15 +286,15 @@ return 1
 )
 
 
+CAP_REACHED = "spend cap reached"
+"""How the reason of a job that a spend cap ended (SUCCEEDED) begins (`learner.cost`)."""
+
 # A resume moves an ended job back to its tenant's queue in one script, so two resumes, or a
 # resume and a learner's claim, cannot both act on it. The end set every key of the job to
 # expire (retention): they are kept again. The end's fields go, and its crash count (whoever
 # resumes it has seen why it ended); `resumed_from` and `resumed_error` keep what it ended
 # as, and `resumes` counts the resumes, which is how the learner's claim tells a resumed
 # PENDING job from a new one.
-CAP_REACHED = "spend cap reached"
-"""How the reason of a job that a spend cap ended (SUCCEEDED) begins (`learner.cost`)."""
-
 # KEYS: the tenant's queue, the job's changed channel, its checkpoints, its spend hash, then
 # every key of the job (its record first). ARGV: now, the id, the queue's limit, and a new
 # spec (JSON; '' keeps the spec). A FAILED or CANCELLED job resumes, and one a spend cap
@@ -455,8 +455,8 @@ class BudgetTooLow(ValueError):
 async def check_raised(client: aioredis.Redis, job_id: str, budget: BudgetSpec) -> None:
     """BudgetTooLow when a cap of `budget` is not above what the job has spent."""
     spent = await job_spend(client, job_id)
-    for field, cap in (("usd", budget.usd), ("tokens", budget.tokens)):
-        if cap is not None and cap <= spent[field]:
+    for field, cap in budget.limits.items():
+        if cap <= spent[field]:
             raise BudgetTooLow(
                 field, f"budget.{field} {cap} is not above what job {job_id} has spent ({spent[field]:g} {field})"
             )

@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import secrets
 import sys
 from dataclasses import asdict, dataclass
@@ -165,12 +166,15 @@ def compare(picked: Picked, rescored: list[Rescored]) -> dict:
     the new R_llm, at each group's judge weight, does to its responses' rewards)."""
     pairs = [(c, r) for c, r in zip(picked.conversations, rescored) if r.score is not None]
     failed_groups = {c.group for c, r in zip(picked.conversations, rescored) if r.score is None}
+    in_group: dict[int, list[tuple[Judged, Rescored]]] = {}
+    for c, r in pairs:
+        in_group.setdefault(c.group, []).append((c, r))
     groups, flips, comparable = [], [], 0
     for g, view in enumerate(picked.views):
         if g in failed_groups:
             continue
         before = [r["reward"] for r in view["responses"]]
-        after = rewards_with(view, [(c, r) for c, r in pairs if c.group == g])
+        after = rewards_with(view, in_group.get(g, []))
         where = {"task_id": view["task_id"], "version": view["dispatched_version"]}
         groups.append(where | {"spearman": spearman(before, after)})
         for i, j in itertools.combinations(range(len(before)), 2):
@@ -270,31 +274,29 @@ def main(args) -> None:
     """The command: read the job and its groups from the API, re-score, compare, print and
     write the JSON."""
     from services.config import parse_job_spec
-    from tandem.client import ApiClient
+    from services.jobs import JOB_ID
+    from tandem.client import ApiClient, ApiError
 
+    if not JOB_ID.fullmatch(args.job_id):
+        sys.exit(f"tandem rejudge: {args.job_id!r} is not a job id (NAME-8 hex digits, as `tandem submit` prints)")
     try:
         steps = steps_range(args.steps) if args.steps else (0, sys.maxsize)
-    except ValueError as err:
+        api = ApiClient(args.api, args.token)
+        record, views = api.get(args.job_id), api.groups(args.job_id)
+    except (ValueError, ApiError) as err:
         sys.exit(f"tandem rejudge: {err}")
-    api = ApiClient(args.api, args.token)
-    record = api.get(args.job_id)
-    reward = parse_job_spec(record["spec"]).reward
+    spec = parse_job_spec(record["spec"])
+    reward = spec.reward
     rubric = args.rubric or reward.judge_rubric
     if not rubric:
         sys.exit(f"tandem rejudge: job {args.job_id} has no judge rubric (reward.judge_rubric): give --rubric")
-    picked = pick(api.groups(args.job_id), steps)
+    picked = pick(views, steps)
     if not picked.conversations:
         sys.exit(
             f"tandem rejudge: no conversation the judge scored in the {len(picked.views)} groups job "
             f"{args.job_id} keeps within --steps ({picked.cut} were cut)"
         )
-    references = [None] * len(picked.conversations)
-    if reward.judge_reference:
-        from rollout.tasks import load_task
-
-        spec = parse_job_spec(record["spec"])
-        task_set = load_task(spec.task, spec.train.seed)
-        references = [task_set.reference(picked.views[c.group]["example"]) for c in picked.conversations]
+    references = references_for(spec, picked) if reward.judge_reference else [None] * len(picked.conversations)
     key = f"rejudge-{secrets.token_hex(4)}-{args.job_id}"
     rescored, bill = asyncio.run(run(args, picked, key, rubric, references, reward))
     report = {
@@ -311,10 +313,19 @@ def main(args) -> None:
             for c, r in zip(picked.conversations, rescored)
         ],
     }  # fmt: skip
-    out = Path(args.out or f"rejudge-{args.job_id}-{args.judge_model.replace('/', '_')}.json")
+    out = Path(args.out or f"rejudge-{args.job_id}-{re.sub(r'[^A-Za-z0-9_.-]', '_', args.judge_model)}.json")
     out.write_text(json.dumps(report, indent=1))
     print(table(report))
     print(f"wrote {out}")
+
+
+def references_for(spec, picked: Picked) -> list[str | None]:
+    """The task's reference for each conversation, as the job's judge was shown it
+    (`reward.judge_reference`)."""
+    from rollout.tasks import load_task
+
+    task_set = load_task(spec.task, spec.train.seed)
+    return [task_set.reference(picked.views[c.group]["example"]) for c in picked.conversations]
 
 
 async def run(

@@ -95,17 +95,12 @@ class ResumeRequest(BaseModel):
     )
 
 
-class TenantSpend(BaseModel):
+class TenantSpend(bills.BillView):
     """What a tenant's jobs' LLM calls cost this calendar month (UTC), as the judge proxy
     charged them, and the operator's cap on it (`TANDEM_TENANT_BUDGET_USD`, `..._TOKENS`)."""
 
     period: str = Field(description="The month, `2026-11`.")
     cap: BudgetSpec
-    usd: float
-    tokens: int
-    cached: int
-    calls: int
-    by_role: dict = Field(description="Role (simulator, judge, extraction, eval) -> usd, tokens, cached, calls.")
 
 
 class HeldOutConversation(BaseModel):
@@ -473,6 +468,19 @@ async def admitted(spec: JobSpec, request: Request) -> JobSpec:
     return spec
 
 
+async def month_not_spent(request: Request, who: str) -> None:
+    """402 while the tenant's month has reached the operator's cap (`services.bills`): no
+    call of a new job could be made before the month ends."""
+    month = await bills.month(request.app.state.redis, who, request.app.state.settings.tenant_budget)
+    if month.exhausted:
+        raise HTTPException(
+            402,
+            f"tenant {who!r} has spent its cap for {month.period} (${month.spent['usd']:.4f} and "
+            f"{month.spent['tokens']} tokens of {month.cap.limits}): no call of a new job could be made "
+            "before the month ends (TANDEM_TENANT_BUDGET_USD, TANDEM_TENANT_BUDGET_TOKENS)",
+        )
+
+
 def jobs_router() -> APIRouter:
     """The job routes: submit, list, read, events."""
     router = APIRouter()
@@ -481,26 +489,13 @@ def jobs_router() -> APIRouter:
         "/v1/jobs",
         status_code=201,
         response_model=JobCreated,
-        responses={
-            400: {"model": Error},
-            401: {"model": Error},
-            402: {"model": Error},
-            413: {"model": Error},
-            429: {"model": Error},
-        },
+        responses={status: {"model": Error} for status in (400, 401, 402, 413, 429)},
     )
     async def submit(spec: JobSpec, request: Request, who: str = Depends(tenant)) -> JobCreated:
         settings = request.app.state.settings
         spec = await admitted(spec, request)
         await expire_own(request, who)
-        month = await bills.month(request.app.state.redis, who, settings.tenant_budget)
-        if month.exhausted:
-            raise HTTPException(
-                402,
-                f"tenant {who!r} has spent its cap for {month.period} (${month.spent['usd']:.4f} and "
-                f"{month.spent['tokens']} tokens of {month.cap.model_dump(exclude_none=True)}): no call of a new job "
-                "could be made before the month ends (TANDEM_TENANT_BUDGET_USD, TANDEM_TENANT_BUDGET_TOKENS)",
-            )
+        await month_not_spent(request, who)
         try:
             job_id = await jobs.create_job(request.app.state.redis, spec, who, settings.max_pending_jobs)
         except jobs.QueueFull as exc:

@@ -129,15 +129,15 @@ async def test_a_jobs_weight_is_read_from_its_record_and_kept_for_a_while(redis_
     weights = Weights(redis_client, ttl_s=0.3)
     job = await job_with_weight(redis_client, "heavy", 2.0)
 
-    read = [await weights.of(job), await weights.of("not-a-job"), await weights.of("")]
+    read = [(await weights.terms(name)).weight for name in (job, "not-a-job", "")]
     await redis_client.hset(
         Keys.job(job), "spec", RLJob(model=ModelSpec(path="unused"), judge_weight=5.0).model_dump_json()
     )
-    kept = await weights.of(job)
+    kept = (await weights.terms(job)).weight
     await asyncio.sleep(0.3)
 
     assert read == [2.0, 1.0, 1.0] and kept == 2.0
-    assert await weights.of(job) == 5.0
+    assert (await weights.terms(job)).weight == 5.0
 
 
 # --- two replicas, two jobs, a saturated budget ---------------------------------------------

@@ -129,3 +129,19 @@ def test_the_stand_ins_coarse_judge_reads_only_whether_the_assistant_asked():
     full = interactivity_scores(turns)
     assert full == {"understanding": 3, "clarification": 10, "suggestions": 0}
     assert coarse(full) == {"understanding": 5, "clarification": 10, "suggestions": 5}
+
+
+@pytest.mark.parametrize("job_id", ["../../etc/passwd", "job-1234567/../x", "a:b-0123abcd", ""])
+def test_a_job_id_that_is_not_one_is_refused_before_anything_is_asked(job_id, capsys):
+    # The id names the API's path and the default output file: no traversal reaches either.
+    from tandem.cli import main
+
+    with pytest.raises(SystemExit, match="is not a job id"):
+        main(["rejudge", job_id, "--judge-model", "m", "--api", "http://127.0.0.1:9"])
+
+
+def test_steps_that_name_no_range_end_the_command_saying_so():
+    from tandem.cli import main
+
+    with pytest.raises(SystemExit, match="--steps"):
+        main(["rejudge", "job-0123abcd", "--judge-model", "m", "--steps", "9:1", "--api", "http://127.0.0.1:9"])
