@@ -27,92 +27,18 @@ from typing import Literal
 import redis.asyncio as aioredis
 
 from judge_proxy import metrics
-from judge_proxy.budget import NOW_S_LUA
+from judge_proxy.scripts import lua
 from services.queues import Keys
 from services.upstream_health import UpstreamHealth
 
 STATE_GAUGE = {"closed": 0, "half_open": 1, "open": 2}
 """`tandem_judge_upstream_state`'s value for each state."""
 
-_GATE = (
-    NOW_S_LUA
-    + """
--- KEYS: health. ARGV: probe_lease_s. Returns the verdict, the time and the record.
-local now = now_s()
-local s = redis.call('HMGET', KEYS[1], 'state', 'probe_until')
-local verdict = 'go'
-if s[1] == 'open' or s[1] == 'half_open' then
-  verdict = 'wait'
-  if now >= (tonumber(s[2]) or 0) then
-    verdict = 'probe'
-    redis.call('HSET', KEYS[1], 'state', 'half_open', 'probe_until', string.format('%.6f', now + tonumber(ARGV[1])),
-               'updated', string.format('%.6f', now))
-  end
-end
-return {verdict, tostring(now), redis.call('HGETALL', KEYS[1])}
-"""
-)
-
-_RELEASE = (
-    NOW_S_LUA
-    + """
--- KEYS: health. A probe that could not go (no budget) lets the next call take it.
-if redis.call('HGET', KEYS[1], 'state') == 'half_open' then
-  redis.call('HSET', KEYS[1], 'probe_until', string.format('%.6f', now_s()))
-end
-"""
-)
-
-_RECORD = (
-    NOW_S_LUA
-    + """
--- KEYS: health. ARGV: model, kind ('ok', 'failure', 'rate_limited'), reason,
---   probe ('1': this call held the probe), circuit_failures, rate_limit_outage_s, circuit_open_s.
--- Returns the record (empty: closed, no streak, unchanged).
-local function fmt(x) return string.format('%.6f', x) end
-local now = now_s()
-local s = redis.call('HMGET', KEYS[1], 'state', 'failures', 'since', 'limited_since')
-local state, failures = s[1] or 'closed', tonumber(s[2]) or 0
-local since, limited_since = tonumber(s[3]) or 0, tonumber(s[4]) or 0
-local kind, probe = ARGV[2], ARGV[4] == '1'
-if kind == 'ok' then
-  if state == 'closed' and since == 0 then return {} end
-  redis.call('HSET', KEYS[1], 'state', 'closed', 'failures', 0, 'since', 0, 'limited_since', 0, 'reason', '',
-             'probe_until', 0, 'updated', fmt(now))
-  return redis.call('HGETALL', KEYS[1])
-end
-if since == 0 then since = now end
-local reason = ARGV[3]
-if kind == 'rate_limited' then
-  if limited_since == 0 then limited_since = now end
-  reason = string.format('429 for %d s', math.floor(now - limited_since))
-else
-  failures = failures + 1
-  limited_since = 0
-end
-local outage = failures >= tonumber(ARGV[5]) or (limited_since > 0 and now - limited_since >= tonumber(ARGV[6]))
-redis.call('HSET', KEYS[1], 'model', ARGV[1], 'failures', failures, 'since', fmt(since),
-           'limited_since', fmt(limited_since), 'reason', reason, 'updated', fmt(now))
-if (probe and state ~= 'closed') or (state == 'closed' and outage) then
-  redis.call('HSET', KEYS[1], 'state', 'open', 'opened_at', fmt(now), 'probe_until', fmt(now + tonumber(ARGV[7])))
-elseif state == 'closed' then
-  redis.call('HSET', KEYS[1], 'state', 'closed')
-end
-return redis.call('HGETALL', KEYS[1])
-"""
-)
-
-_REGISTER = """
--- KEYS: index. ARGV: name, model, name, model, ... The index's upstreams of these models
--- become exactly these (an upstream dropped from the config no longer speaks for its model).
-local serves, listed = {}, {}
-for i = 1, #ARGV, 2 do serves[ARGV[i + 1]] = true; listed[ARGV[i]] = true end
-local index = redis.call('HGETALL', KEYS[1])
-for i = 1, #index, 2 do
-  if serves[index[i + 1]] and not listed[index[i]] then redis.call('HDEL', KEYS[1], index[i]) end
-end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-"""
+_GATE = lua("now", "circuit_gate")
+_RELEASE = lua("now", "circuit_release")
+_RECORD = lua("now", "circuit_record")
+_REGISTER = lua("circuit_register")
+"""The circuit's scripts (`judge_proxy/lua/circuit_*.lua`, each saying its keys and arguments)."""
 
 
 @dataclass(frozen=True)

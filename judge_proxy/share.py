@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from judge_proxy.budget import NOW_S_LUA
+from judge_proxy.scripts import lua
 from judge_proxy.upstream import UpstreamConfig
 from services.jobs import JudgeTerms, judge_terms
 from services.queues import Keys
@@ -58,104 +58,9 @@ WEIGHT_TTL_S = 10.0
 LENDER_KEEPS = 0.5
 """A bucket lends only what it holds above this share of its capacity."""
 
-_SHARE = (
-    NOW_S_LUA
-    + """
--- The active jobs (asked within active_s), each bucket and the group's level refilled to now.
-local function load(state, asked, now, capacity, rate, active_s)
-  local horizon = '(' .. string.format('%.6f', now - active_s)
-  local gone = redis.call('ZRANGEBYSCORE', asked, '-inf', horizon)
-  for _, job in ipairs(gone) do redis.call('HDEL', state, 'f:' .. job, 'w:' .. job) end
-  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', asked, '-inf', horizon) end
-  local s = redis.call('HMGET', state, 'ts', 'g')
-  local refill = math.max(now - (tonumber(s[1]) or now), 0) * rate
-  local group = {jobs = redis.call('ZRANGE', asked, 0, -1), fill = {}, weight = {}, total = 0,
-                 g = math.min(capacity, (tonumber(s[2]) or capacity) + refill)}
-  for _, job in ipairs(group.jobs) do
-    local fw = redis.call('HMGET', state, 'f:' .. job, 'w:' .. job)
-    group.fill[job] = math.min(1, tonumber(fw[1]) + refill / capacity)
-    group.weight[job] = tonumber(fw[2])
-    group.total = group.total + group.weight[job]
-  end
-  return group
-end
-local function store(state, group, now)
-  local fields = {'ts', string.format('%.6f', now), 'g', string.format('%.6f', group.g)}
-  for _, job in ipairs(group.jobs) do
-    table.insert(fields, 'f:' .. job)
-    table.insert(fields, string.format('%.12f', group.fill[job]))
-    table.insert(fields, 'w:' .. job)
-    table.insert(fields, string.format('%.17g', group.weight[job]))
-  end
-  redis.call('HSET', state, unpack(fields))
-end
-"""
-)
-
-_RESERVE = (
-    _SHARE
-    + """
--- KEYS: state, asked. ARGV: capacity, rate, active_s, job, weight, cost, lender_keeps
-local capacity, rate, active_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local job, cost, keeps = ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
-local now = now_s()
-local group = load(KEYS[1], KEYS[2], now, capacity, rate, active_s)
-if group.fill[job] == nil then  -- (re)joining: at the group's fill
-  table.insert(group.jobs, job)
-  group.fill[job] = math.max(group.g, 0) / capacity
-else
-  group.total = group.total - group.weight[job]
-end
-group.weight[job] = tonumber(ARGV[5])
-group.total = group.total + group.weight[job]
-redis.call('ZADD', KEYS[2], now, job)
-local function cap(k) return capacity * group.weight[k] / group.total end
-local own = group.fill[job] * cap(job)
--- Others' tokens above `keeps` can be lent; what lenders that are not full refill comes too.
-local lendable, spare, growing = {}, 0, group.weight[job]
-for _, k in ipairs(group.jobs) do
-  if k ~= job then
-    lendable[k] = math.max(group.fill[k] - keeps, 0) * cap(k)
-    spare = spare + lendable[k]
-    if group.fill[k] >= keeps and group.fill[k] < 1 then growing = growing + group.weight[k] end
-  end
-end
-local share = group.weight[job] / group.total
-local short = math.min(cost, cap(job)) - own - spare
-if short > 0 then
-  store(KEYS[1], group, now)
-  return {0, tostring(short * group.total / (rate * growing)), tostring(share), tostring(own), '0'}
-end
-local borrowed = math.min(spare, math.max(cost - own, 0))
-for k, tokens in pairs(lendable) do  -- each lender gives the same part of what it can lend
-  if tokens > 0 then group.fill[k] = keeps + (1 - borrowed / spare) * (group.fill[k] - keeps) end
-end
-group.fill[job] = (own - cost + borrowed) / cap(job)
-group.g = group.g - cost
-store(KEYS[1], group, now)
-return {1, '0', tostring(share), tostring(group.fill[job] * cap(job)), tostring(borrowed)}
-"""
-)
-
-_REFUND = (
-    _SHARE
-    + """
--- KEYS: state, asked. ARGV: capacity, rate, active_s, job, tokens (negative: a further charge)
-local capacity, rate, active_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local job, tokens = ARGV[4], tonumber(ARGV[5])
-local now = now_s()
-local group = load(KEYS[1], KEYS[2], now, capacity, rate, active_s)
-group.g = math.min(capacity, group.g + tokens)
-local left = 0
-if group.fill[job] ~= nil then  -- a job gone idle meanwhile keeps nothing; the group does
-  local cap = capacity * group.weight[job] / group.total
-  group.fill[job] = math.min(1, group.fill[job] + tokens / cap)
-  left = group.fill[job] * cap
-end
-store(KEYS[1], group, now)
-return tostring(left)
-"""
-)
+_RESERVE = lua("now", "share", "share_reserve")
+_REFUND = lua("now", "share", "share_refund")
+"""A job's take from the shared bucket and what goes back (`judge_proxy/lua/share*.lua`)."""
 
 
 def burst_tokens(config: UpstreamConfig) -> float:

@@ -44,8 +44,8 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
-from judge_proxy.budget import NOW_S_LUA
 from judge_proxy.errors import ProxyError
+from judge_proxy.scripts import lua
 from services import bills
 from services.config import BudgetSpec
 from services.jobs import JudgeTerms
@@ -135,88 +135,11 @@ class Refusal:
     spent_tokens: int
 
 
-# A hold is a member `<id>:<usd>:<tokens>` of its bill's holds zset, scored by when it
-# expires (Redis's clock), and its amounts are in the bill's `held_usd` and `held_tokens`.
-# Every script that reads the holds first drops the expired ones and takes their amounts
-# out of the sums: a proxy killed with calls in flight leaves nothing held for longer than
-# a hold's time to live.
-_DROP_EXPIRED = (
-    NOW_S_LUA
-    + """
-local function drop_expired(bill, holds, now)
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', holds, '-inf', now)) do
-    local _, _, usd, tokens = string.find(member, '^[^:]+:([^:]+):([^:]+)$')
-    redis.call('HINCRBYFLOAT', bill, 'held_usd', -tonumber(usd))
-    redis.call('HINCRBY', bill, 'held_tokens', -tonumber(tokens))
-  end
-  redis.call('ZREMRANGEBYSCORE', holds, '-inf', now)
-end
-"""
-)
-
-# KEYS: each bill's spend hash and its holds, in pairs, the job's first. ARGV: what the call
-# would hold (usd, tokens), its member and time to live, then each bill's usd cap and token
-# cap (-1: none). Returns {1} and holds it in every bill; {0, i, usd, tokens} when calls in
-# flight hold the room in bill i; {-1, i, usd, tokens} when bill i's sum alone leaves none.
-# The bill is returned as strings (Lua numbers become integers on the way out).
-HOLD_LUA = (
-    _DROP_EXPIRED
-    + """
-local need_usd, need_tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
-local now = now_s()
-local waits = 0
-for k = 1, #KEYS / 2 do
-  local bill = KEYS[2 * k - 1]
-  drop_expired(bill, KEYS[2 * k], now)
-  local fields = redis.call('HGETALL', bill)
-  local usd, tokens, held_usd, held_tokens = 0, 0, 0, 0
-  for i = 1, #fields, 2 do
-    local name, value = fields[i], tonumber(fields[i + 1])
-    if string.sub(name, 1, 4) == 'usd:' then usd = usd + value
-    elseif string.sub(name, 1, 7) == 'tokens:' then tokens = tokens + value
-    elseif name == 'held_usd' then held_usd = value
-    elseif name == 'held_tokens' then held_tokens = value end
-  end
-  local usd_cap, tokens_cap = tonumber(ARGV[3 + 2 * k]), tonumber(ARGV[4 + 2 * k])
-  local function passes(held_usd, held_tokens)
-    return (usd_cap >= 0 and usd + held_usd + need_usd > usd_cap)
-        or (tokens_cap >= 0 and tokens + held_tokens + need_tokens > tokens_cap)
-  end
-  if passes(0, 0) then return {-1, k, tostring(usd), tostring(tokens)} end
-  if waits == 0 and passes(held_usd, held_tokens) then waits = {0, k, tostring(usd), tostring(tokens)} end
-end
-if waits ~= 0 then return waits end
-for k = 1, #KEYS / 2 do
-  redis.call('HINCRBYFLOAT', KEYS[2 * k - 1], 'held_usd', ARGV[1])
-  redis.call('HINCRBY', KEYS[2 * k - 1], 'held_tokens', ARGV[2])
-  redis.call('ZADD', KEYS[2 * k], now + tonumber(ARGV[4]), ARGV[3])
-  redis.call('EXPIRE', KEYS[2 * k], math.ceil(tonumber(ARGV[4])) + 60)
-end
-return {1}
-"""
-)
-
-# KEYS: bill and holds pairs. ARGV: the member, its usd and tokens. Gives back a hold that has
-# not expired (one that has was given back by the script that dropped it).
-RELEASE_LUA = """
-for k = 1, #KEYS / 2 do
-  if redis.call('ZREM', KEYS[2 * k], ARGV[1]) == 1 then
-    redis.call('HINCRBYFLOAT', KEYS[2 * k - 1], 'held_usd', -tonumber(ARGV[2]))
-    redis.call('HINCRBY', KEYS[2 * k - 1], 'held_tokens', -tonumber(ARGV[3]))
-  end
-end
-return 1
-"""
-
-# KEYS: holds zsets. ARGV: the member, its time to live. A stream still arriving keeps its hold.
-RENEW_LUA = (
-    NOW_S_LUA
-    + """
-local now = now_s()
-for k = 1, #KEYS do redis.call('ZADD', KEYS[k], 'XX', now + tonumber(ARGV[2]), ARGV[1]) end
-return 1
-"""
-)
+HOLD_LUA = lua("now", "spend_holds", "spend_hold")
+RELEASE_LUA = lua("spend_release")
+RENEW_LUA = lua("now", "spend_renew")
+"""A call's hold against its bills' caps, given back, and renewed (`judge_proxy/lua/spend_*.lua`,
+each saying its keys and arguments; `spend_holds.lua`: how holds are kept and expire)."""
 
 
 class JobSpend:
