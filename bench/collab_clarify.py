@@ -125,13 +125,13 @@ async def evaluate_policies(
     from rollout.episode import EpisodeRunner
     from rollout.evaluate import evaluate
     from rollout.tasks.clarify.task import ClarifyTask
-    from services.config import ModelSpec, RolloutSpec, TaskSpec
+    from services.config import ClarifySpec, ModelSpec, RolloutSpec
     from services.tokenization import ChatTokenizer
 
     spec = job or load_spec_file(DEMO_SPEC)
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=spec["model"]["max_model_len"]), kv_cache_gib=1.0)
-    task = ClarifyTask(TaskSpec(num_examples=examples), seed=seed)
+    task = ClarifyTask(ClarifySpec(num_examples=examples), seed=seed)
     runner = EpisodeRunner(
         engine, ChatTokenizer(AutoTokenizer.from_pretrained(first)), task.rule_user, RolloutSpec(**spec["rollout"])
     )

@@ -390,9 +390,9 @@ def clarify_prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from rollout.tasks.clarify.task import ClarifyTask
-    from services.config import TaskSpec
+    from services.config import ClarifySpec
 
-    task = ClarifyTask(TaskSpec(num_examples=PROMPTS), seed=0)
+    task = ClarifyTask(ClarifySpec(num_examples=PROMPTS), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     return [
         list(
@@ -546,11 +546,11 @@ async def evaluate_policies(policies: dict, conversations: int) -> dict:
     from rollout.episode import EpisodeRunner
     from rollout.evaluate import evaluate
     from rollout.tasks.clarify.task import ClarifyTask
-    from services.config import ModelSpec, RolloutSpec, TaskSpec
+    from services.config import ClarifySpec, ModelSpec, RolloutSpec
     from services.tokenization import ChatTokenizer
 
     engine = Engine.start(ModelSpec(path=str(MODEL), max_model_len=1024), kv_cache_gib=1.0)
-    task = ClarifyTask(TaskSpec(num_examples=conversations), seed=10_000)
+    task = ClarifyTask(ClarifySpec(num_examples=conversations), seed=10_000)
     runner = EpisodeRunner(
         engine, ChatTokenizer(AutoTokenizer.from_pretrained(MODEL)), task.rule_user, RolloutSpec(**ROLLOUT)
     )

@@ -56,9 +56,9 @@ def demonstrations(path: Path) -> int:
     A task that lists no expected call, only an end state (an environment assertion), is
     left out: its oracle would claim success without acting."""
     from rollout.tasks.tau2 import Tau2Task
-    from services.config import TaskSpec
+    from services.config import Tau2Spec
 
-    task_set = Tau2Task(TaskSpec(name="tau2", domain="mock", split="train"))
+    task_set = Tau2Task(Tau2Spec(domain="mock", split="train"))
     tools = [tool.schema() for tool in task_set.tools()]
     rows = [
         {"messages": task_set.demonstration(i), "tools": tools}

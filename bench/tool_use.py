@@ -104,13 +104,13 @@ async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, e
     from rollout.evaluate import evaluate
     from rollout.tasks.multiply import MultiplyTask
     from rollout.tools.box import ToolBox
-    from services.config import ModelSpec, TaskSpec, parse_job_spec
+    from services.config import ModelSpec, MultiplySpec, parse_job_spec
     from services.tokenization import ChatTokenizer
 
     job = parse_job_spec(spec)
     first = next(iter(policies.values()))
     engine = Engine.start(ModelSpec(path=str(first), max_model_len=job.model.max_model_len), kv_cache_gib=1.0)
-    task = MultiplyTask(TaskSpec(name="multiply", num_examples=examples), seed=seed)
+    task = MultiplyTask(MultiplySpec(num_examples=examples), seed=seed)
     box = await ToolBox.open(job.tools)
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(first), job.rollout.tokenization_check)
     with_tools = EpisodeRunner(engine, chat.with_tools(box.schemas()), task.rule_user, job.rollout, box)

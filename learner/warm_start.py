@@ -47,8 +47,9 @@ def load_demonstrations(path: str, spec: JobSpec) -> list[protocol.Sample]:
             if key not in by_tools:  # rendering the base history once per tool list, not per row
                 by_tools[key] = chat.with_tools(tools, spec.tools.parser if spec.tools else "hermes")
             messages = row["messages"]
-            if spec.task.system_prompt and not (messages and messages[0].get("role") == "system"):
-                messages = [{"role": "system", "content": spec.task.system_prompt}, *messages]
+            system = spec.task.system_message()
+            if system and not (messages and messages[0].get("role") == "system"):
+                messages = [{"role": "system", "content": system}, *messages]
             tokens, mask = by_tools[key].encode_demonstration(messages)
             samples.append(
                 protocol.Sample(

@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 from rollout.engine import Engine
 from rollout.episode import EpisodeRunner
 from rollout.evaluate import HeldOutPlayer
+from rollout.interactions.base import UserSimulator
 from rollout.interactions.llm_user import LLMUser
-from rollout.interactions.role_play import RolePlayUser
 from rollout.judging import ProxyJudge
 from rollout.tasks import load_task
+from rollout.tasks.base import TaskSet
 from rollout.tools.box import ToolBox
-from services.config import JobSpec, ToolCatalog, ToolsSpec
+from services.config import JobSpec, RLJob, ToolCatalog, ToolsSpec
 from services.held_out import check_loaded, held_out
 from services.judge_client import JudgeClient
 from services.tokenization import ChatTokenizer
@@ -33,7 +34,7 @@ class Played:
     """A job's training conversations: what plays them and what scores them."""
 
     runner: EpisodeRunner
-    task_set: object
+    task_set: TaskSet
     judge: ProxyJudge
 
 
@@ -41,7 +42,7 @@ async def check_sandbox(spec: JobSpec) -> None:
     """RuntimeError when the job runs model-written code (the code task, a python tool) and
     this machine's sandbox refuses to: every score would otherwise be a silent 0."""
     tools = with_file_tools(spec.tools).tools if spec.tools is not None else []
-    if spec.task.name != "code_chat" and not any(tool.kind == "python" for tool in tools):
+    if not spec.task.needs_sandbox and not any(tool.needs_sandbox for tool in tools):
         return
     from rollout.tools.sandbox import refusal
 
@@ -61,7 +62,7 @@ async def assemble(
     tools = await open_tools(task_set, spec, job_id, catalog, allow_inline_mcp)
     if tools is not None:
         chat = chat.with_tools(tools.schemas(), tools.spec.parser)
-    runner = EpisodeRunner(engine, chat, user, spec.rollout, tools, getattr(task_set, "world", None))
+    runner = EpisodeRunner(engine, chat, user, spec.rollout, tools, task_set.world)
     return Played(runner, task_set, judge)
 
 
@@ -70,53 +71,36 @@ async def held_out_player(
 ) -> HeldOutPlayer | None:
     """The player of the job's held-out conversations (None without `eval`): the training
     runner with the held-out task set's user and worlds (its tools are the same kind)."""
-    if getattr(spec, "eval", None) is None:
+    if not isinstance(spec, RLJob) or spec.eval is None:
         return None
     held = held_out(spec)
     task_set = await asyncio.to_thread(load_task, held.task, held.seed, played.judge)
     check_loaded(held, len(task_set))
-    runner = replace(
-        played.runner, user=task_user(task_set, client, spec, job_id), worlds=getattr(task_set, "world", None)
-    )
+    runner = replace(played.runner, user=task_user(task_set, client, spec, job_id), worlds=task_set.world)
     rubric = spec.reward.judge_rubric if spec.reward.judge_weight else None
     return HeldOutPlayer(runner, task_set, played.judge, rubric, server_id, job_id)
 
 
-def task_user(task_set, client: JudgeClient, spec: JobSpec, job_id: str):
-    """Who plays the user: the task's rule-based user; a role-played user from the task's
-    brief (τ²-bench: greedy, as the benchmark's simulator runs by default); or the LLM user
-    simulator playing the task's goal."""
-    if task_set.rule_user is not None:
-        return task_set.rule_user
-    if hasattr(task_set, "brief"):
-        return RolePlayUser(
-            client,
-            task_set.brief,
-            task_set.stop_markers,
-            spec.reward.user_model,
-            job=job_id,
-            temperature=0.0,
-            seed=spec.train.seed,
-        )
-    return LLMUser(
-        client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed, style=spec.task.simulator
-    )
+def task_user(task_set: TaskSet, client: JudgeClient, spec: JobSpec, job_id: str) -> UserSimulator:
+    """Who plays the user: the task's own (a rule-based user, or τ²-bench's role-played
+    brief), else the LLM user simulator playing the task's goal."""
+    own = task_set.own_user(client, spec.reward.user_model, job_id, spec.train.seed)
+    if own is not None:
+        return own
+    style = spec.task.simulator_style()
+    return LLMUser(client, task_set.goal, spec.reward.user_model, job=job_id, seed=spec.train.seed, style=style)
 
 
 async def open_tools(
-    task_set, spec: JobSpec, job_id: str, catalog: ToolCatalog, allow_inline_mcp: bool
+    task_set: TaskSet, spec: JobSpec, job_id: str, catalog: ToolCatalog, allow_inline_mcp: bool
 ) -> ToolBox | None:
     """The task's own tools where it brings them, else the job's (None without)."""
-    if hasattr(task_set, "tools"):
-        return await task_tools(task_set, spec, job_id)
+    own = await asyncio.to_thread(task_set.tools)
+    if own is not None:
+        return ToolBox.of_task(spec.tools or TASK_TOOLS, own, job_id)
     if spec.tools is None:
         return None
     return await ToolBox.open(spec.tools, job_id, catalog, allow_inline_mcp)
-
-
-async def task_tools(task_set, spec: JobSpec, job_id: str) -> ToolBox:
-    """The tool box of a task that brings its own tools, under the job's parser and limits."""
-    return ToolBox.of_task(spec.tools or TASK_TOOLS, await asyncio.to_thread(task_set.tools), job_id)
 
 
 def load_tokenizer(path: str):

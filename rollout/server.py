@@ -300,7 +300,7 @@ class RolloutServer:
             job_id,
             generate=spec.ranked_conversations,
             seed=spec.train.seed,
-            openings=spec.task.opening == "simulator",
+            openings=spec.task.simulator_opens(),
         ), held_out
 
     async def serve_job(

@@ -27,7 +27,8 @@ from services.config import (
     RewardSpec,
     RLJob,
     RolloutSpec,
-    TaskSpec,
+    Tau2Spec,
+    ToolCatalog,
 )
 from services.held_out import pass_hat_k
 
@@ -58,9 +59,7 @@ def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
     """The settings of one domain's evaluation, as the job spec a rollout server reads."""
     return RLJob(
         model=ModelSpec(path=model, max_model_len=args.max_model_len),
-        task=TaskSpec(
-            name="tau2", domain=domain, split=split, **({"num_examples": args.num_tasks} if args.num_tasks else {})
-        ),
+        task=Tau2Spec(domain=domain, split=split, **({"num_examples": args.num_tasks} if args.num_tasks else {})),
         rollout=RolloutSpec(
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
@@ -76,13 +75,15 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
     """Every task of the spec's split, `trials` times: per-task verdicts and how each ended."""
     from transformers import AutoTokenizer
 
-    from rollout.assembly import task_tools, task_user
+    from rollout.assembly import open_tools, task_user
     from rollout.episode import EpisodeRunner
     from rollout.tasks import load_task
     from services.tokenization import ChatTokenizer
 
     task_set = load_task(spec.task, spec.train.seed)
-    tools = await task_tools(task_set, spec, "eval")
+    tools = await open_tools(task_set, spec, "eval", ToolCatalog(), allow_inline_mcp=False)
+    if tools is None:
+        raise ValueError(f"task {spec.task.name!r} brings no tools: tandem eval --tau2 plays τ²-bench domains")
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model.path)).with_tools(tools.schemas(), tools.spec.parser)
     runner = EpisodeRunner(engine, chat, task_user(task_set, client, spec, "eval"), spec.rollout, tools, task_set.world)
     slots, done = asyncio.Semaphore(concurrency), Counter()

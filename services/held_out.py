@@ -2,15 +2,14 @@
 
 The learner dispatches held-out example numbers; each rollout server loads the task set they
 index (`rollout.tasks.load_task(held_out.task, held_out.seed)`). Both read it from the job
-spec alone, so they agree without talking:
+spec alone, so they agree without talking. The task's model says which
+(`services.config.tasks`, `held_out` of each):
 
-- clarify, multiply (generated): `eval.examples` examples generated from `eval.seed`, which
-  the spec requires to differ from `train.seed`. Two seeds can still draw the same request
-  by chance, as two draws of a benchmark's split can; the examples are never the trained
-  list itself.
-- math_chat, doc_edit_chat, code_chat (a data file): the rows of `eval.data`, or, without it,
-  the rows of the training file after the first `task.num_examples` (those train).
-- tau2: the tasks of `eval.split`, a split the job does not train on.
+- a generated task (clarify, multiply): `eval.examples` examples generated from `eval.seed`,
+  which the spec requires to differ from `train.seed`;
+- a task read from a file (math_chat, doc_edit_chat, code_chat): the rows of `eval.data`, or,
+  without it, the rows of the training file after the first `task.num_examples` (those train);
+- a benchmark's split (tau2): the tasks of `eval.split`, a split the job does not train on.
 
 Every task is evaluated from its own openings: a job's `task.contexts` (turns of other
 conversations) and simulator-written openings are for training; its system prompt stays,
@@ -24,42 +23,19 @@ from dataclasses import dataclass, field
 from math import comb
 
 from services import protocol
-from services.config import GENERATED_TASKS, RLJob, TaskSpec
+from services.config import HeldOutTask, RLJob
 from services.stats import mean_by_key
 
 
-@dataclass(frozen=True)
-class HeldOut:
-    task: TaskSpec
-    """What the held-out task set is loaded from."""
-    seed: int
-    """The seed it is loaded with (generated tasks draw their examples from it)."""
-    examples: tuple[int, ...]
-    """The held-out examples' numbers in that task set."""
-
-
-def held_out(spec: RLJob) -> HeldOut:
-    """The held-out examples of a job with an `eval` section."""
-    evaluation, task = spec.eval, spec.task
-    if evaluation is None:
+def held_out(spec: RLJob) -> HeldOutTask:
+    """The held-out examples of a job with an `eval` section (the task's model says which:
+    `TaskBase.held_out`)."""
+    if spec.eval is None:
         raise ValueError("the job has no eval section")
-    bare = {"contexts": None, "opening": "task", "followup_share": 0.0}
-    if task.name in GENERATED_TASKS:
-        held = task.model_copy(update=bare | {"num_examples": evaluation.examples})
-        return HeldOut(held, evaluation.seed, tuple(range(evaluation.examples)))
-    if task.name == "tau2":
-        held = TaskSpec.model_validate({"name": "tau2", "domain": task.domain, "split": evaluation.split})
-        count = min(evaluation.examples, held.num_examples)
-        return HeldOut(held.model_copy(update={"num_examples": count}), spec.train.seed, tuple(range(count)))
-    if evaluation.data is not None:
-        held = task.model_copy(update=bare | {"data": evaluation.data, "num_examples": evaluation.examples})
-        return HeldOut(held, spec.train.seed, tuple(range(evaluation.examples)))
-    first = task.num_examples
-    held = task.model_copy(update=bare | {"num_examples": first + evaluation.examples})
-    return HeldOut(held, spec.train.seed, tuple(range(first, first + evaluation.examples)))
+    return spec.task.held_out(spec.eval, spec.train.seed)
 
 
-def check_loaded(held: HeldOut, size: int) -> None:
+def check_loaded(held: HeldOutTask, size: int) -> None:
     """ValueError naming what to change when the loaded held-out task set lacks an example
     (a data file shorter than the training rows plus the held-out ones)."""
     if not held.examples or held.examples[-1] < size:

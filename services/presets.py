@@ -18,6 +18,11 @@ What Tandem does differently under the preset, and why, is in docs/DESIGN.md ("C
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.config.tasks import TaskBase
+
 COLLABORATIVE_SYSTEM_PROMPT = """You are an assistant who works with the user towards what they actually need.
 - Keep track of what the user is after and of everything said so far.
 - When a request is unclear or leaves out something that matters, ask about it instead of guessing; \
@@ -28,30 +33,26 @@ ask specific questions, and offer choices the user can pick from.
 - If you do not know, say so, and say where the answer could be found.
 - Be accurate and well organised, and check whether what you gave is what the user wanted."""
 
-_TOKEN_PENALTY = {"doc_edit_chat": 1e-4}
-_FUTURE_TEMPERATURE = {"math_chat": 0.6, "code_chat": 0.6}
-_DATA_TASKS = ("math_chat", "doc_edit_chat", "code_chat")
-"""The paper's tasks, whose user the LLM simulator always plays: it writes their openings."""
 
-
-def collabllm(given_task: dict) -> dict[str, dict]:
-    """The `collabllm` preset's settings, by job-spec section, for the task section a spec
-    gives (its name, and whether it brings its own `contexts`)."""
-    task = given_task.get("name", "clarify")
-    writes_openings = task in _DATA_TASKS and given_task.get("contexts") is None
+def collabllm(task: type[TaskBase], given_task: dict) -> dict[str, dict]:
+    """The `collabllm` preset's settings, by job-spec section, for a task of model `task`
+    (its per-task settings are `task.collabllm`) and the section a spec gives (whether it
+    brings its own `contexts`)."""
+    defaults = task.collabllm
+    writes_openings = defaults.simulator_opens and given_task.get("contexts") is None
     return {
         "reward": {
             "mode": "multiturn",
             "window": 2,
             "num_futures": 3,
             "futures": "fixed",
-            "token_penalty": _TOKEN_PENALTY.get(task, 5e-4),
+            "token_penalty": defaults.token_penalty,
             "token_count": "all",
             "extrinsic_weight": 1.0,
             "judge_rubric": "interactivity",
             "judge_weight": 1.0,
             "judge_reference": False,
-            "future_temperature": _FUTURE_TEMPERATURE.get(task, 0.8),
+            "future_temperature": defaults.future_temperature,
         },
         "task": {"system_prompt": COLLABORATIVE_SYSTEM_PROMPT, "simulator": "person"}
         | ({"opening": "simulator"} if writes_openings else {}),

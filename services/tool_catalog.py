@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from services.config import ToolCatalog, ToolsSpec
+from services.config import McpToolSpec, ToolCatalog, ToolsSpec
 
 
 class CatalogError(ValueError):
@@ -57,7 +57,7 @@ def bind_servers(tools: ToolsSpec, catalog: ToolCatalog, allow_inline: bool) -> 
     CatalogError for a name the catalogue lacks or an inline server the operator did not allow."""
     bound = tools.model_copy(deep=True)
     for index, tool in enumerate(bound.tools):
-        if tool.kind != "mcp":
+        if not isinstance(tool, McpToolSpec):
             continue
         if isinstance(tool.server, str):
             if tool.server not in catalog.mcp_servers:
@@ -77,7 +77,11 @@ def bind_servers(tools: ToolsSpec, catalog: ToolCatalog, allow_inline: bool) -> 
 
 def inline_urls(tools: ToolsSpec) -> list[str]:
     """The URLs of MCP servers written into the spec itself (not catalogue names)."""
-    return [t.server.url for t in tools.tools if t.kind == "mcp" and not isinstance(t.server, str) and t.server.url]
+    return [
+        t.server.url
+        for t in tools.tools
+        if isinstance(t, McpToolSpec) and not isinstance(t.server, str) and t.server.url
+    ]
 
 
 def check_public_url(url: str) -> None:

@@ -392,6 +392,8 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.config import TASK_SPECS
+
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     api_url = os.environ.get("TANDEM_API_URL", "http://127.0.0.1:8000")
@@ -434,14 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_model_get)
 
     p = sub.add_parser("demonstrations", help="write a built-in task's demonstrations (warm-start data)")
-    p.add_argument("task", choices=["clarify", "multiply"])
+    p.add_argument("task", choices=[name for name, task in TASK_SPECS.items() if task.demonstrated])
     p.add_argument("file")
     p.add_argument("--num", type=int, default=2000)
     p.add_argument(
         "--share",
         type=float,
         default=0.3,
-        help="clarify: vague requests that ask first; multiply: rows that call the calculator",
+        help="the share of rows that show the task's skill (clarify: asking first; multiply: calling the calculator)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(run=cmd_demonstrations)

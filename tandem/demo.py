@@ -19,15 +19,11 @@ DEMO_SPEC = REPO / "deploy" / "configs" / "demo.yaml"
 
 
 def write_demonstrations(path: Path, task: str = "clarify", num: int = 2000, share: float = 0.3, seed: int = 1) -> int:
-    """A built-in task's demonstrations as warm-start data (JSONL rows with `messages`, and
-    `tools` for multiply); `share` is clarify's asking share or multiply's calling share.
+    """A task's own demonstrations as warm-start data (`rollout.tasks.demonstrations`).
     Returns the number of rows."""
-    from rollout.tasks import clarify, multiply
+    from rollout.tasks import demonstrations
 
-    if task == "clarify":
-        rows = [{"messages": d} for d in clarify.demonstrations(num, seed=seed, ask_share=share)]
-    else:
-        rows = multiply.demonstrations(num, tool_share=share, seed=seed)
+    rows = demonstrations(task, num, share, seed)
     Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return len(rows)
 

@@ -1,27 +1,43 @@
-"""Task datasets: one module or folder per task holding all of that task; `load_task` picks
-the implementation by the job spec's task name. What several tasks share is in `common`
-(reading fixtures, finding the final answer), `base` (the `TaskSet` contract), `contexts`
-(a task seen through other system prompts or contexts) and `extraction` (an LLM reading
-out a final document)."""
+"""Task datasets: one folder per task holding all of that task, found by the job spec's task
+name in `TASKS`, which names the module of the folder that exports `load(spec, seed, judge)
+-> TaskSet`. What
+several tasks share is in `common` (reading fixtures, finding the final answer), `base` (the
+`TaskSet` class every task subclasses), `contexts` (a task seen through other system prompts
+or contexts) and `extraction` (an LLM reading out a final document).
+
+Adding a task: its spec model in `services/config/tasks.py`, its folder here, and its line
+in `TASKS`.
+"""
 
 from __future__ import annotations
 
-from services.config import TaskSpec
+import importlib
+
+from rollout.tasks.base import Judge, TaskSet
+from services.config.tasks import ChatTaskBase, TaskBase
+
+TASKS = {
+    "clarify": "rollout.tasks.clarify.task",
+    "multiply": "rollout.tasks.multiply",
+    "math_chat": "rollout.tasks.math_chat",
+    "doc_edit_chat": "rollout.tasks.doc_edit_chat",
+    "code_chat": "rollout.tasks.code_chat",
+    "tau2": "rollout.tasks.tau2",
+}
+"""Task name (`task.name`) -> the module of its folder that exports `load` (imported when a job
+names it)."""
 
 
-def load_task(spec: TaskSpec, seed: int = 0, judge=None):
+def load_task(spec: TaskBase, seed: int = 0, judge: Judge | None = None) -> TaskSet:
     """The task set a job names, seen through its `system_prompt` and `contexts` when it
     sets them (`rollout.tasks.contexts`). `judge` (a `rollout.tasks.base.Judge`)
     is for tasks whose metric asks the judge proxy (MATH-Chat accuracy with metric=judge)."""
-    if spec.contexts is None:
-        base = _base_task(spec, seed, judge)
-        if spec.system_prompt is None:
-            return base
-        from rollout.tasks.contexts import ContextView
-
-        return ContextView(base, spec.system_prompt)
+    if not isinstance(spec, ChatTaskBase) or (spec.contexts is None and spec.system_prompt is None):
+        return _base_task(spec, seed, judge)
     from rollout.tasks.contexts import ContextView, turn_contexts
 
+    if spec.contexts is None:
+        return ContextView(_base_task(spec, seed, judge), spec.system_prompt)
     turns = turn_contexts(spec.contexts, spec.num_examples)
     if len(turns) < spec.num_examples:
         raise ValueError(
@@ -37,29 +53,14 @@ def load_task(spec: TaskSpec, seed: int = 0, judge=None):
     return ContextView(base, spec.system_prompt, turns)
 
 
-def _base_task(spec: TaskSpec, seed: int, judge):
-    if spec.name == "clarify":
-        from rollout.tasks.clarify.task import ClarifyTask
+def demonstrations(name: str, num: int, share: float, seed: int) -> list[dict]:
+    """`num` warm-start rows (`messages`, and `tools` where the task calls them) of a task
+    that writes its own (`TaskBase.demonstrated`); `share` is the share of rows that show
+    the task's skill (clarify: asking first; multiply: calling the calculator)."""
+    return importlib.import_module(TASKS[name]).demonstrations(num, share, seed)
 
-        return ClarifyTask(spec, seed)
-    if spec.name == "math_chat":
-        from rollout.tasks.math_chat import MathChatTask
 
-        return MathChatTask(spec, judge)
-    if spec.name == "doc_edit_chat":
-        from rollout.tasks.doc_edit_chat import DocEditChatTask
-
-        return DocEditChatTask(spec, judge)
-    if spec.name == "multiply":
-        from rollout.tasks.multiply import MultiplyTask
-
-        return MultiplyTask(spec, seed)
-    if spec.name == "tau2":
-        from rollout.tasks.tau2 import Tau2Task
-
-        return Tau2Task(spec)
-    if spec.name == "code_chat":
-        from rollout.tasks.code_chat import CodeChatTask
-
-        return CodeChatTask(spec, judge)
-    raise ValueError(f"task {spec.name!r} is not available in this rollout server")
+def _base_task(spec: TaskBase, seed: int, judge: Judge | None) -> TaskSet:
+    if spec.name not in TASKS:
+        raise ValueError(f"task {spec.name!r} is not available in this rollout server")
+    return importlib.import_module(TASKS[spec.name]).load(spec, seed, judge)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.config import TaskSpec
+from services.config.tasks import FixtureTaskBase
 from services.quoting import fenced_blocks  # noqa: F401  (the tasks read it from here)
 
 
@@ -30,7 +30,7 @@ def checked_file(path: str | Path, field: str) -> Path:
     return path
 
 
-def read_examples(spec: TaskSpec, fixture: Path) -> list[dict]:
+def read_examples(spec: FixtureTaskBase, fixture: Path) -> list[dict]:
     """The first `spec.num_examples` rows of the JSONL file `spec.data`, or of the built-in
     `fixture` (the task's built-in examples) when the spec names none (all rows if there
     are fewer)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from rollout.interactions.base import UserSimulator
 from rollout.tasks.base import TaskSet
 from rollout.tasks.common import checked_file
+from rollout.tools.base import Tool, World, WorldTool
 
 ROLES = ("system", "user", "assistant")
 
@@ -84,7 +85,7 @@ class ExampleUser:
         return await self.user.respond(self.example_of(example), messages, call_id)
 
 
-class ContextView:
+class ContextView(TaskSet):
     """A task set whose contexts carry a system prompt and, with `turns`, are those
     conversation prefixes (each index one prefix); the rest is the base task's."""
 
@@ -122,6 +123,12 @@ class ContextView:
 
     async def score(self, index: int, messages: list[dict], episode=None) -> float:
         return await self.base.score(self.example_of(index), messages, episode)
+
+    def tools(self) -> list[Tool | WorldTool] | None:
+        return self.base.tools()
+
+    def world(self, index: int) -> World | None:
+        return self.base.world(self.example_of(index))
 
     def metrics(self, index: int, messages: list[dict]) -> dict[str, float]:
         """The base task's metrics and the turn trained. `asked` (whether the first reply

@@ -8,6 +8,7 @@ model reads plus a counted reason. Nothing a tool or the policy does ends an epi
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,8 +20,18 @@ from prometheus_client import Histogram
 
 from rollout.tools.base import Tool, ToolCall, ToolError, World, WorldTool
 from rollout.tools.parsers import PARSERS, Parsed
-from services.config import ToolCatalog, ToolsSpec
+from services.config import ToolBase, ToolCatalog, ToolsSpec
 from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls, with_file_tools
+
+TOOL_MODULES = {
+    "calculator": "rollout.tools.calculator",
+    "python": "rollout.tools.python_tool",
+    "search": "rollout.tools.search",
+    "mcp": "rollout.tools.mcp",
+}
+"""Tool kind (`kind`) -> the module whose `open_tools(specs)` opens tools of that kind, one per
+spec in order. Kinds open in this order, so the ones holding servers (mcp) open last, when
+nothing after them can fail and leave them running."""
 
 FAILURES = ("malformed", "unknown_tool", "bad_arguments", "call_limit", "timeout", "tool_error", "exception")
 """Why a call failed: unreadable, a tool the job does not have, arguments the schema
@@ -136,26 +147,7 @@ class ToolBox:
         for url in inline_urls(spec):
             await asyncio.to_thread(check_public_url, url)
         spec = bound
-        tools: list[Tool] = []
-        mcp_specs = [t for t in spec.tools if t.kind == "mcp"]
-        for tool in spec.tools:
-            if tool.kind == "calculator":
-                from rollout.tools.calculator import Calculator
-
-                tools.append(Calculator(tool.name, tool.description))
-            elif tool.kind == "python":
-                from rollout.tools.python_tool import PythonTool
-
-                tools.append(PythonTool(tool.name, tool.description, tool.timeout_s))
-            elif tool.kind == "search":
-                from rollout.tools.search import SearchTool
-
-                tools.append(await asyncio.to_thread(SearchTool, tool))
-        if mcp_specs:
-            from rollout.tools.mcp import open_mcp_tools
-
-            tools += await open_mcp_tools(mcp_specs)
-        return cls(spec, tools, {t.name: t for t in spec.tools}, job)
+        return cls(spec, await open_kinds(spec.tools), {t.name: t for t in spec.tools}, job)
 
     @classmethod
     def of_task(cls, spec: ToolsSpec, tools: list[Tool | WorldTool], job: str = "") -> ToolBox:
@@ -286,3 +278,16 @@ def tool_message(result: ToolResult) -> dict:
     if result.call is not None:
         message["name"] = result.call.name
     return message
+
+
+async def open_kinds(specs: list[ToolBase]) -> list[Tool]:
+    """One tool per spec, in the specs' order, each opened by its kind's module."""
+    by_kind: dict[str, list[int]] = {}
+    for index, spec in enumerate(specs):
+        by_kind.setdefault(spec.kind, []).append(index)
+    opened: dict[int, Tool] = {}
+    for kind, module in TOOL_MODULES.items():
+        if kind in by_kind:
+            tools = await importlib.import_module(module).open_tools([specs[i] for i in by_kind[kind]])
+            opened.update(zip(by_kind[kind], tools, strict=True))
+    return [opened[index] for index in range(len(specs))]

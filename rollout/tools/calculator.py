@@ -7,8 +7,12 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from typing import TYPE_CHECKING
 
 from rollout.tools.base import ToolError, function_schema
+
+if TYPE_CHECKING:
+    from services.config import CalculatorToolSpec
 
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 1000
@@ -91,3 +95,8 @@ class Calculator:
 
     async def close(self) -> None:
         pass
+
+
+async def open_tools(specs: list[CalculatorToolSpec]) -> list[Calculator]:
+    """The tools of `specs` (all of this kind), in their order (`rollout.tools.box.TOOL_MODULES`)."""
+    return [Calculator(spec.name, spec.description) for spec in specs]

@@ -6,7 +6,7 @@ managers whose task groups must be entered and exited by the same task, while th
 outlives any one episode; so a dedicated runner task opens the session, holds it open until
 `close()` and closes it, and calls from any other task go through the open `Client`.
 
-`open_mcp_tools` turns a job's mcp tool specs into `McpTool`s, one connection per distinct
+`open_tools` turns a job's mcp tool specs into `McpTool`s, one connection per distinct
 server, each connection closed when the last of its tools is.
 """
 
@@ -21,7 +21,7 @@ import anyio
 from mcp import Client, StdioServerParameters, types
 
 from rollout.tools.base import ToolError
-from services.config import McpServerSpec, ToolSpec
+from services.config import McpServerSpec, McpToolSpec
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class McpTool:
         await self.connection.release()
 
 
-async def open_mcp_tools(specs: list[ToolSpec]) -> list[McpTool]:
+async def open_tools(specs: list[McpToolSpec]) -> list[McpTool]:
     """The tools of `specs` (all of kind mcp), in their order, with one connection per distinct
     server. ValueError naming a tool its server does not serve (and what it serves);
     RuntimeError naming a server that does not start. Either way nothing is left open."""

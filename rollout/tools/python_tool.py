@@ -17,6 +17,7 @@ import threading
 
 from rollout.tools.base import ToolError, function_schema
 from rollout.tools.sandbox import CodeResult, SandboxLimits, refusal, run_code
+from services.config import PythonToolSpec
 
 MAX_OUTPUT_CHARS = 2000
 """What the model reads back of a run's output; the rest is cut with a note."""
@@ -102,3 +103,8 @@ def _children(thread_id: int) -> set[int]:
             return {int(pid) for pid in children.read().split()}
     except FileNotFoundError:
         return set()  # the thread has ended
+
+
+async def open_tools(specs: list[PythonToolSpec]) -> list[PythonTool]:
+    """The tools of `specs` (all of this kind), in their order (`rollout.tools.box.TOOL_MODULES`)."""
+    return [PythonTool(spec.name, spec.description, spec.timeout_s) for spec in specs]

@@ -18,7 +18,7 @@ from pathlib import Path
 import bm25s
 
 from rollout.tools.base import ToolError, function_schema
-from services.config import ToolSpec
+from services.config import SearchToolSpec
 
 FIXTURE = Path(__file__).parent / "data" / "search_docs.jsonl"
 """The collection searched when the spec names no `data` file."""
@@ -102,7 +102,7 @@ class SearchTool:
     """A `Tool` answering {"query": str} with the `spec.top_k` best matching documents, one
     per line, best first. Only documents sharing a word with the query count as matches."""
 
-    def __init__(self, spec: ToolSpec):
+    def __init__(self, spec: SearchToolSpec):
         self.name = spec.name
         self.description = spec.description or DESCRIPTION
         self.top_k = spec.top_k
@@ -133,3 +133,8 @@ class SearchTool:
 
     async def close(self) -> None:
         """Nothing to release: the index is plain memory."""
+
+
+async def open_tools(specs: list[SearchToolSpec]) -> list[SearchTool]:
+    """The tools of `specs` (all of this kind), in their order (`rollout.tools.box.TOOL_MODULES`)."""
+    return [await asyncio.to_thread(SearchTool, spec) for spec in specs]

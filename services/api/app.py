@@ -46,7 +46,7 @@ from services import bills, jobs, preference, protocol
 from services.api.events import JobChanges, StreamSlots, job_events
 from services.api.page import page_router
 from services.auth import match_bearer
-from services.config import KIND_NAMES, PATH_FIELDS, ApiSettings, BudgetSpec, JobSpec, ToolCatalog, ToolsSpec
+from services.config import ApiSettings, BudgetSpec, JobSpec, ToolCatalog, ToolsSpec, file_fields, written_location
 from services.metrics import metrics_router
 from services.queues import FIELD, GROUPS_KEPT, Keys, connect
 from services.tool_catalog import CatalogError, bind_servers, load_catalog, with_file_tools
@@ -181,44 +181,43 @@ def parse_tokens(spec: str) -> dict[str, str]:
 
 
 def confine_paths(spec: JobSpec, roots: list[Path]) -> JobSpec:
-    """`spec` with each path field (PATH_FIELDS) resolved, symlinks and '..' followed, as
-    this process sees the files; a 422 naming every field that resolves outside `roots`.
-    The resolved paths are what the job keeps, so the learner and rollout servers open what
-    was checked, whatever their working directory."""
+    """`spec` with each field naming a file (`file_fields`: the model's, the task's, the
+    tools' and their data files, ...) resolved, symlinks and '..' followed, as this process
+    sees the files; a 422 naming every field that resolves outside `roots`. The resolved
+    paths are what the job keeps, so the learner and rollout servers open what was checked,
+    whatever their working directory."""
     confined, errors = spec.model_copy(deep=True), []
-    for section, name in PATH_FIELDS:
-        part = getattr(confined, section, None)  # a section of another kind of job
-        if part is None or getattr(part, name) is None:
-            continue
-        inside = confine(getattr(part, name), roots)
+    for loc, owner, name in list(file_fields(confined)):
+        inside = confine(getattr(owner, name), roots)
         if inside is not None:
-            setattr(part, name, inside)
+            setattr(owner, name, inside)
         else:
-            errors.append(outside_error(getattr(part, name), roots, ("body", section, name)))
+            errors.append(outside_error(getattr(owner, name), roots, ("body", *loc)))
     if errors:
         raise RequestValidationError(errors)
     return confined
 
 
 def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, roots: list[Path] | None) -> JobSpec:
-    """`spec` with its inline tools' data files resolved under `roots` (None: not confined),
-    or a 422 naming the field: a tools file that is here and does not hold valid tools, an
-    MCP server the operator's catalogue does not allow, a data file outside `roots` (the
-    tools file's own included). A tools file this process cannot see is left to the rollout
-    servers, which fail the job with the same messages (the API may run on another machine)."""
+    """`spec`, or a 422 naming the field: a tools file that is here and does not hold valid
+    tools, an MCP server the operator's catalogue does not allow, a data file of the tools
+    file's outside `roots` (None: not confined; the spec's own files are confined before,
+    `confine_paths`). A tools file this process cannot see is left to the rollout servers,
+    which fail the job with the same messages (the API may run on another machine)."""
     if spec.tools is None:
         return spec
-    spec = spec.model_copy(deep=True)
     num_inline = len(spec.tools.tools)
-    for index, tool in enumerate(spec.tools.tools):
-        if tool.data is not None and roots is not None:
-            tool.data = confined_path(tool.data, roots, ("body", "tools", "tools", index, "data"))
     tools = spec.tools
     if tools.file is not None and Path(tools.file).is_file():
         tools = _resolved_tools(spec, settings.max_tools_file_bytes)
-        for index, tool in enumerate(tools.tools[num_inline:]):
-            if tool.data is not None and roots is not None:
-                confined_path(tool.data, roots, ("body", "tools", "file"), f"tool {index} of the file: data ")
+        for loc, owner, name in file_fields(tools):
+            if roots is not None and loc[:1] == ("tools",) and loc[1] >= num_inline:
+                confined_path(
+                    getattr(owner, name),
+                    roots,
+                    ("body", "tools", "file"),
+                    f"tool {loc[1] - num_inline} of the file: {name} ",
+                )
     try:
         bind_servers(tools, catalog, settings.allow_inline_mcp)
     except CatalogError as exc:
@@ -406,13 +405,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """A 422 as FastAPI writes it, each location naming the field as the spec is written:
-    the job kind pydantic puts after `body` (the model the kind picked) is left out."""
+    """A 422 as FastAPI writes it, each location naming the field as the spec is written
+    (`services.config.written_location`: without the tags of the models pydantic picked)."""
     errors = []
     for error in exc.errors():
         loc = tuple(error.get("loc", ()))
-        if len(loc) >= 2 and loc[0] == "body" and loc[1] in KIND_NAMES:
-            loc = ("body", *loc[2:])
+        if loc[:1] == ("body",):
+            loc = ("body", *written_location(loc[1:], error.get("type", "")))
         errors.append({**error, "loc": loc})
     return await request_validation_exception_handler(request, RequestValidationError(errors))
 

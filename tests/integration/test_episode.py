@@ -9,7 +9,7 @@ from rollout.episode import EpisodeRunner
 from rollout.rewards.multiturn import score_response
 from rollout.tasks import clarify
 from rollout.tasks.clarify.task import ClarifyTask
-from services.config import RewardSpec, RolloutSpec, TaskSpec
+from services.config import ClarifySpec, RewardSpec, RolloutSpec
 from services.tokenization import ChatTokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 @pytest_asyncio.fixture(loop_scope="session")  # the engine lives on the session's loop
 async def runner(engine, tiny_model, tokenizer):
     await engine.reload_from_disk(str(tiny_model))  # other tests change the engine's weights
-    task = ClarifyTask(TaskSpec(num_examples=8), seed=0)
+    task = ClarifyTask(ClarifySpec(num_examples=8), seed=0)
     spec = RolloutSpec(max_new_tokens=16, max_turns=3, max_total_tokens=200)
     return EpisodeRunner(engine, ChatTokenizer(tokenizer), task.rule_user, spec), task
 

@@ -25,10 +25,10 @@ from rollout.tools.box import ToolBox
 from services.config import (
     JudgeProxySettings,
     McpServerSpec,
+    McpToolSpec,
     RolloutSettings,
     RolloutSpec,
     ToolCatalog,
-    ToolSpec,
     ToolsSpec,
 )
 from services.tokenization import ChatTokenizer
@@ -125,7 +125,7 @@ CATALOG = ToolCatalog(
 async def test_a_tool_result_recorded_before_a_takeover_is_reused_and_the_tool_not_called_again(
     redis_client, tokenizer
 ):
-    box = await ToolBox.open(ToolsSpec(tools=[ToolSpec(name="tick", kind="mcp", server="test")]), catalog=CATALOG)
+    box = await ToolBox.open(ToolsSpec(tools=[McpToolSpec(name="tick", kind="mcp", server="test")]), catalog=CATALOG)
     try:
         chat = ChatTokenizer(tokenizer, "off").with_tools(box.schemas())
         call = f"<tool_call>{json.dumps({'name': 'tick', 'arguments': {}})}</tool_call>"

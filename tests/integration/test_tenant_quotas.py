@@ -105,7 +105,7 @@ LONG_PATH = "/models/" + "d" * 4100
         ({"reward": {"judge_model": LONG}}, ["reward", "judge_model"]),
         ({"reward": {"user_model": LONG}}, ["reward", "user_model"]),
         ({"task": {"system_prompt": LONG}}, ["task", "system_prompt"]),
-        ({"task": {"data": LONG_PATH}}, ["task", "data"]),
+        ({"task": {"name": "math_chat", "data": LONG_PATH}}, ["task", "data"]),
         ({"task": {"contexts": LONG_PATH}}, ["task", "contexts"]),
         ({"warm_start": {"data": LONG_PATH}}, ["warm_start", "data"]),
         ({"tools": {"file": LONG_PATH}}, ["tools", "file"]),

@@ -25,12 +25,13 @@ from rollout.tasks.multiply import OneAnswerUser
 from rollout.tools.box import ToolBox, tool_message
 from services import protocol
 from services.config import (
+    CalculatorToolSpec,
     McpServerSpec,
+    McpToolSpec,
     ModelSpec,
     RLJob,
     RolloutSpec,
     ToolCatalog,
-    ToolSpec,
     ToolsSpec,
 )
 from services.tokenization import ChatTokenizer
@@ -48,9 +49,9 @@ def tools_spec(slow_timeout_s: float = 5.0, slow_concurrency: int = 2) -> ToolsS
     return ToolsSpec(
         max_rounds_per_turn=2,
         tools=[
-            ToolSpec(name="calculator", kind="calculator"),
-            ToolSpec(name="add", kind="mcp", server="test"),
-            ToolSpec(
+            CalculatorToolSpec(name="calculator", kind="calculator"),
+            McpToolSpec(name="add", kind="mcp", server="test"),
+            McpToolSpec(
                 name="slow", kind="mcp", server="test", timeout_s=slow_timeout_s, max_concurrency=slow_concurrency
             ),
         ],

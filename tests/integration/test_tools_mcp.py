@@ -15,16 +15,16 @@ import pytest
 from helpers import wait_for
 
 from rollout.tools.base import ToolError
-from rollout.tools.mcp import McpConnection, open_mcp_tools
-from services.config import McpServerSpec, ToolSpec
+from rollout.tools.mcp import McpConnection, open_tools
+from services.config import McpServerSpec, McpToolSpec
 from tandem.redis_embed import free_port
 
 SERVER = Path(__file__).with_name("mcp_test_server.py")
 STDIO = McpServerSpec(command=[sys.executable, str(SERVER)])
 
 
-def mcp_spec(name: str, server: McpServerSpec = STDIO, **fields) -> ToolSpec:
-    return ToolSpec(name=name, kind="mcp", server=server, **fields)
+def mcp_spec(name: str, server: McpServerSpec = STDIO, **fields) -> McpToolSpec:
+    return McpToolSpec(name=name, kind="mcp", server=server, **fields)
 
 
 def server_children() -> list[psutil.Process]:
@@ -58,7 +58,7 @@ def http_server():
 
 
 async def test_a_stdio_server_s_tools_are_listed_with_their_parameters_and_answer_calls():
-    add, echo = await open_mcp_tools([mcp_spec("add"), mcp_spec("echo", description="Say it back.")])
+    add, echo = await open_tools([mcp_spec("add"), mcp_spec("echo", description="Say it back.")])
 
     assert add.schema()["type"] == "function"
     assert add.schema()["function"]["name"] == "add"
@@ -75,7 +75,7 @@ async def test_a_stdio_server_s_tools_are_listed_with_their_parameters_and_answe
 
 
 async def test_an_error_result_raises_tool_error_carrying_the_server_s_text():
-    [fail] = await open_mcp_tools([mcp_spec("fail")])
+    [fail] = await open_tools([mcp_spec("fail")])
     try:
         with pytest.raises(ToolError, match="this tool always fails"):
             await fail.call({})
@@ -85,13 +85,13 @@ async def test_an_error_result_raises_tool_error_carrying_the_server_s_text():
 
 async def test_a_tool_the_server_does_not_serve_is_a_value_error_naming_it_and_what_is_served():
     with pytest.raises(ValueError, match=r"serves no tool 'multiply'; it serves: add, echo, fail, slow, tick"):
-        await open_mcp_tools([mcp_spec("add"), mcp_spec("multiply")])
+        await open_tools([mcp_spec("add"), mcp_spec("multiply")])
 
     assert server_children() == []
 
 
 async def test_tools_of_one_server_share_one_child_which_stops_when_the_last_tool_closes():
-    add, echo = await open_mcp_tools([mcp_spec("add"), mcp_spec("echo")])
+    add, echo = await open_tools([mcp_spec("add"), mcp_spec("echo")])
     [child] = server_children()
     assert add.connection is echo.connection
 
@@ -103,7 +103,7 @@ async def test_tools_of_one_server_share_one_child_which_stops_when_the_last_too
 
 
 async def test_calls_run_concurrently_and_a_cancelled_call_leaves_the_session_usable():
-    slow, add = await open_mcp_tools([mcp_spec("slow"), mcp_spec("add")])
+    slow, add = await open_tools([mcp_spec("slow"), mcp_spec("add")])
     try:
         started = time.monotonic()
         replies = await asyncio.gather(*(slow.call({"seconds": 0.5}) for _ in range(4)))
@@ -120,7 +120,7 @@ async def test_calls_run_concurrently_and_a_cancelled_call_leaves_the_session_us
 
 async def test_a_server_that_cannot_start_is_named_in_the_error():
     with pytest.raises(RuntimeError, match="MCP server no-such-mcp-server did not start: FileNotFoundError"):
-        await open_mcp_tools([mcp_spec("add", McpServerSpec(command=["no-such-mcp-server"]))])
+        await open_tools([mcp_spec("add", McpServerSpec(command=["no-such-mcp-server"]))])
 
 
 async def test_a_server_that_never_answers_the_handshake_times_out_and_its_child_is_stopped():
@@ -135,7 +135,7 @@ async def test_a_server_that_never_answers_the_handshake_times_out_and_its_child
 
 async def test_a_streamable_http_server_s_tools_are_listed_and_answer_calls(http_server):
     server = McpServerSpec(url=http_server)
-    add, fail = await open_mcp_tools([mcp_spec("add", server), mcp_spec("fail", server)])
+    add, fail = await open_tools([mcp_spec("add", server), mcp_spec("fail", server)])
     try:
         assert set(add.schema()["function"]["parameters"]["properties"]) == {"a", "b"}
         assert await add.call({"a": 2, "b": 3}) == "5"

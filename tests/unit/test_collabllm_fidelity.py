@@ -27,11 +27,15 @@ from rollout.tasks.doc_edit_chat import DocEditChatTask, document_bleu
 from rollout.tasks.math_chat import MathChatTask
 from services import protocol
 from services.config import (
+    ClarifySpec,
+    CodeChatSpec,
+    DocEditChatSpec,
     JobSpec,
+    MathChatSpec,
     RewardSpec,
     RolloutSpec,
-    TaskSpec,
     parse_job_spec,
+    parse_task,
 )
 from services.presets import COLLABORATIVE_SYSTEM_PROMPT
 from services.tokenization import ChatTokenizer
@@ -84,7 +88,7 @@ def test_without_a_preset_the_defaults_are_tandems_own():
 
 # ---- 1. R_ext over the whole conversation ------------------------------------------------
 
-MATH = MathChatTask(TaskSpec(name="math_chat"))
+MATH = MathChatTask(MathChatSpec())
 
 
 async def test_math_r_ext_keeps_an_answer_followed_by_a_pleasantry():
@@ -108,7 +112,7 @@ async def test_math_r_ext_takes_the_last_answer_committed_to():
 
 
 async def test_doc_edit_r_ext_is_the_bleu_of_the_last_document_in_the_conversation():
-    task = DocEditChatTask(TaskSpec(name="doc_edit_chat"))
+    task = DocEditChatTask(DocEditChatSpec())
     reference = task.reference(0)
     future = chat("fix this", f"Here it is:\n```\n{reference}\n```", "perfect, thanks", "Anytime!")
     assert await task.score(0, future) == pytest.approx(1.0)
@@ -121,7 +125,7 @@ async def test_doc_edit_r_ext_is_the_bleu_of_the_last_document_in_the_conversati
 
 
 async def test_code_r_ext_runs_the_last_code_block_in_the_conversation():
-    task = CodeChatTask(TaskSpec(name="code_chat"))
+    task = CodeChatTask(CodeChatSpec())
     solution = f"```python\n{task.reference(0)}```"
     assert await task.score(0, chat("write it", solution, "works, thanks", "Great, enjoy!")) == 1.0
     assert await task.score(0, chat("write it", "Which names?", "a list", "Sure, anything else?")) == 0.0
@@ -286,18 +290,18 @@ def test_a_contexts_or_data_path_that_is_no_regular_file_is_refused():
     with pytest.raises(ValueError, match="task.contexts '/dev/zero': not a regular file"):
         turn_contexts("/dev/zero", limit=10)
     with pytest.raises(ValueError, match="task.data '/dev/zero': not a regular file"):
-        load_task(TaskSpec(name="math_chat", data="/dev/zero"))
+        load_task(MathChatSpec(data="/dev/zero"))
 
 
 def test_load_task_reads_contexts_and_refuses_too_few_or_unknown_examples(tmp_path):
     path = ranked_file(tmp_path, [{"example": 1, "messages": chat("u0", "a0", "u1")}])
-    task = load_task(TaskSpec(name="math_chat", contexts=path, num_examples=2))
+    task = load_task(MathChatSpec(contexts=path, num_examples=2))
     assert len(task) == 2 and task.goal(1) == MATH.goal(1) and task.reference(0) == MATH.reference(1)
     with pytest.raises(ValueError, match="fewer than task.num_examples"):
-        load_task(TaskSpec(name="math_chat", contexts=path, num_examples=3))
+        load_task(MathChatSpec(contexts=path, num_examples=3))
     far = ranked_file(tmp_path, [{"example": 10_000, "messages": chat("u0")}])
     with pytest.raises(ValueError, match="names example 10000"):
-        load_task(TaskSpec(name="math_chat", contexts=far, num_examples=1))
+        load_task(MathChatSpec(contexts=far, num_examples=1))
 
 
 async def test_a_later_turn_is_trained_under_the_system_prompt_with_the_rows_user(tokenizer):
@@ -378,7 +382,7 @@ class Polite:
 
 
 async def test_a_simulated_opening_is_written_once_per_group_with_the_tasks_attachment(tokenizer):
-    task = ContextView(DocEditChatTask(TaskSpec(name="doc_edit_chat")), "be collaborative")
+    task = ContextView(DocEditChatTask(DocEditChatSpec()), "be collaborative")
     client = OpeningClient()
     user = LLMUser(client, task.goal, "user-simulator", style="person")
     chat_tokenizer = ChatTokenizer(tokenizer)
@@ -425,7 +429,7 @@ def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
 )
 def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
     with pytest.raises(ValueError, match=says):
-        TaskSpec.model_validate(task)
+        parse_task(task)
 
 
 def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_contexts_are_given():
@@ -462,7 +466,7 @@ class StandInCompleter:
 
 async def test_llm_extraction_reads_the_final_document_from_the_whole_conversation():
     judge = StandInCompleter()
-    task = DocEditChatTask(TaskSpec(name="doc_edit_chat", extraction="llm"), judge)
+    task = DocEditChatTask(DocEditChatSpec(extraction="llm"), judge)
     reference = task.reference(0)
     conversation = [
         {"role": "system", "content": "SECRET"},
@@ -475,7 +479,7 @@ async def test_llm_extraction_reads_the_final_document_from_the_whole_conversati
 
 async def test_llm_extraction_of_code_and_of_nothing():
     judge = StandInCompleter()
-    task = CodeChatTask(TaskSpec(name="code_chat", extraction="llm"), judge)
+    task = CodeChatTask(CodeChatSpec(extraction="llm"), judge)
     solution = f"```python\n{task.reference(0)}```"
     assert await task.score(0, chat("write it", solution, "works", "Great!")) == 1.0
     assert await task.score(0, chat("write it", "Which names?", "a list", "Sure.")) == 0.0  # nothing delivered
@@ -506,7 +510,7 @@ def test_the_warm_start_fine_tunes_under_the_system_prompt_too(tiny_model, token
         [{"role": "system", "content": "own prompt"}, *chat("u", "a")],
     ]
     data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
-    spec = RLJob(model=ModelSpec(path=str(tiny_model)), task=TaskSpec(system_prompt="be collaborative"))
+    spec = RLJob(model=ModelSpec(path=str(tiny_model)), task=ClarifySpec(system_prompt="be collaborative"))
     bare, written, own = load_demonstrations(str(data), spec)
     assert bare.tokens == written.tokens and bare.mask == written.mask  # as if the row had the prompt
     assert "own prompt" in tokenizer.decode(own.tokens) and "collaborative" not in tokenizer.decode(own.tokens)

@@ -26,7 +26,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.config import ApiSettings, JudgeProxySettings, LearnerSettings, RolloutSettings, _ProcessSettings
+from services.config import ApiSettings, JudgeProxySettings, LearnerSettings, RolloutSettings
+from services.config.settings import _ProcessSettings
 from tandem.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]

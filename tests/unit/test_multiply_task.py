@@ -12,7 +12,7 @@ from devtools.tiny_model import CHATML_TEMPLATE, train_tokenizer
 from rollout.tasks import multiply
 from rollout.tools.calculator import Calculator
 from rollout.tools.parsers import parse_hermes
-from services.config import TaskSpec
+from services.config import MultiplySpec
 from services.tokenization import ChatTokenizer
 
 
@@ -42,7 +42,7 @@ async def test_a_tool_demonstration_calls_the_calculator_and_copies_its_result()
 
 
 async def test_demonstrations_score_1_and_a_wrong_number_scores_0():
-    task = multiply.MultiplyTask(TaskSpec(name="multiply", num_examples=20), seed=5)
+    task = multiply.MultiplyTask(MultiplySpec(num_examples=20), seed=5)
     rows = multiply.demonstrations(20, 0.5, seed=5)  # the same examples as the task's
     assert any(map(calls_the_tool, rows)) and not all(map(calls_the_tool, rows))
 

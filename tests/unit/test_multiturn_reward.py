@@ -11,9 +11,9 @@ from rollout.rewards.multiturn import GroupFutures, more_futures, score_response
 from rollout.tasks import clarify
 from rollout.tasks.base import Verdict
 from rollout.tasks.clarify.task import ClarifyTask
-from services.config import RewardSpec, TaskSpec
+from services.config import ClarifySpec, RewardSpec
 
-TASK = ClarifyTask(TaskSpec(num_examples=4), seed=0)
+TASK = ClarifyTask(ClarifySpec(num_examples=4), seed=0)
 EXAMPLE = 0
 TARGET = TASK.examples[EXAMPLE]
 

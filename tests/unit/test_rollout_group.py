@@ -17,10 +17,10 @@ from rollout.tasks import clarify
 from rollout.tasks.base import Verdict
 from rollout.tasks.clarify.task import ClarifyTask
 from services import protocol
-from services.config import RewardSpec, RolloutSpec, TaskSpec
+from services.config import ClarifySpec, RewardSpec, RolloutSpec
 from services.tokenization import ChatTokenizer
 
-TASK = ClarifyTask(TaskSpec(num_examples=4), seed=0)
+TASK = ClarifyTask(ClarifySpec(num_examples=4), seed=0)
 EXAMPLE = 0
 TARGET = TASK.examples[EXAMPLE]
 RIGHT = clarify.answer(TARGET.category, TARGET.target)

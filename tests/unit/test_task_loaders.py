@@ -12,7 +12,7 @@ from rollout.tasks.code_chat import python_code
 from rollout.tasks.common import fenced_blocks
 from rollout.tasks.doc_edit_chat import document_bleu, final_document
 from rollout.tasks.math_chat import final_answer, normalise_answer
-from services.config import TaskSpec
+from services.config import CodeChatSpec, DocEditChatSpec, MathChatSpec, parse_task
 
 
 def conversation(task, example: int, *replies: str) -> list[dict]:
@@ -27,15 +27,15 @@ def conversation(task, example: int, *replies: str) -> list[dict]:
 
 @pytest.mark.parametrize(("name", "size"), [("math_chat", 12), ("doc_edit_chat", 10), ("code_chat", 10)])
 def test_each_task_loads_its_whole_fixture_or_the_first_num_examples(name, size):
-    assert len(load_task(TaskSpec(name=name))) == size
-    first_three = load_task(TaskSpec(name=name, num_examples=3))
+    assert len(load_task(parse_task({"name": name}))) == size
+    first_three = load_task(parse_task({"name": name, "num_examples": 3}))
     assert len(first_three) == 3
-    assert first_three.goal(2) == load_task(TaskSpec(name=name)).goal(2)
+    assert first_three.goal(2) == load_task(parse_task({"name": name})).goal(2)
 
 
 @pytest.mark.parametrize("name", ["math_chat", "doc_edit_chat", "code_chat"])
 def test_each_task_opens_with_one_user_message_and_hides_a_longer_goal_for_an_llm_user(name):
-    task = load_task(TaskSpec(name=name))
+    task = load_task(parse_task({"name": name}))
     assert task.name == name
     assert task.rule_user is None
     for example in range(len(task)):
@@ -53,7 +53,7 @@ def test_a_data_file_replaces_the_fixture(tmp_path):
     ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
 
-    task = load_task(TaskSpec(name="math_chat", data=str(path)))
+    task = load_task(MathChatSpec(data=str(path)))
 
     assert len(task) == 2
     assert task.context(1) == [{"role": "user", "content": "Halve it."}]
@@ -64,7 +64,7 @@ def test_a_row_missing_a_field_is_rejected_at_load(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"opening": "Add them.", "goal": "Add 2 and 3."}) + "\n")
     with pytest.raises(TypeError, match="answer"):
-        load_task(TaskSpec(name="math_chat", data=str(path)))
+        load_task(MathChatSpec(data=str(path)))
 
 
 def test_fenced_blocks_reads_info_word_and_body():
@@ -111,7 +111,7 @@ def test_normalise_answer_reads_numbers_and_fractions_as_reduced_fractions(answe
 
 
 async def test_math_exact_match_scores_the_final_answer_of_the_last_reply():
-    task = load_task(TaskSpec(name="math_chat"))
+    task = load_task(MathChatSpec())
     assert task.reference(3) == "\\frac{3}{28}"
     asked = "How many marbles of each colour are in the bag?"
     right = conversation(task, 3, asked, "3/8 * 2/7 = 6/56, so \\boxed{\\dfrac{3}{28}}")
@@ -130,7 +130,7 @@ async def test_math_judge_metric_asks_the_accuracy_rubric_with_the_reference_ans
         calls.append((rubric, messages, reference))
         return 0.25 if "9/64" in messages[-1]["content"] else 0.75
 
-    task = load_task(TaskSpec(name="math_chat", metric="judge"), judge=judge)
+    task = load_task(MathChatSpec(metric="judge"), judge=judge)
     wrong = conversation(task, 3, "It is 9/64.")
     right = conversation(task, 3, "It is \\boxed{3/28}.")
 
@@ -142,7 +142,7 @@ async def test_math_judge_metric_asks_the_accuracy_rubric_with_the_reference_ans
 
 def test_math_judge_metric_without_a_judge_is_rejected_at_load():
     with pytest.raises(ValueError, match="needs a judge"):
-        load_task(TaskSpec(name="math_chat", metric="judge"))
+        load_task(MathChatSpec(metric="judge"))
 
 
 # --- MediumDocEdit-Chat ----------------------------------------------------------------
@@ -161,14 +161,14 @@ def test_final_document_is_the_last_fenced_block_else_the_whole_reply():
 
 
 def test_doc_edit_context_shows_the_document_in_a_fence():
-    task = load_task(TaskSpec(name="doc_edit_chat"))
+    task = load_task(DocEditChatSpec())
     [opening] = task.context(5)
     assert opening["content"].startswith("Fix the mistakes in this paragraph.\n\n```\nThe river Thames flow")
     assert final_document(opening["content"]).startswith("The river Thames flow through London.")
 
 
 async def test_doc_edit_scores_bleu_of_the_final_document_against_the_reference():
-    task = load_task(TaskSpec(name="doc_edit_chat"))
+    task = load_task(DocEditChatSpec())
     original = final_document(task.context(5)[0]["content"])
     right = conversation(
         task, 5, "Which fixes do you want?", f"Here it is:\n```\n{task.reference(5)}\n```\nAnything else?"
@@ -194,7 +194,7 @@ def test_python_code_takes_the_last_python_or_bare_fence():
 
 
 async def test_code_chat_scores_the_pass_rate_of_the_last_replys_code():
-    task = load_task(TaskSpec(name="code_chat"))
+    task = load_task(CodeChatSpec())
     right = conversation(task, 0, "Should duplicates go?", f"```python\n{task.reference(0)}```")
     # Strips, title-cases and drops empties but keeps duplicates: tests 2 and 4 of 4 pass.
     keeps_duplicates = (

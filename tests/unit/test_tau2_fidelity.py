@@ -28,7 +28,7 @@ from rollout.engine import Generation
 from rollout.episode import EpisodeRunner
 from rollout.tasks.tau2 import Tau2Task
 from rollout.tools.box import ToolBox
-from services.config import RolloutSpec, TaskSpec
+from services.config import RolloutSpec, Tau2Spec
 from services.tokenization import ChatTokenizer
 
 pytestmark = pytest.mark.slow
@@ -161,7 +161,7 @@ def checks(info) -> dict:
 async def test_the_oracle_and_a_do_nothing_agent_get_the_benchmarks_verdict(domain, chat, monkeypatch):
     evaluate = benchmark_evaluate(monkeypatch)
     task_set = Tau2Task(
-        TaskSpec(name="tau2", domain=domain, split="base" if domain == "mock" else "test", num_examples=SAMPLES[domain])
+        Tau2Spec(domain=domain, split="base" if domain == "mock" else "test", num_examples=SAMPLES[domain])
     )
     assert len(task_set) == SAMPLES[domain]
     short, idle_rewards = {}, []

@@ -25,7 +25,7 @@ from rollout.tasks.tau2.arithmetic import _guarded
 from rollout.tools.base import ToolCall
 from rollout.tools.box import TaskToolLimits, ToolBox, ToolUsage
 from rollout.tools.parsers import Parsed
-from services.config import TaskSpec
+from services.config import Tau2Spec
 
 DEADLINE_S = 2.0
 """The tool box's timeout for each call in these tests."""
@@ -35,7 +35,7 @@ SPIN_EMAIL = "spin@example.com"
 
 
 def retail() -> Tau2Task:
-    return Tau2Task(TaskSpec(name="tau2", domain="retail", split="test", num_examples=1))
+    return Tau2Task(Tau2Spec(domain="retail", split="test", num_examples=1))
 
 
 def box_of(task: Tau2Task) -> ToolBox:

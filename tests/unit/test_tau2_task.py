@@ -16,7 +16,7 @@ from rollout.interactions.role_play import RolePlayUser, swapped
 from rollout.tasks.tau2 import MAX_ERRORS, STOP_MARKER, Tau2Task, termination
 from rollout.tau2_eval import interval
 from rollout.tools.box import ToolResult, ToolUsage
-from services.config import RLJob, RolloutSpec, TaskSpec
+from services.config import RLJob, RolloutSpec, Tau2Spec, written_location
 from services.held_out import pass_hat_k
 from services.tokenization import ChatTokenizer
 
@@ -26,19 +26,23 @@ MODEL = {"path": "/models/m"}
 @pytest.mark.parametrize(
     "task, tools, error",
     [
-        ({"name": "tau2"}, None, "task.domain"),
-        ({"name": "clarify", "domain": "mock"}, None, "task.domain"),
-        ({"name": "tau2", "domain": "telecom"}, None, "domain"),
-        ({"name": "tau2", "domain": "mock", "split": "dev"}, None, "split"),
-        ({"name": "tau2", "domain": "mock", "system_prompt": "Be brief."}, None, "brings its own context"),
-        ({"name": "tau2", "domain": "mock", "opening": "simulator"}, None, "brings its own context"),
-        ({"name": "tau2", "domain": "mock"}, {"tools": [{"name": "calc", "kind": "calculator"}]}, "domain's tools"),
+        ({"name": "tau2"}, None, "task.domain: Field required"),
+        ({"name": "clarify", "domain": "mock"}, None, "task.domain: Extra inputs"),
+        ({"name": "tau2", "domain": "telecom"}, None, "task.domain: Input should be"),
+        ({"name": "tau2", "domain": "mock", "split": "dev"}, None, "task.split: Input should be"),
+        ({"name": "tau2", "domain": "mock", "system_prompt": "Be brief."}, None, "task.system_prompt: Extra inputs"),
+        ({"name": "tau2", "domain": "mock", "opening": "simulator"}, None, "task.opening: Extra inputs"),
+        ({"name": "tau2", "domain": "mock"}, {"tools": [{"name": "calc", "kind": "calculator"}]}, "own tools"),
         ({"name": "clarify"}, {"max_calls_per_episode": 3}, "inline tools or a file"),
     ],
 )
 def test_a_spec_that_cannot_be_a_tau2_job_is_refused_naming_the_field(task, tools, error):
-    with pytest.raises(ValidationError, match=error):
+    with pytest.raises(ValidationError) as caught:
         RLJob(model=MODEL, task=task, tools=tools)
+    [written] = [
+        f"{'.'.join(map(str, written_location(e['loc'], e['type'])))}: {e['msg']}" for e in caught.value.errors()
+    ]
+    assert error in written
 
 
 def test_a_tau2_job_may_set_only_the_parser_and_limits_of_its_tools():
@@ -49,7 +53,7 @@ def test_a_tau2_job_may_set_only_the_parser_and_limits_of_its_tools():
 
 
 def mock(split: str = "base") -> Tau2Task:
-    return Tau2Task(TaskSpec(name="tau2", domain="mock", split=split))
+    return Tau2Task(Tau2Spec(domain="mock", split=split))
 
 
 def test_the_mock_split_holds_out_one_task_of_each_kind():
@@ -176,11 +180,11 @@ def test_pass_hat_k_is_the_chance_that_k_trials_all_succeed_averaged_over_tasks(
 
 
 def test_a_tau2_spec_has_as_many_examples_as_its_split_has_tasks_and_no_more():
-    assert TaskSpec(name="tau2", domain="airline", split="test").num_examples == 20
-    assert TaskSpec(name="tau2", domain="mock").num_examples == 6 == len(mock("train"))
-    assert TaskSpec(name="tau2", domain="retail", split="test", num_examples=5).num_examples == 5
+    assert Tau2Spec(domain="airline", split="test").num_examples == 20
+    assert Tau2Spec(domain="mock").num_examples == 6 == len(mock("train"))
+    assert Tau2Spec(domain="retail", split="test", num_examples=5).num_examples == 5
     with pytest.raises(ValidationError, match="test split has 3 tasks"):
-        TaskSpec(name="tau2", domain="mock", split="test", num_examples=4)
+        Tau2Spec(domain="mock", split="test", num_examples=4)
 
 
 async def test_calls_the_benchmark_refuses_or_the_schema_rejects_are_errors_that_leave_the_world_as_it_was():

@@ -9,11 +9,11 @@ import pytest
 
 from rollout.tools.base import ToolError
 from rollout.tools.search import MAX_TEXT_CHARS, SearchTool
-from services.config import ToolSpec
+from services.config import SearchToolSpec
 
 
 def search_tool(**spec) -> SearchTool:
-    return SearchTool(ToolSpec(name="search", kind="search", **spec))
+    return SearchTool(SearchToolSpec(name="search", kind="search", **spec))
 
 
 def write_jsonl(path, rows: list) -> str:

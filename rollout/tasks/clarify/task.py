@@ -5,14 +5,15 @@ from __future__ import annotations
 import random
 
 from rollout.tasks import clarify
+from rollout.tasks.base import Judge, TaskSet
 from rollout.tasks.clarify.user import ClarifyUser
-from services.config import TaskSpec
+from services.config import ClarifySpec
 
 
-class ClarifyTask:
+class ClarifyTask(TaskSet):
     name = "clarify"
 
-    def __init__(self, spec: TaskSpec, seed: int) -> None:
+    def __init__(self, spec: ClarifySpec, seed: int) -> None:
         self.examples = clarify.make_examples(spec.num_examples, seed)
         self.rule_user = ClarifyUser(self.examples) if spec.user == "auto" else None
         """None: the LLM user simulator plays `goal` (the same answers, at an LLM's cost)."""
@@ -33,9 +34,6 @@ class ClarifyTask:
             ]
         return messages
 
-    def attachment(self, example: int) -> str:
-        return ""
-
     def goal(self, example: int) -> str:
         return clarify.goal(self.examples[example])
 
@@ -54,3 +52,13 @@ class ClarifyTask:
         if example not in self.followups:
             metrics["asked"] = float(clarify.is_question(replies[0]))
         return metrics
+
+
+def load(spec: ClarifySpec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return ClarifyTask(spec, seed)
+
+
+def demonstrations(num: int, share: float, seed: int) -> list[dict]:
+    """Warm-start rows, `share` of the vague requests asked about first (`rollout.tasks.demonstrations`)."""
+    return [{"messages": dialogue} for dialogue in clarify.demonstrations(num, seed=seed, ask_share=share)]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.tasks import extraction
-from rollout.tasks.base import FixtureTask
+from rollout.tasks.base import FixtureTask, Judge, TaskSet
 from rollout.tasks.common import fenced_blocks, is_question, last_found, read_examples
 from rollout.tools.sandbox import run_tests
-from services.config import TaskSpec
+from services.config import CodeChatSpec
 
 _PYTHON_FENCES = ("python", "py", "python3", "")
 
@@ -45,7 +45,7 @@ def python_code(reply: str) -> str | None:
 class CodeChatTask(FixtureTask):
     name = "code_chat"
 
-    def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
+    def __init__(self, spec: CodeChatSpec, judge: extraction.Completer | None = None) -> None:
         if spec.extraction == "llm" and judge is None:
             raise ValueError("code_chat with extraction='llm' needs a judge client")
         self.examples = [CodeExample(**row) for row in read_examples(spec, FIXTURE)]
@@ -71,3 +71,8 @@ class CodeChatTask(FixtureTask):
             "has_code": float(last_found(messages, python_code) is not None),
             "asked": float(is_question(replies[0])),
         }
+
+
+def load(spec: CodeChatSpec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return CodeChatTask(spec, judge)

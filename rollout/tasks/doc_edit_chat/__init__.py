@@ -14,9 +14,9 @@ from pathlib import Path
 import sacrebleu
 
 from rollout.tasks import extraction
-from rollout.tasks.base import FixtureTask
+from rollout.tasks.base import FixtureTask, Judge, TaskSet
 from rollout.tasks.common import fenced_blocks, final_reply, is_question, last_found, read_examples
-from services.config import TaskSpec
+from services.config import DocEditChatSpec
 
 FIXTURE = Path(__file__).parent / "examples.jsonl"
 """The built-in examples, used when the spec names no `task.data` file."""
@@ -53,7 +53,7 @@ def document_bleu(hypothesis: str, reference: str) -> float:
 class DocEditChatTask(FixtureTask):
     name = "doc_edit_chat"
 
-    def __init__(self, spec: TaskSpec, judge: extraction.Completer | None = None) -> None:
+    def __init__(self, spec: DocEditChatSpec, judge: extraction.Completer | None = None) -> None:
         if spec.extraction == "llm" and judge is None:
             raise ValueError("doc_edit_chat with extraction='llm' needs a judge client")
         self.examples = [DocEditExample(**row) for row in read_examples(spec, FIXTURE)]
@@ -80,3 +80,8 @@ class DocEditChatTask(FixtureTask):
             "bleu": document_bleu(conversation_document(messages), self.examples[example].reference),
             "asked": float(is_question(replies[0])),
         }
+
+
+def load(spec: DocEditChatSpec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return DocEditChatTask(spec, judge)

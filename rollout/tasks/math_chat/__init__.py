@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from rollout.tasks.base import FixtureTask
 from rollout.tasks.common import is_question, last_found, read_examples
-from services.config import TaskSpec
+from services.config import MathChatSpec
 
 if TYPE_CHECKING:
-    from rollout.tasks.base import Judge
+    from rollout.tasks.base import Judge, TaskSet
 
 _NUMBER = re.compile(r"\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _LATEX_FRACTION = re.compile(r"(-?)\\frac\{(-?[\d.]+)\}\{([\d.]+)\}")
@@ -102,7 +102,7 @@ def is_correct(messages: list[dict], answer: str) -> bool:
 class MathChatTask(FixtureTask):
     name = "math_chat"
 
-    def __init__(self, spec: TaskSpec, judge: Judge | None = None) -> None:
+    def __init__(self, spec: MathChatSpec, judge: Judge | None = None) -> None:
         if spec.metric == "judge" and judge is None:
             raise ValueError("math_chat with metric='judge' needs a judge client")
         self.examples = [MathExample(**row) for row in read_examples(spec, FIXTURE)]
@@ -123,3 +123,8 @@ class MathChatTask(FixtureTask):
             "exact_match": float(is_correct(messages, self.examples[example].answer)),
             "asked": float(is_question(replies[0])),
         }
+
+
+def load(spec: MathChatSpec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return MathChatTask(spec, judge)

@@ -19,9 +19,10 @@ import random
 import re
 from dataclasses import dataclass
 
+from rollout.tasks.base import Judge, TaskSet
 from rollout.tasks.common import final_reply
 from rollout.tools.calculator import Calculator
-from services.config import TaskSpec
+from services.config import MultiplySpec
 
 QUESTIONS = ("What is {a} * {b}?", "Compute {a} times {b}.", "Multiply {a} by {b}.", "How much is {a} x {b}?")
 ANSWER = "The answer is {n}."
@@ -106,21 +107,18 @@ class OneAnswerUser:
         return None
 
 
-class MultiplyTask:
+class MultiplyTask(TaskSet):
     name = "multiply"
 
-    def __init__(self, spec: TaskSpec, seed: int) -> None:
+    def __init__(self, spec: MultiplySpec, seed: int) -> None:
         self.examples = make_examples(spec.num_examples, seed)
-        self.rule_user = OneAnswerUser()
+        self.rule_user = OneAnswerUser() if spec.user == "auto" else None
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def context(self, example: int) -> list[dict]:
         return [{"role": "user", "content": question(self.examples[example])}]
-
-    def attachment(self, example: int) -> str:
-        return ""
 
     def goal(self, example: int) -> str:
         return f"You want the product {self.examples[example].value}."
@@ -138,3 +136,8 @@ class MultiplyTask:
             "success": float(last_number(replies[-1]) == self.examples[example].value),
             "called": float(any("<tool_call>" in r for r in replies)),
         }
+
+
+def load(spec: MultiplySpec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return MultiplyTask(spec, seed)

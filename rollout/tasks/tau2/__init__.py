@@ -45,6 +45,9 @@ import json
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from rollout.interactions.base import UserSimulator
+from rollout.interactions.role_play import RolePlayUser
+from rollout.tasks.base import Judge, TaskSet
 from rollout.tasks.tau2 import worlds
 from rollout.tasks.tau2.wire import WireError
 from rollout.tasks.tau2.worlds import Tau2World, WorldHost
@@ -53,7 +56,8 @@ from services.tau2_splits import task_ids
 
 if TYPE_CHECKING:
     from rollout.episode import Episode
-    from services.config import TaskSpec
+    from services.config import Tau2Spec
+    from services.judge_client import JudgeClient
 
 GREETING = "Hi! How can I help you today?"
 """The benchmark's first message of every conversation without a history."""
@@ -97,16 +101,15 @@ STOP_MARKER = "###STOP###"
 """The benchmark's user ends a finished conversation with it (`tau2.user.base`)."""
 
 
-class Tau2Task:
-    """A domain's tasks in one split. Beyond a `TaskSet`, it brings its own tools (`tools`),
-    a world per episode (`world`) and a brief for a role-played user (`brief`, ending on
-    `stop_markers`); the rollout server wires them up (`rollout.assembly.task_user`, `task_tools`)."""
+class Tau2Task(TaskSet):
+    """A domain's tasks in one split. It brings its own tools (`tools`), a world per episode
+    (`world`) and a user role-played from a brief (`own_user`: `brief`, ending on
+    `stop_markers`)."""
 
-    rule_user = None
     stop_markers = (STOP_MARKER, "###TRANSFER###", "###OUT-OF-SCOPE###")
     """What the benchmark's user writes to end a conversation (`tau2.user.base`)."""
 
-    def __init__(self, spec: TaskSpec) -> None:
+    def __init__(self, spec: Tau2Spec) -> None:
         quiet()
         self.domain = spec.domain
         self.name = f"tau2-{spec.domain}"
@@ -150,10 +153,12 @@ class Tau2Task:
 
         return (DATA_DIR / "tau2" / "user_simulator" / "simulation_guidelines.md").read_text()
 
-    def reference(self, example: int) -> str:
-        return ""
+    def own_user(self, client: JudgeClient, user_model: str, job: str, seed: int) -> UserSimulator:
+        """An LLM playing the benchmark's user from `brief`, greedy, as the benchmark's
+        simulator runs by default."""
+        return RolePlayUser(client, self.brief, self.stop_markers, user_model, job=job, temperature=0.0, seed=seed)
 
-    def attachment(self, example: int) -> str:
+    def reference(self, example: int) -> str:
         return ""
 
     def tools(self) -> list[Tau2Tool]:
@@ -362,3 +367,8 @@ def hermes_calls(calls: list[tuple[str, dict]]) -> str:
     return "\n".join(
         f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>" for name, arguments in calls
     )
+
+
+def load(spec: Tau2Spec, seed: int, judge: Judge | None = None) -> TaskSet:
+    """The task set of a job's `task` section (`rollout.tasks.TASKS`)."""
+    return Tau2Task(spec)
