@@ -1,18 +1,16 @@
-"""The judge proxy's Redis scripts, kept as Lua files in `judge_proxy/lua/`: a script Redis
-runs is its own file after the library files whose functions it calls (`now`: the server's
-clock; `common`: what both limit models share; `bucket`, `window`: each limit model's
-state), put together here as one text."""
+"""The judge proxy's Redis scripts, kept as Lua files in `judge_proxy/lua/`
+(`services.redis_scripts`): a script is its own file after the library files whose
+functions it calls (`now`: the server's clock; `common`: what both limit models share;
+`bucket`, `window`: each limit model's state)."""
 
 from __future__ import annotations
 
-from functools import cache
-from importlib.resources import files
+from services import redis_scripts
 
 
-@cache
 def lua(*names: str) -> str:
     """The files `judge_proxy/lua/<name>.lua`, in order, as one script."""
-    return "".join((files("judge_proxy") / "lua" / f"{name}.lua").read_text(encoding="utf-8") for name in names)
+    return redis_scripts.lua("judge_proxy", *names)
 
 
 NOW_S_LUA = lua("now")

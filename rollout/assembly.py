@@ -12,13 +12,14 @@ from dataclasses import dataclass, replace
 from rollout.engine import Engine
 from rollout.episode import EpisodeRunner
 from rollout.evaluate import HeldOutPlayer
+from rollout.group import GroupRollout, RankedRollout
 from rollout.interactions.base import UserSimulator
 from rollout.interactions.llm_user import LLMUser
 from rollout.judging import ProxyJudge
 from rollout.tasks import load_task
 from rollout.tasks.base import TaskSet
 from rollout.tools.box import ToolBox
-from services.config import JobSpec, RLJob, ToolCatalog, ToolsSpec
+from services.config import JobSpec, ToolCatalog, ToolsSpec
 from services.held_out import check_loaded, held_out
 from services.judge_client import JudgeClient
 from services.tokenization import ChatTokenizer
@@ -71,7 +72,7 @@ async def held_out_player(
 ) -> HeldOutPlayer | None:
     """The player of the job's held-out conversations (None without `eval`): the training
     runner with the held-out task set's user and worlds (its tools are the same kind)."""
-    if not isinstance(spec, RLJob) or spec.eval is None:
+    if spec.evaluation() is None:
         return None
     held = held_out(spec)
     task_set = await asyncio.to_thread(load_task, held.task, held.seed, played.judge)
@@ -79,6 +80,25 @@ async def held_out_player(
     runner = replace(played.runner, user=task_user(task_set, client, spec, job_id), worlds=task_set.world)
     rubric = spec.reward.judge_rubric if spec.reward.judge_weight else None
     return HeldOutPlayer(runner, task_set, played.judge, rubric, server_id, job_id)
+
+
+def group_rollout(
+    played: Played, spec: JobSpec, job_id: str, reward_slots: asyncio.Semaphore, server_id: str
+) -> GroupRollout:
+    """What turns the job's tasks into groups on `played`'s runner: its rewards under
+    `reward_slots` (the server's bound on rewards computed at once)."""
+    kind = RankedRollout if spec.ranked_conversations else GroupRollout
+    return kind(
+        played.runner,
+        played.task_set,
+        spec.reward,
+        played.judge,
+        reward_slots,
+        server_id,
+        job_id,
+        seed=spec.train.seed,
+        openings=spec.task.simulator_opens(),
+    )
 
 
 def task_user(task_set: TaskSet, client: JudgeClient, spec: JobSpec, job_id: str) -> UserSimulator:

@@ -290,7 +290,7 @@ class Engine:
         """Pause, receive the broadcast into every worker, reload, resume."""
         self._pause_mode = pause_mode
         async with self._paused(pause_mode):
-            # vLLM's uni executor ignores this timeout: ServedJob.update's deadline bounds the call.
+            # vLLM's uni executor ignores this timeout: Weights.update's deadline bounds the call.
             timeout = plan.timeout_s * (len(plan.buckets) + 1)
             async with self._collective():
                 results = await self.llm.collective_rpc(

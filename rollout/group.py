@@ -3,7 +3,8 @@
 Episode mode: each sample is a whole conversation from the task's context, scored by R*
 and trained on all its assistant turns. Multiturn mode: each is one response m_j, scored
 by MR over sampled futures and trained alone. The job's reward mode picks the pair of
-steps (play a sample, score it) once, when its `GroupRollout` is built. The server
+steps (play a sample, score it) once, when its `GroupRollout` is built. A generate job's
+task is one ranked conversation instead (`RankedRollout`). The server
 publishes the group and acknowledges the task; the only Redis here is the task's journal
 of policy turns, when the server passes one (`rollout.journal`).
 
@@ -81,7 +82,6 @@ class GroupRollout:
         reward_slots: asyncio.Semaphore,
         server_id: str,
         job_id: str,
-        generate: bool = False,
         seed: int = 0,
         openings: bool = False,
     ) -> None:
@@ -92,26 +92,20 @@ class GroupRollout:
         """The job's sampling seed, recorded with every reward an LLM took part in."""
         self.reward_slots = reward_slots
         self.server_id, self.job_id = server_id, job_id
-        self.generate = generate
-        """A generate job's: each task is a ranked conversation (`ranked_conversation`)."""
         if spec.mode == "episode":
             self.play, self.score = self.play_conversation, self.score_conversation
         else:
             self.play, self.score = self.play_response, self.score_response
 
     async def group(self, task: protocol.Task, journal: Journal | None = None) -> protocol.TrajectoryGroup:
-        """`group_size` samples for the task's context, with group-relative advantages (a
-        generate job's: a ranked conversation)."""
+        """`group_size` samples for the task's context, with group-relative advantages."""
         group, _ = await self.group_and_view(task, journal)
         return group
 
     async def group_and_view(
         self, task: protocol.Task, journal: Journal | None = None
     ) -> tuple[protocol.TrajectoryGroup, protocol.GroupView | None]:
-        """The task's group and its view for people (`rollout.group_view`; None for a
-        generate job, whose conversation is its record)."""
-        if self.generate:
-            return await self.ranked_conversation(task, journal), None
+        """The task's group and its view for people (`rollout.group_view`)."""
         context = await self.context(task)
         futures = GroupFutures(self.spec, task.group_size, self.reward_slots)
         played = await gather_all(
@@ -155,9 +149,8 @@ class GroupRollout:
         REWARD.labels(self.job_id).observe(reward)
         REWARD_TOTAL.labels(self.job_id).observe(reward)
         EPISODE.labels(self.job_id).observe(time.perf_counter() - started)
-        metrics = sample_metrics(self.task_set, task.example, episode, scored) | self.count_spend(
-            spend, episode, scored
-        )
+        metrics = sample_metrics(self.task_set, task.example, episode, scored)
+        metrics |= spend_metrics(self.job_id, spend, episode, scored)
         if self.runner.tools is not None:
             self.runner.tools.observe_episode(episode.tool_use)
             metrics |= usage_metrics(episode.tool_use)
@@ -177,6 +170,53 @@ class GroupRollout:
             episode,
             scored,
         )
+
+    async def context(self, task: protocol.Task) -> list[dict]:
+        """The task's context; with `openings`, its request replaced by one the user
+        simulator writes (under the task's name, so a replayed task gets the same one) with
+        the task's attachment, after the context's system prompt if it has one."""
+        context = self.task_set.context(task.example)
+        if not self.openings:
+            return context
+        written = await self.runner.user.opening(task.example, f"task{task.task_id}/opening")
+        attachment = self.task_set.attachment(task.example)
+        request = f"{written}\n\n{attachment}" if attachment else written
+        return [*context[:-1], {"role": "user", "content": request}]
+
+    async def play_conversation(
+        self, example: int, context: list[dict], trace: str, journal: Journal | None
+    ) -> Episode:
+        return await self.runner.run(example, context, trace, journal)
+
+    async def score_conversation(
+        self, example: int, episode: Episode, futures: GroupFutures, index: int
+    ) -> tuple[float, list[Episode]]:
+        """R* of the conversation, which is also the one conversation it is scored from."""
+        async with futures.slots:
+            return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
+
+    async def play_response(self, example: int, context: list[dict], trace: str, journal: Journal | None) -> Episode:
+        episode = self.runner.start(context, trace, journal, example)
+        await self.runner.policy_turn(episode)
+        return episode
+
+    async def score_response(
+        self, example: int, episode: Episode, futures: GroupFutures, index: int
+    ) -> tuple[float, list[Episode]]:
+        """MR of the response, and the futures it was computed from."""
+        return await multiturn.score_response(
+            self.runner, episode, self.task_set, example, self.spec, self.judge, futures, index
+        )
+
+
+class RankedRollout(GroupRollout):
+    """A generate job's tasks: each one is a ranked conversation (`ranked_conversation`),
+    whose record is the conversation itself (no view for the job page)."""
+
+    async def group_and_view(
+        self, task: protocol.Task, journal: Journal | None = None
+    ) -> tuple[protocol.TrajectoryGroup, protocol.GroupView | None]:
+        return await self.ranked_conversation(task, journal), None
 
     async def ranked_conversation(self, task: protocol.Task, journal: Journal | None) -> protocol.TrajectoryGroup:
         """CollabLLM's data generation: at each assistant turn, `group_size` responses to
@@ -233,66 +273,30 @@ class GroupRollout:
             responses=responses,
         )
 
-    async def context(self, task: protocol.Task) -> list[dict]:
-        """The task's context; with `openings`, its request replaced by one the user
-        simulator writes (under the task's name, so a replayed task gets the same one) with
-        the task's attachment, after the context's system prompt if it has one."""
-        context = self.task_set.context(task.example)
-        if not self.openings:
-            return context
-        written = await self.runner.user.opening(task.example, f"task{task.task_id}/opening")
-        attachment = self.task_set.attachment(task.example)
-        request = f"{written}\n\n{attachment}" if attachment else written
-        return [*context[:-1], {"role": "user", "content": request}]
-
     async def candidate(self, base: Episode, name: str) -> Episode:
         """One response to the conversation in `base`, on a fork of it."""
         episode = base.fork(name)
         await self.runner.policy_turn(episode)
         return episode
 
-    def count_spend(self, spend: Spend, episode: Episode, scored: list[Episode]) -> dict[str, float]:
-        """The sample's LLM-call costs, as Prometheus counters and as sample metrics."""
-        LLM_TOKENS.labels(self.job_id, "judge").inc(spend.judge_tokens)
-        LLM_TOKENS.labels(self.job_id, "simulator").inc(spend.simulator_tokens)
-        REMEMBERED.labels(self.job_id).inc(spend.remembered_calls)
-        counts = {
-            "judge_tokens": float(spend.judge_tokens),
-            "simulator_tokens": float(spend.simulator_tokens),
-            "llm_calls": float(spend.calls),
-            "remembered_calls": float(spend.remembered_calls),
-        }
-        if spend.budget_left is not None:
-            counts["judge_budget_left"] = spend.budget_left
-        if scored and scored[0] is not episode:
-            FUTURES.labels(self.job_id).observe(len(scored))
-            counts["futures"] = float(len(scored))
-        return counts
 
-    async def play_conversation(
-        self, example: int, context: list[dict], trace: str, journal: Journal | None
-    ) -> Episode:
-        return await self.runner.run(example, context, trace, journal)
-
-    async def score_conversation(
-        self, example: int, episode: Episode, futures: GroupFutures, index: int
-    ) -> tuple[float, list[Episode]]:
-        """R* of the conversation, which is also the one conversation it is scored from."""
-        async with futures.slots:
-            return await episode_reward(self.task_set, example, episode, self.spec, self.judge), [episode]
-
-    async def play_response(self, example: int, context: list[dict], trace: str, journal: Journal | None) -> Episode:
-        episode = self.runner.start(context, trace, journal, example)
-        await self.runner.policy_turn(episode)
-        return episode
-
-    async def score_response(
-        self, example: int, episode: Episode, futures: GroupFutures, index: int
-    ) -> tuple[float, list[Episode]]:
-        """MR of the response, and the futures it was computed from."""
-        return await multiturn.score_response(
-            self.runner, episode, self.task_set, example, self.spec, self.judge, futures, index
-        )
+def spend_metrics(job_id: str, spend: Spend, episode: Episode, scored: list[Episode]) -> dict[str, float]:
+    """A sample's LLM-call costs, as Prometheus counters and as sample metrics."""
+    LLM_TOKENS.labels(job_id, "judge").inc(spend.judge_tokens)
+    LLM_TOKENS.labels(job_id, "simulator").inc(spend.simulator_tokens)
+    REMEMBERED.labels(job_id).inc(spend.remembered_calls)
+    counts = {
+        "judge_tokens": float(spend.judge_tokens),
+        "simulator_tokens": float(spend.simulator_tokens),
+        "llm_calls": float(spend.calls),
+        "remembered_calls": float(spend.remembered_calls),
+    }
+    if spend.budget_left is not None:
+        counts["judge_budget_left"] = spend.budget_left
+    if scored and scored[0] is not episode:
+        FUTURES.labels(job_id).observe(len(scored))
+        counts["futures"] = float(len(scored))
+    return counts
 
 
 def sample_metrics(task_set: TaskSet, example: int, episode: Episode, scored: list[Episode]) -> dict[str, float]:

@@ -23,68 +23,39 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollout.assembly import assemble, check_sandbox, held_out_player
+from rollout.assembly import assemble, check_sandbox, group_rollout, held_out_player
 from rollout.engine import Engine
+from rollout.engine_slot import EngineDied, EngineSlot
 from rollout.evaluate import HeldOutPlayer
 from rollout.group import GroupRollout
-from rollout.journal import Journal
+from rollout.served_job import ServedJob, held_entries, job_lanes, wait_until_ended
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.judge_client import JudgeClient
 from services.metrics import serve_metrics
-from services.queues import GROUPS_KEPT, Delivery, Keys, StreamConsumer, connect, publish
-from services.stats import TrailingRate
-from services.tokenization import TokenizationMismatch
+from services.queues import Keys, connect
 from services.tool_catalog import load_catalog
 
 log = logging.getLogger(__name__)
-
-TASKS = Counter("tandem_rollout_tasks_total", "Tasks finished, by outcome", ["job", "outcome"])
-EPISODE_SECONDS = Histogram(
-    "tandem_rollout_task_seconds",
-    "Wall time of one task (all episodes and rewards)",
-    ["job"],
-    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-)
-SYNC_SECONDS = Histogram(
-    "tandem_rollout_weight_sync_seconds",
-    "Pause, receive, reload, resume",
-    ["job"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
-)
-INFLIGHT = Gauge("tandem_rollout_inflight_tasks", "Tasks being worked on", ["job"])
-ENGINE_BUSY = Counter(
-    "tandem_rollout_engine_busy_seconds_total", "Seconds the engine had at least one request generating", ["job"]
-)
-ENGINE_BUSY_RATIO = Gauge(
-    "tandem_rollout_engine_busy_ratio", "Share of the last minute the engine had a request generating", ["job"]
-)
-VERSION = Gauge("tandem_rollout_weight_version", "Weight version served", ["job"])
-
 
 REDIS_CONNECTIONS = 64
 """Redis connections per rollout server; more callers wait for one."""
 REDIS_REPLY_TIMEOUT_S = 30.0
 """The longest wait for any Redis reply. Every blocking read here blocks for well under a
 second, so a reply this late is lost: the wait ends in a TimeoutError, which `run` treats
-as an outage (serve again), instead of a silent hang. A blocking XREADGROUP that never
-returned once held a server between two jobs, its task group unable to finish."""
+as an outage (serve again), instead of a silent hang (a blocking XREADGROUP that never
+returns would hold a server between two jobs, its task group unable to finish)."""
 
 
 OUTAGE_GRACE_S = 60.0
 """How much longer than the learner's `judge_outage_s` a judge call waits out an outage:
 the learner fails the job with the outage as its reason before any task fails of it."""
-
-
-class BadTask(ValueError):
-    """A task message whose content no retry can fix; it goes to the dead-letter stream."""
 
 
 class RolloutServer:
@@ -93,30 +64,10 @@ class RolloutServer:
         self.server_id = settings.server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.started = time.time()
         self.tool_catalog = load_catalog(settings.tool_catalog)
-        # A blocking pool: with futures in flight, hundreds of coroutines touch Redis at
-        # once (journal, streams); they wait for a free connection instead of failing with
-        # "Too many connections" (redis-py 8 caps a plain pool at 100).
-        self.redis = connect(
-            settings.redis_url,
-            REDIS_CONNECTIONS,
-            REDIS_REPLY_TIMEOUT_S,
-            outage_s=settings.redis_outage_s,
-            socket_timeout=REDIS_REPLY_TIMEOUT_S,
-        )
-        self.engine: Engine | None = None
+        self.redis = rollout_redis(settings)
+        self.slot = EngineSlot(settings)
         self.job: ServedJob | None = None
-        self.inflight: dict[tuple[StreamConsumer, bytes], asyncio.Task] = {}
-        """The job's tasks (and held-out conversations) being worked on, by consumer and stream
-        entry; the heartbeat keeps them claimed."""
-        self.judge_client = JudgeClient(
-            settings.judge_url,
-            token=settings.judge_token,
-            timeout_s=settings.judge_timeout_s,
-            max_connections=settings.judge_max_connections,
-            max_retries=settings.judge_max_retries,
-            max_retry_wait_s=settings.judge_max_retry_wait_s,
-            outage_wait_s=settings.judge_outage_s + OUTAGE_GRACE_S,
-        )
+        self.judge_client = rollout_judge_client(settings)
         self.reward_slots = asyncio.Semaphore(settings.max_concurrent_rewards)
         self.drain_requested = asyncio.Event()
         """Set by SIGTERM or a drain request: leave the job, take no new one."""
@@ -124,32 +75,28 @@ class RolloutServer:
         self.stopping = False
         """Set when either of `run`'s loops ends: the other stops by itself at its next turn.
         Cancelling is not enough on Python 3.11: a cancel that lands inside a redis-py call
-        can be swallowed there (a SIGTERMed server once heartbeated on after a Redis restart,
-        and its task group never closed)."""
-        self.busy_exported_s = 0.0
-        """The engine's busy seconds already counted under the current job."""
-        self.busy_rate = TrailingRate(window_s=60.0)
+        can be swallowed there, and the loop would go on (heartbeating for a server that is
+        gone) with its task group never closing."""
 
     @property
     def job_id(self) -> str:
         """The job being served; "" when idle."""
         return self.job.job_id if self.job else ""
 
+    @property
+    def engine(self) -> Engine | None:
+        return self.slot.engine
+
+    @property
+    def inflight(self) -> dict:
+        """The job's tasks (and held-out conversations) being worked on (`ServedJob.inflight`)."""
+        return self.job.inflight if self.job else {}
+
     def health(self) -> tuple[bool, dict]:
-        """Not ok once the engine died or is wedged (the server is exiting); degraded, with
-        why, once the engine has produced nothing for half of `engine_stall_s`."""
-        engine, stall_s = self.engine, self.settings.engine_stall_s
-        stalled_s = engine.stalled_s() if engine else 0.0
-        condition = {"status": "ok"}
-        if stalled_s > stall_s / 2:
-            condition = {"status": "degraded", "reason": f"the engine has {stall_reason(engine)}"}
-        return (engine is None or not engine.dead) and stalled_s <= stall_s, {
-            "server_id": self.server_id,
-            "job": self.job_id,
-            "version": engine.version if engine else -1,
-            "inflight": len(self.inflight),
-            **condition,
-        }
+        """The engine's condition (`EngineSlot.condition`: not ok once it died or is wedged,
+        and the server is exiting), with the job and its tasks in flight."""
+        ok, condition = self.slot.condition()
+        return ok, {"server_id": self.server_id, "job": self.job_id, "inflight": len(self.inflight)} | condition
 
     async def run(self) -> None:
         serve_metrics(self.settings.metrics_port, self.health)
@@ -184,8 +131,7 @@ class RolloutServer:
         finally:
             await self.redis.hdel(Keys.rollout_servers, self.server_id)
             await self.judge_client.aclose()
-            if self.engine:
-                self.engine.shutdown()
+            self.slot.shutdown()
         if engine_died:
             raise SystemExit(1)  # for a supervisor to replace it (compose's restart policy, Kubernetes)
 
@@ -204,7 +150,7 @@ class RolloutServer:
             server_id=self.server_id,
             heartbeat=time.time(),
             job_id=self.job_id,
-            version=self.job.synced_plan[2] if self.job and self.job.synced_plan else -1,
+            version=self.job.weights.synced_plan[2] if self.job and self.job.weights.synced_plan else -1,
             capacity=self.settings.max_concurrent_tasks,
             inflight=len(self.inflight),
             engine=self.engine.model.path if self.engine else "",
@@ -222,8 +168,7 @@ class RolloutServer:
 
     async def heartbeat(self) -> None:
         while not self.stopping:
-            if self.engine is not None:
-                check_engine(self.engine, self.settings.engine_stall_s)
+            self.slot.check()
             if await self.redis.sismember(Keys.rollout_drain, self.server_id):
                 if not self.drain_requested.is_set():
                     self.request_drain(then_exit=False)
@@ -234,18 +179,8 @@ class RolloutServer:
             if self.job and self.inflight:
                 for consumer, entries in held_entries(self.inflight).items():
                     await consumer.touch(*entries)
-            self.export_engine_busy()
+            self.slot.export_busy(self.job_id)
             await asyncio.sleep(self.settings.heartbeat_s)
-
-    def export_engine_busy(self) -> None:
-        """The engine's busy seconds since the last heartbeat, and its busy share of the
-        last minute, under the job being served."""
-        if self.engine is None or not self.job_id:
-            return
-        busy_s = self.engine.busy.busy_s()
-        ENGINE_BUSY.labels(self.job_id).inc(busy_s - self.busy_exported_s)
-        ENGINE_BUSY_RATIO.labels(self.job_id).set(self.busy_rate.add(time.monotonic(), busy_s))
-        self.busy_exported_s = busy_s
 
     async def serve_jobs(self) -> None:
         while not self.stopping:
@@ -276,8 +211,7 @@ class RolloutServer:
 
     async def wait_out(self, job_id: str) -> None:
         """Until the job leaves `jobs:running` (or a drain is asked for)."""
-        while job_id in await jobs.running_jobs(self.redis) and not self.drain_requested.is_set():
-            await asyncio.sleep(0.5)
+        await wait_until_ended(self.redis, job_id, self.drain_requested.is_set)
 
     async def prepare_job(self, job_id: str, spec: JobSpec) -> tuple[GroupRollout, HeldOutPlayer | None]:
         """The engine with the job's model; the job's tokenizer, task set, user and rewards,
@@ -285,348 +219,52 @@ class RolloutServer:
         when it evaluates none)."""
         log.info("serving job %s (model %s)", job_id, spec.model.path)
         await check_sandbox(spec)
-        await self.prepare_engine(spec)
+        engine = await self.slot.load(spec)
         played = await assemble(
-            self.engine, spec, job_id, self.judge_client, self.tool_catalog, self.settings.allow_inline_mcp
+            engine, spec, job_id, self.judge_client, self.tool_catalog, self.settings.allow_inline_mcp
         )
         held_out = await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
-        return GroupRollout(
-            played.runner,
-            played.task_set,
-            spec.reward,
-            played.judge,
-            self.reward_slots,
-            self.server_id,
-            job_id,
-            generate=spec.ranked_conversations,
-            seed=spec.train.seed,
-            openings=spec.task.simulator_opens(),
-        ), held_out
+        return group_rollout(played, spec, job_id, self.reward_slots, self.server_id), held_out
 
     async def serve_job(
         self, job_id: str, spec: JobSpec, rollout: GroupRollout, held_out: HeldOutPlayer | None
     ) -> None:
-        capacity = self.settings.max_concurrent_tasks
-        lanes = [Lane(await self.consumer(Keys.tasks(job_id), protocol.Task, job_id), capacity)]
-        if held_out is not None:  # held-out conversations first, up to half the tasks: training goes on beside them
-            eval_consumer = await self.consumer(Keys.eval_tasks(job_id), protocol.EvalTask, job_id)
-            lanes.insert(0, Lane(eval_consumer, max(1, capacity // 2)))
+        lanes = await job_lanes(
+            self.redis, self.server_id, job_id, self.settings.max_concurrent_tasks, held_out is not None
+        )
         self.job = ServedJob(self, job_id, spec, lanes, rollout, held_out)
-        # Engine busy time counts from here, under this job (the engine may be new).
-        self.busy_exported_s, self.busy_rate = self.engine.busy.busy_s(), TrailingRate(window_s=60.0)
+        self.slot.count_from_now()
         try:
             await self.job.serve()
         finally:
-            for task in self.inflight.values():
-                task.cancel()
-            self.inflight.clear()
             self.job = None
-            if rollout.runner.tools is not None:
-                await rollout.runner.tools.close()
-
-    async def consumer(self, stream: str, kind: type, job_id: str) -> StreamConsumer:
-        """This server in the `rollout` group of one of the job's work streams."""
-        return await StreamConsumer(
-            self.redis, stream, "rollout", self.server_id, kind, Keys.dead(job_id), max_deliveries=3
-        ).setup()
-
-    async def prepare_engine(self, spec: JobSpec) -> None:
-        if self.engine and self.engine.model == spec.model:
-            await self.engine.reload_from_disk(spec.model.path)
-            return
-        if self.engine:  # unset first: the heartbeat must not see a shut-down engine as dead
-            engine, self.engine = self.engine, None
-            engine.shutdown()
-        engine = await asyncio.to_thread(
-            Engine.start, spec.model, self.settings.kv_cache_gib, spec.train.seed, self.settings.memory_utilization
-        )
-        try:
-            await engine.identify_devices()
-        except BaseException:
-            engine.shutdown()
-            raise
-        self.engine = engine
-
-    async def wait_until_job_ends(self, job_id: str) -> None:
-        while job_id in await jobs.running_jobs(self.redis):
-            await asyncio.sleep(0.5)
 
 
-class ServedJob:
-    """One job on a server until the job leaves `jobs:running`: the weight plans that name
-    the server, and the job's tasks, each turned into a group."""
-
-    def __init__(
-        self,
-        server: RolloutServer,
-        job_id: str,
-        spec: JobSpec,
-        lanes: list[Lane],
-        rollout: GroupRollout,
-        held_out: HeldOutPlayer | None = None,
-    ) -> None:
-        self.server, self.job_id, self.spec = server, job_id, spec
-        self.lanes, self.rollout, self.held_out = lanes, rollout, held_out
-        """Where its work comes from, read in this order: the last lane is the tasks, any
-        before it the held-out conversations."""
-        self.synced = asyncio.Event()
-        """Set once the engine is in a weight update of this job: tasks wait for it."""
-        self.synced_plan: tuple[str, int, int] | None = None
-        """(learner session, epoch, version) of the last plan applied."""
-        self.updating = asyncio.Lock()
-        """Held while a weight update runs: a drain leaves only after it."""
-        self.leaving = False
-        """Set when the job ends or the drain is done: the loops below stop by themselves,
-        as `run`'s do on `stopping` (a drained server once polled weight plans forever)."""
-
-    async def serve(self) -> None:
-        """Weights and tasks until the job leaves `jobs:running` or this server drains;
-        leaving the group by an exception cancels both (and a failure in either one
-        propagates)."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self.follow_weights())
-                consuming = group.create_task(self.consume_tasks())
-                ended = asyncio.create_task(self.server.wait_until_job_ends(self.job_id))
-                drain = asyncio.create_task(self.server.drain_requested.wait())
-                try:
-                    done, _ = await asyncio.wait([ended, drain], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for waiter in (ended, drain):
-                        waiter.cancel()
-                if ended not in done:
-                    consuming.cancel()
-                    await self.drain()
-                self.leaving = True
-                raise _JobEnded
-        except* _JobEnded:
-            log.info("left job %s", self.job_id)
-
-    async def drain(self) -> None:
-        """Leave the job without losing a task or stalling a broadcast (the module's
-        docstring tells the steps)."""
-        await self.server.beat()  # the learner leaves this server out of plans from now on
-        inflight = self.server.inflight
-        if inflight:
-            log.info(
-                "draining: %d tasks in flight, waiting up to %.0fs", len(inflight), self.server.settings.drain_timeout_s
-            )
-            await asyncio.wait(list(inflight.values()), timeout=self.server.settings.drain_timeout_s)
-        unfinished = list(inflight)
-        for task in list(inflight.values()):
-            task.cancel()
-        await asyncio.gather(*inflight.values(), return_exceptions=True)
-        for consumer, entries in held_entries(unfinished).items():
-            await consumer.release(*entries)
-        TASKS.labels(self.job_id, "handed_back").inc(len(unfinished))
-        # A plan the learner wrote just before it read the drain may still name this server:
-        # apply it (follow_weights runs until the group ends) before leaving the group.
-        await asyncio.sleep(4 * WEIGHT_POLL_S)
-        async with self.updating:
-            pass
-        log.info("drained job %s: %d tasks handed back", self.job_id, len(unfinished))
-
-    async def follow_weights(self) -> None:
-        """Apply every weight plan that names this server, as soon as it is announced
-        (polled: a pub/sub read with a timeout once let a CancelledError escape on
-        Python 3.11, which ended this task silently and left the server deaf to every
-        later plan while it went on heartbeating)."""
-        redis = self.server.redis
-        while not (self.leaving or self.server.stopping):
-            plan_bytes = await redis.hget(Keys.weights(self.job_id), "plan")
-            if plan_bytes:
-                await self.apply_plan(plan_bytes)
-            await asyncio.sleep(WEIGHT_POLL_S)
-
-    async def apply_plan(self, plan_bytes: bytes) -> None:
-        server_id = self.server.server_id
-        plan = protocol.decode(plan_bytes, protocol.WeightPlan)
-        key = (plan.session, plan.epoch, plan.version)
-        if key == self.synced_plan or server_id not in plan.ranks:
-            return
-        if plan.started.get(server_id, self.server.started) != self.server.started:
-            return  # made for the process this id had before a restart: the learner plans anew
-        async with self.updating:
-            await self.update(plan, plan_bytes, key)
-
-    async def update(self, plan: protocol.WeightPlan, plan_bytes: bytes, key: tuple[str, int, int]) -> None:
-        server_id = self.server.server_id
-        started = time.perf_counter()
-        try:  # bounded: a stalled update must not keep this server from the next plan
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
-            # lands as its inner call finishes, and a job's end then never stops this loop.
-            async with asyncio.timeout(plan.timeout_s * (len(plan.buckets) + 2)):
-                result = await self.server.engine.update_weights(
-                    plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode
-                )
-        except Exception:  # a missed collective: wait to be included in the next epoch
-            log.exception("weight update to version %d failed", plan.version)
-            self.synced_plan = key
-            return
-        seconds = time.perf_counter() - started
-        self.synced_plan = key
-        SYNC_SECONDS.labels(self.job_id).observe(seconds)
-        VERSION.labels(self.job_id).set(plan.version)
-        ack = protocol.WeightAck(server_id=server_id, version=plan.version, epoch=plan.epoch, seconds=seconds)
-        await self.server.redis.hset(Keys.weights(self.job_id), f"ack:{server_id}", protocol.encode(ack))
-        log.info("weights v%d in %.3fs (%s)", plan.version, seconds, result)
-        self.synced.set()
-
-    async def consume_tasks(self) -> None:
-        """Keep up to `max_concurrent_tasks` tasks in flight, each lane within its own share:
-        first this consumer's own pending entries (a restart), then new ones, then ones idle
-        consumers left behind."""
-        await self.synced.wait()
-        settings, inflight = self.server.settings, self.server.inflight
-        capacity = settings.max_concurrent_tasks
-        backlog = [(lane, d) for lane in self.lanes for d in await lane.consumer.read_own_pending(lane.share)]
-        last_reclaim = 0.0
-        while not (self.leaving or self.server.stopping or self.server.drain_requested.is_set()):
-            if len(inflight) >= capacity:
-                await asyncio.wait(list(inflight.values()), return_when=asyncio.FIRST_COMPLETED)
-                continue
-            deliveries, backlog = backlog[: capacity - len(inflight)], backlog[capacity - len(inflight) :]
-            for lane in self.lanes if not deliveries else ():
-                free = room(lane, inflight, deliveries, capacity)
-                if free > 0:  # the last lane (tasks) blocks briefly: the loop's only wait for work
-                    block_ms = 200 if lane is self.lanes[-1] and not deliveries else None
-                    deliveries += [(lane, d) for d in await lane.consumer.read(free, block_ms=block_ms)]
-            if not deliveries and time.monotonic() - last_reclaim > settings.heartbeat_s:
-                last_reclaim = time.monotonic()
-                for lane in self.lanes:
-                    free = room(lane, inflight, deliveries, capacity)
-                    if free > 0:
-                        idle_ms = int(settings.task_reclaim_idle_s * 1000)
-                        deliveries += [(lane, d) for d in await lane.consumer.reclaim(idle_ms, free)]
-            for lane, delivery in deliveries:
-                key = (lane.consumer, delivery.entry_id)
-                task = asyncio.create_task(self.run(lane.consumer, delivery))
-                inflight[key] = task
-                task.add_done_callback(lambda _, key=key: inflight.pop(key, None))
-            INFLIGHT.labels(self.job_id).set(len(inflight))
-
-    async def note_error(self, task_id: int, err: Exception) -> None:
-        """Why a task failed, for the learner to name if the job stops progressing."""
-        error = f"{type(err).__name__}: {err}"[:1000]
-        fields = {"task": task_id, "server": self.server.server_id, "error": error}
-        await self.server.redis.xadd(Keys.task_errors(self.job_id), fields, maxlen=TASK_ERRORS_KEPT, approximate=True)
-
-    async def run(self, consumer: StreamConsumer, delivery: Delivery) -> None:
-        """One entry, held-out or task, played and its outcome published, then acknowledged.
-        Bad content goes to the dead-letter stream; any other failure leaves the entry pending
-        for a retry (and a task's journal for the server that retries)."""
-        message, started = delivery.message, time.perf_counter()
-        held_out = isinstance(message, protocol.EvalTask)
-        kind = "eval_" if held_out else ""
-        try:
-            journal = await (self.play_eval(message) if held_out else self.play_task(message, started))
-            await consumer.ack(delivery.entry_id)
-            if journal is not None:  # kept until the ack: a retry before it replays the same turns
-                await journal.discard()
-        except asyncio.CancelledError:
-            raise
-        except (BadTask, TokenizationMismatch) as err:  # bad content: no retry can fix it
-            await consumer.dead_letter(delivery.entry_id, protocol.encode(message), str(err))
-            TASKS.labels(self.job_id, f"{kind}dead").inc()
-            return
-        except Exception as err:
-            name = f"held-out conversation {message.round}/{message.example}" if held_out else f"task {message.task_id}"
-            log.exception("%s failed; it stays pending for a retry", name)
-            TASKS.labels(self.job_id, f"{kind}error").inc()
-            await self.note_error(-1 if held_out else message.task_id, err)
-            return
-        TASKS.labels(self.job_id, f"{kind}ok").inc()
-        if not held_out:
-            EPISODE_SECONDS.labels(self.job_id).observe(time.perf_counter() - started)
-
-    async def play_task(self, task: protocol.Task, started: float) -> Journal:
-        """The task's group into the trajectories stream; its journal, for the caller to drop
-        once the task is acknowledged."""
-        size = len(self.rollout.task_set)
-        if not 0 <= task.example < size:
-            raise BadTask(f"example {task.example} outside the task set (size {size})")
-        redis, ttl_s = self.server.redis, self.server.settings.idempotency_ttl_s
-        journal = await Journal.open(redis, self.job_id, task.task_id, ttl_s)
-        group, view = await self.rollout.group_and_view(task, journal)
-        group.elapsed_s = time.perf_counter() - started
-        group.dispatched_version = task.dispatched_version
-        await publish(redis, Keys.trajectories(self.job_id), group)
-        if view is not None:
-            await publish(redis, Keys.groups(self.job_id), view, maxlen=GROUPS_KEPT)
-        return journal
-
-    async def play_eval(self, task: protocol.EvalTask) -> None:
-        """The held-out conversation's result into the job's eval results (no journal: a
-        retry plays it afresh, and the learner keeps one result per example and trial)."""
-        size = len(self.held_out.task)
-        if not 0 <= task.example < size:
-            raise BadTask(f"held-out example {task.example} outside the held-out set (size {size})")
-        await publish(self.server.redis, Keys.eval_results(self.job_id), await self.held_out.play(task))
+def rollout_redis(settings: RolloutSettings) -> aioredis.Redis:
+    """A blocking pool: with futures in flight, hundreds of coroutines touch Redis at once
+    (journal, streams); they wait for a free connection instead of failing with "Too many
+    connections" (redis-py 8 caps a plain pool at 100)."""
+    return connect(
+        settings.redis_url,
+        REDIS_CONNECTIONS,
+        REDIS_REPLY_TIMEOUT_S,
+        outage_s=settings.redis_outage_s,
+        socket_timeout=REDIS_REPLY_TIMEOUT_S,
+    )
 
 
-@dataclass
-class Lane:
-    """One of a served job's work streams: its consumer, and how many of the server's tasks
-    in flight it may hold."""
-
-    consumer: StreamConsumer
-    share: int
-
-    def held(self, inflight: dict) -> int:
-        return sum(consumer is self.consumer for consumer, _ in inflight)
-
-
-def room(lane: Lane, inflight: dict, starting: list, capacity: int) -> int:
-    """How many more entries `lane` may take now: within the server's `capacity` and the
-    lane's share, counting the entries in flight and those read this turn (`starting`)."""
-    held = lane.held(inflight) + sum(other is lane for other, _ in starting)
-    return min(capacity - len(inflight) - len(starting), lane.share - held)
-
-
-def held_entries(keys) -> dict[StreamConsumer, list[bytes]]:
-    """Entries in flight (keys of `RolloutServer.inflight`) by the consumer that holds them."""
-    entries: dict[StreamConsumer, list[bytes]] = {}
-    for consumer, entry_id in keys:
-        entries.setdefault(consumer, []).append(entry_id)
-    return entries
-
-
-TASK_ERRORS_KEPT = 1000
-"""Task failures a job's `task-errors` stream keeps, about (newest)."""
-
-
-WEIGHT_POLL_S = 0.05
-"""How often a server looks for a new weight plan (one HGET)."""
-
-
-class _JobEnded(Exception):
-    pass
-
-
-class EngineDied(Exception):
-    """The server's vLLM engine is gone; the server cannot serve again in this process."""
-
-
-class EngineWedged(EngineDied):
-    """The server's vLLM engine is alive but has produced nothing for `engine_stall_s` with
-    requests in flight; nothing in this process brings it back."""
-
-
-def check_engine(engine: Engine, stall_s: float) -> None:
-    """EngineDied when the engine died, EngineWedged when it stalled past `stall_s`: the
-    server's heartbeats would otherwise keep its held tasks from being reclaimed, forever."""
-    if engine.dead:
-        raise EngineDied(f"the inference engine of {engine.model.path} died")
-    if engine.stalled_s() > stall_s:
-        raise EngineWedged(
-            f"the inference engine of {engine.model.path} is wedged: it has {stall_reason(engine)} "
-            f"(engine_stall_s {stall_s:g} s)"
-        )
-
-
-def stall_reason(engine: Engine) -> str:
-    unanswered = ", a pause or resume unanswered" if engine.unanswered_since is not None else ""
-    return f"produced nothing for {engine.stalled_s():.0f} s with {engine.requests} requests in flight{unanswered}"
+def rollout_judge_client(settings: RolloutSettings) -> JudgeClient:
+    """The client of every LLM call the server's episodes make (through the judge proxy);
+    an outage is waited out `OUTAGE_GRACE_S` longer than the learner waits for it."""
+    return JudgeClient(
+        settings.judge_url,
+        token=settings.judge_token,
+        timeout_s=settings.judge_timeout_s,
+        max_connections=settings.judge_max_connections,
+        max_retries=settings.judge_max_retries,
+        max_retry_wait_s=settings.judge_max_retry_wait_s,
+        outage_wait_s=settings.judge_outage_s + OUTAGE_GRACE_S,
+    )
 
 
 class _Drained(Exception):

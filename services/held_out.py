@@ -23,16 +23,17 @@ from dataclasses import dataclass, field
 from math import comb
 
 from services import protocol
-from services.config import HeldOutTask, RLJob
+from services.config import HeldOutTask, JobSpec
 from services.stats import mean_by_key
 
 
-def held_out(spec: RLJob) -> HeldOutTask:
+def held_out(spec: JobSpec) -> HeldOutTask:
     """The held-out examples of a job with an `eval` section (the task's model says which:
     `TaskBase.held_out`)."""
-    if spec.eval is None:
+    evaluation = spec.evaluation()
+    if evaluation is None:
         raise ValueError("the job has no eval section")
-    return spec.task.held_out(spec.eval, spec.train.seed)
+    return spec.task.held_out(evaluation, spec.train.seed)
 
 
 def check_loaded(held: HeldOutTask, size: int) -> None:

@@ -29,6 +29,7 @@ import redis
 import redis.asyncio as aioredis
 
 from services.queues import Keys
+from services.redis_scripts import lua
 
 LEASE_TTL_S = 30.0
 """How long a lease lives unless renewed (`TANDEM_LEASE_TTL_S`)."""
@@ -59,59 +60,12 @@ def lease_key(job_id: str) -> str:
     return f"{Keys.job(job_id)}:lease"
 
 
-FENCE_CHECK = """
-local function fenced(job, token)
-  return token ~= '' and redis.call('HGET', job, 'fence') ~= token
-end
-"""
-"""Lua for `services.jobs`' scripts: `fenced(KEYS[job], ARGV[token])` is true when the
-write carries a token ('' is a write outside any lease: the API, tests) that is no
-longer the job's."""
-
-ACQUIRE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 or not redis.call('HGET', KEYS[2], 'spec') then return 0 end
-local token = redis.call('HINCRBY', KEYS[2], 'fence', 1)
-redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', ARGV[2])
-return token
-"""
-
-RENEW_LUA = """
-local current = redis.call('GET', KEYS[1])
-if current == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if not current and redis.call('HGET', KEYS[2], 'fence') == ARGV[3] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-"""A lease that lapsed while nobody else took the job (its fence is still ours) is taken
-up again: the holder was only late."""
-
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-if ARGV[2] == '1' and redis.call('HGET', KEYS[2], 'fence') == ARGV[3] then
-  redis.call('HSET', KEYS[2], 'learner_stopped', 1)
-end
-"""
-
-RESTART_LUA = (
-    FENCE_CHECK
-    + """
-if fenced(KEYS[1], ARGV[1]) then return -1 end
-if redis.call('HDEL', KEYS[1], 'learner_stopped') == 1 then return 0 end
-local step = redis.call('HGET', KEYS[1], 'step') or '0'
-redis.call('HINCRBY', KEYS[1], 'restarts', 1)
-redis.call('HSET', KEYS[1], 'last_exit', ARGV[2])
-if redis.call('HGET', KEYS[1], 'restart_step') == step then
-  return redis.call('HINCRBY', KEYS[1], 'restarts_at_step', 1)
-end
-redis.call('HSET', KEYS[1], 'restart_step', step, 'restarts_at_step', 1)
-return 1
-"""
-)
+ACQUIRE_LUA = lua("services", "lease_acquire")
+RENEW_LUA = lua("services", "lease_renew")
+RELEASE_LUA = lua("services", "lease_release")
+RESTART_LUA = lua("services", "fence", "lease_restart")
+"""The lease's scripts (`services/lua/lease_*.lua`); `fence.lua` is the check every write
+under a lease makes (the jobs' scripts too)."""
 
 
 async def acquire(client: aioredis.Redis, job_id: str, holder: str, ttl_s: float) -> Lease | None:

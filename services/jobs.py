@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from services import bills, job_lease
 from services.config import JOB_NAME, BudgetSpec, JobSpec, parse_job_spec_json
 from services.queues import Keys
+from services.redis_scripts import lua
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 RETENTION_S = 7 * 86400.0
@@ -52,16 +53,7 @@ class QueueFull(Exception):
     """The tenant has `max_pending` jobs queued already."""
 
 
-# The quota check and the queueing are one script, so concurrent submissions cannot both
-# take the last place.
-CREATE_LUA = """
-if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-redis.call('HSETNX', KEYS[4], ARGV[4], 0)
-return 1
-"""
+CREATE_LUA = lua("services", "job_create")
 
 
 async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "", max_pending: int = sys.maxsize) -> str:
@@ -229,96 +221,15 @@ async def judge_terms(client: aioredis.Redis, job_id: str) -> JudgeTerms:
 # A job leaving PENDING leaves its tenant's queue in the same script; a job's first start
 # marks its tenant served. Each change is announced on the job's `changed` channel.
 _ENDED = "local ended = {" + ", ".join(f"{s}=true" for s in sorted(TERMINAL)) + "}\n"
-SET_STATUS_LUA = (
-    _ENDED
-    + job_lease.FENCE_CHECK
-    + """
-local current = redis.call('HGET', KEYS[1], 'status')
-if not current or ended[current] or (ARGV[6] ~= '' and current ~= ARGV[6]) then return 0 end
-if fenced(KEYS[1], ARGV[7]) then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[4])
-if ARGV[1] == 'RUNNING' then
-  if redis.call('HSETNX', KEYS[1], 'started', ARGV[2]) == 1 then
-    redis.call('HSET', KEYS[4], redis.call('HGET', KEYS[1], 'tenant') or '', ARGV[2])
-  end
-  redis.call('HDEL', KEYS[1], 'paused_reason', 'paused_since')
-  redis.call('SADD', KEYS[2], ARGV[4])
-elseif ended[ARGV[1]] then
-  redis.call('HSET', KEYS[1], 'finished', ARGV[2])
-  redis.call('SREM', KEYS[2], ARGV[4])
-  for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
-end
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
-redis.call('PUBLISH', KEYS[5], ARGV[1])
-return 1
-"""
-)
-CANCEL_LUA = """
-local current = redis.call('HGET', KEYS[3], 'status')
-if current == 'PENDING' then
-  redis.call('HSET', KEYS[3], 'status', 'CANCELLED', 'finished', ARGV[1], 'cancel_requested', 1)
-  redis.call('ZREM', KEYS[1], ARGV[3])
-  for i = 3, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-  redis.call('PUBLISH', KEYS[2], 'CANCELLED')
-  return 'CANCELLED'
-elseif current == 'RUNNING' or current == 'PAUSED' then
-  redis.call('HSET', KEYS[3], 'cancel_requested', 1)
-end
-return current
-"""
-
-
-PAUSE_LUA = (
-    job_lease.FENCE_CHECK
-    + """
-if fenced(KEYS[1], ARGV[3]) then return 0 end
-local current = redis.call('HGET', KEYS[1], 'status')
-if current == 'RUNNING' then
-  redis.call('HSET', KEYS[1], 'status', 'PAUSED', 'paused_since', ARGV[2])
-elseif current ~= 'PAUSED' then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'paused_reason', ARGV[1])
-redis.call('PUBLISH', KEYS[2], 'PAUSED')
-return 1
-"""
-)
+SET_STATUS_LUA = _ENDED + lua("services", "fence", "job_set_status")
+CANCEL_LUA = lua("services", "job_cancel")
+PAUSE_LUA = lua("services", "fence", "job_pause")
 
 
 CAP_REACHED = "spend cap reached"
 """How the reason of a job that a spend cap ended (SUCCEEDED) begins (`learner.cost`)."""
 
-# A resume moves an ended job back to its tenant's queue in one script, so two resumes, or a
-# resume and a learner's claim, cannot both act on it. The end set every key of the job to
-# expire (retention): they are kept again. The end's fields go, and its crash count (whoever
-# resumes it has seen why it ended); `resumed_from` and `resumed_error` keep what it ended
-# as, and `resumes` counts the resumes, which is how the learner's claim tells a resumed
-# PENDING job from a new one.
-# KEYS: the tenant's queue, the job's changed channel, its checkpoints, its spend hash, then
-# every key of the job (its record first). ARGV: now, the id, the queue's limit, and a new
-# spec (JSON; '' keeps the spec). A FAILED or CANCELLED job resumes, and one a spend cap
-# ended (SUCCEEDED, its reason `spend cap reached ...`): its refusal is cleared, so its calls
-# go on until a cap (raised in the new spec, or the tenant's next month) binds again.
-RESUME_LUA = """
-local record = KEYS[5]
-local current = redis.call('HGET', record, 'status')
-local error = redis.call('HGET', record, 'error') or ''
-local capped = current == 'SUCCEEDED' and string.sub(error, 1, #ARGV[5]) == ARGV[5]
-if current ~= 'FAILED' and current ~= 'CANCELLED' and not capped then return current or false end
-if redis.call('LLEN', KEYS[3]) == 0 then return 'NO_CHECKPOINT' end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 'QUEUE_FULL' end
-redis.call('HDEL', record, 'finished', 'error', 'cancel_requested', 'paused_reason', 'paused_since')
-redis.call('HDEL', record, 'restarts_at_step')
-redis.call('HSET', record, 'status', 'PENDING', 'resumed_from', current, 'resumed_error', error)
-if ARGV[4] ~= '' then redis.call('HSET', record, 'spec', ARGV[4]) end
-redis.call('HDEL', KEYS[4], 'refused', 'refused_by')
-redis.call('HINCRBY', record, 'resumes', 1)
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-for i = 5, #KEYS do redis.call('PERSIST', KEYS[i]) end
-redis.call('PUBLISH', KEYS[2], 'PENDING')
-return 'RESUMED'
-"""
+RESUME_LUA = lua("services", "job_resume")
 
 
 class NotResumable(Exception):
@@ -475,14 +386,7 @@ def not_resumable_reason(job_id: str, answer: str | None) -> str:
     return f"job {job_id} is {answer}, not ended: only a FAILED or CANCELLED job, or one a spend cap ended, resumes"
 
 
-RECORD_PROGRESS_LUA = (
-    job_lease.FENCE_CHECK
-    + """
-if fenced(KEYS[1], ARGV[5]) then return 0 end
-redis.call('HSET', KEYS[1], 'step', ARGV[1], 'version', ARGV[2], 'metrics', ARGV[3], 'updated', ARGV[4])
-return 1
-"""
-)
+RECORD_PROGRESS_LUA = lua("services", "fence", "job_record_progress")
 
 
 async def record_progress(
@@ -497,14 +401,7 @@ async def record_progress(
         raise job_lease.LeaseLost(f"job {job_id}: another learner took it over; step {step} is not recorded")
 
 
-RECORD_HELD_OUT_LUA = (
-    job_lease.FENCE_CHECK
-    + """
-if fenced(KEYS[1], ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[1], 'held_out', ARGV[1])
-return 1
-"""
-)
+RECORD_HELD_OUT_LUA = lua("services", "fence", "job_record_held_out")
 
 
 async def record_held_out(client: aioredis.Redis, job_id: str, summary: dict) -> None:
@@ -531,30 +428,10 @@ async def running_jobs(client: aioredis.Redis) -> list[str]:
     return sorted(i.decode() for i in await client.smembers(Keys.jobs_running))
 
 
-# The history list keeps a job's newest records; `history_dropped` in the job's record counts
-# those dropped from its head, so a record's global index (its place in the whole history,
-# as `metrics.jsonl` in the run folder keeps it) is `history_dropped` + its index in the list.
-APPEND_HISTORY_LUA = (
-    job_lease.FENCE_CHECK
-    + """
-if fenced(KEYS[2], ARGV[3]) then return 0 end
-local length = redis.call('RPUSH', KEYS[1], ARGV[1])
-local keep = tonumber(ARGV[2])
-if length > keep then
-  redis.call('LTRIM', KEYS[1], length - keep, -1)
-  redis.call('HINCRBY', KEYS[2], 'history_dropped', length - keep)
-end
-redis.call('PUBLISH', KEYS[3], 'step')
-return 1
-"""
-)
+APPEND_HISTORY_LUA = lua("services", "fence", "history_append")
 
 
-READ_HISTORY_LUA = """
-local dropped = tonumber(redis.call('HGET', KEYS[2], 'history_dropped') or '0')
-local first = math.max(tonumber(ARGV[1]), dropped)
-return {first, redis.call('LRANGE', KEYS[1], first - dropped, -1)}
-"""
+READ_HISTORY_LUA = lua("services", "history_read")
 
 
 async def append_history(client: aioredis.Redis, job_id: str, record: str, keep: int) -> None:

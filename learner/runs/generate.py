@@ -1,6 +1,6 @@
 """A generate job (`kind: generate`): CollabLLM's MR-ranked synthetic data.
 
-The rollout servers play the conversations (`GroupRollout.ranked_conversation`: at each
+The rollout servers play the conversations (`RankedRollout.ranked_conversation`: at each
 assistant turn `group_size` responses scored by MR, the best carries on); this run writes
 what they bring, a batch at a time, into the job's `dataset/` folder:
 

@@ -53,7 +53,7 @@ class _JobBase(Strict):
     """Whether rollout servers play this kind's tasks (an offline job trains on a file)."""
     ranked_conversations: ClassVar[bool] = False
     """Whether rollout servers play a task as one conversation carried on by each turn's
-    best response (`GroupRollout.ranked_conversation`) instead of a group of episodes."""
+    best response (`RankedRollout.ranked_conversation`) instead of a group of episodes."""
     trains_on_file: ClassVar[bool] = False
     """Whether the learner trains on `train.data` (an offline job's pairs)."""
 
@@ -91,6 +91,10 @@ class _JobBase(Strict):
         """How far the job goes and in what (what a progress bar counts)."""
         return self.train.num_steps, "step"
 
+    def evaluation(self) -> EvalSpec | None:
+        """The held-out evaluation the job asks for (only an RL job has an `eval` section)."""
+        return None
+
 
 class RLJob(_JobBase):
     """Rollout servers play episodes; the learner trains on them as they arrive (GRPO,
@@ -113,6 +117,9 @@ class RLJob(_JobBase):
         if self.eval is not None:
             self.task.check_held_out(self.eval, self.train.seed)
         return self
+
+    def evaluation(self) -> EvalSpec | None:
+        return self.eval
 
 
 class OfflineJob(_JobBase):

@@ -405,7 +405,9 @@ async def test_a_tenants_paths_inside_the_roots_are_accepted_as_resolved(confine
 
 
 async def test_without_tokens_the_local_operators_paths_are_not_confined(api):
-    assert (await api.post("/v1/jobs", json={**SPEC, "task": {"name": "math_chat", "data": "/etc/passwd"}})).status_code == 201
+    assert (
+        await api.post("/v1/jobs", json={**SPEC, "task": {"name": "math_chat", "data": "/etc/passwd"}})
+    ).status_code == 201
 
 
 async def test_a_tools_file_that_holds_no_valid_tools_gets_422_naming_tools_file(api, redis_client, tmp_path):

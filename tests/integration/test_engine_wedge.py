@@ -16,7 +16,8 @@ import pytest
 from helpers import engine_of, job_ended, wait_for
 
 from rollout.engine import RESUME_WAIT_S
-from rollout.server import EngineWedged, RolloutServer, check_engine
+from rollout.engine_slot import EngineWedged, check_engine
+from rollout.server import RolloutServer
 from services.config import RolloutSettings
 from tandem.launcher import Ports, Stack, kill_all, process_tree
 
@@ -24,7 +25,7 @@ STALL_S = 8.0
 HEARTBEAT_S = 2.0
 WEIGHT_TIMEOUT_S = 20.0
 WEIGHT_UPDATE_BOUND_S = WEIGHT_TIMEOUT_S * (1 + 2)
-"""ServedJob.update's deadline for the tiny model's one bucket."""
+"""Weights.update's deadline for the tiny model's one bucket."""
 VLLM_SHUTDOWN_S = 5.0
 """vLLM's grace for its stopped engine core before SIGKILL, as the server exits."""
 EXIT_BOUND_S = WEIGHT_UPDATE_BOUND_S + RESUME_WAIT_S + STALL_S + HEARTBEAT_S + VLLM_SHUTDOWN_S + 30.0
@@ -56,7 +57,7 @@ def engine_cores() -> list[psutil.Process]:
 async def test_stalled_s_counts_from_submission_while_the_engine_core_is_stopped(engine, tiny_model):
     await engine.reload_from_disk(str(tiny_model))
     server = RolloutServer(RolloutSettings(engine_stall_s=2.0))
-    server.engine = engine
+    server.slot.engine = engine
     assert engine.stalled_s() == 0.0 and server.health()[1]["status"] == "ok"  # idle
 
     with stopped(engine_cores()):

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from services.config import RolloutSettings
-from tandem.cli import build_parser, placement_of
+from tandem.cli import build_parser
+from tandem.cli.local import placement_of
 from tandem.launcher import Stack
 from tandem.placement import SHARED_GPU_ENGINE_MEMORY, VLLM_GPU_MEMORY, Placement, plan_for, this_machine
 

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from rollout.engine import Generation
 from rollout.episode import MALFORMED_REASONS, EpisodeRunner
-from rollout.group import GroupRollout
+from rollout.group import GroupRollout, RankedRollout
 from rollout.rewards.advantage import group_advantages
 from rollout.tasks import clarify
 from rollout.tasks.base import Verdict
@@ -182,7 +182,7 @@ async def test_a_ranked_conversation_carries_each_turns_best_response_on(tokeniz
         RankedPolicy(chat), chat, TASK.rule_user, RolloutSpec(max_new_tokens=32, max_turns=3, max_total_tokens=400)
     )
     spec = RewardSpec(mode="multiturn", window=1, num_futures=1, token_penalty=0.0)
-    rollout = GroupRollout(runner, TASK, spec, None, asyncio.Semaphore(8), "server-a", "job-gen", generate=True)
+    rollout = RankedRollout(runner, TASK, spec, None, asyncio.Semaphore(8), "server-a", "job-gen")
     question = clarify.question(TARGET.category)
 
     group = await rollout.group(task("job-gen", 3))

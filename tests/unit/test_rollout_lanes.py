@@ -1,10 +1,10 @@
 """How a rollout server shares its task slots between held-out conversations and training
-tasks (`rollout.server.room`): never more in flight than its capacity, held-out ones never
+tasks (`rollout.served_job.room`): never more in flight than its capacity, held-out ones never
 more than their share, counting what it read this turn."""
 
 from __future__ import annotations
 
-from rollout.server import Lane, room
+from rollout.served_job import Lane, room
 
 
 def test_a_turns_reads_count_against_the_capacity_and_each_lanes_share():

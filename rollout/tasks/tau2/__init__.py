@@ -39,7 +39,6 @@ whose user acts on a phone through tools of their own, is not supported.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 from functools import cached_property
@@ -133,10 +132,10 @@ class Tau2Task(TaskSet):
     def context(self, example: int) -> list[dict]:
         policy = self.environment.policy
         system = {"role": "system", "content": f"{AGENT_INSTRUCTIONS}\n\n<policy>\n{policy}\n</policy>"}
-        history = self._history(example)
+        earlier = history(self.tasks[example])
         return (
-            [system, *(chat_message(m) for m in history)]
-            if history
+            [system, *(chat_message(m) for m in earlier)]
+            if earlier
             else [system, {"role": "assistant", "content": GREETING}]
         )
 
@@ -210,7 +209,7 @@ class Tau2Task(TaskSet):
         environment (as those calls, followed by the environment's answers)."""
         from tau2.data_model.message import AssistantMessage, UserMessage
 
-        out = list(self._history(example))
+        out = list(history(self.tasks[example]))
         world: Tau2World = episode.tool_use.world
         results, answers = iter(episode.tool_use.results), iter(world.calls)
         messages = episode.messages[len(self.context(example)) :]
@@ -236,40 +235,6 @@ class Tau2Task(TaskSet):
 
     def metrics(self, example: int, messages: list[dict]) -> dict[str, float]:
         return {}
-
-    def demonstration(self, example: int) -> list[dict]:
-        """The oracle's conversation, as warm-start data: the context, the user's request
-        (the scenario's instructions), one reply making the task's expected calls with the
-        environment's answers, then one saying what the task expects to be said."""
-        task = self.tasks[example]
-        messages = self.context(example)
-        if messages[-1]["role"] == "assistant":
-            instructions = task.user_scenario.instructions
-            messages.append({"role": "user", "content": str(getattr(instructions, "reason_for_call", instructions))})
-        criteria = task.evaluation_criteria
-        actions = (criteria.actions or []) if criteria else []
-        if actions:
-            from tau2.data_model.message import ToolCall
-
-            environment = start(copy.deepcopy(self.environment), task)
-            messages.append({"role": "assistant", "content": hermes_calls([(a.name, a.arguments) for a in actions])})
-            for action in actions:
-                call = ToolCall(id=action.action_id, name=action.name, arguments=action.arguments)
-                answer = environment.get_response(call)
-                content = f"error: {answer.content.removeprefix('Error: ')}" if answer.error else answer.content
-                messages.append({"role": "tool", "name": action.name, "content": content})
-        said = (criteria.communicate_info or []) if criteria else []
-        messages.append(
-            {
-                "role": "assistant",
-                "content": " ".join(f"{info}." for info in said)
-                or "That is taken care of. Is there anything else I can help you with?",
-            }
-        )
-        return messages
-
-    def _history(self, example: int) -> list:
-        return history(self.tasks[example])
 
 
 def history(task) -> list:
