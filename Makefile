@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python scripts/config_reference.py --check
+	$(VENV)/bin/python scripts/code_map.py --check
 	$(VENV)/bin/python scripts/sync_k8s_files.py --check
 
 test: lint
@@ -36,7 +37,7 @@ test-compose: $(STAMP)
 	VENV=$(VENV) scripts/test_compose.sh
 
 bench: $(STAMP)
-	for b in bench/*.py; do $(VENV)/bin/python $$b; done
+	$(VENV)/bin/python -m bench all
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

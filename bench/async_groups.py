@@ -5,7 +5,7 @@ one or more jobs and compares: groups dropped as over-stale against groups train
 their rollouts took, the share of first turns that ask, their reward), and among trained
 groups the late ones (trained at staleness >= 1) against the fresh ones. Run on its own:
 
-    python bench/async_groups.py runs/<job>/groups.jsonl [more ...] [--plot out.png]
+    python -m bench.async_groups runs/<job>/groups.jsonl [more ...] [--plot out.png]
 
 Files of jobs named alike but for their seed (`async-eta2-seed3-<id>`) are pooled.
 """
@@ -16,13 +16,11 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from learner.group_log import read  # noqa: E402
+from bench.harness import pyplot
+from bench.judge_bound import fmt
+from learner.group_log import read
 
 
 def mean(values: list[float]) -> float | None:
@@ -59,10 +57,6 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_summary(label: str, summary: dict) -> None:
     print(f"\n{label}: {summary['decisions']}")
     print(f"{'groups':>22} {'n':>5} {'rollout s':>10} {'asked':>6} {'reward':>7} {'success':>8}")
@@ -90,11 +84,7 @@ def by_tenth(records: list[dict], value) -> list[tuple[float, float]]:
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
     """Per run (one colour each): rollout time of trained and dropped groups, and the group
     reward and the asked share of groups by rollout time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (times_ax, reward_ax, asked_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
     bins = [i * 1.5 for i in range(17)]
     for colour, (label, records) in enumerate(runs.items()):

@@ -32,40 +32,35 @@ records say (`bench/async_groups.py`: asked share, rollout time and reward of dr
 against trained groups, late against fresh).
 Per setting: min / mean / max over the seeds.
 
-Run: python bench/async_speedup.py [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 40] [--lr 2.5e-4]
+Run: python -m bench.async_speedup [--seeds 0,1,2,3,4] [--settings sync,eta2,eta2-wait] [--steps 40] [--lr 2.5e-4]
      [--warm-policy DIR] [--add]   (--add: keep the runs already in --out, run the missing settings)
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import json
 import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
+from bench import async_groups
+from bench.harness import common_args, moving_average, out_folder, pyplot, rig, spread, write_report
+from bench.judge_bound import (
+    FIRST_LR,
+    base_spec,
+    evaluate_once,
+    first_reaching,
+    fmt,
+    fmt_spread,
+    ratio,
+    reached,
+    run_judged,
+    warm_start,
+)
+from learner import group_log
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import async_groups  # noqa: E402  (bench/ is on sys.path as the script's folder)
-from collab_clarify import evaluate_policies  # noqa: E402
-
-from learner import group_log  # noqa: E402
-from services.queues import Keys  # noqa: E402
-from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
-from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
-from tandem.redis_embed import free_port  # noqa: E402
-
-UPSTREAM = "stand-in"
-"""The one upstream: the provider's key, shared by the user simulator and the judge."""
 SETTINGS = (  # label, max_staleness, pause mode, stragglers, max_token_staleness (train.*)
     ("sync", 0, "abort", "drop", None),
     ("eta1", 1, "abort", "drop", None),
@@ -86,168 +81,7 @@ MIX_FIGURES = (
     "llm_tokens_per_trained_sample",
 )
 """What a run trained against what it finished, as its last step record says (learner.mix)."""
-REWARD = {
-    "mode": "multiturn",
-    "window": 2,
-    "num_futures": 3,
-    "token_penalty": 5e-4,
-    "extrinsic_weight": 1.0,
-    "judge_rubric": "interactivity",
-    "judge_weight": 0.5,
-    "judge_model": "judge",
-    "user_model": "judge",
-    "scale_advantage_by_std": False,
-}
 COST_FIGURES = ("cost_usd", "cost_usd_per_step", "cost_usd_per_sample")
-EXAMPLE_PRICES = {"input_per_mtok": 0.15, "output_per_mtok": 0.6, "cached_input_per_mtok": 0.075}
-"""USD per million tokens put on the stand-in, as an example (a small hosted model's list
-price in 2025): what the runs' bills are counted in. Not a measurement of any provider."""
-WARM_START_STEPS = 400
-FIRST_LR = 5e-4
-"""The step size of the first measurements (runs kept from before `--lr` were made at it),
-and still that of the benches sharing `base_spec`."""
-
-
-def base_spec(out: Path, steps: int, lr: float = FIRST_LR) -> dict:
-    """The judge-bound job on the tiny model (deploy/configs/clarify-judge.yaml at tiny scale)."""
-    spec = prepare(out, load_spec_file(DEMO_SPEC))
-    spec["task"] |= {"user": "llm", "followup_share": 0.5}
-    spec["rollout"] |= {"group_size": 4}
-    spec["reward"] = dict(REWARD)
-    spec["train"] |= {"num_steps": steps, "batch_size": 8, "lr": lr, "kl_coef": 0.02}
-    spec["warm_start"]["steps"] = WARM_START_STEPS
-    return spec
-
-
-class StandIn:
-    """The stand-in provider as its own process, and the proxy's upstreams file for it."""
-
-    def __init__(self, out: Path, tpm: int, rpm: int, seed: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tpm, self.rpm = tpm, rpm
-        self.upstreams_file = out / "upstreams.yaml"
-        self.upstreams_file.write_text(
-            f"upstreams:\n  - name: {UPSTREAM}\n    model: judge\n    base_url: {self.url}/v1\n"
-            f"    tpm: {tpm}\n    rpm: {rpm}\n    max_concurrency: 256\n    timeout_s: 60\n"
-            "    limit_model: bucket\n"  # the stand-in's own rule
-            f"    prices: {json.dumps(EXAMPLE_PRICES)}\n"
-        )
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        self.log = open(out / "logs" / "stand-in.log", "wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "devtools.provider",
-                "--port",
-                str(self.port),
-                "--tpm",
-                str(tpm),
-                "--rpm",
-                str(rpm),
-                "--model",
-                "judge",
-                "--latency",
-                "--seed",
-                str(seed),
-                "--prompt-cache",
-            ],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.stats()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"the stand-in did not start (see {out / 'logs' / 'stand-in.log'})") from None
-                time.sleep(0.2)
-
-    def stats(self) -> dict:
-        return httpx.get(f"{self.url}/admin/stats", timeout=5).json()
-
-    def reset(self) -> None:
-        httpx.post(f"{self.url}/admin/reset", timeout=5).raise_for_status()
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=10)
-        self.log.close()
-
-
-def scrape(url: str, metric: str, job_id: str) -> float:
-    """The sample of a Prometheus metric labelled with `job_id` (0 when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families = text_string_to_metric_families(httpx.get(url, timeout=5).text)
-    return next(
-        (
-            sample.value
-            for family in families
-            for sample in family.samples
-            if sample.name == metric and sample.labels.get("job") == job_id
-        ),
-        0.0,
-    )
-
-
-def fresh_budget(stack: Stack, stand_in: StandIn) -> None:
-    """The provider's bucket and the proxy's shared budget back to full."""
-    import redis
-
-    stand_in.reset()
-    redis.Redis.from_url(stack.redis_url).delete(Keys.judge_budget(UPSTREAM), Keys.judge_budget(UPSTREAM) + ":leases")
-
-
-def run_job(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
-    """Submit `spec` with the provider and the shared budget fresh; its record and figures."""
-    fresh_budget(stack, stand_in)
-    before, cpu_before = stand_in.stats(), cpu_seconds(stack, stand_in)
-    job_id = client.submit(spec)["id"]
-    record = follow(client, job_id)
-    if record["status"] != "SUCCEEDED":
-        raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {stack.log_dir})")
-    after, cpu_after = stand_in.stats(), cpu_seconds(stack, stand_in)
-    # Only the exported policies are evaluated later; the learner's resumable checkpoints
-    # (parameters and optimizer state, several per job) would fill the disk over many runs.
-    shutil.rmtree(Path(stack.extra_env["TANDEM_RUNS_DIR"]) / job_id / "checkpoints", ignore_errors=True)
-    rollout_metrics = f"http://127.0.0.1:{stack.ports.rollout[0]}/metrics"
-    return {
-        "job_id": job_id,
-        "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
-        "job_eval": [h for h in client.history(job_id) if h.get("phase") == "eval"],
-        "spend": client.get(job_id).get("spend", {}),
-        "provider": {
-            k: after[k] - before[k]
-            for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
-        },
-        "engine_busy_s": scrape(rollout_metrics, "tandem_rollout_engine_busy_seconds_total", job_id),
-        "cpu_s": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
-    }
-
-
-def cpu_seconds(stack: Stack, stand_in: StandIn) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each process and its children (the
-    learner's ranks, the rollout server's engine processes): where the cores go."""
-    import psutil
-
-    from tandem.launcher import process_tree
-
-    roots = {name: process.pid for name, process in stack.processes.items()} | {"stand-in": stand_in.process.pid}
-    used: dict[str, float] = {}
-    for name, pid in roots.items():
-        for process in process_tree(pid):
-            try:
-                times = process.cpu_times()
-                part = name if process.pid == pid or name == "learner" else f"{name} {process.name()}"
-            except psutil.NoSuchProcess:
-                continue
-            used[part] = used.get(part, 0.0) + times.user + times.system
-    return used
 
 
 def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int, dict]]]:
@@ -258,39 +92,37 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict[int
     base["train"]["export_every"] = args.export_every
     if args.job_eval:  # held-out rounds inside each job, to measure what they take from it
         base["eval"] = {"every": args.job_eval, "examples": args.job_eval_examples}
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
-    env = {
-        "TANDEM_RUNS_DIR": str(out / "runs"),
-        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-        "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
-    }
     runs = kept_runs(out, args)
-    try:
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
-            client = ApiClient(stack.api_url)
-            policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
-            for seed in args.seeds:
-                for label, eta, pause, stragglers, token_bound in (s for s in SETTINGS if s[0] in args.settings):
-                    if seed in runs.get(label, {}):
-                        continue
-                    spec = copy.deepcopy(base) | {"name": f"async-{label}-seed{seed}"}
-                    spec["model"]["path"] = str(policy)
-                    spec["warm_start"] = {"steps": 0}
-                    spec["train"] |= {"max_staleness": eta, "seed": seed, "stragglers": stragglers}
-                    if token_bound is not None:
-                        spec["train"]["max_token_staleness"] = token_bound
-                    spec["rollout"]["pause_mode"] = pause
-                    print(f"\n{label}, seed {seed}")
-                    runs.setdefault(label, {})[seed] = run_job(client, stack, stand_in, spec) | {
-                        "max_staleness": eta,
-                        "pause_mode": pause,
-                        "stragglers": stragglers,
-                        "lr": args.lr,
-                    }
-                    (out / "training.json").write_text(json.dumps(runs))
-    finally:
-        stand_in.stop()
+    env = {"TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
+    with rig(out, stand_in=(args.tpm, args.rpm, args.seeds[0]), env=env) as system:
+        policy = Path(args.warm_policy) if args.warm_policy else warm_start(system, base)
+        for seed in args.seeds:
+            for setting in (s for s in SETTINGS if s[0] in args.settings):
+                label, eta, pause, stragglers, _ = setting
+                if seed in runs.get(label, {}):
+                    continue
+                print(f"\n{label}, seed {seed}")
+                runs.setdefault(label, {})[seed] = run_judged(system, setting_spec(base, policy, seed, setting)) | {
+                    "max_staleness": eta,
+                    "pause_mode": pause,
+                    "stragglers": stragglers,
+                    "lr": args.lr,
+                }
+                (out / "training.json").write_text(json.dumps(runs))
     return policy, runs
+
+
+def setting_spec(base: dict, policy: Path, seed: int, setting: tuple) -> dict:
+    """`base` from the warm policy under one of `SETTINGS`, for one seed."""
+    label, eta, pause, stragglers, token_bound = setting
+    spec = copy.deepcopy(base) | {"name": f"async-{label}-seed{seed}"}
+    spec["model"]["path"] = str(policy)
+    spec["warm_start"] = {"steps": 0}
+    spec["train"] |= {"max_staleness": eta, "seed": seed, "stragglers": stragglers}
+    if token_bound is not None:
+        spec["train"]["max_token_staleness"] = token_bound
+    spec["rollout"]["pause_mode"] = pause
+    return spec
 
 
 def kept_runs(out: Path, args: argparse.Namespace) -> dict[str, dict[int, dict]]:
@@ -312,27 +144,6 @@ def kept_runs(out: Path, args: argparse.Namespace) -> dict[str, dict[int, dict]]
                     f"run again with --steps {steps} --lr {lr:g}"
                 )
     return runs
-
-
-def warm_start(client: ApiClient, stack: Stack, stand_in: StandIn, base: dict, out: Path) -> Path:
-    """The warm-start policy every run starts from: SFT in a job of one RL step."""
-    warm = copy.deepcopy(base) | {"name": "warm-start"}
-    warm["train"] |= {"num_steps": 1, "max_staleness": 0}
-    print(f"warm start ({base['warm_start']['steps']} SFT steps)")
-    warm_run = run_job(client, stack, stand_in, warm)
-    return out / "runs" / warm_run["job_id"] / "policy-warm-start"
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    return [
-        sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1])
-        for i in range(len(values))
-    ]
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, None when either is missing or zero (a target never reached)."""
-    return numerator / denominator if numerator and denominator else None
 
 
 def dropped_share(history: list[dict]) -> float:
@@ -363,7 +174,7 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
     history = run["history"]
     seconds = [h["rl_seconds"] for h in history]
     average = moving_average([h["reward_mean"] for h in history], window)
-    reached = next((i for i, value in enumerate(average) if i + 1 >= window and value >= target), None)
+    at = reached(average, window, target)
     wall = seconds[-1]
     staleness: dict[str, int] = {}
     for h in history:
@@ -377,8 +188,8 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
         "steps": len(history),
         "wall_s": wall,
         "steps_per_min": len(history) / wall * 60,
-        "target_step": None if reached is None else reached + 1,
-        "to_target_s": None if reached is None else seconds[reached],
+        "target_step": None if at is None else at + 1,
+        "to_target_s": None if at is None else seconds[at],
         "final_reward_ma": average[-1],
         "learner_idle_ratio": history[-1]["idle_ratio"],
         "engine_busy_ratio": run["engine_busy_s"] / wall,
@@ -399,7 +210,7 @@ def summarize(run: dict, target: float, window: int, tpm: int) -> dict:
 
 
 def run_cost(run: dict) -> dict:
-    """What the run's LLM calls cost at `EXAMPLE_PRICES`, as the proxy charged its job: in
+    """What the run's LLM calls cost at the stand-in's `EXAMPLE_PRICES`, as the proxy charged its job: in
     all, per step and per trained sample, and by role (none for runs kept from before)."""
     spend, history = run.get("spend") or {}, run["history"]
     if "usd" not in spend:
@@ -423,24 +234,6 @@ def held_out_curve(run: dict, held_out: dict, label: str, seed: int) -> list[dic
         if key_label == label and key_seed == seed and step > 0:
             points.append({"step": step, "seconds": seconds[step - 1]} | result)
     return points
-
-
-def first_reaching(curve: list[dict], target: float) -> float | None:
-    """Wall seconds at the first exported step whose held-out success is >= `target`."""
-    return next((point["seconds"] for point in curve if point["success"] >= target), None)
-
-
-def spread(values: list[float | None]) -> dict:
-    """min, mean and max of the values that exist, and how many did not."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return {"min": None, "mean": None, "max": None, "missing": len(values)}
-    return {
-        "min": min(present),
-        "mean": sum(present) / len(present),
-        "max": max(present),
-        "missing": len(values) - len(present),
-    }
 
 
 def make_report(
@@ -538,16 +331,6 @@ def make_report(
     }
 
 
-def fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else format(value, spec) + suffix
-
-
-def fmt_spread(s: dict, spec: str, suffix: str = "") -> str:
-    """min / mean / max (and how many seeds have no value)."""
-    text = " / ".join(fmt(s[k], spec, suffix) for k in ("min", "mean", "max"))
-    return text + (f" ({s['missing']} never)" if s["missing"] else "")
-
-
 def print_report(report: dict) -> None:
     print(
         f"\njudge-bound clarify, {report['steps']} RL steps per run at lr {report['lr']:g}, seeds {report['seeds']}, "
@@ -618,11 +401,7 @@ def print_report(report: dict) -> None:
 def plot(report: dict, path: Path) -> None:
     """Training reward (moving average) and held-out success against wall time, one colour
     per setting, one line per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (train_ax, held_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     first = report["window"] - 1  # from the first full window on
     for colour, (label, by_seed) in enumerate(report["runs"].items()):
@@ -665,26 +444,10 @@ def policies_to_evaluate(out: Path, runs: dict[str, dict[int, dict]]) -> tuple[d
     return during, final
 
 
-def evaluate_once(out: Path, policies: dict, conversations: int, job: dict | None = None) -> dict:
-    """Held-out results of `policies` on `conversations` conversations (played with `job`'s
-    rollout settings; default the demo's), each policy folder evaluated once in this output
-    folder (`held_out.json` keeps the results)."""
-    cache_file = out / "held_out.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    key = lambda path: f"{path}:{conversations}"  # noqa: E731
-    todo = {name: path for name, path in policies.items() if key(path) not in cache}
-    if todo:
-        for name, result in asyncio.run(evaluate_policies(todo, conversations, seed=10_000, job=job)).items():
-            cache[key(todo[name])] = result
-        cache_file.write_text(json.dumps(cache))
-    return {name: cache[key(path)] for name, path in policies.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2.5e-4, help="the learning rate of every run")
-    parser.add_argument("--seeds", default="0", help="train.seed of the runs, comma-separated")
     parser.add_argument("--tpm", type=int, default=1_500_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
@@ -723,14 +486,12 @@ def main() -> None:
         "rollout time and LLM tokens; 0: none (the held-out curves come from exported policies afterwards)",
     )
     parser.add_argument("--job-eval-examples", type=int, default=32, help="held-out conversations per in-job round")
-    parser.add_argument("--out", default="bench/results/async_speedup")
+    common_args(parser, "async_speedup", seeds="0")  # the seeds are the runs' train.seed
     args = parser.parse_args()
     args.settings = args.settings.split(",")
-    args.seeds = [int(seed) for seed in args.seeds.split(",")]
     if args.settings[0] != SETTINGS[0][0]:
         parser.error("the first setting must be sync: the others are compared with it")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
     warm_policy, runs = train(out, args)
     during, final = policies_to_evaluate(out, runs)
@@ -742,9 +503,7 @@ def main() -> None:
     held_out |= evaluate_once(out, final, args.eval_final)
     report = make_report(args, out, runs, held_out, time.monotonic() - started)
     print_report(report)
-    (out / "async_speedup.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "async_speedup.png")
-    print(f"wrote {out / 'async_speedup.json'} and {out / 'async_speedup.png'}")
+    write_report("async_speedup", report, args, plot)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ ends, or `--hold-s`; once it is cleared, a job it left FAILED or CANCELLED is re
                         supervisor would; cleared by deleting the file
   learner-oom-batch     the learner swapped (SIGTERM, a clean stop) for one whose rank 1
                         SIGKILLs itself as it starts training the step after next, every time
-                        (bench/chaos_learner.py: the OOM killer on one batch), restarted by the
+                        (bench.chaos_learner: the OOM killer on one batch), restarted by the
                         bench whenever it exits, as a supervisor would; cleared by swapping the
                         plain learner back
   cancel-resume         the job cancelled (`POST /v1/jobs/{id}/cancel`); nothing to clear
@@ -86,11 +86,13 @@ of 429s opens the circuit only after it), judge_outage_s (1800 s) and rollout_wa
 s: a pause for either fails the job only past it), redis_outage_s (30 s), engine_stall_s
 (300 s), train.stall_timeout_s (1800 s), train.max_dead_share (0.5).
 
-Writes `--out` (JSON), `--plot` (one band per run: the job's status over time from the
-injection, the fault window shaded) and every run's logs under `--out-dir/<fault>/logs`.
+Writes, in `--out` (bench/results/chaos by default), chaos.json, chaos.png (one band per
+run: the job's status over time from the injection, the fault window shaded) and every
+run's jobs and logs under `<fault>/`; `--publish` copies the report and figure into
+docs/results/.
 
-Run: python bench/chaos.py [--faults none,judge-5xx,...] [--hold-s 150] [--steps 20] [--add]
-     (--add: keep the runs of other faults already in --out)
+Run: python -m bench.chaos [--faults none,judge-5xx,...] [--hold-s 150] [--steps 20] [--add]
+     (--add: keep the runs of other faults already in --out's chaos.json)
 """
 
 from __future__ import annotations
@@ -113,18 +115,17 @@ from pathlib import Path
 import httpx
 import redis
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.harness import REPO, common_args, out_folder, pyplot, rig, write_report
+from services import protocol
+from services.job_lease import lease_key
+from services.queues import FIELD, Keys
+from tandem.client import ApiClient, load_spec_file
+from tandem.demo import DEMO_SPEC, prepare
+from tandem.launcher import Ports, Stack, kill_all, learner_command, process_tree
+from tandem.progress import Progress
+from tandem.redis_embed import free_port
 
-from services import protocol  # noqa: E402
-from services.job_lease import lease_key  # noqa: E402
-from services.queues import FIELD, Keys  # noqa: E402
-from tandem.client import load_spec_file  # noqa: E402
-from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
-from tandem.launcher import Ports, Stack, kill_all, learner_command, process_tree  # noqa: E402
-from tandem.progress import Progress  # noqa: E402
-from tandem.redis_embed import free_port  # noqa: E402
-
+NAME = "chaos"
 POLL_S = 0.5
 REDIS_DOWN_S = 10.0
 """How long Redis is down in redis-restart: a restart, within the processes' redis_outage_s
@@ -316,10 +317,9 @@ def swap_learner(run: Run, command: list[str] | None, env: dict[str, str]) -> No
 
 
 def oom_learner(run: Run) -> None:
-    """bench/chaos_learner.py in the learner's place, its rank 1 dying on the step after next."""
+    """bench.chaos_learner in the learner's place, its rank 1 dying on the step after next."""
     command = learner_command(run.stack.learner_ranks)
-    at = command.index("learner") - 1  # `-m learner`: a script in its place
-    command[at : at + 2] = [str(REPO / "bench" / "chaos_learner.py")]
+    command[command.index("learner")] = "bench.chaos_learner"  # torchrun's `-m learner`
     stop_learner(run)
     kill_at = recorded_step(run) + 2
     run.notes["kill_at_step"] = kill_at
@@ -523,19 +523,18 @@ def follow(timeline: Timeline, until: Callable[[], bool], progress: Progress, st
 
 
 def run_fault(fault: Fault, args: argparse.Namespace, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
+    """One fault on a stack of its own in `out` (`out/runs`, `out/logs`), with its own
+    provider (killable, and told its faults) in place of the harness's stand-in."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     provider = Provider(out)
     provider.start()
-    runs_dir = out / "runs"
-    env = ENV | {"TANDEM_RUNS_DIR": str(runs_dir), "TANDEM_UPSTREAMS": str(provider.upstreams_file)}
-    spec = (generate_spec if fault.kind == "generate" else job_spec)(args.out_dir, args.steps)
+    env = ENV | {"TANDEM_UPSTREAMS": str(provider.upstreams_file)}
+    spec = (generate_spec if fault.kind == "generate" else job_spec)(args.out, args.steps)
     try:
         ports = Ports.free(rollout_servers=fault.rollout_servers)
-        with fault.around(out), Stack(out / "logs", ports=ports, learner_ranks=2, extra_env=env) as stack:
-            api = httpx.Client(base_url=stack.api_url, timeout=10)
-            run = Run(stack, provider, api.post("/v1/jobs", json=spec).json()["id"], runs_dir)
-            timeline = Timeline(stack.api_url, run.job_id)
+        with fault.around(out), rig(out, env=env, ports=ports, learner_ranks=2) as system:
+            run = Run(system.stack, provider, system.client.submit(spec)["id"], system.runs)
+            timeline = Timeline(system.stack.api_url, run.job_id)
             timeline.start()
             with Progress(args.steps, f"  {fault.name}", "steps", file=sys.stdout) as progress:
                 events = inject_and_follow(fault, run, timeline, progress, args)
@@ -543,7 +542,9 @@ def run_fault(fault: Fault, args: argparse.Namespace, out: Path) -> dict:
             timeline.done.set()
             timeline.join()
             books = (
-                dataset_books(run, spec) if fault.kind == "generate" else job_books(stack.redis_url, api, run.job_id)
+                dataset_books(run, spec)
+                if fault.kind == "generate"
+                else job_books(system.stack.redis_url, system.client, run.job_id)
             )
             tags = provider.tags()
     finally:
@@ -620,10 +621,10 @@ def resume(run: Run, timeline: Timeline) -> dict:
     }
 
 
-def job_books(redis_url: str, api: httpx.Client, job_id: str) -> dict:
+def job_books(redis_url: str, api: ApiClient, job_id: str) -> dict:
     """Trained, twice, dropped, dead-lettered and unaccounted tasks, from the history and Redis."""
     client = redis.Redis.from_url(redis_url)
-    history = api.get(f"/v1/jobs/{job_id}/history").json()
+    history = api.history(job_id)
     rl = [r for r in history if r["phase"] == "rl"]
     trained = [task_id for r in rl for task_id in r["task_ids"]]
     newest = client.xrevrange(Keys.tasks(job_id), count=1)
@@ -838,10 +839,7 @@ COLORS = {
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     runs = report["runs"]
@@ -862,15 +860,15 @@ def plot(report: dict, path: Path) -> None:
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.set_title(f"The job's status under each fault ({report['steps']} RL steps, hold {report['hold_s']:.0f} s)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def kept_runs(args: argparse.Namespace, names: list[str]) -> dict:
     """--out's report less the runs of `names`, each run summarized again (by this code)."""
-    report = json.loads(args.out.read_text())
+    kept = args.out / f"{NAME}.json"
+    report = json.loads(kept.read_text())
     if (report["steps"], report["hold_s"], report["settings"]) != (args.steps, args.hold_s, ENV):
-        raise SystemExit(f"{args.out} was made with other settings: run without --add")
+        raise SystemExit(f"{kept} was made with other settings: run without --add")
     report["runs"] = [row | summarize(row) for row in report["runs"] if row["fault"] not in names]
     return report
 
@@ -880,30 +878,25 @@ def main() -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"of {', '.join(FAULTS)}")
     parser.add_argument("--hold-s", type=float, default=150.0)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/bench-chaos"))
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "chaos.json")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "chaos.png")
     parser.add_argument("--add", action="store_true", help="keep --out's runs of other faults (same settings)")
+    common_args(parser, NAME, seeds=None)
     args = parser.parse_args()
     names = args.faults.split(",")
     unknown = set(names) - FAULTS.keys()
     if unknown:
         parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
-    args.out_dir = args.out_dir.resolve()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.out = out_folder(args)
     report = {"steps": args.steps, "hold_s": args.hold_s, "settings": ENV, "cpu_cores": os.cpu_count(), "runs": []}
     if args.add:
         report = kept_runs(args, names)
     for name in names:
         print(f"{name}: {FAULTS[name].rollout_servers} rollout server(s)", flush=True)
-        result = run_fault(FAULTS[name], args, args.out_dir / name)
+        result = run_fault(FAULTS[name], args, args.out / name)
         report["runs"].append(result | summarize(result))
         report["runs"].sort(key=lambda row: list(FAULTS).index(row["fault"]))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))  # kept as runs finish
+        write_report(NAME, report, args)  # kept as runs finish: a run takes minutes
     print_report(report)
-    plot(report, args.plot)
-    print(f"wrote {args.out} and {args.plot}")
+    write_report(NAME, report, args, plot)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ MR, next-turn) are then evaluated on whole conversations that start from the bar
 with held-out examples: task success, policy tokens per conversation, share of first turns
 that ask.
 
-With `--seeds N` every reward is trained N times (train.seed 0..N-1, each job with its own
+With `--seeds 0,1,2` every reward is trained once per seed (train.seed, each job with its own
 warm start) and the table gives every run and, per policy, the mean, min and max over seeds,
 with the longest stretch of steps whose mean reward sat at R*'s floor.
 
@@ -19,7 +19,7 @@ here the stand-in provider, future temperature 0.8), and only it is trained. One
 from the preset: no system prompt, since the tiny model's vocabulary, built from the task's
 own corpus, spells the collaborative prompt in 417 tokens of its 512-token window.
 
-Run: python bench/collab_clarify.py [--seeds 5] [--steps 60] [--eval 512] [--preset]
+Run: python -m bench.collab_clarify [--seeds 0,1,2,3,4] [--steps 60] [--eval 512] [--preset]
 """
 
 from __future__ import annotations
@@ -29,34 +29,28 @@ import asyncio
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.clarify_runs import FOLLOWUP_SHARE, KL_COEF, LR, REWARDS, WARM_START_STEPS
+from bench.harness import (
+    common_args,
+    evaluate_policies,
+    out_folder,
+    pyplot,
+    rig,
+    rl_steps,
+    run_job,
+    spread,
+    write_report,
+)
+from tandem.client import load_spec_file
+from tandem.demo import DEMO_SPEC, prepare
 
-from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
-from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
-
-# Both runs: half the contexts are follow-ups (the question already asked and answered),
-# so the answer turn is trained too. Advantages are centred but not divided by the group's
-# std (Dr. GRPO): when every response in a group asks, their MRs differ only by the luck of
-# the futures, and std scaling turned that luck into full-size updates that garbled the
-# wording of the question. A small KL penalty to the warm start (k3, per token) holds in
-# place what the reward barely looks at: with w = 2 a second question scores almost as well
-# as the answer (the future answers instead), and without the anchor one seed in five let
-# its answer turn drift (held-out success 0.656; 0.914 with the anchor).
-FOLLOWUP_SHARE = 0.5
-KL_COEF = 0.02
-LR = 5e-4
-WARM_START_STEPS = 400
-REWARDS = {
-    "multiturn (w=2, S=3)": {"mode": "multiturn", "window": 2, "num_futures": 3, "token_penalty": 5e-4},
-    "next-turn (w=0)": {"mode": "multiturn", "window": 0, "token_penalty": 5e-4},
-}
 PRESET = {"MR, collabllm preset": {"preset": "collabllm"}}
+WARM = "warm start (SFT)"
+STAND_IN = (100_000_000, 1_000_000, 0)
+"""The judge's stand-in provider (tpm, rpm, seed): limits no run reaches."""
 
 
 def train(out: Path, steps: int, seeds: list[int], rewards: dict[str, dict]) -> dict[str, list[dict]]:
@@ -69,35 +63,21 @@ def train(out: Path, steps: int, seeds: list[int], rewards: dict[str, dict]) -> 
     base["task"]["system_prompt"] = None  # the preset's departure, see the docstring
     base["warm_start"]["steps"] = WARM_START_STEPS
     runs: dict[str, list[dict]] = {label: [] for label in rewards}
-    from async_speedup import StandIn  # here: async_speedup imports this module
-
-    stand_in = StandIn(out, tpm=100_000_000, rpm=1_000_000, seed=0)
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
-    try:
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
-            client = ApiClient(stack.api_url)
-            for seed in seeds:
-                for label, reward in rewards.items():
-                    spec = copy.deepcopy(base) | {"name": f"clarify-{label.split()[0].strip(',')}-s{seed}"}
-                    spec["train"]["seed"] = seed
-                    spec["reward"] = reward | {"scale_advantage_by_std": False}
-                    job_id = client.submit(spec)["id"]
-                    started = time.monotonic()
-                    record = follow(client, job_id)
-                    if record["status"] != "SUCCEEDED":
-                        raise RuntimeError(
-                            f"{label} seed {seed}: {record['status']} {record.get('error')} (logs in {out / 'logs'})"
-                        )
-                    runs[label].append(
-                        {
-                            "seed": seed,
-                            "job_id": job_id,
-                            "seconds": time.monotonic() - started,
-                            "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
-                        }
-                    )
-    finally:
-        stand_in.stop()
+    with rig(out, stand_in=STAND_IN) as r:
+        for seed in seeds:
+            for label, reward in rewards.items():
+                spec = copy.deepcopy(base) | {"name": f"clarify-{label.split()[0].strip(',')}-s{seed}"}
+                spec["train"]["seed"] = seed
+                spec["reward"] = reward | {"scale_advantage_by_std": False}
+                done = run_job(r, spec)
+                runs[label].append(
+                    {
+                        "seed": seed,
+                        "job_id": done["job_id"],
+                        "seconds": done["seconds"],
+                        "history": rl_steps(done["history"]),
+                    }
+                )
     return runs
 
 
@@ -110,47 +90,22 @@ def floor_stretch(rewards: list[float], floor: float = -1.0, within: float = 0.0
     return longest
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
-
-
-async def evaluate_policies(
-    policies: dict[tuple[str, int], Path], examples: int, seed: int, job: dict | None = None
-) -> dict:
-    """Each policy ((label, seed) -> folder) on the same held-out conversations, one engine,
-    played with the model length and rollout settings of `job` (a job spec; default the demo's)."""
-    from transformers import AutoTokenizer
-
-    from rollout.engine import Engine
-    from rollout.episode import EpisodeRunner
-    from rollout.evaluate import evaluate
-    from rollout.tasks.clarify.task import ClarifyTask
-    from services.config import ClarifySpec, ModelSpec, RolloutSpec
-    from services.tokenization import ChatTokenizer
-
-    spec = job or load_spec_file(DEMO_SPEC)
-    first = next(iter(policies.values()))
-    engine = Engine.start(ModelSpec(path=str(first), max_model_len=spec["model"]["max_model_len"]), kv_cache_gib=1.0)
-    task = ClarifyTask(ClarifySpec(num_examples=examples), seed=seed)
-    runner = EpisodeRunner(
-        engine, ChatTokenizer(AutoTokenizer.from_pretrained(first)), task.rule_user, RolloutSpec(**spec["rollout"])
-    )
-    results = {}
-    try:
-        for key, path in policies.items():
-            await engine.reload_from_disk(str(path))
-            results[key] = await evaluate(runner, task, list(range(examples)))
-    finally:
-        engine.shutdown()
-    return results
+def policy_folders(out: Path, runs: dict[str, list[dict]], seeds: list[int], rewards: dict) -> dict:
+    """(label, seed) -> the policy folder to evaluate: every reward's final policy, and the
+    warm start of the first reward's job."""
+    policies = {}
+    for seed in seeds:
+        job = {label: next(run["job_id"] for run in runs[label] if run["seed"] == seed) for label in rewards}
+        policies[(WARM, seed)] = out / "runs" / job[next(iter(rewards))] / "policy-warm-start"
+        policies |= {(label, seed): out / "runs" / job[label] / "policy" for label in rewards}
+    return policies
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(parser, "collab_clarify", seeds="0")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seeds", type=int, default=1, help="runs per reward, train.seed = 0..N-1")
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
-    parser.add_argument("--out", default="bench/results/collab_clarify")
     parser.add_argument("--preset", action="store_true", help="train only MR under the collabllm preset")
     parser.add_argument(
         "--evaluate-only",
@@ -159,30 +114,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     rewards = PRESET if args.preset else REWARDS
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
-    seeds = list(range(args.seeds))
     if args.evaluate_only:
         runs = json.loads((out / "training.json").read_text())
     else:
-        runs = train(out, args.steps, seeds, rewards)
+        runs = train(out, args.steps, args.seeds, rewards)
         (out / "training.json").write_text(json.dumps(runs))  # the runs, should evaluation fail
-    policies = {}
-    for i, seed in enumerate(seeds):
-        first = runs[next(iter(rewards))][i]["job_id"]
-        policies[(WARM, seed)] = out / "runs" / first / "policy-warm-start"
-        policies |= {(label, seed): out / "runs" / runs[label][i]["job_id"] / "policy" for label in rewards}
-    results = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
-    total = time.monotonic() - started
-    report = make_report(args, runs, results, total, rewards)
+    policies = policy_folders(out, runs, args.seeds, rewards)
+    # Played as the demo job is (its model length and rollout settings), as the runs were.
+    results = asyncio.run(evaluate_policies(policies, load_spec_file(DEMO_SPEC), args.eval, seed=10_000))
+    report = make_report(args, runs, results, time.monotonic() - started, rewards)
     print_report(report)
-    (out / "collab_clarify.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "collab_clarify.png", rewards)
-    print(f"wrote {out / 'collab_clarify.json'} and {out / 'collab_clarify.png'}")
-
-
-WARM = "warm start (SFT)"
+    write_report("collab_clarify", report, args, plot)
 
 
 def make_report(
@@ -243,7 +187,7 @@ def make_report(
 
 def print_report(report: dict) -> None:
     print(
-        f"\nclarify task, {report['steps']} RL steps per run, {report['seeds']} seed(s) per reward, "
+        f"\nclarify task, {report['steps']} RL steps per run, {len(report['seeds'])} seed(s) per reward, "
         f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
         f"{report['total_seconds'] / 60:.1f} min in all"
     )
@@ -265,19 +209,15 @@ def print_report(report: dict) -> None:
         print(f"multiturn - next-turn success (means): {report['mr_minus_next_turn_mean']:+.3f}")
 
 
-def plot(report: dict, path: Path, rewards: dict[str, dict]) -> None:
+def plot(report: dict, path: Path) -> None:
     """Per step, for every run: the share of first turns that ask and the mean reward."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (asks, reward) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = dict(zip(rewards, ("tab:blue", "tab:orange")))
+    colours = dict(zip(report["rewards"], ("tab:blue", "tab:orange")))
     for run in report["runs"]:
         if run["policy"] not in colours:
             continue
-        label = run["policy"] if run["seed"] == 0 else None
+        label = run["policy"] if run["seed"] == report["seeds"][0] else None  # one legend entry per reward
         for ax, key in ((asks, "asked"), (reward, "reward_mean")):
             values = run["curve"][key]
             ax.plot(
@@ -297,7 +237,7 @@ def plot(report: dict, path: Path, rewards: dict[str, dict]) -> None:
     top = max((v for run in report["runs"] for v in run["curve"].get("reward_mean", []) if v is not None), default=1.0)
     reward.set_ylim(-1.05, max(1.05, top + 0.05))  # a judged reward reaches 2 (R_ext + R_llm)
     asks.legend(loc="center right", fontsize=8)
-    fig.suptitle(f"Clarify task: {report['seeds']} seed(s) per reward, one line per run")
+    fig.suptitle(f"Clarify task: {len(report['seeds'])} seed(s) per reward, one line per run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,7 +4,7 @@ One warm start (SFT on asking and guessing dialogues, a job of its own), then pe
 four recipes from it, each through the whole system (REST API, rollout server, learner):
 
     next-turn GRPO  the next-turn reward (w = 0): R* of the conversation as it stands
-    MR GRPO         the multiturn-aware reward (w = 2, S = 3), as bench/collab_clarify.py
+    MR GRPO         the multiturn-aware reward (w = 2, S = 3), as bench.collab_clarify
     offline DPO     a generate job plays conversations with the warm policy, ranking each
                     turn's responses by MR; an offline job fine-tunes on its best
                     conversations, then trains DPO on its pairs (at a tenth of the RL rate)
@@ -18,7 +18,7 @@ table gives each recipe's count). Futures are sampled on top in every MR recipe.
 held-out conversations from the bare request:
 task success, policy tokens per conversation, share of first turns that ask.
 
-Run: python bench/collab_recipes.py [--seeds 3] [--steps 60] [--eval 512] [--recipes ...]
+Run: python -m bench.collab_recipes [--seeds 0,1,2] [--steps 60] [--eval 512] [--recipes ...]
 """
 
 from __future__ import annotations
@@ -28,27 +28,24 @@ import asyncio
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from collab_clarify import (  # noqa: E402
-    FOLLOWUP_SHARE,
-    KL_COEF,
-    LR,
-    REWARDS,
-    WARM_START_STEPS,  # noqa: E402
+from bench.clarify_runs import FOLLOWUP_SHARE, KL_COEF, LR, REWARDS, WARM_START_STEPS
+from bench.harness import (
+    Rig,
+    common_args,
     evaluate_policies,
+    out_folder,
+    pyplot,
+    rig,
+    rl_steps,
+    run_job,
     spread,
+    write_report,
 )
-from tool_use import run_job  # noqa: E402
-
-from tandem.client import ApiClient, load_spec_file  # noqa: E402
-from tandem.demo import DEMO_SPEC, prepare  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
+from tandem.client import load_spec_file
+from tandem.demo import DEMO_SPEC, prepare
 
 MR, NEXT_TURN = REWARDS["multiturn (w=2, S=3)"], REWARDS["next-turn (w=0)"]
 RECIPES = ("next-turn GRPO", "MR GRPO", "offline DPO", "online DPO")
@@ -66,6 +63,7 @@ their futures alone, and such pairs teach nothing but noise."""
 
 
 def base_spec(out: Path, steps: int) -> dict:
+    """The demo job with bench.collab_clarify's training settings, on a tiny model built in `out`."""
     base = prepare(out, load_spec_file(DEMO_SPEC))
     base["train"] |= {"num_steps": steps, "kl_coef": KL_COEF, "lr": LR}
     base["task"]["followup_share"] = FOLLOWUP_SHARE
@@ -91,24 +89,24 @@ def recipe_spec(base: dict, recipe: str, warm: Path, seed: int) -> dict:
     return spec
 
 
-def run_recipe(client: ApiClient, base: dict, recipe: str, warm: Path, seed: int, out: Path) -> dict:
+def run_recipe(r: Rig, base: dict, recipe: str, warm: Path, seed: int) -> dict:
     """One recipe for one seed: its jobs, the policy it ends with, the responses it ranked."""
-    first = run_job(client, recipe_spec(base, recipe, warm, seed), out)
+    first = run_job(r, recipe_spec(base, recipe, warm, seed))
     if recipe != "offline DPO":
-        steps = [h for h in first["history"] if h.get("phase") == "rl"]
+        steps = rl_steps(first["history"])
         return {
             "job_id": first["job_id"],
             "seconds": first["seconds"],
             "curve": curve(steps),
             "responses": sum(h["samples"] for h in steps),
         }
-    data = {d["name"]: d for d in client.datasets(first["job_id"])}
+    data = {d["name"]: d for d in r.client.datasets(first["job_id"])}
     pairs = data["pairs"]
     spec = copy.deepcopy(base) | {"name": f"offline-dpo-s{seed}", "kind": "offline"}
     spec["model"]["path"] = str(warm)
     spec["warm_start"] = OFFLINE_SFT | {"data": data["sft"]["path"]}
     spec["train"] |= DPO | OFFLINE | {"seed": seed, "data": pairs["path"]}
-    second = run_job(client, spec, out)
+    second = run_job(r, spec)
     generated = [h for h in first["history"] if h.get("phase") == "generate"]
     offline = [h for h in second["history"] if h.get("phase") == "offline"]
     return {
@@ -127,18 +125,19 @@ def curve(steps: list[dict]) -> dict[str, list]:
 
 
 def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, list[dict]]]:
+    """The shared warm start (a job of one RL step), then every recipe for every seed from
+    it; returns the warm policy and, per recipe, one run per seed."""
     base = base_spec(out, args.steps)
     runs: dict[str, list[dict]] = {recipe: [] for recipe in args.recipes}
-    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
-        client = ApiClient(stack.api_url)
+    with rig(out) as r:
         spec = copy.deepcopy(base) | {"name": "recipes-warm-start"}
         spec["train"]["num_steps"] = 1
         print(f"warm start ({WARM_START_STEPS} SFT steps)")
-        warm = out / "runs" / run_job(client, spec, out)["job_id"] / "policy-warm-start"
-        for seed in range(args.seeds):
+        warm = r.runs / run_job(r, spec)["job_id"] / "policy-warm-start"
+        for seed in args.seeds:
             for recipe in args.recipes:
                 print(f"\n{recipe}, seed {seed}")
-                runs[recipe].append(run_recipe(client, base, recipe, warm, seed, out) | {"seed": seed})
+                runs[recipe].append(run_recipe(r, base, recipe, warm, seed) | {"seed": seed})
                 (out / "training.json").write_text(json.dumps({"warm_policy": str(warm), "runs": runs}))
     return warm, runs
 
@@ -185,7 +184,7 @@ def make_report(args: argparse.Namespace, runs: dict[str, list[dict]], results: 
 
 def print_report(report: dict) -> None:
     print(
-        f"\nclarify task, {report['steps']} steps per recipe, {report['seeds']} seed(s), "
+        f"\nclarify task, {report['steps']} steps per recipe, {len(report['seeds'])} seed(s), "
         f"{report['eval_conversations']} held-out conversations per policy, {report['cpu_cores']} CPU cores, "
         f"{report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds"
     )
@@ -204,11 +203,8 @@ def print_report(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Held-out success per policy (mean and seeds), and the online recipes' asking curves."""
+    plt = pyplot()
     fig, (bars, asks) = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = list(report["summary"])
     for i, label in enumerate(labels):
@@ -230,14 +226,14 @@ def plot(report: dict, path: Path) -> None:
                     color=colours[recipe],
                     alpha=0.7,
                     lw=1.2,
-                    label=recipe if run["seed"] == 0 else None,
+                    label=recipe if run["seed"] == report["seeds"][0] else None,
                 )
     asks.set_title("share of training responses that ask (online recipes)")
     asks.set_xlabel("learner step")
     asks.set_ylim(-0.05, 1.05)
     asks.grid(alpha=0.3)
     asks.legend(fontsize=8, loc="center right")
-    fig.suptitle(f"CollabLLM recipes on the clarify task: {report['seeds']} seed(s), one warm start")
+    fig.suptitle(f"CollabLLM recipes on the clarify task: {len(report['seeds'])} seed(s), one warm start")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -245,26 +241,23 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    common_args(parser, "collab_recipes", seeds="0,1,2")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval", type=int, default=512, help="held-out conversations per policy")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
-    parser.add_argument("--out", default="bench/results/collab_recipes")
     args = parser.parse_args()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
     warm, runs = train(out, args)
     policies = {}
-    for seed in range(args.seeds):
+    for i, seed in enumerate(args.seeds):  # runs[recipe][i] is seed i's, in --seeds' order
         policies[(WARM, seed)] = warm
-        policies |= {(recipe, seed): out / "runs" / runs[recipe][seed]["job_id"] / "policy" for recipe in args.recipes}
-    results = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
+        policies |= {(recipe, seed): out / "runs" / runs[recipe][i]["job_id"] / "policy" for recipe in args.recipes}
+    # Played as the demo job is (its model length and rollout settings), as the recipes were.
+    results = asyncio.run(evaluate_policies(policies, load_spec_file(DEMO_SPEC), args.eval, seed=10_000))
     report = make_report(args, runs, results, time.monotonic() - started)
     print_report(report)
-    (out / "collab_recipes.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "collab_recipes.png")
-    print(f"wrote {out / 'collab_recipes.json'} and {out / 'collab_recipes.png'}")
+    write_report("collab_recipes", report, args, plot)
 
 
 if __name__ == "__main__":

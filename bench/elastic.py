@@ -1,7 +1,7 @@
 """Elastic rollout servers on a running job: throughput as servers join, a kill, a drain.
 
 One judge-bound job (the clarify task with the multiturn-aware reward, user simulator and
-judge on the repo's stand-in provider with its latency model, as in bench/async_speedup.py)
+judge on the repo's stand-in provider with its latency model: bench/judge_bound.py's job)
 runs on one running system while its rollout servers change:
 
   1 server  ->  a second joins  ->  a third joins  ->  one is SIGKILLed (with its engine)
@@ -19,13 +19,12 @@ Also reported: the membership the learner recorded (joins, the loss, the drain),
 broadcasts that failed and the longest publish, tasks the drain handed back, groups trained
 twice (0 expected: the learner refuses a second group for a task).
 
-Run: python bench/elastic.py [--phase-s 60] [--tasks-per-server 2]
+Run: python -m bench.elastic [--phase-s 60] [--tasks-per-server 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -34,15 +33,12 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from async_speedup import StandIn, base_spec, scrape  # noqa: E402  (bench/ is on sys.path as the script's folder)
-
-from services import protocol  # noqa: E402
-from services.queues import Keys  # noqa: E402
-from tandem.launcher import Ports, Stack, kill_all, process_tree  # noqa: E402
-from tandem.progress import Progress  # noqa: E402
+from bench.harness import common_args, rig, write_report
+from bench.judge_bound import base_spec, scrape
+from services import protocol
+from services.queues import Keys
+from tandem.launcher import Ports, Stack, kill_all, process_tree
+from tandem.progress import Progress
 
 TOKENS = "tandem_rollout_generated_tokens_total"
 
@@ -124,10 +120,8 @@ def kill_in_update(stack: Stack, job_id: str, victim: str, timeout_s: float = 30
 
 
 def run(args: argparse.Namespace, out: Path) -> dict:
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seed)
+    """The job through its phases on one system; the phases' figures and what happened."""
     env = {
-        "TANDEM_RUNS_DIR": str(out / "runs"),
-        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
         "TANDEM_MAX_CONCURRENT_TASKS": str(args.tasks_per_server),
         "TANDEM_MIN_ROLLOUT_SERVERS": "1",
         "TANDEM_SERVER_TIMEOUT_S": "6",
@@ -138,40 +132,10 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     spec = base_spec(out, steps=100_000)  # cancelled after the last phase
     spec["warm_start"]["steps"] = 20  # throughput, not learning: a short warm start
     spec["train"]["max_staleness"] = 4
-    phases, events = [], {}
     started = time.monotonic()
-    try:
-        with Stack(out / "logs", ports=Ports.free(rollout_servers=1), extra_env=env) as stack:
-            api = httpx.Client(base_url=stack.api_url, timeout=10)
-            job_id = api.post("/v1/jobs", json=spec).json()["id"]
-            watch = Watch(stack, api, job_id)
-            while watch.step() < 2:
-                time.sleep(1.0)
-            phases.append(watch.measure("1 server", args.phase_s))
-            second = stack.add_rollout_server()
-            watch.wait_servers(2, 600)
-            phases.append(watch.measure("2 servers", args.phase_s))
-            third = stack.add_rollout_server()
-            watch.wait_servers(3, 600)
-            phases.append(watch.measure("3 servers", args.phase_s))
-            events["killed_at_version"] = kill_in_update(stack, job_id, second)
-            watch.wait_servers(2, 120)
-            phases.append(watch.measure("2 servers after the kill", args.phase_s))
-            draining = stack.processes.pop(third)
-            os.kill(draining.pid, signal.SIGTERM)
-            drain_started = time.monotonic()
-            events["drain_exit_code"] = draining.wait(timeout=args.drain_timeout_s + 120)
-            events["drain_s"] = time.monotonic() - drain_started
-            watch.wait_servers(1, 60)
-            phases.append(watch.measure("1 server after the drain", args.phase_s))
-            api.post(f"/v1/jobs/{job_id}/cancel")
-            while api.get(f"/v1/jobs/{job_id}").json()["status"] == "RUNNING":
-                time.sleep(1.0)
-            history = api.get(f"/v1/jobs/{job_id}/history").json()
-            events["membership"] = api.get(f"/v1/jobs/{job_id}/servers").json()
-            drain_log = (out / "logs" / f"{third}.log").read_text()
-    finally:
-        stand_in.stop()
+    stand_in = (args.tpm, args.rpm, args.seeds[0])
+    with rig(out, stand_in=stand_in, env=env, ports=Ports.free(rollout_servers=1)) as system:
+        phases, events, history, drain_log = through_phases(system.stack, spec, args)
     rl = [r for r in history if r["phase"] == "rl"]
     trained = [task_id for r in rl for task_id in r["task_ids"]]
     handed = [line for line in drain_log.splitlines() if "tasks handed back" in line]
@@ -189,6 +153,40 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         "cpu_cores": os.cpu_count(),
         "total_s": time.monotonic() - started,
     }
+
+
+def through_phases(stack: Stack, spec: dict, args: argparse.Namespace) -> tuple[list[dict], dict, list[dict], str]:
+    """Submit `spec`, measure each phase as servers join, one dies and one drains, then
+    cancel the job: the phases, the events, the job's history and the drained server's log."""
+    api = httpx.Client(base_url=stack.api_url, timeout=10)
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    watch = Watch(stack, api, job_id)
+    phases, events = [], {}
+    while watch.step() < 2:
+        time.sleep(1.0)
+    phases.append(watch.measure("1 server", args.phase_s))
+    second = stack.add_rollout_server()
+    watch.wait_servers(2, 600)
+    phases.append(watch.measure("2 servers", args.phase_s))
+    third = stack.add_rollout_server()
+    watch.wait_servers(3, 600)
+    phases.append(watch.measure("3 servers", args.phase_s))
+    events["killed_at_version"] = kill_in_update(stack, job_id, second)
+    watch.wait_servers(2, 120)
+    phases.append(watch.measure("2 servers after the kill", args.phase_s))
+    draining = stack.processes.pop(third)
+    os.kill(draining.pid, signal.SIGTERM)
+    drain_started = time.monotonic()
+    events["drain_exit_code"] = draining.wait(timeout=args.drain_timeout_s + 120)
+    events["drain_s"] = time.monotonic() - drain_started
+    watch.wait_servers(1, 60)
+    phases.append(watch.measure("1 server after the drain", args.phase_s))
+    api.post(f"/v1/jobs/{job_id}/cancel")
+    while api.get(f"/v1/jobs/{job_id}").json()["status"] == "RUNNING":
+        time.sleep(1.0)
+    history = api.get(f"/v1/jobs/{job_id}/history").json()
+    events["membership"] = api.get(f"/v1/jobs/{job_id}/servers").json()
+    return phases, events, history, (stack.log_dir / f"{third}.log").read_text()
 
 
 def print_report(report: dict) -> None:
@@ -221,17 +219,20 @@ def main() -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--tpm", type=int, default=1_500_000)
     parser.add_argument("--rpm", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="runs/bench-elastic")
-    parser.add_argument("--out", default="bench/results/elastic.json")
+    parser.add_argument(
+        "--out-dir",
+        default="runs/bench-elastic",
+        help="the folder the system's logs and the job's runs go to (--out: the report)",
+    )
+    common_args(parser, "elastic")  # --seeds: one, the stand-in's (argparse reads `--seed` as short for it)
     args = parser.parse_args()
+    if len(args.seeds) != 1:
+        parser.error("one job, one seed")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = run(args, out)
     print_report(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report("elastic", report, args)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,11 @@ importing torch and transformers costs more than the tiny shape's work.
 `--device cpu` runs every section on the tiny shape: the dry run tests/unit/test_gpu_check.py
 makes, so the command is known to work before a GPU sees it. docs/testing.md gives the call.
 
-Run: python bench/gpu_check.py [--device cuda|cpu] [--shape NAME] [--sections a,b] [--out DIR]
+It imports nothing at module level beyond the standard library, and nothing of
+`bench.harness` at all: the GPU machine has torch and transformers but not the Tandem
+package's other dependencies. Run from the repo root, which puts the tree on the path.
+
+Run: python -m bench.gpu_check [--device cuda|cpu] [--shape NAME] [--sections a,b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+"""The repo root: the working folder of the processes this starts (`-m bench.gpu_check`,
+pytest). Not `bench.harness.REPO`, which would bring the harness's imports."""
 
 SMOLLM2_135M = {
     "vocab_size": 49152,
@@ -890,7 +895,8 @@ def run_group(names: list[str], args: argparse.Namespace, work: Path, timeout_s:
             {"section": n} | base | {"status": "timeout", "seconds": 0.0, "reason": "no time left in the run's budget"}
             for n in names
         ]
-    cmd = [sys.executable, __file__, "--section", ",".join(names), "--device", args.device, "--shape", args.shape]
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--section", ",".join(names), "--device", args.device]
+    cmd += ["--shape", args.shape]
     cmd += ["--work", str(work)]
     log.write(f"==== {', '.join(names)} (timeout {timeout_s:.0f} s)\n")
     log.flush()

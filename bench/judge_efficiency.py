@@ -1,7 +1,7 @@
 """Judge budget efficiency: per-candidate judging with fixed futures against group judging
 plus the proxy's cache plus adaptive futures, on the judge-bound job under one TPM budget.
 
-The job is bench/async_speedup.py's judge-bound clarify job (LLM user simulator and LLM
+The job is bench/judge_bound.py's judge-bound clarify job (LLM user simulator and LLM
 judge through the proxy, the stand-in provider with its latency model, one TPM/RPM budget
 for both) at max_staleness 2. One warm start; then, for each seed, the two settings one
 after the other on one running system (the provider's and the proxy's budgets start full
@@ -19,7 +19,7 @@ and as the provider itself counted them. The table gives min / mean / max over s
 the efficient setting's ratios to the baseline's means; the plot, training reward against
 provider tokens spent.
 
-Run: python bench/judge_efficiency.py [--seeds 3] [--steps 25] [--tpm 400000] [--settings baseline,efficient]
+Run: python -m bench.judge_efficiency [--seeds 0,1,2] [--steps 25] [--tpm 400000] [--settings baseline,efficient]
 """
 
 from __future__ import annotations
@@ -29,18 +29,22 @@ import asyncio
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from async_speedup import StandIn, base_spec, moving_average, run_job, warm_start  # noqa: E402
-from collab_clarify import evaluate_policies  # noqa: E402
-
-from tandem.client import ApiClient  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
+from bench.harness import (
+    common_args,
+    evaluate_policies,
+    moving_average,
+    out_folder,
+    pyplot,
+    rig,
+    spread,
+    write_report,
+)
+from bench.judge_bound import HELD_OUT_SEED, base_spec, reached, run_judged, warm_start
+from tandem.client import load_spec_file
+from tandem.demo import DEMO_SPEC
 
 SETTINGS = {
     "baseline": {"judge_mode": "single", "judge_cache": False, "futures": "fixed", "num_futures": 3},
@@ -67,31 +71,27 @@ def train(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, dict]]:
     """The warm start, then both settings for each seed; returns the warm policy and runs."""
     base = base_spec(out, args.steps)
     base["train"]["max_staleness"] = MAX_STALENESS
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=0)
-    env = {
-        "TANDEM_RUNS_DIR": str(out / "runs"),
-        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
-        "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
-    }
     runs: dict[str, dict] = {}
-    try:
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
-            client = ApiClient(stack.api_url)
-            policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
-            for seed in range(args.seeds):
-                for label in args.settings:
-                    reward = SETTINGS[label]
-                    spec = copy.deepcopy(base) | {"name": f"judge-{label}-s{seed}"}
-                    spec["model"]["path"] = str(policy)
-                    spec["warm_start"] = {"steps": 0}
-                    spec["train"]["seed"] = seed
-                    spec["reward"] |= reward
-                    print(f"\n{label}, seed {seed}")
-                    runs[f"{label}/{seed}"] = run_job(client, stack, stand_in, spec) | {"setting": label, "seed": seed}
-                    (out / "training.json").write_text(json.dumps(runs))
-    finally:
-        stand_in.stop()
+    env = {"TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks)}
+    with rig(out, stand_in=(args.tpm, args.rpm, 0), env=env) as system:
+        policy = Path(args.warm_policy) if args.warm_policy else warm_start(system, base)
+        for seed in args.seeds:
+            for label in args.settings:
+                print(f"\n{label}, seed {seed}")
+                spec = setting_spec(base, policy, seed, label)
+                runs[f"{label}/{seed}"] = run_judged(system, spec) | {"setting": label, "seed": seed}
+                (out / "training.json").write_text(json.dumps(runs))
     return policy, runs
+
+
+def setting_spec(base: dict, policy: Path, seed: int, label: str) -> dict:
+    """`base` from the warm policy with one of `SETTINGS`' rewards, for one seed."""
+    spec = copy.deepcopy(base) | {"name": f"judge-{label}-s{seed}"}
+    spec["model"]["path"] = str(policy)
+    spec["warm_start"] = {"steps": 0}
+    spec["train"]["seed"] = seed
+    spec["reward"] |= SETTINGS[label]
+    return spec
 
 
 def summarize(run: dict, target: float, window: int) -> dict:
@@ -100,7 +100,7 @@ def summarize(run: dict, target: float, window: int) -> dict:
     steps = len(history)
     seconds = [h["rl_seconds"] for h in history]
     average = moving_average([h["reward_mean"] for h in history], window)
-    reached = next((i for i, value in enumerate(average) if i + 1 >= window and value >= target), None)
+    at = reached(average, window, target)
     llm = [h.get("llm_tokens_step", 0.0) for h in history]
     return {
         "setting": run["setting"],
@@ -108,7 +108,7 @@ def summarize(run: dict, target: float, window: int) -> dict:
         "job_id": run["job_id"],
         "steps": steps,
         "wall_s": seconds[-1],
-        "to_target_s": None if reached is None else seconds[reached],
+        "to_target_s": None if at is None else seconds[at],
         "judge_tokens_per_step": sum(h.get("judge_tokens_step", 0.0) for h in history) / steps,
         "llm_tokens_per_step": sum(llm) / steps,
         "provider_tokens_per_step": run["provider"]["tokens_accepted"] / steps,
@@ -142,12 +142,10 @@ FIGURES = (
 )
 
 
-def spread(rows: list[dict], figure: str) -> dict | None:
+def seed_spread(rows: list[dict], figure: str) -> dict | None:
     """min / mean / max of a figure over seeds (None when a run never reached it)."""
-    values = [r[figure] for r in rows]
-    if any(v is None for v in values):
-        return None
-    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+    over_seeds = spread([r[figure] for r in rows])
+    return None if over_seeds["missing"] else {key: over_seeds[key] for key in ("min", "mean", "max")}
 
 
 def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict, total_s: float) -> dict:
@@ -156,7 +154,7 @@ def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict,
         for key, run in runs.items()
     }
     settings = {
-        label: {figure: spread([r for r in rows.values() if r["setting"] == label], figure) for figure in FIGURES}
+        label: {figure: seed_spread([r for r in rows.values() if r["setting"] == label], figure) for figure in FIGURES}
         for label in args.settings
     }
     ratios, checks = {}, {}
@@ -196,7 +194,7 @@ def make_report(args: argparse.Namespace, runs: dict[str, dict], held_out: dict,
 def print_report(report: dict) -> None:
     print(
         f"\njudge-bound clarify, eta {report['max_staleness']}, {report['steps']} RL steps, "
-        f"{report['seeds']} seeds, TPM {report['tpm']}, {report['total_seconds'] / 60:.1f} min in all; "
+        f"seeds {report['seeds']}, TPM {report['tpm']}, {report['total_seconds'] / 60:.1f} min in all; "
         f"min / mean / max over seeds"
     )
     names = {
@@ -224,17 +222,13 @@ def print_report(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """Training reward (moving average) against the LLM tokens the runs had spent."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     colours = {"baseline": "tab:grey", "efficient": "tab:blue", "group-cache": "tab:green"}
     first = report["window"] - 1
     for row in report["runs"].values():
         curve, colour = row["curve"], colours[row["setting"]]
-        label = row["setting"] if row["seed"] == 0 else None
+        label = row["setting"] if row["seed"] == report["seeds"][0] else None
         by_tokens.plot(
             [t / 1e6 for t in curve["llm_tokens_cumulative"][first:]],
             curve["reward_ma"][first:],
@@ -258,7 +252,6 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--tpm", type=int, default=400_000, help="the provider's tokens per minute")
     parser.add_argument("--rpm", type=int, default=10_000, help="the provider's requests per minute")
@@ -272,20 +265,17 @@ def main() -> None:
         help=f"comma-separated, of {list(SETTINGS)}; ratios need baseline and efficient",
     )
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
-    parser.add_argument("--out", default="bench/results/judge_efficiency")
+    common_args(parser, "judge_efficiency", seeds="0,1,2")
     args = parser.parse_args()
     args.settings = args.settings.split(",")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
     warm_policy, runs = train(out, args)
     policies = {"warm start": warm_policy} | {key: out / "runs" / run["job_id"] / "policy" for key, run in runs.items()}
-    held_out = asyncio.run(evaluate_policies(policies, args.eval, seed=10_000))
+    held_out = asyncio.run(evaluate_policies(policies, load_spec_file(DEMO_SPEC), args.eval, seed=HELD_OUT_SEED))
     report = make_report(args, runs, held_out, time.monotonic() - started)
     print_report(report)
-    (out / "judge_efficiency.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "judge_efficiency.png")
-    print(f"wrote {out / 'judge_efficiency.json'} and {out / 'judge_efficiency.png'}")
+    write_report("judge_efficiency", report, args, plot)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ and proxy replicas (`python -m tandem.cli judge-proxy`) sharing the Redis.
 
 Everything shares the machine's cores (the JSON keeps how many, and the load average), so
 the load generator is aiohttp, which costs about a third of httpx's CPU per request.
-Run: python bench/judge_proxy.py [--seconds 180] [--warmup 10] [--strict-warmup 60]
-[--latency-seconds 30] [--scenarios bucket strict]. Writes bench/results/judge_proxy.json.
+Run: python -m bench.judge_proxy [--seconds 180] [--warmup 10] [--strict-warmup 60]
+[--latency-seconds 30] [--scenarios bucket strict]. Writes judge_proxy.json in `--out`
+(bench/results/judge_proxy).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tandem.progress import Progress  # noqa: E402
-from tandem.redis_embed import EmbeddedRedis, free_port  # noqa: E402
+from bench.harness import common_args, write_report
+from tandem.progress import Progress
+from tandem.redis_embed import EmbeddedRedis, free_port
 
 TPM, RPM = 240_000, 1800
 NUM_CLIENTS, NUM_JOBS = 64, 8
@@ -521,7 +522,7 @@ def main() -> None:
         default=["bucket", "strict"],
         help="saturation scenarios to run (none: the latency phase only)",
     )
-    parser.add_argument("--out", default="bench/results/judge_proxy.json")
+    common_args(parser, "judge_proxy", seeds=None)
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-judge-bench-"))
     # The machine may be shared: the load average beside each phase says what else ran.
@@ -541,7 +542,13 @@ def main() -> None:
             "platform": platform.platform(),
             "python": platform.python_version(),
         },
-        "settings": {**vars(args), "max_tokens": MAX_TOKENS, "upstream_service_ms": 2, "logs": str(log_dir)},
+        "settings": {
+            **vars(args),
+            "out": str(args.out),
+            "max_tokens": MAX_TOKENS,
+            "upstream_service_ms": 2,
+            "logs": str(log_dir),
+        },
         "saturation": saturation,
         "latency": latency_results,
     }
@@ -555,16 +562,14 @@ def main() -> None:
         targets[f"{name}: upstream 429s after warm-up == 0"] = run["upstream_429"] == 0
         targets[f"{name}: lost == 0 and no errors"] = run["lost"] == 0 and not run["errors"]
     results["targets_met"] = targets
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
     print(
         f"\njudge proxy: 1 Redis, local upstream at {TPM} TPM / {RPM} RPM, "
         f"{results['machine']['cores_available']} cores available, 1-minute load average "
         + ", ".join(f"{k.removeprefix('after_')} {v[0]:.1f}" for k, v in load.items() if k != "before")
     )
     print(table(results))
-    print(f"targets met: {results['targets_met']}\nwritten to {out}")
+    print(f"targets met: {results['targets_met']}")
+    write_report("judge_proxy", results, args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
    on the same batches with each split, one micro-batch per rank, measured in the same
    run (ratio = balanced / round-robin). The step takes as long as the slowest rank.
 
-Run: python bench/learner_balance.py [--steps 6] [--batch 64]
+Run: python -m bench.learner_balance [--steps 6] [--batch 64]; writes learner_balance.json in
+`--out` (bench/results/learner_balance).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from learner import batching  # noqa: E402
+from bench.harness import REPO, common_args, write_report
+from learner import batching
 
 MU, SIGMA, MIN_LEN, MAX_LEN = 5.0, 1.0, 16, 1000
 
@@ -47,7 +47,7 @@ def balance_table(batches: int, batch: int) -> list[dict]:
 
 
 def throughput(steps: int, batch: int, model_dir: Path) -> dict:
-    """Run the torchrun worker (this file with --worker) once per split; tokens/s each."""
+    """Run the torchrun worker (this module with --worker) once per split; tokens/s each."""
     results = {}
     for split in ("round_robin", "balanced"):
         out = Path(tempfile.mkdtemp()) / "result.json"
@@ -58,7 +58,8 @@ def throughput(steps: int, batch: int, model_dir: Path) -> dict:
                 "torch.distributed.run",
                 "--standalone",
                 "--nproc-per-node=2",
-                __file__,
+                "-m",
+                "bench.learner_balance",
                 "--worker",
                 split,
                 str(model_dir),
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--balance-batches", type=int, default=200)
-    parser.add_argument("--out", default="bench/results/learner_balance.json")
+    common_args(parser, "learner_balance", seeds=None)
     args = parser.parse_args()
     from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
@@ -167,11 +168,7 @@ def main() -> None:
         r = speed[split]
         print(f"{split:>12}: {r['tokens_per_s']:>9.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s)")
     print(f"{'speed-up':>12}: {speed['speedup']:.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"balance": balance, "throughput": speed, "cpu_cores": os.cpu_count()}, indent=2)
-    )
-    print(f"wrote {args.out}")
+    write_report("learner_balance", {"balance": balance, "throughput": speed, "cpu_cores": os.cpu_count()}, args)
 
 
 if __name__ == "__main__":

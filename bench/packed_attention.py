@@ -18,26 +18,22 @@ baseline is `mask` on the same row in the same run, and the table gives its time
 method's (above 1: faster than the dense mask). Every method's output is checked against
 `mask`'s.
 
-Run: python bench/packed_attention.py [--repeats 5]; writes docs/results/packed_attention.json.
+Run: python -m bench.packed_attention [--repeats 5] [--publish]; writes packed_attention.json
+in `--out` (bench/results/packed_attention), and with `--publish` in docs/results/ too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from learner import attention  # noqa: E402
+from bench.harness import common_args, write_report
+from learner import attention
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 ROWS = {
@@ -175,7 +171,7 @@ def print_table(table: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(REPO / "docs" / "results" / "packed_attention.json"))
+    common_args(parser, "packed_attention", seeds=None)
     args = parser.parse_args()
     table = measure(args.repeats)
     print_table(table)
@@ -185,8 +181,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "rows": table,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report("packed_attention", report, args)
 
 
 if __name__ == "__main__":

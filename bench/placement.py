@@ -19,8 +19,9 @@ sampled streams at a time, at the engine thread counts ENGINE_THREADS names; the
 engine's tokens/s over the learner's timed window, and each figure as a ratio to the same
 process alone in the same run (`tandem.placement` chose its CPU plan from these).
 
-Run: python bench/placement.py [--rounds 3] [--steps 6] [--engine]
-Writes bench/results/placement.json (docs/results/placement.json holds the recorded run).
+Run: python -m bench.placement [--rounds 3] [--steps 6] [--engine]
+Writes placement.json and the engines' logs in `--out` (bench/results/placement);
+docs/results/placement.json holds the recorded run (`--publish` replaces it).
 """
 
 from __future__ import annotations
@@ -39,10 +40,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tandem.launcher import served_model  # noqa: E402
+from bench.harness import REPO, common_args, out_folder, spread, write_report
+from tandem.launcher import served_model
 
 LEARNER = {"1x2": (1, 2), "2x1": (2, 1), "1x1": (1, 1)}
 """name: (ranks, OMP_NUM_THREADS per rank)."""
@@ -62,7 +61,7 @@ def run_learner(name: str, model_dir: Path, steps: int) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     subprocess.run(
-        [*command, __file__, "--worker", str(model_dir), str(out), str(steps)],
+        [*command, "-m", "bench.placement", "--worker", str(model_dir), str(out), str(steps)],
         check=True,
         capture_output=True,
         cwd=REPO,
@@ -205,10 +204,6 @@ def beside_engine(model_dir: Path, args, logs: Path) -> list[dict]:
 # ---- report ----------------------------------------------------------------------------
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def alone_table(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
     """Per setting and kind of step: the median and the best step over every round, and
     the ratio to 2x1 within each round (of the rounds' medians), its median and range. The
@@ -221,7 +216,8 @@ def alone_table(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
         for kind in ("rl", "sft"):
             steps = [r for one in rounds for r in one[name][kind]]
             ratios = [statistics.median(one[name][kind]) / statistics.median(one["2x1"][kind]) for one in rounds]
-            row = {"median": statistics.median(steps), "best": max(steps), "over_2x1": spread(ratios)}
+            over_2x1 = spread(ratios) | {"median": statistics.median(ratios)}
+            row = {"median": statistics.median(steps), "best": max(steps), "over_2x1": over_2x1}
             summary[name][kind] = row
             ratio = row["over_2x1"]
             lines.append(
@@ -254,14 +250,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--engine", action="store_true", help="also measure beside a generating engine")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "placement.json"))
+    common_args(parser, "placement", seeds=None)
     args = parser.parse_args()
     from devtools.tiny_model import make_tiny_model
     from rollout.tasks import clarify
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", clarify.corpus())
-    logs = Path(args.out).parent / "placement"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = out_folder(args) / "logs"
+    logs.mkdir(exist_ok=True)
     rounds = []
     for i in range(args.rounds):
         order = ALONE if i % 2 == 0 else ALONE[::-1]
@@ -270,15 +266,19 @@ def main() -> None:
     text, learner_alone = alone_table(rounds)
     print(f"\n{os.cpu_count()} CPU cores, tiny model, {SEQUENCES} sequences of {MIN_TOKENS}-{MAX_TOKENS} tokens")
     print(text)
-    report = {"settings": vars(args), "cpus": os.cpu_count(), "alone": learner_alone, "alone_rounds": rounds}
+    report = {
+        "settings": vars(args) | {"out": str(args.out)},
+        "cpus": os.cpu_count(),
+        "alone": learner_alone,
+        "alone_rounds": rounds,
+    }
     if args.engine:
         rows = beside_engine(model_dir, args, logs)
         text, report["beside_engine"] = engine_table(rows, learner_alone)
         report["beside_engine_rows"] = rows
         print("\nbeside a generating engine (ratios to each process alone in this run)")
         print(text)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write_report("placement", report, args)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ speed, and RL on the clarify task.
     the final policy on the same conversations, and the wall time.
 
 Needs the model: `tandem model get smollm2-135m-instruct models/smollm2-135m-instruct`
-(done here if missing). Run: python bench/real_model.py [--parts a,b,c] [--seeds 3]
+(done here if missing). Run: python -m bench.real_model [--parts a,b,c] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -47,14 +47,21 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tandem.client import ApiClient, follow  # noqa: E402
-from tandem.demo import write_demonstrations  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
-from tandem.models import get  # noqa: E402
-from tandem.redis_embed import free_port  # noqa: E402
+from bench.harness import (
+    REPO,
+    common_args,
+    evaluate_policies,
+    out_folder,
+    pyplot,
+    rig,
+    rl_steps,
+    run_job,
+    spread,
+    write_report,
+)
+from tandem.demo import write_demonstrations
+from tandem.models import get
+from tandem.redis_embed import free_port
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 SHAPES = {"uniform": [256] * 8, "mixed": [1024] + [32 + 4 * i for i in range(16)]}
@@ -211,8 +218,8 @@ def run_learner_worker(out: Path, run: dict) -> dict:
     stem = out / f"learner-{run['shape']}"
     result = stem.with_suffix(".json")
     with stem.with_suffix(".log").open("w") as log:
-        command = [sys.executable, __file__, "--learner-worker", json.dumps(run), str(result)]
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", __spec__.name, "--learner-worker", json.dumps(run), str(result)]
+        subprocess.run(command, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(result.read_text())
 
 
@@ -458,7 +465,8 @@ def rollout_speed(out: Path, rounds: int) -> dict:
         for kind in runs:
             result = out / f"generation-{kind}-{index}.json"
             subprocess.run(
-                [sys.executable, __file__, "--generation-worker", kind, str(prompts_file), str(result)],
+                [sys.executable, "-m", __spec__.name, "--generation-worker", kind, str(prompts_file), str(result)],
+                cwd=REPO,
                 check=True,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -479,6 +487,7 @@ def rollout_speed(out: Path, rounds: int) -> dict:
 
 
 def clarify_spec(out: Path, seed: int, steps: int) -> dict:
+    """Part (c)'s job for one seed: the warm start, then `steps` RL steps."""
     data = out / "warm_start.jsonl"
     if not data.exists():
         write_demonstrations(data, share=0.3)
@@ -493,22 +502,20 @@ def clarify_spec(out: Path, seed: int, steps: int) -> dict:
     }
 
 
-def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
+def clarify_rl(out: Path, seeds: list[int], steps: int, conversations: int) -> dict:
+    """Part (c): a job per seed, then its warm-start and final policies on the same held-out
+    conversations."""
     runs = []
-    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
-        client = ApiClient(stack.api_url)
-        for seed in range(seeds):
-            started = time.monotonic()
-            job_id = client.submit(clarify_spec(out, seed, steps))["id"]
-            record = follow(client, job_id)
-            history = [h for h in client.history(job_id) if h.get("phase") == "rl"]
+    with rig(out) as r:
+        for seed in seeds:
+            done = run_job(r, clarify_spec(out, seed, steps))
             runs.append(
                 {
                     "seed": seed,
-                    "job_id": job_id,
-                    "status": record["status"],
-                    "seconds": time.monotonic() - started,
-                    "history": history,
+                    "job_id": done["job_id"],
+                    "status": done["record"]["status"],
+                    "seconds": done["seconds"],
+                    "history": rl_steps(done["history"]),
                 }
             )
             (out / "training.json").write_text(json.dumps(runs))
@@ -517,7 +524,8 @@ def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
         job_dir = out / "runs" / run["job_id"]
         policies[("warm start", run["seed"])] = job_dir / "policy-warm-start"
         policies[("after RL", run["seed"])] = job_dir / "policy"
-    results = asyncio.run(evaluate_policies(policies, conversations))
+    # Held-out examples of another seed than training's, played with the jobs' settings.
+    results = asyncio.run(evaluate_policies(policies, clarify_spec(out, 0, steps), conversations, seed=10_000))
     for run in runs:
         run["warm_start"] = results[("warm start", run["seed"])]
         run["after_rl"] = results[("after RL", run["seed"])]
@@ -535,38 +543,6 @@ def clarify_rl(out: Path, seeds: int, steps: int, conversations: int) -> dict:
         "gain": spread([r["gain"] for r in runs]),
         "seconds": spread([r["seconds"] for r in runs]),
     }
-
-
-async def evaluate_policies(policies: dict, conversations: int) -> dict:
-    """Every policy on the same held-out clarify conversations (examples of another seed
-    than training's), one engine reloaded from each folder."""
-    from transformers import AutoTokenizer
-
-    from rollout.engine import Engine
-    from rollout.episode import EpisodeRunner
-    from rollout.evaluate import evaluate
-    from rollout.tasks.clarify.task import ClarifyTask
-    from services.config import ClarifySpec, ModelSpec, RolloutSpec
-    from services.tokenization import ChatTokenizer
-
-    engine = Engine.start(ModelSpec(path=str(MODEL), max_model_len=1024), kv_cache_gib=1.0)
-    task = ClarifyTask(ClarifySpec(num_examples=conversations), seed=10_000)
-    runner = EpisodeRunner(
-        engine, ChatTokenizer(AutoTokenizer.from_pretrained(MODEL)), task.rule_user, RolloutSpec(**ROLLOUT)
-    )
-    results = {}
-    try:
-        for key, path in policies.items():
-            await engine.reload_from_disk(str(path))
-            results[key] = await evaluate(runner, task, list(range(conversations)))
-            print(f"  held-out {key}: success {results[key]['success']:.3f}", flush=True)
-    finally:
-        engine.shutdown()
-    return results
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "mean": statistics.mean(values), "max": max(values)}
 
 
 # ---- report --------------------------------------------------------------------------
@@ -638,11 +614,7 @@ def describe(lengths: list[int]) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Held-out success per seed before and after RL, and the RL reward curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = report["clarify"]["runs"]
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
     seeds = [r["seed"] for r in runs]
@@ -662,19 +634,17 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(parser, "real_model", seeds="0,1,2")
     parser.add_argument("--parts", default="a,b,c", help="which of a (learner), b (rollout), c (clarify RL)")
     parser.add_argument("--learner-rounds", type=int, default=3, help="timed steps per learner row, in rounds")
     parser.add_argument("--rounds", type=int, default=2, help="generation runs per engine, alternating")
-    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="RL steps per seed")
     parser.add_argument("--eval", type=int, default=128, help="held-out conversations per policy")
-    parser.add_argument("--out", default="bench/results/real_model")
     args = parser.parse_args()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     get("smollm2-135m-instruct", MODEL)
     parts = set(args.parts.split(","))
-    report_file = out / "real_model.json"
+    report_file = out / "real_model.json"  # parts not run this time keep their last results
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     if "a" in parts:
         report["learner"] = learner_speed(out, args.learner_rounds)
@@ -682,11 +652,9 @@ def main() -> None:
         report["rollout"] = rollout_speed(out, args.rounds)
     if "c" in parts:
         report["clarify"] = clarify_rl(out, args.seeds, args.steps, args.eval)
-        plot(report, out / "real_model.png")
     report["cpu_cores"] = os.cpu_count()
     print_report(report)
-    report_file.write_text(json.dumps(report, indent=2))
-    print(f"wrote {report_file}")
+    write_report("real_model", report, args, plot if "c" in parts else None)
 
 
 if __name__ == "__main__":

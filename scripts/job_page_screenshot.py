@@ -1,6 +1,6 @@
 """Pictures of the job page on a judge-bound clarify run, for docs/usage.md.
 
-Runs the judge-bound job of `bench/async_speedup.py` (the clarify task with the
+Runs the judge-bound job the benchmarks share (`bench.judge_bound`) (the clarify task with the
 multiturn-aware reward; the user simulator and the interactivity judge behind the judge
 proxy, served by the stand-in provider with its latency model) for `--steps` steps with a
 held-out round every `--eval-every`, then opens `/jobs/{id}` in headless Chromium and saves:
@@ -8,25 +8,19 @@ held-out round every `--eval-every`, then opens `/jobs/{id}` in headless Chromiu
 - `job_page_groups.png`: a training group opened, its best and worst response side by side,
   one future opened to the simulator's and the policy's turns and the judge's verdict.
 
-    python scripts/job_page_screenshot.py [--warm-policy DIR] [--steps 12] [--out /tmp/tandem-page]
+    python -m scripts.job_page_screenshot [--warm-policy DIR] [--steps 12] [--out /tmp/tandem-page]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "bench")]  # the bench scripts import each other by name
-
-from async_speedup import StandIn, base_spec  # noqa: E402
-
-from devtools.browser import chromium  # noqa: E402
-from tandem.client import ApiClient, follow  # noqa: E402
-from tandem.launcher import Ports, Stack  # noqa: E402
+from bench.harness import REPO, rig, run_job
+from bench.judge_bound import base_spec
+from devtools.browser import chromium
 
 
 def judge_bound_job(out: Path, args: argparse.Namespace) -> dict:
@@ -89,18 +83,9 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     images.mkdir(parents=True, exist_ok=True)
-    stand_in = StandIn(out, args.tpm, 10_000, seed=0)
-    env = {"TANDEM_RUNS_DIR": str(out / "runs"), "TANDEM_UPSTREAMS": str(stand_in.upstreams_file)}
-    try:
-        with Stack(out / "logs", ports=Ports.free(), extra_env=env) as stack:
-            client = ApiClient(stack.api_url)
-            job_id = client.submit(judge_bound_job(out, args))["id"]
-            record = follow(client, job_id)
-            if record["status"] != "SUCCEEDED":
-                raise SystemExit(f"the job ended {record['status']}: {record.get('error')} (logs in {out / 'logs'})")
-            photograph(f"{stack.api_url}/jobs/{job_id}", images)
-    finally:
-        stand_in.stop()
+    with rig(out, stand_in=(args.tpm, 10_000, 0)) as r:
+        job_id = run_job(r, judge_bound_job(out, args))["job_id"]
+        photograph(f"{r.stack.api_url}/jobs/{job_id}", images)
     print(f"wrote {images / 'job_page.png'} and {images / 'job_page_groups.png'}")
 
 

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))  # a folder of scripts, not a package
-import async_speedup  # noqa: E402
+from bench import async_speedup
+from bench.judge_bound import ratio
 
 
 def test_dropped_share_counts_refused_groups_against_all_decided():
@@ -31,9 +27,9 @@ def test_the_plateau_is_the_mean_of_the_second_halfs_evaluations():
 
 
 def test_a_ratio_with_a_missing_or_zero_side_is_none():
-    assert async_speedup.ratio(6.0, 2.0) == 3.0
-    assert async_speedup.ratio(None, 2.0) is None and async_speedup.ratio(6.0, None) is None
-    assert async_speedup.ratio(6.0, 0.0) is None  # a target reached at 0 s is not infinitely sooner
+    assert ratio(6.0, 2.0) == 3.0
+    assert ratio(None, 2.0) is None and ratio(6.0, None) is None
+    assert ratio(6.0, 0.0) is None  # a target reached at 0 s is not infinitely sooner
 
 
 def test_a_runs_cost_is_the_proxys_bill_per_step_and_per_trained_sample():

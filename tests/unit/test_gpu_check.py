@@ -1,4 +1,4 @@
-"""The GPU machine's prepared command (bench/gpu_check.py) works before a GPU sees it: its
+"""The GPU machine's prepared command (`python -m bench.gpu_check`) works before a GPU sees it: its
 `--device cpu` dry run reports every section, and the wheels it needs there fit beside the tree."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu_check
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))  # a folder of scripts, not a package
-import gpu_check  # noqa: E402
 
 SECTIONS = ["versions", "matmul", "packing", "steps", "memory", "weights", "tests_gpu"]
 TRAVEL_LIMIT_BYTES = 64 << 20
@@ -24,7 +24,7 @@ TRAVEL_LIMIT_BYTES = 64 << 20
 @pytest.mark.slow
 def test_cpu_dry_run_reports_every_section_ok_or_a_named_skip(tmp_path):
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,8 +1,9 @@
 """The package layering (docs/DESIGN.md, "Code layout"): every module imports only its own
 package and the layers below it, so the contracts stay importable by every process and
 the processes stay independent of one another. Inside `rollout/` the same holds between
-its parts: tools and user simulators know no task, a task knows no other task. And no
-module imports itself back through others (an import cycle)."""
+its parts: tools and user simulators know no task, a task knows no other task; in
+`bench/`, a benchmark knows no other benchmark. And no module imports itself back through
+others (an import cycle)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ ALLOWED = {
     "learner": {"services"},  # the learner
     "devtools": {"services", "judge_proxy", "rollout"},  # development doubles: no product imports them
     "tandem": {"services", "services.api", "judge_proxy", "rollout", "learner", "devtools"},  # cli, launcher, demo
+    # benchmarks and maintenance scripts: above every process; a benchmark imports another
+    # only through the modules they share (BENCH_SHARED)
+    "bench": {"services", "services.api", "judge_proxy", "rollout", "learner", "devtools", "tandem"},
+    "scripts": {"services", "services.api", "judge_proxy", "rollout", "learner", "devtools", "tandem", "bench"},
 }
+BENCH_SHARED = {"bench.harness", "bench.judge_bound", "bench.clarify_runs", "bench.async_groups"}
+"""The modules of bench/ that benchmarks share; any other is a benchmark of its own."""
 SHARED_TASK_MODULES = {"base", "common", "contexts", "extraction"}
 """Modules of rollout/tasks that every task may use; any other name there is a task."""
 
@@ -67,11 +74,22 @@ def task_of(module: str | None) -> str | None:
     return parts[2]
 
 
+def bench_of(module: str | None) -> str | None:
+    """The benchmark a module of bench/ is (`bench.vs_trl` -> itself), or None for the
+    shared modules, the package itself and other modules."""
+    parts = (module or "").split(".")
+    if parts[0] != "bench" or len(parts) < 2 or ".".join(parts[:2]) in BENCH_SHARED:
+        return None
+    return ".".join(parts[:2])
+
+
 def modules(root: Path) -> dict[str, Path]:
     """Every module of the project's packages, by name (a package by its own name)."""
     found = {}
     for top in {part.split(".")[0] for part in ALLOWED}:
         for path in sorted((root / top).rglob("*.py")):
+            if ".venv" in path.parts:  # a benchmark's own environment (bench/trl_side/.venv)
+                continue
             parts = path.relative_to(root).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
@@ -106,6 +124,8 @@ def violations(root: Path = ROOT) -> list[str]:
         for target in imported_modules(path, known):
             if task_of(module) and task_of(target) not in (None, task_of(module)):
                 found.append(f"{module} imports the task {task_of(target)} (a task knows no other task)")
+            if bench_of(module) and bench_of(target) not in (None, bench_of(module)):
+                found.append(f"{module} imports the benchmark {target} (benchmarks share only {sorted(BENCH_SHARED)})")
     return sorted(set(found))
 
 
