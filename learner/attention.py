@@ -15,7 +15,7 @@ Either costs the sum of the squared sequence lengths instead of the square of th
 CPU, per-sequence SDPA measured 5-8x faster than the dense mask per layer (forward and
 backward, SmolLM2's heads, 4096-token rows of 4 to 17 sequences), and faster than padding
 the sequences inside attention to the longest one, which loses on rows of one long and many
-short sequences (`docs/results.md`, "Packed attention"). On an H100 the varlen kernel gave
+short sequences (`docs/results/real-model.md`, "Packed attention"). On an H100 the varlen kernel gave
 the learner its best step (`docs/results/gpu_check_h100*.jsonl`). flex attention was not
 used: it needs torch.compile and a new block mask for every micro-batch.
 

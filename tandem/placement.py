@@ -5,8 +5,8 @@ Both run at once (generation overlaps training), so no process with several comp
 threads shares its cores or its GPU unannounced: an OpenMP thread spins while it waits
 for the others, and two CPU processes each with a thread per core slowed each other to a
 fraction of their speed (`bench/shared_cpu_engines.py`: 0.07 of one engine's speed each,
-0.68 with one thread each). The figures behind each choice are in docs/results.md
-("Placement").
+0.68 with one thread each). The figures behind each choice are in
+docs/results/placement.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The files make lint keeps in step with their sources: the configuration reference (from
-the pydantic models) and the Kubernetes base's copies of the dashboards and upstreams
-example. Each check passes on the repository and fails on a stale copy."""
+the pydantic models), the code map (from the modules' docstrings) and the Kubernetes base's
+copies of the dashboards and upstreams example. Each check passes on the repository and
+fails on a stale copy."""
 
 from __future__ import annotations
 
@@ -32,6 +33,26 @@ def test_the_configuration_reference_is_current_and_a_stale_one_fails_the_check(
     monkeypatch.setattr(sys, "argv", ["config_reference.py", "--check"])
     with pytest.raises(SystemExit, match="out of date"):
         reference.main()
+
+
+def test_the_code_map_is_current_names_every_module_and_a_stale_one_fails_the_check(tmp_path, monkeypatch):
+    code_map = script("code_map")
+    text = code_map.render()
+    assert (ROOT / "docs" / "layout.md").read_text() == text
+    assert "| `rollout/served_job.py` | One job on a rollout server" in text
+    undocumented = [
+        str(path.relative_to(ROOT))
+        for top, _ in code_map.PARTS
+        for path in code_map.modules(top)
+        if not code_map.summary(path)
+    ]
+    assert undocumented == []
+    stale = tmp_path / "layout.md"
+    stale.write_text(text.replace("served_job.py", "server_job.py"))
+    monkeypatch.setattr(code_map, "OUT", stale)
+    monkeypatch.setattr(sys, "argv", ["code_map.py", "--check"])
+    with pytest.raises(SystemExit, match="out of date"):
+        code_map.main()
 
 
 def test_the_kubernetes_copies_are_current_and_a_changed_or_extra_one_is_named(tmp_path, monkeypatch):
