@@ -1,6 +1,6 @@
 """CUDA-only tests, each marked `gpu`: skipped (and reported as skipped) where torch sees no GPU.
 
-This conftest stands alone: `bench/gpu_check.py` runs this folder on a GPU machine with
+This conftest stands alone: `python -m bench.gpu_check` runs this folder on a GPU machine with
 `--confcutdir=tests/gpu`, where the root conftest's imports (Redis, vLLM) are absent. The
 skip hook sees every item of a session, so a `gpu` test anywhere under tests/ is skipped
 on a machine without CUDA whenever this folder is part of the run (`make test` is).

@@ -6,15 +6,12 @@ logits kept in fp32 under bf16 mixed precision."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from gpu_support import make_samples, make_trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # a folder of scripts, not a package
-from gpu_check import logprobs as per_token_logprobs  # noqa: E402  (the GPU check's own reading, one copy)
+from bench.gpu_check import logprobs as per_token_logprobs  # the GPU check's own reading, one copy
 
 pytestmark = pytest.mark.gpu
 
