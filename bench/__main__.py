@@ -10,16 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import PARTS, SHARED
+
 FOLDER = Path(__file__).resolve().parent
-SHARED = {"__init__", "__main__", "harness", "judge_bound", "clarify_runs", "async_groups", "chaos_learner"}
-"""Modules of bench/ that are not benchmarks: what they share, and the learner chaos starts."""
 
 
 def benchmarks() -> dict[str, str]:
     """Each benchmark's name and the first line of its docstring."""
     found = {}
     for path in sorted(FOLDER.glob("*.py")):
-        if path.stem not in SHARED:
+        if not path.stem.startswith("__") and path.stem not in SHARED + PARTS:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             found[path.stem] = doc.splitlines()[0] if doc else ""
     return found

@@ -29,23 +29,19 @@ LEFT_OUT = ("trl_side",)
 """Folders inside those that are not Tandem's code (a benchmark's own environment)."""
 
 
-def summary(path: Path) -> str:
-    """The first sentence of the module's docstring ('' for none: a test says every module
-    has one)."""
-    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), str(path))) or ""
+def summary(source: str) -> str:
+    """The first sentence of a module's docstring ('' for none: a test says every module has one)."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
     paragraph = " ".join(doc.strip().split("\n\n")[0].split())
     return re.split(r"(?<=[.!?])\s", paragraph)[0]
 
 
-def modules(top: str) -> list[Path]:
-    """The Python modules under `top` (an empty `__init__.py` is none), package files first
-    within each folder."""
-    found = [
-        p
-        for p in (ROOT / top).rglob("*.py")
-        if not set(p.relative_to(ROOT).parts) & set(LEFT_OUT) and p.read_text(encoding="utf-8").strip()
-    ]
-    return sorted(found, key=lambda p: (p.parent.relative_to(ROOT).parts, p.name != "__init__.py", p.name))
+def modules(top: str) -> dict[Path, str]:
+    """The Python modules under `top` and their source (an empty `__init__.py` is none),
+    package files first within each folder."""
+    paths = [p for p in (ROOT / top).rglob("*.py") if not set(p.relative_to(ROOT).parts) & set(LEFT_OUT)]
+    paths.sort(key=lambda p: (p.parent.relative_to(ROOT).parts, p.name != "__init__.py", p.name))
+    return {p: source for p in paths if (source := p.read_text(encoding="utf-8")).strip()}
 
 
 def render() -> str:
@@ -57,9 +53,9 @@ def render() -> str:
     ]
     for top, what in PARTS:
         lines += ["", f"## `{top}/`", "", what, "", "| module | what it is |", "|---|---|"]
-        for path in modules(top):
+        for path, source in modules(top).items():
             name = path.relative_to(ROOT).as_posix()
-            text = summary(path).replace("|", "\\|")
+            text = summary(source).replace("|", "\\|")
             lines.append(f"| `{name}` | {text} |")
     return "\n".join(lines) + "\n"
 

@@ -64,7 +64,6 @@ from services.config.tasks import (
     TaskBase,
     TaskSpec,
     Tau2Spec,
-    parse_task,
 )
 from services.config.tools import (
     TOOL_KINDS,
@@ -77,7 +76,6 @@ from services.config.tools import (
     ToolCatalog,
     ToolSpec,
     ToolsSpec,
-    parse_tool,
 )
 
 __all__ = [
@@ -139,7 +137,5 @@ __all__ = [
     "file_fields",
     "parse_job_spec",
     "parse_job_spec_json",
-    "parse_task",
-    "parse_tool",
     "written_location",
 ]

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import BaseModel, Field, Tag, TypeAdapter, model_validator
 
-from services.config.common import FILE_MARK, JOB_NAME, Strict, one_of
+from services.config.common import FILE_MARK, JOB_NAME, TAG_FIELDS, Strict, discriminator
 from services.config.sections import (
     BudgetSpec,
     EvalSpec,
@@ -21,7 +21,7 @@ from services.config.sections import (
     TrainSpec,
     WarmStartSpec,
 )
-from services.config.tasks import TASK_NAMES, TASK_SPECS, ClarifySpec, TaskSpec
+from services.config.tasks import TASK_NAMES, TASK_SPECS, ClarifySpec, TaskSpec, task_name
 from services.config.tools import TOOL_KINDS, ToolsSpec
 from services.presets import PRESETS
 
@@ -65,7 +65,7 @@ class _JobBase(Strict):
             return data
         reward, task = _given(data.get("reward")), _given(data.get("task"))
         preset = reward.get("preset", "none")
-        model = TASK_SPECS.get(task.get("name", "clarify")) if isinstance(task.get("name", ""), str) else None
+        model = TASK_SPECS.get(task_name(task))
         if preset == "none" or not isinstance(preset, str) or preset not in PRESETS or model is None:
             return data
         filled = PRESETS[preset](model, task)
@@ -160,21 +160,9 @@ KIND_NAMES = tuple(get_args(kind.model_fields["kind"].annotation)[0] for kind in
 """The `kind` of each, which pydantic puts at the head of an error's location."""
 
 
-def _kind_of(data: object) -> str:
-    """The kind a spec is (`rl` when a mapping leaves it out)."""
-    if isinstance(data, dict):
-        kind = data.get("kind", "rl")
-        return kind if isinstance(kind, str) else repr(kind)
-    return getattr(data, "kind", "rl")
-
-
 JobSpec = Annotated[
     Annotated[RLJob, Tag("rl")] | Annotated[OfflineJob, Tag("offline")] | Annotated[GenerateJob, Tag("generate")],
-    Discriminator(
-        _kind_of,
-        custom_error_type="invalid_kind",
-        custom_error_message=f"kind must be {one_of(KIND_NAMES)}",
-    ),
+    discriminator("kind", "rl", KIND_NAMES, "invalid_kind", "kind"),
 ]
 """A job spec: one model per kind, `kind` selecting (see `JOB_KINDS`)."""
 _JOB_SPEC = TypeAdapter(JobSpec)
@@ -187,10 +175,6 @@ def parse_job_spec(data: object) -> RLJob | OfflineJob | GenerateJob:
 
 def parse_job_spec_json(text: str | bytes) -> RLJob | OfflineJob | GenerateJob:
     return _JOB_SPEC.validate_json(text)
-
-
-_TAG_FIELDS = {"invalid_kind": "kind", "invalid_task_name": "name", "invalid_tool_kind": "kind"}
-"""The field each union's tag is read from, by the error its discriminator raises."""
 
 
 def written_location(loc: tuple[str | int, ...], error_type: str = "") -> tuple[str | int, ...]:
@@ -207,7 +191,7 @@ def written_location(loc: tuple[str | int, ...], error_type: str = "") -> tuple[
             or (i > 0 and isinstance(loc[i - 1], int) and part in TOOL_KINDS)
         )
     ]
-    tag = _TAG_FIELDS.get(error_type)
+    tag = TAG_FIELDS.get(error_type)
     return (*written, tag) if tag else tuple(written)
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, NamedTuple
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import Field, Tag, model_validator
 
-from services.config.common import TEXT_CHARS, Strict, file_field, one_of
+from services.config.common import TEXT_CHARS, Strict, discriminator, file_field, tag_reader
 from services.config.sections import EvalSpec
 
 TAU2_DOMAINS = ("mock", "airline", "retail")
@@ -318,13 +318,8 @@ class Tau2Spec(TaskBase):
         return HeldOutTask(held.model_copy(update={"num_examples": count}), train_seed, tuple(range(count)))
 
 
-def _task_name(data: object) -> str:
-    """The task a section is (`clarify` when a mapping leaves `name` out)."""
-    if isinstance(data, dict):
-        name = data.get("name", "clarify")
-        return name if isinstance(name, str) else repr(name)
-    return getattr(data, "name", "clarify")
-
+task_name = tag_reader("name", "clarify")
+"""The task a section is (`clarify` when a mapping leaves `name` out)."""
 
 _TASK_MODELS = (ClarifySpec, MultiplySpec, MathChatSpec, DocEditChatSpec, CodeChatSpec, Tau2Spec)
 TASK_NAMES = tuple(model.model_fields["name"].default for model in _TASK_MODELS)
@@ -337,17 +332,7 @@ TaskSpec = Annotated[
     | Annotated[DocEditChatSpec, Tag("doc_edit_chat")]
     | Annotated[CodeChatSpec, Tag("code_chat")]
     | Annotated[Tau2Spec, Tag("tau2")],
-    Discriminator(
-        _task_name,
-        custom_error_type="invalid_task_name",
-        custom_error_message=f"task.name must be {one_of(TASK_NAMES)}",
-    ),
+    discriminator("name", "clarify", TASK_NAMES, "invalid_task_name", "task.name"),
 ]
 """A job's task section: the model of the task `name` picks."""
 TASK_SPECS: dict[str, type[TaskBase]] = dict(zip(TASK_NAMES, _TASK_MODELS, strict=True))
-_TASK_SPEC = TypeAdapter(TaskSpec)
-
-
-def parse_task(data: object) -> TaskBase:
-    """A task section from a mapping, its task's model picked by `name`."""
-    return _TASK_SPEC.validate_python(data)

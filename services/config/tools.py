@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, get_args
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import Field, Tag, model_validator
 
-from services.config.common import PATH_CHARS, TEXT_CHARS, Strict, file_field, one_of
+from services.config.common import PATH_CHARS, TEXT_CHARS, Strict, discriminator, file_field
 
 TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 CATALOG_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
@@ -98,14 +98,6 @@ class McpToolSpec(ToolBase):
     )
 
 
-def _tool_kind(data: object) -> str:
-    """The kind a tool section is ('' when a mapping leaves it out: an error naming `kind`)."""
-    if isinstance(data, dict):
-        kind = data.get("kind", "")
-        return kind if isinstance(kind, str) else repr(kind)
-    return getattr(data, "kind", "")
-
-
 _TOOL_MODELS = (CalculatorToolSpec, PythonToolSpec, SearchToolSpec, McpToolSpec)
 TOOL_KINDS = tuple(get_args(model.model_fields["kind"].annotation)[0] for model in _TOOL_MODELS)
 """Every tool kind, which pydantic puts after the tool's index in an error's location."""
@@ -115,19 +107,10 @@ ToolSpec = Annotated[
     | Annotated[PythonToolSpec, Tag("python")]
     | Annotated[SearchToolSpec, Tag("search")]
     | Annotated[McpToolSpec, Tag("mcp")],
-    Discriminator(
-        _tool_kind,
-        custom_error_type="invalid_tool_kind",
-        custom_error_message=f"kind must be {one_of(TOOL_KINDS)}",
-    ),
+    discriminator("kind", "", TOOL_KINDS, "invalid_tool_kind", "kind"),
 ]
-"""One tool the policy may call: the model of the kind `kind` picks."""
-_TOOL_SPEC = TypeAdapter(ToolSpec)
-
-
-def parse_tool(data: object) -> ToolBase:
-    """A tool section from a mapping, its kind's model picked by `kind`."""
-    return _TOOL_SPEC.validate_python(data)
+"""One tool the policy may call: the model of the kind `kind` picks ('' when a mapping
+leaves `kind` out: an error naming it)."""
 
 
 class ToolsSpec(Strict):

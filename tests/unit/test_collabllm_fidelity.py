@@ -27,6 +27,7 @@ from rollout.tasks.doc_edit_chat import DocEditChatTask, document_bleu
 from rollout.tasks.math_chat import MathChatTask
 from services import protocol
 from services.config import (
+    TASK_SPECS,
     ClarifySpec,
     CodeChatSpec,
     DocEditChatSpec,
@@ -35,7 +36,6 @@ from services.config import (
     RewardSpec,
     RolloutSpec,
     parse_job_spec,
-    parse_task,
 )
 from services.presets import COLLABORATIVE_SYSTEM_PROMPT
 from services.tokenization import ChatTokenizer
@@ -429,7 +429,7 @@ def test_the_stand_in_user_opens_a_clarify_chat_vaguely():
 )
 def test_simulated_openings_need_a_simulator_and_no_contexts_file(task, says):
     with pytest.raises(ValueError, match=says):
-        parse_task(task)
+        TASK_SPECS[task["name"]].model_validate(task)
 
 
 def test_the_preset_lets_the_simulator_open_only_where_it_plays_the_user_and_no_contexts_are_given():

@@ -43,8 +43,8 @@ def test_the_code_map_is_current_names_every_module_and_a_stale_one_fails_the_ch
     undocumented = [
         str(path.relative_to(ROOT))
         for top, _ in code_map.PARTS
-        for path in code_map.modules(top)
-        if not code_map.summary(path)
+        for path, source in code_map.modules(top).items()
+        if not code_map.summary(source)
     ]
     assert undocumented == []
     stale = tmp_path / "layout.md"

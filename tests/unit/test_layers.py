@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 ROLLOUT_PARTS = {"rollout.tools", "rollout.interactions", "rollout.tasks", "rollout.rewards"}
@@ -35,7 +37,7 @@ ALLOWED = {
     "bench": {"services", "services.api", "judge_proxy", "rollout", "learner", "devtools", "tandem"},
     "scripts": {"services", "services.api", "judge_proxy", "rollout", "learner", "devtools", "tandem", "bench"},
 }
-BENCH_SHARED = {"bench.harness", "bench.judge_bound", "bench.clarify_runs", "bench.async_groups"}
+BENCH_SHARED = {f"bench.{name}" for name in bench.SHARED}
 """The modules of bench/ that benchmarks share; any other is a benchmark of its own."""
 SHARED_TASK_MODULES = {"base", "common", "contexts", "extraction"}
 """Modules of rollout/tasks that every task may use; any other name there is a task."""

@@ -12,7 +12,7 @@ from rollout.tasks.code_chat import python_code
 from rollout.tasks.common import fenced_blocks
 from rollout.tasks.doc_edit_chat import document_bleu, final_document
 from rollout.tasks.math_chat import final_answer, normalise_answer
-from services.config import CodeChatSpec, DocEditChatSpec, MathChatSpec, parse_task
+from services.config import TASK_SPECS, CodeChatSpec, DocEditChatSpec, MathChatSpec
 
 
 def conversation(task, example: int, *replies: str) -> list[dict]:
@@ -27,15 +27,15 @@ def conversation(task, example: int, *replies: str) -> list[dict]:
 
 @pytest.mark.parametrize(("name", "size"), [("math_chat", 12), ("doc_edit_chat", 10), ("code_chat", 10)])
 def test_each_task_loads_its_whole_fixture_or_the_first_num_examples(name, size):
-    assert len(load_task(parse_task({"name": name}))) == size
-    first_three = load_task(parse_task({"name": name, "num_examples": 3}))
+    assert len(load_task(TASK_SPECS[name]())) == size
+    first_three = load_task(TASK_SPECS[name](num_examples=3))
     assert len(first_three) == 3
-    assert first_three.goal(2) == load_task(parse_task({"name": name})).goal(2)
+    assert first_three.goal(2) == load_task(TASK_SPECS[name]()).goal(2)
 
 
 @pytest.mark.parametrize("name", ["math_chat", "doc_edit_chat", "code_chat"])
 def test_each_task_opens_with_one_user_message_and_hides_a_longer_goal_for_an_llm_user(name):
-    task = load_task(parse_task({"name": name}))
+    task = load_task(TASK_SPECS[name]())
     assert task.name == name
     assert task.rule_user is None
     for example in range(len(task)):

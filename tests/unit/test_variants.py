@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from rollout.tasks import TASKS
 from rollout.tools.box import TOOL_MODULES
-from services.config import TASK_NAMES, TASK_SPECS, TOOL_KINDS, RLJob, parse_task, parse_tool, written_location
+from services.config import TASK_NAMES, TASK_SPECS, TOOL_KINDS, RLJob, ToolsSpec, written_location
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("services", "rollout", "learner", "judge_proxy", "tandem")
@@ -43,17 +43,17 @@ def test_every_tool_kind_has_a_spec_model_and_a_module_that_opens_it():
 @pytest.mark.parametrize("name", TASK_NAMES)
 def test_a_task_section_is_the_model_its_name_picks(name):
     section = {"name": name} | ({"domain": "mock"} if name == "tau2" else {})
-    assert type(parse_task(section)) is TASK_SPECS[name]
+    assert type(RLJob.model_validate({"model": {"path": "m"}, "task": section}).task) is TASK_SPECS[name]
 
 
 def test_a_task_section_without_a_name_is_clarify():
-    assert parse_task({}).name == "clarify"
+    assert RLJob.model_validate({"model": {"path": "m"}, "task": {}}).task.name == "clarify"
 
 
 @pytest.mark.parametrize("kind", TOOL_KINDS)
 def test_a_tool_section_is_the_model_its_kind_picks(kind):
     section = {"name": "t", "kind": kind} | ({"server": "catalogued"} if kind == "mcp" else {})
-    assert parse_tool(section).kind == kind
+    assert ToolsSpec.model_validate({"tools": [section]}).tools[0].kind == kind
 
 
 @pytest.mark.parametrize(
