@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import common_args, rig, write_report
+from bench.harness import common_args, out_folder, rig, write_report
 from bench.judge_bound import base_spec, scrape
 from services import protocol
 from services.queues import Keys
@@ -219,17 +219,11 @@ def main() -> None:
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--tpm", type=int, default=1_500_000)
     parser.add_argument("--rpm", type=int, default=10_000)
-    parser.add_argument(
-        "--out-dir",
-        default="runs/bench-elastic",
-        help="the folder the system's logs and the job's runs go to (--out: the report)",
-    )
     common_args(parser, "elastic")  # --seeds: one, the stand-in's (argparse reads `--seed` as short for it)
     args = parser.parse_args()
     if len(args.seeds) != 1:
         parser.error("one job, one seed")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)  # the system's logs and the job's runs, beside the report
     report = run(args, out)
     print_report(report)
     write_report("elastic", report, args)

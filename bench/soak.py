@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import common_args, pyplot, rig, write_report
+from bench.harness import common_args, out_folder, pyplot, rig, write_report
 from bench.judge_bound import base_spec
 from services import protocol
 from services.queues import FIELD, Keys
@@ -429,17 +429,11 @@ def main() -> None:
     parser.add_argument("--max-tasks", type=int, default=32, help="rollout server: tasks in flight")
     parser.add_argument("--tpm", type=int, default=1_500_000)
     parser.add_argument("--rpm", type=int, default=10_000)
-    parser.add_argument(
-        "--out-dir",
-        default="runs/bench-soak",
-        help="the folder the system's logs and the raw run go to (--out: the report)",
-    )
     common_args(parser, "soak")  # --seeds: one, the job's and the stand-in's (argparse reads `--seed` as short for it)
     args = parser.parse_args()
     if len(args.seeds) != 1:
         parser.error("one job, one seed")
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args)  # the system's logs and the raw run, beside the report
     result = run(args, out)
     (out / "result.json").write_text(json.dumps(result))  # the raw run, for another analysis
     report = make_report(result, analyse(result), args)
