@@ -4,8 +4,10 @@ Builds the tiny model, runs a warm-start (SFT) step and two RL steps (two miniba
 against a KL reference) on batches made from fixed seeds, on a gloo group of `--ranks` processes, and
 prints every metric and a SHA-256 of the final parameters. Run it before and after a
 change: the two outputs must be identical, digit for digit. `--check` compares with a
-fingerprint kept from before (docs/results/learner_fingerprint.json was taken on the
-project's 2-core x86 machine with torch 2.13; another CPU or torch may differ in the last bits).
+fingerprint kept from before (docs/results/learner_fingerprint.json was taken on a 2-core
+AMD EPYC with AVX-512 and torch 2.13). The kernels torch picks depend on the CPU: on another
+model the same code can differ in the last bits from the first step on, so take the before
+and the after on one machine.
 
     python scripts/learner_fingerprint.py [--ranks 2] [--out F] [--check docs/results/learner_fingerprint.json]
 """
