@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -24,6 +25,7 @@ from redis.exceptions import RedisError
 
 from services.config import BudgetSpec
 from services.queues import Keys
+from services.redis_values import Value, text, text_fields
 
 SPEND_KINDS = ("usd", "tokens", "cached", "calls")
 CAPS_EVERY_S = 60.0
@@ -40,25 +42,25 @@ async def write_caps(client: aioredis.Redis, cap: BudgetSpec) -> None:
     """Make `cap` the cap on every tenant's month (none: no cap)."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.delete(Keys.tenant_caps)
-        if cap.limits:
-            pipe.hset(Keys.tenant_caps, mapping=cap.limits)
+        for field, limit in cap.limits.items():
+            pipe.hset(Keys.tenant_caps, field, limit)
         await pipe.execute()
 
 
-def cap_of(raw: dict[bytes, bytes]) -> BudgetSpec:
+def cap_of(raw: Mapping[Value, Value]) -> BudgetSpec:
     """The `Keys.tenant_caps` hash read back: the cap on every tenant's month, as the API
     last wrote it."""
-    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    fields = text_fields(raw)
     usd, tokens = fields.get("usd"), fields.get("tokens")
     return BudgetSpec(usd=None if usd is None else float(usd), tokens=None if tokens is None else int(tokens))
 
 
-def bill_of(raw: dict[bytes, bytes]) -> dict:
+def bill_of(raw: Mapping[Value, Value]) -> dict:
     """A spend hash read back (`Keys.job_spend`, `Keys.tenant_spend`): `usd`, `tokens`,
     `cached` and `calls` in all, and `by_role`."""
     by_role: dict[str, dict[str, float]] = {}
     for field, value in raw.items():
-        kind, _, role = field.decode().partition(":")
+        kind, _, role = text(field).partition(":")
         if kind not in SPEND_KINDS or not role:
             continue
         by_role.setdefault(role, {"usd": 0.0, "tokens": 0, "cached": 0, "calls": 0})[kind] = (

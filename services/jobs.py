@@ -22,15 +22,17 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import ZSetRangeResponse
 
 from services import bills, job_lease
 from services.config import JOB_NAME, BudgetSpec, JobSpec, parse_job_spec_json
 from services.queues import Keys
 from services.redis_scripts import lua
+from services.redis_values import Value, text, text_fields
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 RETENTION_S = 7 * 86400.0
@@ -53,6 +55,10 @@ class QueueFull(Exception):
     """The tenant has `max_pending` jobs queued already."""
 
 
+class NoSuchJob(LookupError):
+    """No record holds the job: it never existed, or it ended and expired after its retention."""
+
+
 CREATE_LUA = lua("services", "job_create")
 
 
@@ -60,7 +66,7 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "", ma
     """A new PENDING job on `tenant`'s queue; QueueFull when `max_pending` are queued there."""
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     now = time.time()
-    record = {
+    record: dict[str, str | float] = {
         "id": job_id,
         "name": spec.name,
         "tenant": tenant,
@@ -79,6 +85,12 @@ async def create_job(client: aioredis.Redis, spec: JobSpec, tenant: str = "", ma
     return job_id
 
 
+def _members(reply: ZSetRangeResponse) -> list[str]:
+    """The members of a sorted-set range read without scores, as text (redis-py types every
+    range as one that may hold scores)."""
+    return [text(member) for member in reply if isinstance(member, (bytes, str))]
+
+
 async def expire_pending(
     client: aioredis.Redis, tenants: Iterable[str], ttl_s: float, retention_s: float = RETENTION_S
 ) -> None:
@@ -86,10 +98,8 @@ async def expire_pending(
     was submitted (one the learner claimed meanwhile is left alone)."""
     reason = f"expired in the queue: still PENDING {ttl_s:.0f}s after it was submitted (TANDEM_PENDING_TTL_S)"
     for tenant in tenants:
-        for job_id in await client.zrangebyscore(Keys.jobs_queued(tenant), "-inf", time.time() - ttl_s):
-            await set_status(
-                client, job_id.decode(), JobStatus.FAILED, reason, retention_s, only_from=JobStatus.PENDING
-            )
+        for job_id in _members(await client.zrangebyscore(Keys.jobs_queued(tenant), "-inf", time.time() - ttl_s)):
+            await set_status(client, job_id, JobStatus.FAILED, reason, retention_s, only_from=JobStatus.PENDING)
 
 
 async def next_pending(client: aioredis.Redis, ttl_s: float, retention_s: float = RETENTION_S) -> str | None:
@@ -97,13 +107,13 @@ async def next_pending(client: aioredis.Redis, ttl_s: float, retention_s: float 
     of the tenant the learner served least recently (never served first, then the one whose
     job waited longer). So each tenant with a job queued gets its turn, however many jobs
     another has queued."""
-    served = {tenant.decode(): float(at) for tenant, at in (await client.hgetall(Keys.jobs_served)).items()}
+    served = {text(tenant): float(at) for tenant, at in (await client.hgetall(Keys.jobs_served)).items()}
     await expire_pending(client, served, ttl_s, retention_s)
     async with client.pipeline(transaction=False) as pipe:
         for tenant in served:
             pipe.zrange(Keys.jobs_queued(tenant), 0, 0, withscores=True)
         heads = await pipe.execute()
-    waiting = [(at, head[0][1], head[0][0].decode()) for at, head in zip(served.values(), heads) if head]
+    waiting = [(at, head[0][1], text(head[0][0])) for at, head in zip(served.values(), heads) if head]
     return min(waiting)[2] if waiting else None
 
 
@@ -136,20 +146,21 @@ async def get_job(client: aioredis.Redis, job_id: str) -> dict | None:
     return parse_record(await client.hgetall(Keys.job(job_id)))
 
 
-def parse_record(raw: dict[bytes, bytes]) -> dict | None:
-    record = {k.decode(): v.decode() for k, v in raw.items()}
-    if "spec" not in record:
+def parse_record(raw: Mapping[Value, Value]) -> dict | None:
+    fields = text_fields(raw)
+    if "spec" not in fields:
         return None
+    record: dict[str, object] = dict(fields)
     for key in ("created", "started", "finished", "paused_since", "learner_seen"):
-        if key in record:
-            record[key] = float(record[key])
+        if key in fields:
+            record[key] = float(fields[key])
     record["warning"] = learner_silence(record, time.time())
     for key in ("version", "step", "resumes"):
-        record[key] = int(record.get(key, 0))
-    record["spec"] = json.loads(record["spec"])
-    record["metrics"] = json.loads(record.get("metrics", "{}"))
-    record["alerts"] = json.loads(record.get("alerts", "[]"))
-    record["held_out"] = json.loads(record.get("held_out", "{}"))
+        record[key] = int(fields.get(key, 0))
+    record["spec"] = json.loads(fields["spec"])
+    record["metrics"] = json.loads(fields.get("metrics", "{}"))
+    record["alerts"] = json.loads(fields.get("alerts", "[]"))
+    record["held_out"] = json.loads(fields.get("held_out", "{}"))
     return record
 
 
@@ -171,7 +182,7 @@ async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dic
     found: dict[str, dict] = {}
     start = 0
     while True:
-        ids = [i.decode() for i in await client.zrevrange(Keys.jobs_index, start, start + LIST_PAGE - 1)]
+        ids = _members(await client.zrevrange(Keys.jobs_index, start, start + LIST_PAGE - 1))
         async with client.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hgetall(Keys.job(job_id))
@@ -186,7 +197,11 @@ async def list_jobs(client: aioredis.Redis, tenant: str, limit: int) -> list[dic
 
 
 async def job_spec(client: aioredis.Redis, job_id: str) -> JobSpec:
-    return parse_job_spec_json(await client.hget(Keys.job(job_id), "spec"))
+    """The job's spec; NoSuchJob without a record."""
+    spec = await client.hget(Keys.job(job_id), "spec")
+    if spec is None:
+        raise NoSuchJob(f"no job {job_id!r}")
+    return parse_job_spec_json(spec)
 
 
 @dataclass(frozen=True)
@@ -213,7 +228,7 @@ async def judge_terms(client: aioredis.Redis, job_id: str) -> JudgeTerms:
     if spec is None:
         return JudgeTerms(1.0, BudgetSpec(), None, BudgetSpec())
     parsed = parse_job_spec_json(spec)
-    return JudgeTerms(parsed.judge_weight, parsed.budget, (tenant or b"").decode(), bills.cap_of(caps))
+    return JudgeTerms(parsed.judge_weight, parsed.budget, text(tenant or b""), bills.cap_of(caps))
 
 
 # Status changes are compare-and-set in Redis: a job that has ended (or has no record) never
@@ -295,7 +310,7 @@ async def set_status(
 
 async def queue_of(client: aioredis.Redis, job_id: str) -> str:
     """The queue of the job's tenant (a job's tenant never changes)."""
-    return Keys.jobs_queued((await client.hget(Keys.job(job_id), "tenant") or b"").decode())
+    return Keys.jobs_queued(text(await client.hget(Keys.job(job_id), "tenant") or b""))
 
 
 async def pause(client: aioredis.Redis, job_id: str, reason: str) -> bool:
@@ -317,7 +332,7 @@ async def cancel(client: aioredis.Redis, job_id: str, retention_s: float = RETEN
         keys=[await queue_of(client, job_id), Keys.job_changed(job_id), *job_keys(job_id)],
         args=[time.time(), int(retention_s), job_id],
     )
-    return status.decode() if status else None
+    return text(status) if status else None
 
 
 async def resume(
@@ -347,7 +362,7 @@ async def resume(
         ],
         args=[time.time(), job_id, max_pending, spec, CAP_REACHED],
     )
-    answer = answer.decode() if answer else None
+    answer = text(answer) if answer else None
     if answer == "RESUMED":
         return
     if answer == "QUEUE_FULL":
@@ -425,7 +440,7 @@ async def cancel_requested(client: aioredis.Redis, job_id: str) -> bool:
 
 
 async def running_jobs(client: aioredis.Redis) -> list[str]:
-    return sorted(i.decode() for i in await client.smembers(Keys.jobs_running))
+    return sorted(text(i) for i in await client.smembers(Keys.jobs_running))
 
 
 APPEND_HISTORY_LUA = lua("services", "fence", "history_append")

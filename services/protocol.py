@@ -7,18 +7,29 @@ entry to the job's dead stream with the decoder's reason (see `services.queues`)
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Literal, TypeVar
 
 import msgspec
+
+from services.redis_values import Value, raw
 
 SCHEMA = 1
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Work for a rollout server: one context, `group_size` responses to it."""
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A message sent on its own (not only inside another): it says the schema it was written in."""
 
     schema: int = SCHEMA
+
+
+MessageT = TypeVar("MessageT", bound=Message)
+
+
+class Task(Message, kw_only=True, forbid_unknown_fields=True):
+    """Work for a rollout server: one context, `group_size` responses to it."""
+
     job_id: str
     task_id: int
     """Position in the job's dispatch order, unique within the job; the dispatcher's cursor."""
@@ -53,10 +64,9 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reward no LLM took part in."""
 
 
-class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TrajectoryGroup(Message, kw_only=True, forbid_unknown_fields=True):
     """All samples for one task: the unit the learner admits, filters and trains."""
 
-    schema: int = SCHEMA
     job_id: str
     task_id: int
     samples: list[Sample]
@@ -86,10 +96,9 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return any(s.advantage != 0.0 for s in self.samples)
 
 
-class EvalTask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class EvalTask(Message, kw_only=True, forbid_unknown_fields=True):
     """One held-out conversation to play with the policy being trained (never trained on)."""
 
-    schema: int = SCHEMA
     job_id: str
     round: int
     """The evaluation it belongs to: the learner step (= policy version) that asked for it."""
@@ -99,10 +108,9 @@ class EvalTask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Which play of the example this is (pass^k counts an example's trials)."""
 
 
-class EvalResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class EvalResult(Message, kw_only=True, forbid_unknown_fields=True):
     """What one held-out conversation scored, for the learner to average into its round."""
 
-    schema: int = SCHEMA
     job_id: str
     round: int
     example: int
@@ -164,12 +172,11 @@ class ResponseView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics: dict[str, float] = {}
 
 
-class GroupView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class GroupView(Message, kw_only=True, forbid_unknown_fields=True):
     """A training group as text (`rollout.group_view`): what the job page's group browser
     reads from the job's capped `groups` stream. Never trained on; its texts are cut at
     `rollout.group_view.TEXT_CHARS`."""
 
-    schema: int = SCHEMA
     job_id: str
     task_id: int
     example: int
@@ -202,17 +209,20 @@ class Bucket(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tensors: list[TensorSpec]
 
 
-class WeightPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+WeightBackend = Literal["gloo", "nccl"]
+"""The process-group backend weights travel over (`weight_group.choose_backend`)."""
+
+
+class WeightPlan(Message, kw_only=True, forbid_unknown_fields=True):
     """Announced once per update in `job:{id}:weights`; the broadcast follows."""
 
-    schema: int = SCHEMA
     job_id: str
     session: str
     """Identifies the learner process: a restarted learner counts epochs from 1 again."""
     version: int
     epoch: int
     """Group generation; a new epoch (new membership) means a new process group."""
-    backend: Literal["gloo", "nccl"]
+    backend: WeightBackend
     store_host: str
     store_port: int
     world_size: int
@@ -225,28 +235,25 @@ class WeightPlan(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server restarted under the same id ignores a plan made for the process before it."""
 
 
-class JobEvent(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class JobEvent(Message, kw_only=True, forbid_unknown_fields=True):
     """Published on `job:{id}:events`; subscribers also poll the keys, pub/sub is lossy."""
 
-    schema: int = SCHEMA
     kind: Literal["version", "stop"]
     version: int = 0
 
 
-class WeightAck(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class WeightAck(Message, kw_only=True, forbid_unknown_fields=True):
     """A rollout server's word that it serves `version`; listed in `job:{id}:weights`."""
 
-    schema: int = SCHEMA
     server_id: str
     version: int
     epoch: int
     seconds: float
 
 
-class ServerInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ServerInfo(Message, kw_only=True, forbid_unknown_fields=True):
     """A rollout server's heartbeat in `rollout:servers`."""
 
-    schema: int = SCHEMA
     server_id: str
     heartbeat: float
     """Unix time of this record; the learner ignores servers silent for several periods."""
@@ -280,20 +287,20 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_fleet(records: dict[bytes, bytes]) -> tuple[list[ServerInfo], list[str]]:
+def decode_fleet(records: Mapping[Value, Value]) -> tuple[list[ServerInfo], list[str]]:
     """The rollout servers' records (`rollout:servers`) that decode, and the ids of those that
     do not: one record a server of another version (or anything else) wrote must not stop
     every reader of the fleet."""
     infos, unreadable = [], []
-    for server_id, raw in records.items():
+    for server_id, record in records.items():
         try:
-            infos.append(decode(raw, ServerInfo))
+            infos.append(decode(raw(record), ServerInfo))
         except (msgspec.DecodeError, ValueError):
-            unreadable.append(server_id.decode(errors="replace"))
+            unreadable.append(raw(server_id).decode(errors="replace"))
     return infos, unreadable
 
 
-def decode(data: bytes, kind: type[msgspec.Struct]):
+def decode(data: bytes, kind: type[MessageT]) -> MessageT:
     """Decode and check the schema; raises `msgspec.DecodeError` / `ValueError` with the reason."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -22,13 +22,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ResponseError
+from redis.typing import XReadGroupResponse
 
 from services import protocol
+from services.redis_values import Value, raw, text
 
 log = logging.getLogger(__name__)
 PREFIX = "tandem:"
 FIELD = b"m"
-M = TypeVar("M", bound=msgspec.Struct)
+M = TypeVar("M", bound=protocol.Message)
 T = TypeVar("T")
 
 
@@ -278,9 +280,21 @@ class Delivery(Generic[M]):
     message: M
 
 
+Entry = tuple[Value, Mapping[Value, Value]]
+"""A stream entry as a read gives it: its id and its fields."""
+
+
+def _entries_read(reply: XReadGroupResponse) -> list[Entry]:
+    """The entries of an XREADGROUP on one stream: in RESP2, which `connect`'s clients
+    speak, `[[stream, entries]]`, or empty when none came."""
+    if isinstance(reply, dict):
+        raise TypeError("XREADGROUP replied in RESP3; Tandem's Redis clients speak RESP2 (`queues.connect`)")
+    return reply[0][1] if reply else []
+
+
 async def publish(client: aioredis.Redis, stream: str, message: msgspec.Struct, maxlen: int | None = None) -> bytes:
     """Append `message` to `stream`; with `maxlen`, the stream keeps about that many newest."""
-    return await client.xadd(stream, {FIELD: protocol.encode(message)}, maxlen=maxlen, approximate=True)
+    return raw(await client.xadd(stream, {FIELD: protocol.encode(message)}, maxlen=maxlen, approximate=True))
 
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
@@ -322,18 +336,17 @@ class StreamConsumer(Generic[M]):
         """New entries for this consumer; blocks up to `block_ms` when there are none
         (keep it well under the client's socket timeout, `SOCKET_TIMEOUT_S`)."""
         reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        entries = reply[0][1] if reply else []
-        return await self._decode(entries)
+        return await self._decode(_entries_read(reply))
 
     async def own_pending_count(self) -> int:
         """Entries delivered to this consumer name and not acknowledged."""
         summary = await self.client.xpending(self.stream, self.group)
-        return sum(c["pending"] for c in summary["consumers"] if c["name"].decode() == self.consumer)
+        return sum(c["pending"] for c in summary["consumers"] if text(c["name"]) == self.consumer)
 
     async def read_own_pending(self, count: int) -> list[Delivery[M]]:
         """Entries delivered to this consumer name before and never acknowledged (restart)."""
         reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
-        entries = reply[0][1] if reply else []
+        entries = _entries_read(reply)
         ids = [entry_id for entry_id, _ in entries]
         return await self._decode(await self._drop_overdelivered(entries, ids))
 
@@ -345,9 +358,8 @@ class StreamConsumer(Generic[M]):
         reply = await self.client.xautoclaim(
             self.stream, self.group, self.consumer, min_idle_ms, start_id=self.reclaim_cursor, count=count
         )
-        cursor = reply[0]
-        self.reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        entries = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        self.reclaim_cursor = text(reply[0])
+        entries: list[Entry] = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
         ids = [entry_id for entry_id, _ in entries]
         return await self._decode(await self._drop_overdelivered(entries, ids))
 
@@ -386,17 +398,17 @@ class StreamConsumer(Generic[M]):
         )
         await self.ack(entry_id)
 
-    async def _decode(self, entries: list) -> list[Delivery[M]]:
+    async def _decode(self, entries: list[Entry]) -> list[Delivery[M]]:
         deliveries = []
         for entry_id, fields in entries:
-            data = fields.get(FIELD, b"")
+            data = raw(fields.get(FIELD, b""))
             try:
-                deliveries.append(Delivery(entry_id, protocol.decode(data, self.kind)))
+                deliveries.append(Delivery(raw(entry_id), protocol.decode(data, self.kind)))
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
-                await self.dead_letter(entry_id, data, f"{type(err).__name__}: {err}")
+                await self.dead_letter(raw(entry_id), data, f"{type(err).__name__}: {err}")
         return deliveries
 
-    async def _drop_overdelivered(self, entries: list, ids: list[bytes]) -> list:
+    async def _drop_overdelivered(self, entries: list[Entry], ids: list[Value]) -> list[Entry]:
         if not ids:
             return entries
         counts = await self._delivery_counts(ids)
@@ -405,12 +417,12 @@ class StreamConsumer(Generic[M]):
             delivered = counts.get(entry_id, 0)
             if delivered > self.max_deliveries:
                 reason = f"delivered {delivered} times without an ack (max {self.max_deliveries})"
-                await self.dead_letter(entry_id, fields.get(FIELD, b""), reason)
+                await self.dead_letter(raw(entry_id), raw(fields.get(FIELD, b"")), reason)
             else:
                 kept.append((entry_id, fields))
         return kept
 
-    async def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
+    async def _delivery_counts(self, ids: list[Value]) -> dict[Value, int]:
         async with self.client.pipeline(transaction=False) as pipe:
             for entry_id in ids:
                 pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)

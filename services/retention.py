@@ -15,25 +15,28 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from services.redis_values import Value, text
+
 StreamId = tuple[int, int]
 
 
-def parse_id(raw: bytes | str) -> StreamId:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    millis, _, seq = text.partition("-")
+def parse_id(entry_id: Value) -> StreamId:
+    millis, _, seq = text(entry_id).partition("-")
     return int(millis), int(seq or 0)
 
 
 async def trim_acked(client: aioredis.Redis, stream: str) -> int:
     """Delete the entries of `stream` that every consumer group has acknowledged (but never
-    the newest entry); the number deleted. A stream without groups is left alone."""
-    if not await client.exists(stream):
+    the newest entry); the number deleted. A stream without entries or without groups is
+    left alone."""
+    newest = await client.xrevrange(stream, count=1)
+    newest_id = newest[0][0] if newest else None
+    if newest_id is None:  # no stream, or one its groups created (MKSTREAM) that holds nothing yet
         return 0
     groups = await client.xinfo_groups(stream)
     if not groups:
         return 0
-    newest = await client.xrevrange(stream, count=1)
-    needed = min([await _first_needed(client, stream, group) for group in groups] + [parse_id(newest[0][0])])
+    needed = min([await _first_needed(client, stream, group) for group in groups] + [parse_id(newest_id)])
     return await client.xtrim(stream, minid=f"{needed[0]}-{needed[1]}", approximate=False)
 
 

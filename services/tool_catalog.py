@@ -93,8 +93,10 @@ def check_public_url(url: str) -> None:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as exc:
         raise ValueError(f"MCP server {url}: cannot resolve {host!r}: {exc}") from None
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%", 1)[0])
+    for *_, sockaddr in infos:
+        if not isinstance(sockaddr[0], str):  # an IPv6 address from a Python built without IPv6
+            raise ValueError(f"MCP server {url}: {host!r} resolves to an address this Python cannot read")
+        address = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
         if not address.is_global:
             raise ValueError(f"MCP server {url}: {host!r} resolves to {address}, which is not a public address")
 

@@ -26,15 +26,17 @@ Hash `tandem:judge:upstreams`: upstream name -> model, for every upstream a prox
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import redis.asyncio as redis
 
 from services.queues import Keys
+from services.redis_values import Value, text_fields
 
 State = Literal["closed", "open", "half_open"]
+STATES: tuple[State, ...] = get_args(State)
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,23 @@ class UpstreamHealth:
         return f"{self.name}: {self.reason} since {iso(self.since)}{failures}"
 
     @classmethod
-    def from_hash(cls, name: str, model: str, fields: dict[bytes, bytes]) -> UpstreamHealth:
-        text = {k.decode(): v.decode() for k, v in fields.items()}
+    def from_hash(cls, name: str, model: str, record: Mapping[Value, Value]) -> UpstreamHealth:
+        """The upstream's health from its hash; ValueError for a state no proxy writes."""
+        fields = text_fields(record)
+        state = fields.get("state", "closed")
+        if state not in STATES:
+            raise ValueError(f"upstream {name!r}: unknown circuit state {state!r}")
         return cls(
-            name,
-            text.get("model", model),
-            text.get("state", "closed"),
-            int(text.get("failures", 0)),
-            *(float(text.get(f, 0)) for f in ("since", "limited_since", "opened_at")),
-            text.get("reason", ""),
-            *(float(text.get(f, 0)) for f in ("probe_until", "updated")),
+            name=name,
+            model=fields.get("model", model),
+            state=state,
+            failures=int(fields.get("failures", 0)),
+            since=float(fields.get("since", 0)),
+            limited_since=float(fields.get("limited_since", 0)),
+            opened_at=float(fields.get("opened_at", 0)),
+            reason=fields.get("reason", ""),
+            probe_until=float(fields.get("probe_until", 0)),
+            updated=float(fields.get("updated", 0)),
         )
 
 

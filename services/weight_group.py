@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from services.protocol import Bucket, TensorSpec
+from services.protocol import Bucket, TensorSpec, WeightBackend
 
 ALIGN_BYTES = 64
 CHUNK_BYTES = 16 << 20
@@ -117,10 +117,11 @@ def device_identity(device) -> str:
 
     properties = torch.cuda.get_device_properties(device)
     uuid = getattr(properties, "uuid", None)
-    return f"cuda:{uuid}" if uuid is not None else f"cuda:{properties.pci_bus_id}"
+    # torch's stubs leave out pci_bus_id, which CUDA builds have (torch.numa reads it too)
+    return f"cuda:{uuid}" if uuid is not None else f"cuda:{properties.pci_bus_id}"  # type: ignore[attr-defined]
 
 
-def choose_backend(sender: str, receivers: list[list[str]]) -> tuple[str, str]:
+def choose_backend(sender: str, receivers: list[list[str]]) -> tuple[WeightBackend, str]:
     """The weight group's backend, from both ends: (backend, why). `sender` is the learner's
     `device_identity`; `receivers` the identities of each receiver's workers ([] when a
     receiver has not said). NCCL needs every rank on its own GPU: it refuses two ranks on
@@ -242,8 +243,8 @@ def send_buckets(group, buckets: list[Bucket], fetch, timeout_s: float, device, 
             works.append((broadcast_async(group, data), data))  # `data` must outlive its send
             sent += stop - start
         in_flight[slot] = [work for work, _ in works]
-    for works in in_flight:
-        for work in works:
+    for pending in in_flight:
+        for work in pending:
             work.wait(timeout)
     return sent
 

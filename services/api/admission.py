@@ -46,15 +46,16 @@ def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, root
     num_inline = len(spec.tools.tools)
     tools = spec.tools
     if tools.file is not None and Path(tools.file).is_file():
-        tools = _resolved_tools(spec, settings.max_tools_file_bytes)
+        tools = _resolved_tools(tools, tools.file, settings.max_tools_file_bytes)
         for loc, owner, name in file_fields(tools):
-            if roots is not None and loc[:1] == ("tools",) and loc[1] >= num_inline:
-                confined_path(
-                    getattr(owner, name),
-                    roots,
-                    ("body", "tools", "file"),
-                    f"tool {loc[1] - num_inline} of the file: {name} ",
-                )
+            match loc:
+                case ("tools", int(index), *_) if roots is not None and index >= num_inline:
+                    confined_path(
+                        getattr(owner, name),
+                        roots,
+                        ("body", "tools", "file"),
+                        f"tool {index - num_inline} of the file: {name} ",
+                    )
     try:
         bind_servers(tools, catalog, settings.allow_inline_mcp)
     except CatalogError as exc:
@@ -63,19 +64,20 @@ def check_tools(spec: JobSpec, settings: ApiSettings, catalog: ToolCatalog, root
     return spec
 
 
-def _resolved_tools(spec: JobSpec, max_bytes: int) -> ToolsSpec:
-    """The spec's tools with its tools file's added, or a 422 naming `tools.file`: a file
-    over `max_bytes` is not read (a large file is no tools file, and parsing it is slow)."""
+def _resolved_tools(tools: ToolsSpec, file: str, max_bytes: int) -> ToolsSpec:
+    """`tools` with those of its tools file (`file`, its `tools.file`) added, or a 422 naming
+    `tools.file`: a file over `max_bytes` is not read (a large file is no tools file, and
+    parsing it is slow)."""
     try:
-        size_bytes = Path(spec.tools.file).stat().st_size
+        size_bytes = Path(file).stat().st_size
         if size_bytes > max_bytes:
             raise ValueError(
                 f"tools.file is {size_bytes} bytes; a tools file is at most {max_bytes} (TANDEM_MAX_TOOLS_FILE_BYTES)"
             )
-        return with_file_tools(spec.tools)
+        return with_file_tools(tools)
     except (OSError, ValueError) as exc:
         raise RequestValidationError(
-            [{"type": "value_error", "loc": ("body", "tools", "file"), "input": spec.tools.file, "msg": str(exc)}]
+            [{"type": "value_error", "loc": ("body", "tools", "file"), "input": file, "msg": str(exc)}]
         ) from None
 
 

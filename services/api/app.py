@@ -29,6 +29,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -98,6 +99,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         version="0.1.0",
         description="Submit asynchronous RL jobs, follow their progress, cancel and resume them.",
         lifespan=lifespan,
+        exception_handlers={405: method_not_allowed, RequestValidationError: validation_error},
     )
     app.state.settings = settings
     # The same client as every other process: calls time out, wait out a short Redis outage
@@ -112,8 +114,6 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.stream_slots = StreamSlots(settings.max_event_streams)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(metrics_router())
-    app.add_exception_handler(405, method_not_allowed)
-    app.add_exception_handler(RequestValidationError, validation_error)
     app.state.operators = {name.strip() for name in settings.operators.split(",") if name.strip()}
     app.include_router(jobs_router())
     app.include_router(job_control_router())
@@ -201,7 +201,7 @@ def job_control_router() -> APIRouter:
         CANCELLED at its next step); an ended one is left as it is."""
         client = request.app.state.redis
         await jobs.cancel(client, record["id"], request.app.state.settings.job_retention_s)
-        return JobView(**await jobs.get_job(client, record["id"]))
+        return await job_view(client, record["id"])
 
     @router.post(
         "/v1/jobs/{job_id}/resume",
@@ -224,9 +224,17 @@ def job_control_router() -> APIRouter:
             raise HTTPException(409, str(exc)) from None
         except jobs.QueueFull as exc:
             raise HTTPException(429, str(exc)) from None
-        return JobView(**await jobs.get_job(client, record["id"]))
+        return await job_view(client, record["id"])
 
     return router
+
+
+async def job_view(client: aioredis.Redis, job_id: str) -> JobView:
+    """The job as it is now; 404 when its record is gone (its retention ran out meanwhile)."""
+    record = await jobs.get_job(client, job_id)
+    if record is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return JobView(**record)
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:

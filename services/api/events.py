@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from services import jobs
 from services.queues import Keys
+from services.redis_values import text
 
 log = logging.getLogger(__name__)
 SSE_IDLE_POLL_S = 5.0
@@ -68,9 +69,10 @@ class JobChanges:
                     while self.waiting:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                         if message is not None:
-                            self.wake(message["channel"].decode())
+                            self.wake(text(message["channel"]))
             except (RedisError, OSError) as err:
-                if asyncio.current_task().cancelling():  # a cancel that arrived as a timeout
+                listener = asyncio.current_task()
+                if listener is not None and listener.cancelling():  # a cancel that arrived as a timeout
                     raise
                 log.warning("job change subscription lost (%s); streams poll until it is back", err)
                 await asyncio.sleep(RESUBSCRIBE_S)
@@ -154,9 +156,11 @@ class JobReader:
 
     async def new_events(self) -> list[str]:
         record = await jobs.get_job(self.client, self.job_id)
+        if record is None:  # its retention ran out while the stream was open
+            raise jobs.NoSuchJob(f"job {self.job_id!r} has no record any more")
         events = []
         for raw in await self.client.lrange(Keys.servers(self.job_id), self.memberships, -1):
-            events.append(f"event: servers\ndata: {raw.decode()}\n\n")
+            events.append(f"event: servers\ndata: {text(raw)}\n\n")
             self.memberships += 1
         for raw in await self.history.new(self.client, self.job_id):
             events.append(f"event: step\ndata: {raw.decode()}\n\n")

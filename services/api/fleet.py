@@ -12,6 +12,7 @@ from services import protocol
 from services.api.access import operator
 from services.api.models import ERRORS, RolloutServerView
 from services.queues import Keys
+from services.redis_values import text
 
 FORGET_SERVER_S = 3600.0
 """A server record this old is a dead server's (a live one rewrites it every few seconds):
@@ -23,7 +24,7 @@ def servers_router() -> APIRouter:
     router = APIRouter(dependencies=[Depends(operator)])
 
     async def server_views(client: aioredis.Redis) -> dict[str, RolloutServerView]:
-        drained = {member.decode() for member in await client.smembers(Keys.rollout_drain)}
+        drained = {text(member) for member in await client.smembers(Keys.rollout_drain)}
         now, views = time.time(), {}
         infos, _ = protocol.decode_fleet(await client.hgetall(Keys.rollout_servers))
         for info in infos:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from services import bills, jobs
@@ -120,4 +122,4 @@ class Membership(BaseModel):
     )
 
 
-ERRORS = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}
+ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": Error}, 403: {"model": Error}, 404: {"model": Error}}

@@ -13,6 +13,7 @@ from services import jobs, protocol
 from services.api.access import owned
 from services.api.models import ERRORS, Checkpoint, Dataset, HeldOutConversation, Membership
 from services.queues import FIELD, GROUPS_KEPT, Keys
+from services.redis_values import text
 
 
 def job_records_router() -> APIRouter:
@@ -40,7 +41,7 @@ def job_records_router() -> APIRouter:
         """The files a generate job wrote: `sft` (a warm start's data) and `pairs` (an
         offline job's train.data); none for other kinds."""
         raw = await request.app.state.redis.hgetall(Keys.datasets(record["id"]))
-        return [Dataset(name=name.decode(), **json.loads(value)) for name, value in sorted(raw.items())]
+        return [Dataset(name=text(name), **json.loads(value)) for name, value in sorted(raw.items())]
 
     @router.get("/v1/jobs/{job_id}/servers", response_model=list[Membership], responses=ERRORS)
     async def servers(request: Request, record: dict = Depends(owned)) -> list[Membership]:
@@ -127,7 +128,7 @@ async def held_out_conversations(client, job_id: str, step: int | None) -> list[
                     seconds=result.elapsed_s,
                     conversation=result.conversation,
                 )
-        cursor = "(" + entries[-1][0].decode()
+        cursor = "(" + text(entries[-1][0])
     if not by_round:
         return []
     chosen = by_round[step if step is not None else max(by_round)]

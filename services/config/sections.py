@@ -5,7 +5,7 @@ rules, held-out evaluation, trackers and the spend budget."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -298,7 +298,7 @@ class GenerateSpec(Strict):
     )
 
 
-HEALTH_METRICS = (
+HealthMetric = Literal[
     "reward_mean",
     "success",
     "zero_spread_share",
@@ -318,15 +318,16 @@ HEALTH_METRICS = (
     "nonfinite_updates",
     "kl_ref",
     "staleness_mean",
-)
-"""Per-step history metrics a health rule can watch."""
+]
+"""A per-step history metric a health rule can watch."""
+HEALTH_METRICS: tuple[str, ...] = get_args(HealthMetric)
 
 
 class HealthRule(Strict):
     """A condition on one per-step metric; when it has held for `steps` consecutive RL steps
     the learner warns (once per such stretch) or stops the job, saying which rule and why."""
 
-    metric: Literal[HEALTH_METRICS]
+    metric: HealthMetric
     above: float | None = Field(None, description="Holds when the metric is greater than this.")
     below: float | None = Field(None, description="Holds when the metric is less than this.")
     steps: int = Field(5, ge=1, le=10_000, description="Consecutive RL steps it must hold.")

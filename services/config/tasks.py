@@ -11,15 +11,16 @@ added to `TaskSpec`, and its folder under `rollout/tasks/`, named in `rollout.ta
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, NamedTuple
+from typing import Annotated, ClassVar, Literal, NamedTuple, get_args
 
 from pydantic import Field, Tag, model_validator
 
 from services.config.common import TEXT_CHARS, Strict, discriminator, file_field, tag_reader
 from services.config.sections import EvalSpec
 
-TAU2_DOMAINS = ("mock", "airline", "retail")
-"""The τ²-bench domains a tau2 task plays (telecom's user acts through tools of their own)."""
+Tau2Domain = Literal["mock", "airline", "retail"]
+"""A τ²-bench domain a tau2 task plays (telecom's user acts through tools of their own)."""
+TAU2_DOMAINS: tuple[str, ...] = get_args(Tau2Domain)
 
 
 class CollabDefaults(NamedTuple):
@@ -272,7 +273,7 @@ class Tau2Spec(TaskBase):
     greeting), so it has no system prompt, contexts or simulator-written openings."""
 
     name: Literal["tau2"] = "tau2"
-    domain: Literal[TAU2_DOMAINS] = Field(
+    domain: Tau2Domain = Field(
         description="The benchmark's domain (telecom, whose user acts through tools of their own, is not supported)."
     )
     split: Literal["train", "test", "base"] = Field(
