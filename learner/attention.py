@@ -138,13 +138,15 @@ def sequence_bounds(positions: torch.Tensor | None, length: int) -> torch.Tensor
     return torch.cat([zero, starts, end]).to(torch.int32)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None):
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None) -> torch.Tensor:
     """[T, H, D] causal attention within each sequence of the row `plan` describes."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None:
         return _varlen(q, k, v, plan, scale)
     # Causal attention never lets a real position see the padding after it, and the
     # padded positions' results are never picked.
-    parts = [_causal(*(_gather(x, group) for x in (q, k, v)), scale).flatten(0, 1) for group in plan.groups]
+    parts = [
+        _causal(_gather(q, group), _gather(k, group), _gather(v, group), scale).flatten(0, 1) for group in plan.groups
+    ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if plan.output is None else out.index_select(0, plan.output)
 
@@ -201,11 +203,11 @@ def _varlen_kernel():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None):
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan, scale: float | None) -> torch.Tensor:
     kernel, params = _varlen_kernel()
     # Its keywords changed between torch releases: causality was `is_causal`, then a window;
     # grouped-query attention is either native (`enable_gqa`) or needs the heads repeated.
-    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kwargs: dict[str, object] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     kwargs |= {"scale": scale} if "scale" in params else {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
+
+Subsets = list[tuple[int, list[int]]]
+"""k (sum of lengths, indices) subsets: one tuple of the differencing method."""
 
 
 def karmarkar_karp(lengths: list[int], k: int) -> list[list[int]]:
@@ -23,9 +27,9 @@ def karmarkar_karp(lengths: list[int], k: int) -> list[list[int]]:
     if k < 1:
         raise ValueError("k must be >= 1")
     counter = itertools.count()
-    heap = []
+    heap: list[tuple[int, int, Subsets]] = []  # (-spread, tie-break, subsets)
     for index in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        subsets = [(lengths[index], [index])] + [(0, []) for _ in range(k - 1)]
+        subsets: Subsets = [(lengths[index], [index])] + [(0, []) for _ in range(k - 1)]
         heapq.heappush(heap, (-lengths[index], next(counter), subsets))
     if not heap:
         return [[] for _ in range(k)]
@@ -47,7 +51,11 @@ def round_robin(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def partition(
-    lengths: list[int], dp_size: int, max_tokens_per_rank: int, split=karmarkar_karp, padded: bool = False
+    lengths: list[int],
+    dp_size: int,
+    max_tokens_per_rank: int,
+    split: Callable[[list[int], int], list[list[int]]] = karmarkar_karp,
+    padded: bool = False,
 ) -> list[list[list[int]]]:
     """Per rank, its micro-batches (lists of sequence indices).
 
@@ -86,7 +94,9 @@ def imbalance(lengths: list[int], parts: list[list[int]]) -> float:
 def pack(sequences: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
     """Concatenate sequences into one row: (token ids, position ids restarting at 0 for each
     sequence, the sequence index of every token)."""
-    tokens, positions, seq_ids = [], [], []
+    tokens: list[int] = []
+    positions: list[int] = []
+    seq_ids: list[int] = []
     for index, seq in enumerate(sequences):
         tokens += seq
         positions += range(len(seq))

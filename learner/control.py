@@ -66,6 +66,11 @@ class GroupBroken(CommandFailed):
     cannot go on together. The message names every rank's error known to rank 0."""
 
 
+class NoJob(RuntimeError):
+    """A job's command came to a worker with no job: a `job` command builds the trainer and
+    the weight sender, `end` drops them."""
+
+
 class RankLost(CommandFailed):
     """A rank left the group without leaving an error (killed): nothing to fail the job
     with; the learner exits for its supervisor, and the restarted learner resumes."""
@@ -76,7 +81,7 @@ LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Bro
 rank's, and names no fault of the job. (Under NCCL torchrun tears the ranks down first.)"""
 
 
-def is_lost_peer(error: Exception) -> bool:
+def is_lost_peer(error: BaseException) -> bool:
     return any(sign in str(error) for sign in LOST_PEER_SIGNS)
 
 
@@ -162,7 +167,7 @@ class Worker:
         except RuntimeError as err:
             self.leave(command, err)
 
-    def leave(self, command: Command, error: Exception) -> NoReturn:
+    def leave(self, command: Command, error: BaseException) -> NoReturn:
         """The group is broken. A follower exits. Rank 0 raises `GroupBroken` with every
         rank's error left in the run folder, its own last; or `RankLost` when no other rank
         left one and its own error is the broken connection: a peer died without a word
@@ -180,7 +185,7 @@ class Worker:
             found.append(f"rank 0 failed in {command.kind!r}: {type(error).__name__}: {error}")
         raise GroupBroken("; ".join(sorted(found, key=lambda m: m.startswith("rank 0 ")))) from error
 
-    def report(self, command: Command, error: Exception) -> None:
+    def report(self, command: Command, error: BaseException) -> None:
         """This rank's `command` raised. Leave the error for rank 0 and see whether every
         rank failed it too: then all of them are at `agree`, and the job fails as usual.
         Otherwise some rank may be waiting in a collective for this one: break the group
@@ -208,23 +213,25 @@ class Worker:
                 )
                 return {"can_pack": self.trainer.can_pack}
             case "sft":
-                return self.trainer.sft_step(command.samples)
+                return self.job_trainer().sft_step(command.samples)
             case "start_rl":
-                self.trainer.start_rl()
+                self.job_trainer().start_rl()
                 return {}
             case "rl":
-                return self.trainer.rl_step(command.samples)
+                return self.job_trainer().rl_step(command.samples)
             case "dpo":
-                return self.trainer.dpo_step(command.samples)
+                return self.job_trainer().dpo_step(command.samples)
             case "sync":
-                return self.sender.send(command.plan)
+                if command.plan is None:
+                    raise ValueError("a sync command carries the weight plan")
+                return self.job_sender().send(command.plan)
             case "save":
-                checkpoint.save(self.trainer, Path(command.path), json.loads(command.meta_json))
+                checkpoint.save(self.job_trainer(), Path(command.path), json.loads(command.meta_json))
                 return {}
             case "load":
-                return checkpoint.load(self.trainer, Path(command.path))
+                return checkpoint.load(self.job_trainer(), Path(command.path))
             case "export":
-                self.trainer.export(command.path)
+                self.job_trainer().export(command.path)
                 return {}
             case "end" | "shutdown":
                 if self.sender is not None:
@@ -237,6 +244,18 @@ class Worker:
                     torch.cuda.empty_cache()
                 return {}
         raise ValueError(f"unknown command {command.kind}")
+
+    def job_trainer(self) -> Trainer:
+        """The current job's trainer."""
+        if self.trainer is None:
+            raise NoJob("no trainer: no job command came before this one")
+        return self.trainer
+
+    def job_sender(self) -> WeightSender:
+        """The current job's weight sender."""
+        if self.sender is None:
+            raise NoJob("no weight sender: no job command came before this one")
+        return self.sender
 
 
 def rank_errors_dir(runs_dir: str, job_id: str) -> Path:

@@ -17,6 +17,7 @@ from prometheus_client import Gauge
 from services import jobs, protocol
 from services.config import BudgetSpec, TrainSpec
 from services.queues import Keys
+from services.redis_values import text
 
 COST = Gauge("tandem_job_cost_usd", "What the job's LLM calls have cost so far (USD)", ["job"])
 PROJECTED = Gauge("tandem_job_cost_projected_usd", "Cost so far plus this run's mean step cost x steps left", ["job"])
@@ -82,7 +83,7 @@ class CostMeter:
         or else the one its plan stopped at."""
         self.spend = await jobs.job_spend(self.redis, self.job_id)
         refused_by = await self.redis.hget(Keys.job_spend(self.job_id), "refused_by")
-        why = f"{refused_by.decode()} refused a call" if refused_by else self.binding or "a spend cap refused a call"
+        why = f"{text(refused_by)} refused a call" if refused_by else self.binding or "a spend cap refused a call"
         return (
             f"{jobs.CAP_REACHED} at step {step} of {num_steps}: ${self.spend.get('usd', 0.0):.4f} and "
             f"{self.spend.get('tokens', 0)} tokens spent; {why}"

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from services import protocol
 from services.config import JobSpec
 from services.queues import FIELD, Keys
+from services.redis_values import raw, text
 
 
 class TaskRef(msgspec.Struct):
@@ -89,8 +90,9 @@ class Dispatcher:
         """A resumed run: `skip_past` the newest task in the job's tasks stream (trimming
         always leaves the newest entry there)."""
         last = await self.client.xrevrange(Keys.tasks(self.job_id), count=1)
-        if last:
-            self.skip_past(protocol.decode(last[0][1][FIELD], protocol.Task).task_id, version)
+        fields = last[0][1] if last else None
+        if fields is not None:
+            self.skip_past(protocol.decode(raw(fields[FIELD]), protocol.Task).task_id, version)
 
     def _record_admission(self, version: int) -> None:
         """Tasks from `next_task_id` on are admitted at `version`. Versions more than
@@ -127,9 +129,11 @@ class Dispatcher:
         too many failed deliveries) or its trajectory group (the learner could not decode
         or validate it, or read it too often). Foreign or garbage task entries do not count."""
         entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
-        for entry_id, fields in entries:
-            self.dead_cursor = entry_id.decode()
-            task_id = self._lost_here(fields.get(b"stream", b""), fields.get(FIELD, b""))
+        for entry_id, fields in entries or []:
+            if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
+                continue
+            self.dead_cursor = text(entry_id)
+            task_id = self._lost_here(raw(fields.get(b"stream", b"")), raw(fields.get(FIELD, b"")))
             if task_id is not None:
                 self.replace(task_id)
                 self.dead_lettered += 1

@@ -5,17 +5,44 @@ the reference again. It uses the trainer's batches, logprobs and optimizer step.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
 from learner import loss
-from learner.micro_batch import MicroBatch
+from learner.micro_batch import Collator, MicroBatch
+from learner.policy import reshard
 from learner.reduce import accumulate, all_reduce
+from services.config import JobSpec
 from services.protocol import Sample
 
 
+class _Trainer(Protocol):
+    """What the DPO step uses of `learner.trainer.Trainer`, its host class."""
+
+    spec: JobSpec
+    device: torch.device
+    world_size: int
+    batches: Collator
+    reference: torch.nn.Module | None
+    reference_logprobs: dict[str, float]
+
+    def token_logprobs(
+        self,
+        micro: MicroBatch,
+        model: torch.nn.Module | None = None,
+        with_entropy: bool = False,
+        scored: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def _optimizer_step(self, loss_sum: float) -> dict[str, float]: ...
+
+    def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor: ...
+
+
 class DPOSteps:
-    def dpo_step(self, samples: list[Sample]) -> dict[str, float]:
+    def dpo_step(self: _Trainer, samples: list[Sample]) -> dict[str, float]:
         """One DPO optimizer step on preference pairs (`samples` alternate chosen, rejected;
         each pair sits whole in one micro-batch). Returns metrics per pair over all ranks."""
         micro = self.batches.pair_micro_batches(samples)
@@ -45,11 +72,13 @@ class DPOSteps:
         }
         return metrics | update
 
-    def _reference_logprobs(self, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
+    def _reference_logprobs(self: _Trainer, samples: list[Sample], micro: list[MicroBatch]) -> torch.Tensor:
         """[N] each sample's sequence logprob under the reference. Samples not seen before
         are scored by the rank that trains them and shared with every rank (all ranks hold
         the same memory, so they agree on whether to score)."""
         if any(s.sample_id not in self.reference_logprobs for s in samples):
+            if self.reference is None:
+                raise RuntimeError("the DPO step scores against the reference: start_rl builds it")
             scored = torch.zeros(len(samples), dtype=torch.float64, device=self.device)
             with torch.no_grad():
                 for mb in micro:
@@ -59,7 +88,7 @@ class DPOSteps:
                         scored[mb.samples] = loss.sequence_logprobs(
                             logprobs, mask, mb.seq_ids, len(mb.samples)
                         ).double()
-            self.reference.reshard()
+            reshard(self.reference)
             dist.all_reduce(scored)  # each sample was scored on one rank, zero elsewhere
             if len(self.reference_logprobs) > 1_000_000:  # online pairs come once: forget the old
                 self.reference_logprobs.clear()

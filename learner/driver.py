@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from learner.control import Command, GroupBroken, RankLost, Worker, rank_errors, rank_errors_dir
 from learner.runs import run_for
-from learner.runs.base import JobCancelled, LearnerStopping
+from learner.runs.base import JobCancelled, LearnerStopping, Run
 from learner.step_log import JobUnhealthy
 from learner.torchrun import note_job, take_exit
 from services import job_lease, jobs, protocol
@@ -35,7 +35,7 @@ class Driver:
         self.worker = worker
         self.redis = connect(settings.redis_url, max_connections=32, wait_s=30.0, outage_s=settings.redis_outage_s)
         self.current_job = ""
-        self.current_run = None
+        self.current_run: Run | None = None
         self.stop_requested = False
         self.holder = job_lease.holder_id()
         self.lease: job_lease.Lease | None = None

@@ -32,9 +32,10 @@ from prometheus_client import Gauge
 
 from learner.step_log import StepLog
 from services import jobs, protocol
-from services.config import RLJob
+from services.config import JobSpec
 from services.held_out import Round, held_out, round_record
 from services.queues import FIELD, Keys
+from services.redis_values import raw, text
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +92,18 @@ class ResultReader:
             Keys.eval_results(self.job_id), min=f"({self.cursor}", count=READ_COUNT
         ):
             for entry_id, fields in entries:
-                self.cursor = entry_id.decode()
-                self.take(fields.get(FIELD, b""), rounds)
+                if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
+                    continue
+                self.cursor = text(entry_id)
+                self.take(raw(fields.get(FIELD, b"")), rounds)
         stream = Keys.eval_tasks(self.job_id).encode()
         while entries := await self.redis.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=READ_COUNT):
             for entry_id, fields in entries:
-                self.dead_cursor = entry_id.decode()
-                task = decoded(fields.get(FIELD, b""), protocol.EvalTask) if fields.get(b"stream") == stream else None
+                if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
+                    continue
+                self.dead_cursor = text(entry_id)
+                ours = fields.get(b"stream") == stream
+                task = decoded(raw(fields.get(FIELD, b"")), protocol.EvalTask) if ours else None
                 if task is not None and task.round in rounds:
                     rounds[task.round].lost.add((task.example, task.trial))
 
@@ -129,10 +135,10 @@ class HeldOutEvaluation:
     """One RL job's evaluation rounds (the module's docstring says how they go); a job
     without `eval` has none, and each method then does nothing."""
 
-    def __init__(self, client: aioredis.Redis, job_id: str, spec: RLJob, steps: StepLog) -> None:
+    def __init__(self, client: aioredis.Redis, job_id: str, spec: JobSpec, steps: StepLog) -> None:
         self.redis, self.job_id, self.steps = client, job_id, steps
-        self.spec = spec.eval
-        self.examples = held_out(spec).examples if spec.eval is not None else ()
+        self.spec = spec.evaluation()
+        self.examples = held_out(spec).examples if self.spec is not None else ()
         self.num_steps = spec.train.num_steps
         self.rounds: dict[int, Round] = {}
         """Rounds asked for and not yet recorded, by step."""
@@ -157,15 +163,16 @@ class HeldOutEvaluation:
 
     async def ask(self, step: int) -> None:
         """Ask for the round of `step`'s policy if it is due and was never asked for."""
-        if not self.due(step) or step in self.recorded or step in self.rounds:
+        spec = self.spec
+        if spec is None or not self.due(step) or step in self.recorded or step in self.rounds:
             return
-        expected = len(self.examples) * self.spec.trials
+        expected = len(self.examples) * spec.trials
         entry = json.dumps({"expected": expected, "asked": time.time()})
         if not await self.redis.hsetnx(Keys.eval_rounds(self.job_id), str(step), entry):
             await self.load_rounds()  # asked by the run before a restart: awaited, not asked again
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            for trial in range(self.spec.trials):
+            for trial in range(spec.trials):
                 for example in self.examples:
                     task = protocol.EvalTask(job_id=self.job_id, round=step, example=example, trial=trial)
                     pipe.xadd(Keys.eval_tasks(self.job_id), {FIELD: protocol.encode(task)})
@@ -175,10 +182,10 @@ class HeldOutEvaluation:
 
     async def load_rounds(self) -> None:
         """The rounds asked for (by this run or one before it) that its history lacks."""
-        for step, raw in (await self.redis.hgetall(Keys.eval_rounds(self.job_id))).items():
-            step = int(step)
+        for field, value in (await self.redis.hgetall(Keys.eval_rounds(self.job_id))).items():
+            step = int(field)
             if step not in self.recorded and step not in self.rounds:
-                entry = json.loads(raw)
+                entry = json.loads(value)
                 self.rounds[step] = Round(step, entry["expected"], entry["asked"])
 
     async def resume(self, spend: dict | None) -> None:
@@ -221,6 +228,8 @@ class HeldOutEvaluation:
                 await self.record(self.rounds.pop(step), complete=True)
 
     async def record(self, round_: Round, complete: bool) -> None:
+        if self.spec is None:
+            raise RuntimeError("a held-out round is recorded only for a job with eval")
         record = round_record(round_, self.spec.trials, complete)
         self.spend["eval_rollout_seconds"] += record["rollout_seconds"]
         self.spend["eval_llm_tokens"] += record["llm_tokens"]

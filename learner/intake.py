@@ -259,7 +259,7 @@ class BatchIntake:
         size = size or self.train.batch_size
         batch: list[Delivery] = []
         seen: set[int] = set()
-        waiting, held = self.backlog, []
+        waiting, held = self.backlog, list[Delivery]()  # held starts empty, typed
         while len(batch) < size:
             await self.dispatcher.top_up(version)
             if not waiting:

@@ -24,10 +24,15 @@ The method runs inside FSDP's forward hooks (`attach`), so the root module's par
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.micro_batch import MicroBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHUNK_BYTES = 64 * 2**20
 """fp32 logits per chunk: 64 MiB, about 340 tokens at a 49k vocabulary."""
@@ -40,7 +45,7 @@ The projection again measured 7% of an SFT step on SmolLM2 (2,048 tokens a micro
 METHOD = "tandem_token_logprobs"
 
 
-def attach(model: torch.nn.Module) -> None:
+def attach(model: PreTrainedModel) -> None:
     """Give `model` (a transformers causal LM, FSDP-sharded or not) the method
     `tandem_token_logprobs(input_ids, position_ids, scored, temperature, with_entropy)`,
     run with FSDP's pre- and post-forward hooks like `forward`."""
@@ -72,7 +77,7 @@ def micro_batch_logprobs(
 
 
 def _token_logprobs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     scored: torch.Tensor,
@@ -111,24 +116,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, keep_bytes=0):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else None
-        kept: list[torch.Tensor] = []
-        for i, (a, b) in enumerate(_chunks(n, weight.shape[0])):
-            logits = _logits(hidden[a:b], weight, temperature)
-            lse[a:b] = torch.logsumexp(logits, dim=-1)
-            logp[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]
-            keep = len(kept) == i and (i + 1) * logits.nbytes <= keep_bytes  # the first chunks only
-            if entropy is None and not keep:
-                continue
-            logp_all = logits.sub_(lse[a:b, None])  # in place: the logits are not needed again
-            probs = logp_all.exp()
-            if entropy is not None:
-                entropy[a:b] = -(probs * logp_all).sum(-1)
-            if keep:
-                kept.append(probs)
+        logp, lse, entropy, kept = _forward_chunks(hidden, weight, targets, temperature, with_entropy, keep_bytes)
         ctx.save_for_backward(hidden, weight, targets, lse, *kept)
         ctx.temperature = temperature
         if entropy is not None:
@@ -160,6 +148,37 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+def _forward_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    keep_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """`ChunkedLogprobs`' forward, a chunk of tokens at a time: (logprob [N], logsumexp [N],
+    entropy [N] or None, the first chunks' softmax [C, V] up to `keep_bytes` in all)."""
+    n = hidden.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    kept: list[torch.Tensor] = []
+    for i, (a, b) in enumerate(_chunks(n, weight.shape[0])):
+        logits = _logits(hidden[a:b], weight, temperature)
+        lse[a:b] = torch.logsumexp(logits, dim=-1)
+        logp[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]
+        keep = len(kept) == i and (i + 1) * logits.nbytes <= keep_bytes  # the first chunks only
+        if entropy is None and not keep:
+            continue
+        logp_all = logits.sub_(lse[a:b, None])  # in place: the logits are not needed again
+        probs = logp_all.exp()
+        if entropy is not None:
+            entropy[a:b] = -(probs * logp_all).sum(-1)
+        if keep:
+            kept.append(probs)
+    return logp, lse, entropy, kept
+
+
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """[C, V] tempered fp32 logits of a chunk. 16-bit operands (mixed precision) are
     multiplied into fp32 output: rounded to bf16, a logit near 20 would move by up to 1/16."""
@@ -184,6 +203,6 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _chunks(n: int, vocab: int):
+def _chunks(n: int, vocab: int) -> Iterator[tuple[int, int]]:
     size = chunk_tokens(vocab)
     return ((a, min(a + size, n)) for a in range(0, n, size))

@@ -24,7 +24,8 @@ def pairs_from_groups(
 ) -> tuple[list[protocol.Sample], int]:
     """Every group's pair, flattened chosen, rejected, chosen, rejected..., and how many
     pairs were left out for having more tokens together than a rank takes."""
-    flat, too_long = [], 0
+    flat: list[protocol.Sample] = []
+    too_long = 0
     for group in groups:
         pair = pick_pair(group.samples, margin)
         if pair and sum(len(s.tokens) for s in pair) > max_pair_tokens:

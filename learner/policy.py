@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from learner import attention, durable, logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 
 def sharded_model(
     path: str, device: torch.device, world_size: int, dtype: str, packing: str = "varlen"
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """The model at `path` in fp32, each decoder layer and then the whole model sharded over
     `world_size` ranks; bf16 compute with fp32 gradient reduction on CUDA when `dtype` asks.
     Its attention is the one `packing` needs (`learner.attention`), and it has
@@ -45,13 +50,12 @@ def sharded_model(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=implementation)
         full = {}
     mesh = init_device_mesh(device.type, (world_size,))
-    mixed = None
+    mixed = MixedPrecisionPolicy()  # fully_shard's default: compute in the parameters' dtype
     if compute_dtype(device, dtype) == torch.bfloat16:
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh} | ({"mp_policy": mixed} if mixed else {})
     for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mesh=mesh, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, mp_policy=mixed)
     if world_size > 1:
         if not reads:
             model.to_empty(device=device)
@@ -121,8 +125,8 @@ def optimizer_step(
     last went. A NaN or inf gradient would be clipped into NaN and poison every parameter
     and both moments for good. The norm is global (all ranks) and `finite_loss` must be the
     same on every rank, so all ranks agree."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     stepped = finite_loss and math.isfinite(grad_norm) and grad_norm != 0.0
     if stepped:
         optimizer.step()
@@ -136,7 +140,7 @@ def packing_tolerance(compute: torch.dtype) -> float:
     return max(PACKING_TOLERANCE_EPS * torch.finfo(compute).eps, 1e-4)
 
 
-def separates_packed_sequences(model: torch.nn.Module, device: torch.device, compute: torch.dtype) -> bool:
+def separates_packed_sequences(model: PreTrainedModel, device: torch.device, compute: torch.dtype) -> bool:
     """Whether this model's packed logprobs equal its unpacked ones, within the tolerance of
     the dtype it `compute`s in (`PACKING_TOLERANCE_EPS`): whether its attention keeps packed
     sequences apart (transformers' sdpa does so from restarting position ids; so does
@@ -152,7 +156,7 @@ def separates_packed_sequences(model: torch.nn.Module, device: torch.device, com
     with torch.no_grad():
         alone = scored(b, [0, 1, 2, 3])
         both = scored(torch.cat([a, b], 1), [0, 1, 2, 3, 4, 0, 1, 2, 3])
-    model.reshard()
+    reshard(model)
     tolerance = packing_tolerance(compute)
     difference = float((alone - both[:, 5:]).abs().max())
     if difference > tolerance:
@@ -163,6 +167,15 @@ def separates_packed_sequences(model: torch.nn.Module, device: torch.device, com
             compute,
         )
     return difference <= tolerance
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the full parameters that a forward without backward leaves gathered on the root
+    module, so the optimizer (which holds the shards) and the next forward agree. `model`
+    is `sharded_model`'s: `fully_shard` made it an `FSDPModule`."""
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"{type(model).__name__} is not sharded: only a sharded_model reshards")
+    model.reshard()
 
 
 def parameter_specs(model: torch.nn.Module, dtype: str) -> list[tuple[str, list[int], str]]:
@@ -188,7 +201,15 @@ def export(model: torch.nn.Module, source: str, out_dir: str, rank: int) -> None
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        save_hf_folder(model, state, source, Path(out_dir))
+        save_hf_folder(model, _plain_tensors(state), source, Path(out_dir))
+
+
+def _plain_tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """`state`, a full state dict, whose values are all tensors (no shards, no nested dicts)."""
+    tensors = {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+    if len(tensors) != len(state):
+        raise TypeError(f"not a full state dict of tensors: {sorted(state.keys() - tensors.keys())}")
+    return tensors
 
 
 def save_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, out_dir: Path) -> None:

@@ -34,6 +34,7 @@ from learner.control import Command, Worker
 from services import protocol
 from services.config import LearnerSettings
 from services.queues import Keys
+from services.redis_values import text
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class WeightPublisher:
             await check()  # a cancel or a stop (SIGTERM) ends the wait
             error = await self.redis.hget(Keys.job(self.job_id), "rollout_error")
             if error:
-                raise RuntimeError(f"a rollout server cannot serve this job: {error.decode()}")
+                raise RuntimeError(f"a rollout server cannot serve this job: {text(error)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no rollout server joined within {self.settings.rollout_wait_s:.0f}s")
             await asyncio.sleep(0.5)
@@ -151,7 +152,7 @@ class WeightPublisher:
             processes = {s: self.started_of.get(s, 0.0) for s in members}
             fresh = any(self.planned.get(s, t) != t for s, t in processes.items())  # one restarted
             devices = {info.server_id: info.devices for info in self.live}
-            plan = self.worker.sender.plan(version, processes, fresh, devices)
+            plan = self.worker.job_sender().plan(version, processes, fresh, devices)
             self.planned = processes
             await self.redis.hset(
                 Keys.weights(self.job_id), mapping={"version": version, "plan": protocol.encode(plan)}

@@ -173,7 +173,8 @@ def rl_record(
     the batch, the job's running counts and what it trained against what was finished
     (`learner.mix`)."""
     samples = [s for g in groups for s in g.samples]
-    staleness = [version - 1 - g.min_version() for g in groups if g.min_version() is not None]
+    oldest = [v for v in (g.min_version() for g in groups) if v is not None]
+    staleness = [version - 1 - v for v in oldest]
     return {
         "phase": "rl",
         "step": step,

@@ -18,7 +18,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 JOB_FILE_ENV = "TANDEM_LEARNER_JOB_FILE"
 EXIT_FILE = "learner-exit.json"
@@ -26,6 +28,13 @@ NO_EXIT_RECORDED = (
     "no exit status was recorded: torchrun died with its ranks (the whole learner killed, "
     "e.g. its container by the OOM killer) or the machine was lost"
 )
+
+
+class Failure(Protocol):
+    """A failed rank as torchrun reports it (its `ProcessFailure`)."""
+
+    @property
+    def exitcode(self) -> int: ...
 
 
 def describe_exit(rank: int, exitcode: int) -> str:
@@ -48,7 +57,7 @@ def note_job(job_id: str) -> None:
         Path(path).write_text(job_id)
 
 
-def write_exit(runs_dir: Path, job_file: Path, failures: dict[int, object]) -> None:
+def write_exit(runs_dir: Path, job_file: Path, failures: Mapping[int, Failure]) -> None:
     """Record the failed ranks' exit statuses for the job rank 0 last noted, if any."""
     job_id = job_file.read_text() if job_file.exists() else ""
     if not job_id:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from services.config import TrackingSpec
 
@@ -73,7 +74,9 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, folder: Path, config: dict, project: str, mode: str, job_id: str) -> None:
+    def __init__(
+        self, folder: Path, config: dict, project: str, mode: Literal["offline", "online"], job_id: str
+    ) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 

@@ -9,6 +9,7 @@ gradients over ranks: the update is the same for any split of the batch.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from learner.micro_batch import Collator, MicroBatch
 from learner.reduce import accumulate, all_reduce, reduce_over_ranks
 from services.config import JobSpec
 from services.protocol import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 COUNTS = loss.COUNTS | {"skipped_updates", "nonfinite_updates"}
 """Metrics that are counts: summed across ranks and minibatches, never divided by tokens."""
@@ -50,7 +54,7 @@ class Trainer(DPOSteps):
         self.can_pack = packs and policy.separates_packed_sequences(self.model, device, compute)
         self.batches = Collator(self.rank, self.world_size, spec.train.max_tokens_per_rank, self.can_pack, device)
 
-    def _sharded(self, path: str) -> torch.nn.Module:
+    def _sharded(self, path: str) -> PreTrainedModel:
         return policy.sharded_model(path, self.device, self.world_size, self.dtype, self.spec.train.packing)
 
     def start_rl(self) -> None:
@@ -98,9 +102,9 @@ class Trainer(DPOSteps):
             ref = scored(self.reference) if self.reference is not None else None
         # A forward without backward leaves the root module unsharded; reshard so the
         # optimizer (which holds the sharded parameters) and the next forward agree.
-        self.model.reshard()
+        policy.reshard(self.model)
         if self.reference is not None:
-            self.reference.reshard()
+            policy.reshard(self.reference)
         return merge_minibatches(
             [self._rl_minibatch(plan, prox[k], ref[k] if ref else None) for k, plan in enumerate(plans)]
         )
@@ -117,6 +121,8 @@ class Trainer(DPOSteps):
         for i, mb in enumerate(micro):
             mask = self.batches.per_token(samples, mb, "mask")
             theta, entropy = self.token_logprobs(mb, with_entropy=True, scored=mask)
+            if entropy is None:
+                raise RuntimeError("token_logprobs returned no entropy though asked for it")
             inputs = loss.LossInputs(
                 theta=theta,
                 prox=prox[i] if prox is not None else theta.detach(),

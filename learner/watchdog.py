@@ -32,6 +32,7 @@ from learner.step_log import JobUnhealthy
 from services import jobs
 from services.config import JobSpec, LearnerSettings
 from services.queues import Keys
+from services.redis_values import raw
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Watchdog:
         settings: LearnerSettings,
         publisher: WeightPublisher,
         dispatcher: Dispatcher,
-        progress: Callable[[], tuple[int, int]],
+        progress: Callable[[], tuple[int, ...]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = redis
@@ -87,9 +88,9 @@ class Watchdog:
         self.publisher = publisher
         self.dispatcher = dispatcher
         self.progress = progress
-        """(steps trained, groups admitted): moves whenever the job progresses."""
+        """(steps trained, groups admitted, any other count): moves whenever the job progresses."""
         self.clock = clock
-        self.marker = (0, 0)
+        self.marker: tuple[int, ...] = (0, 0)
         self.progress_at = clock()
         self.checked: float | None = None
         """When the watchdog last looked (None: not yet)."""
@@ -125,7 +126,7 @@ class Watchdog:
         if waiting is not None:
             await self.hold(*waiting)
         elif self.pause is not None:
-            await self.release()
+            await self.release(self.pause)
         elif now - self.progress_at > self.train.stall_timeout_s:
             raise JobStalled(await self.explain(now - self.progress_at))
         SINCE_PROGRESS.labels(self.job_id).set(now - self.progress_at)
@@ -174,9 +175,9 @@ class Watchdog:
         if now - self.pause.since > self.pause.bound_s:
             raise JobStalled(f"paused for {now - self.pause.since:.0f}s, past {bound}={bound_s:.0f}s: {reason}")
 
-    async def release(self) -> None:
-        """What the job waited on is back: RUNNING again, and the stall clock starts anew."""
-        log.info("job %s resumed after %.0fs paused", self.job_id, self.clock() - self.pause.since)
+    async def release(self, pause: Pause) -> None:
+        """What the job waited on (`pause`) is back: RUNNING again, and the stall clock starts anew."""
+        log.info("job %s resumed after %.0fs paused", self.job_id, self.clock() - pause.since)
         self.pause = None
         self.progress_at = self.clock()
         await jobs.set_status(self.redis, self.job_id, jobs.JobStatus.RUNNING)
@@ -200,11 +201,12 @@ class Watchdog:
             (Keys.dead(self.job_id), "entries dead-lettered", b"reason"),
         ):
             entries = await self.redis.xrange(key, min=start, count=10_000)
-            if entries:
-                newest = entries[-1][1]
-                where = newest.get(b"server", newest.get(b"consumer", b"")).decode(errors="replace")
-                parts.append(f"{len(entries)} {what}, the newest ({where}): {newest[field].decode(errors='replace')}")
+            newest = entries[-1][1] if entries else None
+            if entries and newest is not None:
+                where = raw(newest.get(b"server", newest.get(b"consumer", b""))).decode(errors="replace")
+                reason = raw(newest[field]).decode(errors="replace")
+                parts.append(f"{len(entries)} {what}, the newest ({where}): {reason}")
         rollout_error = await self.redis.hget(Keys.job(self.job_id), "rollout_error")
         if rollout_error:
-            parts.append(f"a rollout server cannot serve the job: {rollout_error.decode(errors='replace')}")
+            parts.append(f"a rollout server cannot serve the job: {raw(rollout_error).decode(errors='replace')}")
         return "; ".join(parts) or "no task failed and nothing was dead-lettered"

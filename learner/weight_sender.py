@@ -68,7 +68,7 @@ class WeightSender:
             session=self.session,
             version=version,
             epoch=self.epoch,
-            backend=self.backend,
+            backend=backend,
             store_host=self.advertise_host,
             store_port=self.store_port,
             world_size=len(self.ranks) + 1,
@@ -78,7 +78,7 @@ class WeightSender:
             started=dict(members),
         )
 
-    def send(self, plan: WeightPlan) -> dict[str, float]:
+    def send(self, plan: WeightPlan) -> dict[str, float | list[str]]:
         """All ranks: gather each bucket's tensors; rank 0 broadcasts them. A failed
         collective is logged and ends this epoch; the gathers still run to keep ranks aligned."""
         started = time.perf_counter()

@@ -32,6 +32,7 @@ import os
 import time
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from learner import checkpoint
@@ -40,8 +41,10 @@ from learner.control import Command
 from learner.cost import SpendCapReached
 from learner.dispatcher import Dispatcher
 from learner.intake import Acks, BatchIntake
+from learner.runs.base import Learner
 from learner.runs.rollout_fed import RolloutFedRun
 from services import preference, protocol, retention
+from services.config import GenerateJob, JobSpec
 from services.queues import Keys
 from services.stats import mean_by_key
 
@@ -145,7 +148,8 @@ class DatasetFiles:
         (what follows belongs to a batch whose groups were never acknowledged)."""
         self.paths["sft"].parent.mkdir(parents=True, exist_ok=True)
         entries = complete_lines(self.ledger)
-        last = entries[-1] if entries else {"bytes": dict.fromkeys(DATASETS, 0), "rows": self.rows, "dispatcher": None}
+        none_yet = {"bytes": dict.fromkeys(DATASETS, 0), "rows": self.rows, "dispatcher": None}
+        last: dict = entries[-1] if entries else none_yet
         for name, path in self.paths.items():
             with open(path, "a+b") as f:
                 f.truncate(last["bytes"][name])
@@ -164,17 +168,32 @@ class DatasetFiles:
         append_synced(self.ledger, [json.dumps(entry) + "\n"])
 
 
+def generate_spec(spec: JobSpec) -> GenerateJob:
+    """`spec`, a generate job's: its run and its dispatcher read its `generate` section."""
+    if not isinstance(spec, GenerateJob):
+        raise TypeError(f"a generate job's part given a {spec.kind} job")
+    return spec
+
+
 class AllAtOnce(Dispatcher):
     """A generate job's dispatcher: the policy never changes, so every task is admitted at once."""
 
+    def __init__(self, client: aioredis.Redis, job_id: str, spec: JobSpec) -> None:
+        super().__init__(client, job_id, spec)
+        self.conversations = generate_spec(spec).generate.conversations
+
     def limit(self, version: int) -> int:
-        return self.spec.generate.conversations
+        return self.conversations
 
 
 class GenerateRun(RolloutFedRun):
     """Rollout servers' ranked conversations in, dataset rows out; no training."""
 
     dispatcher_class = AllAtOnce
+    spec: GenerateJob
+
+    def __init__(self, learner: Learner, job_id: str, spec: JobSpec) -> None:
+        super().__init__(learner, job_id, generate_spec(spec))
 
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()

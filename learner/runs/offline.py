@@ -39,6 +39,8 @@ class OfflineRun(Run):
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()
         train = self.spec.train
+        if train.data is None:
+            raise ValueError("an offline job trains on train.data, which its spec sets")
         vocab = policy.vocab_size(self.spec.model.local_folder())
         samples = preference.load_pairs(train.data, vocab, max_pair_tokens=train.max_tokens_per_rank)
         pairs = [samples[i : i + 2] for i in range(0, len(samples), 2)]

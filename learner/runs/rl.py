@@ -20,14 +20,13 @@ from learner import pairs as pair_picking
 from learner import policy
 from learner.control import Command
 from learner.cost import SpendCapReached
-from learner.evaluation import HeldOutEvaluation
 from learner.group_log import GroupLog
 from learner.intake import Acks, BatchIntake
 from learner.mix import Mix
 from learner.runs.rollout_fed import RolloutFedRun
 from learner.step_log import rl_record
 from services import protocol, retention
-from services.config import TrainSpec
+from services.config import RLJob, TrainSpec
 from services.queues import Delivery, Keys
 
 log = logging.getLogger(__name__)
@@ -47,11 +46,12 @@ def training_command(groups: list[protocol.TrajectoryGroup], train: TrainSpec) -
 
 class RLRun(RolloutFedRun):
     def health_rules(self) -> list:
-        return self.spec.health
+        return self.spec.health if isinstance(self.spec, RLJob) else []
 
     async def run(self, resuming: bool = False) -> None:
         self.make_run_dir()
         trajectories = await self.trajectories()
+        self.group_log = GroupLog(self.run_dir)
         self.intake = BatchIntake(
             self.job_id,
             self.spec.train,
@@ -59,10 +59,9 @@ class RLRun(RolloutFedRun):
             self.dispatcher,
             Acks(trajectories, deferred=self.checkpoints.periodic),
             policy.vocab_size(self.spec.model.local_folder()),
-            GroupLog(self.run_dir),
+            self.group_log,
             self.spec.train.stragglers,
         )
-        self.evaluation = HeldOutEvaluation(self.redis, self.job_id, self.spec, self.steps)
         if not (resuming and await self.resume()):
             await self.start()
         await self.publisher.wait_for_servers(self.check_waiting)
@@ -71,7 +70,7 @@ class RLRun(RolloutFedRun):
         await self.intake.read_backlog()
         await self.cost.begin(self.step)
         self.steps.start_rl()
-        self.intake.log.start()
+        self.group_log.start()
         with contextlib.suppress(SpendCapReached):  # the proxy refuses its calls: what is out will not come
             await self.train_steps()
         if self.step < self.spec.train.num_steps:  # a spend cap ended it
@@ -148,7 +147,7 @@ class RLRun(RolloutFedRun):
             "mix": self.intake.mix.state(),
             "dispatcher": self.dispatcher.state(),
             "history_length": await self.steps.length(),
-            "groups_bytes": self.intake.log.written_bytes(),
+            "groups_bytes": self.group_log.written_bytes(),
             "evaluation": self.evaluation.spend,
         }
         await self.checkpoints.save(self.step, self.version, meta)
@@ -171,7 +170,7 @@ class RLRun(RolloutFedRun):
                 )
             log.info("no checkpoint yet and nothing dispatched: starting job %s over", self.job_id)
             await self.steps.trim(0)
-            self.intake.log.trim(0)
+            self.group_log.trim(0)
             return False
         self.worker.run(Command(kind="start_rl"))
         meta, exact = await self.checkpoints.load_newest(
@@ -190,7 +189,7 @@ class RLRun(RolloutFedRun):
                 self.dispatcher.replace(task_id)
         await self.steps.trim(meta["history_length"])
         if "groups_bytes" in meta:  # a checkpoint without it leaves the file as it is
-            self.intake.log.trim(meta["groups_bytes"])
+            self.group_log.trim(meta["groups_bytes"])
         await self.evaluation.resume(meta.get("evaluation"))
         log.info("resumed job %s from step %d", self.job_id, self.step)
         return True

@@ -12,6 +12,7 @@ import time
 from learner.cost import CostMeter
 from learner.dispatcher import Dispatcher
 from learner.evaluation import HeldOutEvaluation
+from learner.intake import BatchIntake
 from learner.publisher import WeightPublisher
 from learner.runs.base import Learner, Run
 from learner.watchdog import Watchdog
@@ -26,6 +27,8 @@ GAUGES_EVERY_S = 5.0
 
 class RolloutFedRun(Run):
     dispatcher_class: type[Dispatcher] = Dispatcher
+    intake: BatchIntake
+    """The trajectory stream's groups into batches: built as the run starts, on the stream."""
 
     def __init__(self, learner: Learner, job_id: str, spec: JobSpec) -> None:
         super().__init__(learner, job_id, spec)
@@ -33,7 +36,7 @@ class RolloutFedRun(Run):
         self.publisher = WeightPublisher(self.redis, job_id, self.settings, self.worker)
         self.cost = CostMeter(self.redis, job_id)
         self.gauges_at = 0.0
-        self.evaluation: HeldOutEvaluation | None = None
+        self.evaluation = HeldOutEvaluation(self.redis, job_id, spec, self.steps)
         self.watchdog = Watchdog(
             self.redis, job_id, spec, self.settings, self.publisher, self.dispatcher, self.progress_marker
         )
@@ -41,7 +44,7 @@ class RolloutFedRun(Run):
     def progress_marker(self) -> tuple[int, int, int]:
         """(steps trained, groups admitted, held-out results read): what moves when the job
         progresses (asked only while the run waits, once its intake exists)."""
-        return self.step, self.intake.admitted, self.evaluation.received if self.evaluation else 0
+        return self.step, self.intake.admitted, self.evaluation.received
 
     async def trajectories(self) -> StreamConsumer:
         """The job's trajectory stream, read by the learner's consumer group."""
@@ -86,5 +89,4 @@ class RolloutFedRun(Run):
         if time.monotonic() - self.gauges_at > GAUGES_EVERY_S:  # dashboards move while no step does
             self.gauges_at = time.monotonic()
             await self.steps.export_queue_gauges()
-        if self.evaluation is not None:
-            await self.evaluation.collect()
+        await self.evaluation.collect()  # nothing to read without `eval`
