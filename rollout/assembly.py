@@ -69,11 +69,9 @@ async def assemble(
 
 async def held_out_player(
     played: Played, spec: JobSpec, job_id: str, client: JudgeClient, server_id: str
-) -> HeldOutPlayer | None:
-    """The player of the job's held-out conversations (None without `eval`): the training
-    runner with the held-out task set's user and worlds (its tools are the same kind)."""
-    if spec.evaluation() is None:
-        return None
+) -> HeldOutPlayer:
+    """The player of the job's held-out conversations (ValueError without `eval`): the
+    training runner with the held-out task set's user and worlds (its tools are the same kind)."""
     held = held_out(spec)
     task_set = await asyncio.to_thread(load_task, held.task, held.seed, played.judge)
     check_loaded(held, len(task_set))

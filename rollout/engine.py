@@ -270,6 +270,8 @@ class Engine:
         final = None
         async for output in self._outputs(TokensPrompt(prompt_token_ids=tokens), params):
             final = output  # a streamed request: the last output holds the whole prompt's logprobs
+        if final is None:
+            raise RuntimeError("vLLM streamed no output for a scoring request")
         return [0.0] + [entry[token].logprob for entry, token in zip(final.prompt_logprobs[1:], tokens[1:])]
 
     async def _outputs(self, request, params):

@@ -79,7 +79,10 @@ class EngineSlot:
         return engine
 
     def count_from_now(self) -> None:
-        """Busy time counts from here, under the job about to be served (the engine may be new)."""
+        """Busy time counts from here, under the job about to be served (the engine may be new,
+        and is loaded: `load` came first)."""
+        if self.engine is None:
+            raise RuntimeError("busy time counts on a loaded engine: load the job's first")
         self.counted_s, self.busy_rate = self.engine.busy.busy_s(), TrailingRate(window_s=60.0)
 
     def export_busy(self, job_id: str) -> None:
@@ -103,7 +106,7 @@ class EngineSlot:
         engine, stall_s = self.engine, self.settings.engine_stall_s
         stalled_s = engine.stalled_s() if engine else 0.0
         condition = {"status": "ok"}
-        if stalled_s > stall_s / 2:
+        if engine is not None and stalled_s > stall_s / 2:
             condition = {"status": "degraded", "reason": f"the engine has {stall_reason(engine)}"}
         ok = (engine is None or not engine.dead) and stalled_s <= stall_s
         return ok, {"version": engine.version if engine else -1, **condition}

@@ -146,8 +146,9 @@ class EpisodeRunner:
     spec: RolloutSpec
     tools: ToolBox | None = None
     """The job's tools; `chat` must render with their schemas (`ChatTokenizer.with_tools`)."""
-    worlds: Callable[[int], World] | None = None
-    """The task's fresh world for an example, when its tools act on one (`rollout.tasks.tau2`)."""
+    worlds: Callable[[int], World | None] | None = None
+    """The task's fresh world for an example, when its tools act on one (`rollout.tasks.tau2`;
+    `TaskSet.world`, None for a task without worlds)."""
 
     def start(
         self, context: list[dict], trace: str = "", journal: Journal | None = None, example: int | None = None
@@ -168,7 +169,7 @@ class EpisodeRunner:
             calls = await parse_reply(self.tools.parse, episode.messages[-1]["content"])
             if not calls or episode.tool_use.total >= self.tools.spec.max_calls_per_episode:
                 return True
-            results = await self.run_tools(episode, calls)
+            results = await self.run_tools(self.tools, episode, calls)
             if not self.append_turn(episode, [tool_message(r) for r in results]):
                 return False
         return True
@@ -219,13 +220,13 @@ class EpisodeRunner:
             await journal.record(name, episode.tokens, gen)
         return gen
 
-    async def run_tools(self, episode: Episode, calls: Parsed) -> list[ToolResult]:
-        """The results of the calls in the episode's last reply, recorded in its journal; the
-        results it recorded after these very tokens stand in for calls to tools that do not
-        act on the episode's world (`ToolBox.run`)."""
+    async def run_tools(self, tools: ToolBox, episode: Episode, calls: Parsed) -> list[ToolResult]:
+        """The results of the calls in the episode's last reply, run by `tools` (the runner's)
+        and recorded in its journal; the results it recorded after these very tokens stand in
+        for calls to tools that do not act on the episode's world (`ToolBox.run`)."""
         name, journal = episode.turn_name(), episode.journal
         recorded = journal.recall(name, episode.tokens, list[ToolResult]) if journal is not None else None
-        results = await self.tools.run(calls, episode.tool_use, recorded)
+        results = await tools.run(calls, episode.tool_use, recorded)
         if journal is not None:
             await journal.record(name, episode.tokens, results)
         return results

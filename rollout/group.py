@@ -26,6 +26,7 @@ from prometheus_client import Counter, Histogram, Summary
 from rollout.concurrent import gather_all
 from rollout.episode import MALFORMED_REASONS, Episode, EpisodeRunner
 from rollout.group_view import group_view
+from rollout.interactions.llm_user import LLMUser
 from rollout.journal import Journal
 from rollout.rewards import multiturn
 from rollout.rewards.advantage import group_advantages
@@ -178,7 +179,10 @@ class GroupRollout:
         context = self.task_set.context(task.example)
         if not self.openings:
             return context
-        written = await self.runner.user.opening(task.example, f"task{task.task_id}/opening")
+        user = self.runner.user
+        if not isinstance(user, LLMUser):  # the spec's checks give simulator openings an LLM user
+            raise TypeError(f"openings are written by the LLM user simulator, not by a {type(user).__name__}")
+        written = await user.opening(task.example, f"task{task.task_id}/opening")
         attachment = self.task_set.attachment(task.example)
         request = f"{written}\n\n{attachment}" if attachment else written
         return [*context[:-1], {"role": "user", "content": request}]

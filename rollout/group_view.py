@@ -42,6 +42,13 @@ def after(episode: Episode, start: int) -> list[dict[str, str]]:
     return [text(m) for m in episode.messages[start:]]
 
 
+def future_view(future: Episode, start: int) -> protocol.FutureView:
+    """A future the response's reward scored, from message `start` (the response's end) on."""
+    if future.parts is None:
+        raise ValueError(f"future {future.trace} has no reward parts: a view shows only scored futures")
+    return protocol.FutureView(messages=after(future, start), parts=future.parts, malformed=future.malformed_reason())
+
+
 def response_view(
     index: int, sample: protocol.Sample, episode: Episode, scored: list[Episode], context_len: int
 ) -> protocol.ResponseView:
@@ -55,15 +62,7 @@ def response_view(
         advantage=sample.advantage,
         malformed=episode.malformed_reason(),
         parts=episode.parts,  # set only when a reward scored the conversation itself
-        futures=[
-            protocol.FutureView(
-                messages=after(future, len(episode.messages)),
-                parts=future.parts,
-                malformed=future.malformed_reason(),
-            )
-            for future in scored
-            if future is not episode
-        ],
+        futures=[future_view(future, len(episode.messages)) for future in scored if future is not episode],
         metrics=sample.metrics,
     )
 

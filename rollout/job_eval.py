@@ -13,6 +13,7 @@ history holds for that policy.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -20,7 +21,15 @@ import time
 from pathlib import Path
 
 from services import protocol
-from services.config import EvalSpec, RLJob, RolloutSettings, parse_job_spec, parse_job_spec_json
+from services.config import (
+    EvalSpec,
+    GenerateJob,
+    OfflineJob,
+    RLJob,
+    RolloutSettings,
+    parse_job_spec,
+    parse_job_spec_json,
+)
 from services.held_out import Round, held_out, round_record
 
 SUMMARY = ("success", "well_formed", "asked", "judge", "tokens", "turns", "tool_calls")
@@ -35,7 +44,7 @@ def job_policy(runs_dir: Path, job_id: str, step: int | None) -> tuple[RLJob, Pa
     folder = runs_dir / job_id
     if not (folder / "job.json").is_file():
         sys.exit(f"tandem eval: no job {job_id} in {runs_dir} (--runs-dir, or $TANDEM_RUNS_DIR)")
-    spec = parse_job_spec_json((folder / "job.json").read_text())
+    spec = rl_only(parse_job_spec_json((folder / "job.json").read_text()), str(folder / "job.json"))
     policy = folder / "policy" if step is None else folder / "policies" / f"step-{step:06d}"
     if not (policy / "config.json").is_file():
         sys.exit(
@@ -46,26 +55,26 @@ def job_policy(runs_dir: Path, job_id: str, step: int | None) -> tuple[RLJob, Pa
     return spec, policy
 
 
-def rl_spec(data: dict, path: str) -> RLJob:
-    """The RL job spec read from the file at `path`; SystemExit for another kind."""
-    spec = parse_job_spec(data)
+def rl_only(spec: RLJob | OfflineJob | GenerateJob, path: str) -> RLJob:
+    """The job spec read from the file at `path`, an RL job's; SystemExit for another kind."""
     if not isinstance(spec, RLJob):
         sys.exit(f"tandem eval: {path} is a {spec.kind} job; only an RL job's task is evaluated")
     return spec
 
 
-def with_overrides(spec: RLJob, policy: Path, examples: int | None, trials: int | None) -> RLJob:
+def with_overrides(spec: RLJob, policy: Path, examples: int | None, trials: int | None) -> tuple[RLJob, EvalSpec]:
     """`spec` serving `policy`, with its `eval` section (the defaults when it has none) and
-    the command line's examples and trials over it."""
+    the command line's examples and trials over it; and that section."""
     evaluation = (spec.eval or EvalSpec()).model_copy(
         update={k: v for k, v in {"examples": examples, "trials": trials}.items() if v}
     )
     model = spec.model.model_copy(update={"path": str(policy)})
-    return spec.model_copy(update={"model": model, "eval": evaluation})
+    return spec.model_copy(update={"model": model, "eval": evaluation}), evaluation
 
 
-async def evaluate_policy(spec: RLJob, args) -> tuple[dict, list[dict]]:
-    """Every held-out example `eval.trials` times: the round's record and each conversation."""
+async def evaluate_policy(spec: RLJob, trials: int, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Every held-out example `trials` times (the spec's `eval.trials`): the round's record
+    and each conversation."""
     from rollout.assembly import assemble, check_sandbox, held_out_player
     from rollout.engine import Engine
     from rollout.tau2_eval import progress
@@ -83,7 +92,7 @@ async def evaluate_policy(spec: RLJob, args) -> tuple[dict, list[dict]]:
         player = await held_out_player(played, spec, job_id, client, "tandem-eval")
         tasks = [
             protocol.EvalTask(job_id=job_id, round=args.step or 0, example=example, trial=trial)
-            for trial in range(spec.eval.trials)
+            for trial in range(trials)
             for example in held_out(spec).examples
         ]
         round_ = Round(args.step or 0, len(tasks), time.time())
@@ -103,7 +112,7 @@ async def evaluate_policy(spec: RLJob, args) -> tuple[dict, list[dict]]:
         {"example": r.example, "trial": r.trial, "metrics": r.metrics, "conversation": r.conversation}
         for r in sorted(round_.results.values(), key=lambda r: (r.example, r.trial))
     ]
-    record = round_record(round_, spec.eval.trials, complete=True)
+    record = round_record(round_, trials, complete=True)
     return {k: v for k, v in record.items() if k not in ("phase", "seconds")}, rows
 
 
@@ -114,26 +123,27 @@ def table(task: str, record: dict, trials: int) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(cells) + " |"])
 
 
-def main(args, spec_data: dict | None = None) -> None:
-    """`spec_data`: the spec file's content, when the policy comes with one (`--spec`)."""
-    if args.job:
+def main(args: argparse.Namespace, spec_data: dict | None = None) -> None:
+    """`spec_data`: the spec file's content, when the policy comes with one (`--spec`); None
+    when `--job` names both."""
+    if spec_data is None:
         spec, policy = job_policy(Path(args.runs_dir), args.job, args.step)
     else:
-        spec, policy = rl_spec(spec_data, args.spec), Path(args.model)
+        spec, policy = rl_only(parse_job_spec(spec_data), args.spec), Path(args.model)
         if not (policy / "config.json").is_file():
             sys.exit(f"tandem eval: {policy} is not a model folder")
-    spec = with_overrides(spec, policy, args.examples, args.trials)
-    record, rows = asyncio.run(evaluate_policy(spec, args))
+    spec, evaluation = with_overrides(spec, policy, args.examples, args.trials)
+    record, rows = asyncio.run(evaluate_policy(spec, evaluation.trials, args))
     report = {
         "policy": str(policy),
         "job": args.job,
         "step": args.step,
         "task": spec.task.model_dump(),
-        "eval": spec.eval.model_dump(),
+        "eval": evaluation.model_dump(),
         "held_out": record,
         "conversations": rows,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(table(spec.task.name, record, spec.eval.trials))
+    print(table(spec.task.name, record, evaluation.trials))

@@ -25,12 +25,14 @@ the replies it depends on; 0 turns both off.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 
 from services.queues import Keys
+from services.redis_values import Value, raw, text
 
 T = TypeVar("T")
 
@@ -48,9 +50,10 @@ def prefix_digest(tokens: list[int]) -> str:
 
 
 class Journal:
-    def __init__(self, client: aioredis.Redis, key: str, recorded: dict[bytes, bytes], ttl_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, key: str, recorded: Mapping[Value, Value], ttl_s: float) -> None:
         self.redis, self.key, self.ttl_s = client, key, ttl_s
-        self.recorded = recorded
+        self.recorded = {text(name): raw(entry) for name, entry in recorded.items()}
+        """The entries an earlier server recorded (the hash as read at open), by turn name."""
         self.replayed = 0
         """Turns taken from the journal."""
         self.diverged = 0
@@ -66,10 +69,10 @@ class Journal:
     def recall(self, name: str, tokens: list[int], kind: type[T]) -> T | None:
         """The turn recorded as `name` after exactly `tokens`, decoded as `kind`; None when
         there is none or it followed other tokens."""
-        raw = self.recorded.get(name.encode())
-        if raw is None:
+        recorded = self.recorded.get(name)
+        if recorded is None:
             return None
-        entry = msgspec.json.decode(raw, type=Entry)
+        entry = msgspec.json.decode(recorded, type=Entry)
         if entry.prefix != prefix_digest(tokens):
             self.diverged += 1
             return None

@@ -48,13 +48,23 @@ class ProxyJudge:
         self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
     ) -> list[Verdict]:
         """Each conversation's verdict; `call_id` keys the calls (`/c<i>` per conversation)."""
-        options = {"job": self.job_id, "model": self.spec.judge_model, "cache": self.spec.judge_cache}
+        job, model, cache = self.job_id, self.spec.judge_model, self.spec.judge_cache
         if self.spec.judge_mode == "group" and len(conversations) > 1:
-            group = await self.client.judge_group(rubric, conversations, reference, idempotency_key=call_id, **options)
+            group = await self.client.judge_group(
+                rubric, conversations, reference, job=job, model=model, cache=cache, idempotency_key=call_id
+            )
             return [Verdict(r.score, r.verdict) for r in group.results]
         results = await gather_all(
             *(
-                self.client.judge(rubric, c, reference, idempotency_key=call_id and f"{call_id}/c{i}", **options)
+                self.client.judge(
+                    rubric,
+                    c,
+                    reference,
+                    job=job,
+                    model=model,
+                    cache=cache,
+                    idempotency_key=call_id and f"{call_id}/c{i}",
+                )
                 for i, c in enumerate(conversations)
             )
         )

@@ -10,6 +10,7 @@ settings, the engine, and whether it is draining or stopping.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
+from redis.typing import EncodableT, FieldT
 
 from rollout.engine import Engine
 from rollout.evaluate import HeldOutPlayer
@@ -26,6 +28,7 @@ from rollout.journal import Journal
 from services import jobs, protocol
 from services.config import JobSpec, RolloutSettings
 from services.queues import GROUPS_KEPT, Delivery, Keys, StreamConsumer, publish
+from services.redis_values import raw
 from services.tokenization import TokenizationMismatch
 
 log = logging.getLogger(__name__)
@@ -64,9 +67,11 @@ class Host(Protocol):
     same id is not for this one."""
     redis: aioredis.Redis
     settings: RolloutSettings
-    engine: Engine | None
     drain_requested: asyncio.Event
     stopping: bool
+
+    @property
+    def engine(self) -> Engine | None: ...
 
     async def beat(self) -> None: ...
 
@@ -97,7 +102,7 @@ class Weights:
         while not (leaving() or self.host.stopping):
             plan_bytes = await self.host.redis.hget(Keys.weights(self.job_id), "plan")
             if plan_bytes:
-                await self.apply(plan_bytes)
+                await self.apply(raw(plan_bytes))
             await asyncio.sleep(WEIGHT_POLL_S)
 
     async def apply(self, plan_bytes: bytes) -> None:
@@ -116,8 +121,11 @@ class Weights:
         try:  # bounded: a stalled update must not keep this server from the next plan
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
             # lands as its inner call finishes, and a job's end then never stops this loop.
+            engine = self.host.engine
+            if engine is None:
+                raise RuntimeError("no engine to take the weights: the job's model is not loaded")
             async with asyncio.timeout(plan.timeout_s * (len(plan.buckets) + 2)):
-                result = await self.host.engine.update_weights(
+                result = await engine.update_weights(
                     plan, plan_bytes, plan.ranks[server_id], self.spec.rollout.pause_mode
                 )
         except Exception:  # a missed collective: wait to be included in the next epoch
@@ -277,8 +285,12 @@ class ServedJob:
                 key = (lane.consumer, delivery.entry_id)
                 task = asyncio.create_task(self.work.run(lane.consumer, delivery))
                 inflight[key] = task
-                task.add_done_callback(lambda _, key=key: inflight.pop(key, None))
+                task.add_done_callback(functools.partial(self.forget, key))
             INFLIGHT.labels(self.job_id).set(len(inflight))
+
+    def forget(self, key: tuple[StreamConsumer, bytes], _: asyncio.Task) -> None:
+        """A finished entry's task leaves `inflight` (a done callback)."""
+        self.inflight.pop(key, None)
 
     async def read_new(self, capacity: int) -> list[tuple[Lane, Delivery]]:
         """New entries for each lane with room; the last lane (tasks) blocks briefly when
@@ -341,7 +353,7 @@ class Work:
     async def note_error(self, task_id: int, err: Exception) -> None:
         """Why a task failed, for the learner to name if the job stops progressing."""
         error = f"{type(err).__name__}: {err}"[:1000]
-        fields = {"task": task_id, "server": self.host.server_id, "error": error}
+        fields: dict[FieldT, EncodableT] = {"task": task_id, "server": self.host.server_id, "error": error}
         await self.host.redis.xadd(Keys.task_errors(self.job_id), fields, maxlen=TASK_ERRORS_KEPT, approximate=True)
 
     async def play_task(self, task: protocol.Task, started: float) -> Journal:
@@ -363,6 +375,8 @@ class Work:
     async def play_eval(self, task: protocol.EvalTask) -> None:
         """The held-out conversation's result into the job's eval results (no journal: a
         retry plays it afresh, and the learner keeps one result per example and trial)."""
+        if self.held_out is None:  # its lane is read only with a player (`job_lanes`)
+            raise RuntimeError("a held-out conversation for a job this server evaluates nothing of")
         size = len(self.held_out.task)
         if not 0 <= task.example < size:
             raise BadTask(f"held-out example {task.example} outside the held-out set (size {size})")

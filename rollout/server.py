@@ -223,7 +223,11 @@ class RolloutServer:
         played = await assemble(
             engine, spec, job_id, self.judge_client, self.tool_catalog, self.settings.allow_inline_mcp
         )
-        held_out = await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
+        held_out = (
+            await held_out_player(played, spec, job_id, self.judge_client, self.server_id)
+            if spec.evaluation() is not None
+            else None
+        )
         return group_rollout(played, spec, job_id, self.reward_slots, self.server_id), held_out
 
     async def serve_job(
@@ -277,7 +281,8 @@ def log_task_stacks() -> None:
     tasks = asyncio.all_tasks()
     log.warning("SIGUSR1: %d asyncio tasks", len(tasks))
     for task in tasks:
-        chain, awaited = [], task.get_coro()
+        chain: list[str] = []
+        awaited: object = task.get_coro()  # walked by the attributes coroutines and generators have
         while awaited is not None and len(chain) < 20:  # the await chain, outermost first
             frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
             if frame is not None:

@@ -13,6 +13,7 @@ the benchmark samples), so a split of three tasks gets an honestly wide one.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -20,17 +21,22 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.config import (
-    JobSpec,
     ModelSpec,
     RewardSpec,
     RLJob,
     RolloutSpec,
     Tau2Spec,
     ToolCatalog,
+    TrainSpec,
 )
 from services.held_out import pass_hat_k
+
+if TYPE_CHECKING:
+    from rollout.engine import Engine
+    from services.judge_client import JudgeClient
 
 BOOTSTRAP_RESAMPLES = 2000
 VERDICT = (
@@ -55,11 +61,12 @@ def summary(successes: list[int], trials: int) -> dict:
     }
 
 
-def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
+def job_spec(model: str, domain: str, split: str, args: argparse.Namespace) -> RLJob:
     """The settings of one domain's evaluation, as the job spec a rollout server reads."""
+    task = {"domain": domain, "split": split} | ({"num_examples": args.num_tasks} if args.num_tasks else {})
     return RLJob(
         model=ModelSpec(path=model, max_model_len=args.max_model_len),
-        task=Tau2Spec(domain=domain, split=split, **({"num_examples": args.num_tasks} if args.num_tasks else {})),
+        task=Tau2Spec.model_validate(task),
         rollout=RolloutSpec(
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
@@ -67,35 +74,38 @@ def job_spec(model: str, domain: str, split: str, args) -> JobSpec:
             max_turns=args.max_turns,
         ),
         reward=RewardSpec(user_model=args.user_model),
-        train={"seed": args.seed},
+        train=TrainSpec(seed=args.seed),
     )
 
 
-async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrency: int) -> dict:
+async def evaluate_domain(engine: Engine, client: JudgeClient, spec: RLJob, trials: int, concurrency: int) -> dict:
     """Every task of the spec's split, `trials` times: per-task verdicts and how each ended."""
     from transformers import AutoTokenizer
 
     from rollout.assembly import open_tools, task_user
     from rollout.episode import EpisodeRunner
-    from rollout.tasks import load_task
+    from rollout.tasks.tau2 import Tau2Task
     from services.tokenization import ChatTokenizer
 
-    task_set = load_task(spec.task, spec.train.seed)
+    task = spec.task
+    if not isinstance(task, Tau2Spec):
+        raise ValueError(f"task {task.name!r} is not a τ²-bench domain: tandem eval --domains plays those")
+    task_set = Tau2Task(task)
     tools = await open_tools(task_set, spec, "eval", ToolCatalog(), allow_inline_mcp=False)
     if tools is None:
-        raise ValueError(f"task {spec.task.name!r} brings no tools: tandem eval --tau2 plays τ²-bench domains")
+        raise ValueError(f"task {task.name!r} brings no tools: tandem eval --tau2 plays τ²-bench domains")
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(spec.model.path)).with_tools(tools.schemas(), tools.spec.parser)
     runner = EpisodeRunner(engine, chat, task_user(task_set, client, spec, "eval"), spec.rollout, tools, task_set.world)
-    slots, done = asyncio.Semaphore(concurrency), Counter()
+    slots, done = asyncio.Semaphore(concurrency), Counter[str]()
     total = len(task_set) * trials
 
     async def one(example: int, trial: int) -> dict:
         async with slots:
             started = time.monotonic()
-            episode = await runner.run(example, task_set.context(example), f"eval/{spec.task.domain}/{example}/{trial}")
+            episode = await runner.run(example, task_set.context(example), f"eval/{task.domain}/{example}/{trial}")
             verdict = await task_set.verdict(example, episode) if episode.well_formed() else None
         done["episodes"] += 1
-        progress(done["episodes"], total, spec.task.domain)
+        progress(done["episodes"], total, task.domain)
         return {
             "task": task_set.tasks[example].id,
             "trial": trial,
@@ -116,8 +126,8 @@ async def evaluate_domain(engine, client, spec: JobSpec, trials: int, concurrenc
         by_task.setdefault(row["task"], []).append(row)
     successes = [sum(r["reward"] >= 1.0 for r in task_rows) for task_rows in by_task.values()]
     return {
-        "domain": spec.task.domain,
-        "split": spec.task.split,
+        "domain": task.domain,
+        "split": task.split,
         "tasks": len(by_task),
         "trials": trials,
         **summary(successes, trials),
@@ -149,7 +159,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-async def run(args) -> list[dict]:
+async def run(args: argparse.Namespace) -> list[dict]:
     from rollout.engine import Engine
     from services.judge_client import JudgeClient
 
@@ -163,7 +173,7 @@ async def run(args) -> list[dict]:
         engine.shutdown()
 
 
-def main(args) -> None:
+def main(args: argparse.Namespace) -> None:
     results = asyncio.run(run(args))
     record = {
         "model": args.model,

@@ -12,11 +12,26 @@ that processing.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from services import protocol, weight_group
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+
 
 class WeightReceiverExtension:
+    # What vLLM's worker, which this class is mixed into, brings: declared for the type
+    # checker only, since vLLM refuses an extension with an attribute its worker has.
+    rank: int
+    device: torch.device
+    if TYPE_CHECKING:
+
+        def reload_weights(self, *, weights_iterator: Iterator[tuple[str, object]], is_checkpoint_format: bool) -> None:
+            """Load the weights in place, under the worker's vLLM config."""
+
     _tandem_store = None
     _tandem_store_key: tuple[str, int, str] | None = None
     _tandem_group = None

@@ -126,8 +126,8 @@ async def score_response(
         if not episode.well_formed():
             return minimum_reward(spec), []
         async with futures.slots:
-            rewards = await conversation_rewards(task, example, [episode], spec, judge, f"{episode.trace}/judge")
-        return rewards[0], [episode]
+            [reward] = await conversation_rewards(task, example, [episode], spec, judge, f"{episode.trace}/judge")
+        return reward, [episode]
     sampled: list[Episode] = []
     rewards: list[float] = []
     wanted = futures.first_round()

@@ -3,10 +3,12 @@ and what it may ask of the judge (`Judge`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from rollout.interactions.base import UserSimulator
+from rollout.tasks.extraction import Completer
 
 if TYPE_CHECKING:
     from rollout.episode import Episode
@@ -23,10 +25,15 @@ class Verdict:
     reason: str = ""
 
 
-class Judge(Protocol):
+class Judge(Completer, Protocol):
     """R_llm: the judge's verdicts on conversations (`rollout.judging.ProxyJudge`).
     `call_id` names the request in its task (the proxy's idempotency key). Here because a
-    task's metric may ask it (MATH-Chat with metric=judge); the rewards ask it for R_llm."""
+    task's metric may ask it (MATH-Chat with metric=judge, and, as a `Completer`, a task
+    whose document an LLM reads out); the rewards ask it for R_llm."""
+
+    async def __call__(self, rubric: str, messages: list[dict], reference: str | None) -> float:
+        """One conversation's score under `rubric`."""
+        ...
 
     async def score_all(
         self, rubric: str, conversations: list[list[dict]], reference: str | None, call_id: str = ""
@@ -81,7 +88,7 @@ class TaskSet:
         simulator plays `goal` (`rollout.assembly.task_user`)."""
         return self.rule_user
 
-    def tools(self) -> list[Tool | WorldTool] | None:
+    def tools(self) -> Sequence[Tool | WorldTool] | None:
         """The tools this task brings (τ²-bench's domain tools), which replace the job's;
         None: the job's own `tools`, if any. Called in a thread: it may read files."""
         return None

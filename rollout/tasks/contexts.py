@@ -15,6 +15,7 @@ example.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class ContextView(TaskSet):
     async def score(self, index: int, messages: list[dict], episode=None) -> float:
         return await self.base.score(self.example_of(index), messages, episode)
 
-    def tools(self) -> list[Tool | WorldTool] | None:
+    def tools(self) -> Sequence[Tool | WorldTool] | None:
         return self.base.tools()
 
     def world(self, index: int) -> World | None:

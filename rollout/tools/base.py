@@ -14,7 +14,10 @@ and per-episode limits, so a tool is only the function itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13; only annotations use it
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class WorldTool(Protocol):
     async def call(self, arguments: dict, world: World) -> str: ...
 
     async def close(self) -> None: ...
+
+
+def acts_on_world(tool: Tool | WorldTool) -> TypeIs[WorldTool]:
+    """Whether `tool`'s calls get the episode's world (it says so with `acts_on_world = True`)."""
+    return bool(getattr(tool, "acts_on_world", False))
 
 
 class World(Protocol):

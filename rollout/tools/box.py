@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,7 +19,7 @@ import jsonschema
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
-from rollout.tools.base import Tool, ToolCall, ToolError, World, WorldTool
+from rollout.tools.base import Tool, ToolCall, ToolError, World, WorldTool, acts_on_world
 from rollout.tools.parsers import PARSERS, Parsed
 from services.config import ToolBase, ToolCatalog, ToolsSpec
 from services.tool_catalog import CatalogError, bind_servers, check_public_url, inline_urls, with_file_tools
@@ -59,9 +60,14 @@ class ToolLimits(Protocol):
     """What the tool box enforces for one tool (a `ToolSpec` from the job, or a task's
     own limits for the tools it brings)."""
 
-    max_calls: int
-    max_concurrency: int
-    timeout_s: float
+    @property
+    def max_calls(self) -> int: ...
+
+    @property
+    def max_concurrency(self) -> int: ...
+
+    @property
+    def timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class ToolUsage:
 
 class ToolBox:
     def __init__(
-        self, spec: ToolsSpec, tools: list[Tool | WorldTool], limits: dict[str, ToolLimits], job: str = ""
+        self, spec: ToolsSpec, tools: Sequence[Tool | WorldTool], limits: dict[str, ToolLimits], job: str = ""
     ) -> None:
         self.spec = spec
         self.tools = {tool.name: tool for tool in tools}
@@ -128,9 +134,9 @@ class ToolBox:
             name: jsonschema.Draft202012Validator(tool.schema()["function"]["parameters"])
             for name, tool in self.tools.items()
         }
-        self.in_flight = Counter()
+        self.in_flight = Counter[str]()
         """Calls running now, by tool (tests check the concurrency limit with it)."""
-        self.most_in_flight = Counter()
+        self.most_in_flight = Counter[str]()
 
     @classmethod
     async def open(
@@ -150,7 +156,7 @@ class ToolBox:
         return cls(spec, await open_kinds(spec.tools), {t.name: t for t in spec.tools}, job)
 
     @classmethod
-    def of_task(cls, spec: ToolsSpec, tools: list[Tool | WorldTool], job: str = "") -> ToolBox:
+    def of_task(cls, spec: ToolsSpec, tools: Sequence[Tool | WorldTool], job: str = "") -> ToolBox:
         """A box for the tools a task brings (τ²-bench's domain tools): the job's `tools`
         section sets only the parser and the per-episode limits, which bound each tool too."""
         limits = TaskToolLimits(max_calls=spec.max_calls_per_episode)
@@ -167,17 +173,18 @@ class ToolBox:
         (a task's journal): its results stand in for calls to tools that do not act on the
         episode's world, which are not made again. World tools run again, since the world
         they change is rebuilt by replaying them (they are functions of it)."""
-        results: list[ToolResult | None] = []
+        refusals: list[ToolResult | None] = []
         admitted: list[tuple[int, ToolCall]] = []
         for call in parsed.calls:
             refused = self._refusal(call, usage)
             if refused is None:
-                admitted.append((len(results), call))
+                admitted.append((len(refusals), call))
                 usage.calls[call.name] += 1
-            results.append(refused)
-        ran = await asyncio.gather(*(self._answer(index, call, usage.world, recorded) for index, call in admitted))
-        for (index, _), result in zip(admitted, ran):
-            results[index] = result
+            refusals.append(refused)
+        ran = iter(
+            await asyncio.gather(*(self._answer(index, call, usage.world, recorded) for index, call in admitted))
+        )
+        results = [refused if refused is not None else next(ran) for refused in refusals]  # ran is in index order
         results += [
             ToolResult(None, f"error: could not read the tool call ({m.reason})", "malformed") for m in parsed.malformed
         ]
@@ -214,7 +221,7 @@ class ToolBox:
         self, index: int, call: ToolCall, world: World | None, recorded: list[ToolResult] | None
     ) -> ToolResult:
         """The result of the reply's call at `index`: the recorded one, or the tool's."""
-        if recorded is not None and not getattr(self.tools[call.name], "acts_on_world", False):
+        if recorded is not None and not acts_on_world(self.tools[call.name]):
             return recorded[index]
         return await self._call(call, world)
 
@@ -242,7 +249,7 @@ class ToolBox:
 
     @staticmethod
     async def _invoke(tool: Tool | WorldTool, arguments: dict, world: World | None) -> str:
-        if not getattr(tool, "acts_on_world", False):
+        if not acts_on_world(tool):
             return await tool.call(arguments)
         if world is None:
             raise RuntimeError(f"{tool.name} acts on the episode's world, and this episode has none")
@@ -280,7 +287,7 @@ def tool_message(result: ToolResult) -> dict:
     return message
 
 
-async def open_kinds(specs: list[ToolBase]) -> list[Tool]:
+async def open_kinds(specs: Sequence[ToolBase]) -> list[Tool]:
     """One tool per spec, in the specs' order, each opened by its kind's module."""
     by_kind: dict[str, list[int]] = {}
     for index, spec in enumerate(specs):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rollout.tools.base import ToolError, function_schema
@@ -20,7 +21,7 @@ MAX_DIGITS = 4000
 """The largest integer result, in decimal digits; bigger is an error, not a slow reply."""
 MAX_BITS = int(MAX_DIGITS * 3.33)
 
-_BINARY = {
+_BINARY: dict[type[ast.operator], Callable[[int | float, int | float], int | float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -29,7 +30,7 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNARY: dict[type[ast.unaryop], Callable[[int | float], int | float]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def evaluate(expression: str) -> int | float:
@@ -44,7 +45,7 @@ def evaluate(expression: str) -> int | float:
 
 
 def _value(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))

@@ -46,7 +46,7 @@ class McpConnection:
     @property
     def label(self) -> str:
         """How messages name the server: its command line, or its URL."""
-        return shlex.join(self.server.command) if self.server.command else self.server.url
+        return self.server.url if self.server.url is not None else shlex.join(_command(self.server))
 
     async def start(self) -> None:
         """Open the session. RuntimeError naming the server when it cannot be started, does
@@ -83,15 +83,22 @@ class McpConnection:
         inherited environment (PATH, HOME, USER, ...), in a process group of its own."""
         if self.server.url is not None:
             return self.server.url
-        program, *args = self.server.command
+        program, *args = _command(self.server)
         return StdioServerParameters(command=program, args=args, env=self.server.env)
+
+    @property
+    def client(self) -> Client:
+        """The open session's client; RuntimeError before `start()` opened it."""
+        if self._client is None:
+            raise RuntimeError(f"the MCP session with {self.label} is not open")
+        return self._client
 
     async def list_tools(self) -> list[types.Tool]:
         """Every tool the server serves, across all pages of its listing."""
         tools: list[types.Tool] = []
         cursor = None
         while True:
-            page = await self._client.list_tools(cursor=cursor)
+            page = await self.client.list_tools(cursor=cursor)
             tools += page.tools
             if (cursor := page.next_cursor) is None:
                 return tools
@@ -99,7 +106,7 @@ class McpConnection:
     async def call(self, name: str, arguments: dict) -> str:
         """Call tool `name`; the result's content as text. ToolError with that text when the
         server marks the result as an error (isError)."""
-        result = await self._client.call_tool(name, arguments)
+        result = await self.client.call_tool(name, arguments)
         text = "\n".join(map(_content_text, result.content))
         if result.is_error:
             raise ToolError(text)
@@ -163,9 +170,14 @@ async def open_tools(specs: list[McpToolSpec]) -> list[McpTool]:
     tools: list[McpTool] = []
     try:
         for spec in specs:
-            key = spec.server.model_dump_json()
+            server = spec.server
+            if isinstance(server, str):
+                raise ValueError(
+                    f"MCP tool {spec.name!r}: server {server!r} is a catalogue name, unbound (`bind_servers`)"
+                )
+            key = server.model_dump_json()
             if key not in connections:
-                connections[key] = connection = McpConnection(spec.server)
+                connections[key] = connection = McpConnection(server)
                 await connection.start()
                 served[key] = {tool.name: tool for tool in await connection.list_tools()}
             if spec.name not in served[key]:
@@ -192,6 +204,13 @@ def _content_text(block: types.ContentBlock) -> str:
     if isinstance(block.resource, types.TextResourceContents):
         return block.resource.text
     return f"[resource: {block.resource.uri}]"
+
+
+def _command(server: McpServerSpec) -> list[str]:
+    """A stdio server's command line (a server sets it exactly when it sets no URL)."""
+    if server.command is None:
+        raise ValueError("an MCP server sets one of command (stdio) and url (streamable HTTP)")
+    return server.command
 
 
 def _reason(exc: BaseException) -> str:

@@ -3,6 +3,8 @@ reading on every process, and a spec that would evaluate on trained examples is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -49,3 +51,13 @@ def test_a_held_out_seed_equal_to_the_training_seed_is_refused():
 def test_only_rl_jobs_evaluate():
     with pytest.raises(ValidationError, match="eval"):
         parse_job_spec({"kind": "offline", "model": MODEL, "train": {"algorithm": "dpo"}, "eval": {}})
+
+
+def test_tandem_eval_of_a_job_folder_that_is_not_rl_exits_naming_its_kind(tmp_path):
+    from rollout.job_eval import job_policy
+
+    spec = {"kind": "offline", "model": MODEL, "train": {"algorithm": "dpo", "data": "/runs/gen/pairs.jsonl"}}
+    (tmp_path / "offline-1").mkdir()
+    (tmp_path / "offline-1" / "job.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit, match="is a offline job; only an RL job's task is evaluated"):
+        job_policy(tmp_path, "offline-1", None)

@@ -106,14 +106,13 @@ class MathChatTask(FixtureTask):
         if spec.metric == "judge" and judge is None:
             raise ValueError("math_chat with metric='judge' needs a judge client")
         self.examples = [MathExample(**row) for row in read_examples(spec, FIXTURE)]
-        self.metric = spec.metric
-        self.judge = judge
+        self.judge = judge if spec.metric == "judge" else None
 
     def reference(self, example: int) -> str:
         return self.examples[example].answer
 
     async def score(self, example: int, messages: list[dict], episode=None) -> float:
-        if self.metric == "judge":
+        if self.judge is not None:  # metric=judge
             return await self.judge("accuracy", messages, self.reference(example))
         return float(is_correct(messages, self.examples[example].answer))
 

@@ -55,6 +55,7 @@ from services.tau2_splits import task_ids
 
 if TYPE_CHECKING:
     from rollout.episode import Episode
+    from rollout.tools.base import World
     from services.config import Tau2Spec
     from services.judge_client import JudgeClient
 
@@ -86,14 +87,22 @@ class Tau2Tool:
     def schema(self) -> dict:
         return self._schema
 
-    async def call(self, arguments: dict, world: Tau2World) -> str:
-        answer = await world.call(self.name, arguments)
+    async def call(self, arguments: dict, world: World) -> str:
+        answer = await tau2_world(world).call(self.name, arguments)
         if answer.error:
             raise ToolError(answer.content.removeprefix("Error: "))
         return answer.content
 
     async def close(self) -> None:
         pass
+
+
+def tau2_world(world: World | None) -> Tau2World:
+    """An episode's world as the τ² world it is (`Tau2Task.world` made it); TypeError for
+    any other, which no τ² tool or verdict can act on."""
+    if not isinstance(world, Tau2World):
+        raise TypeError(f"a τ² episode plays on a τ² world, not on {type(world).__name__}")
+    return world
 
 
 STOP_MARKER = "###STOP###"
@@ -186,7 +195,7 @@ class Tau2Task(TaskSet):
         finish within `worlds.VERDICT_TIMEOUT_S`."""
         from tau2.data_model.simulation import RewardInfo
 
-        lost = episode.tool_use.world.lost
+        lost = tau2_world(episode.tool_use.world).lost
         if lost:
             return RewardInfo(reward=0.0, info={"error": f"the conversation's environment was lost: {lost}"})
         message = {
@@ -210,7 +219,7 @@ class Tau2Task(TaskSet):
         from tau2.data_model.message import AssistantMessage, UserMessage
 
         out = list(history(self.tasks[example]))
-        world: Tau2World = episode.tool_use.world
+        world = tau2_world(episode.tool_use.world)
         results, answers = iter(episode.tool_use.results), iter(world.calls)
         messages = episode.messages[len(self.context(example)) :]
         for at, message in enumerate(messages):
@@ -301,7 +310,8 @@ def evaluate(environment_constructor, task, trajectory: list, how_it_ended: str)
         (action, {RewardType.ACTION}),
         (said, {RewardType.COMMUNICATE}),
     ]
-    reward, breakdown = 1.0, {}
+    reward = 1.0
+    breakdown: dict[RewardType, float] = {}
     for info, bases in parts:
         if basis & bases:
             reward *= info.reward

@@ -19,12 +19,13 @@ from __future__ import annotations
 import ast
 import functools
 import operator
+from collections.abc import Callable
 
 MAX_BITS = 4096
 """The largest integer, in bits, an expression may compute on the way (1233 digits)."""
 ALLOWED_CHARACTERS = frozenset("0123456789+-*/(). ")
 """The benchmark's own character check (`calculate` in tau2.domains.{retail,airline}.tools)."""
-BINARY = {
+BINARY: dict[type[ast.operator], Callable[[int | float, int | float], int | float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -32,7 +33,7 @@ BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Pow: operator.pow,
 }
-UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+UNARY: dict[type[ast.unaryop], Callable[[int | float], int | float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def check(expression: str) -> None:

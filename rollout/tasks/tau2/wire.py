@@ -68,7 +68,7 @@ async def _read(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int)
     return bytes(data)
 
 
-def decode(body: bytes) -> dict:
+def decode(body: bytes | bytearray) -> dict:
     try:
         message = json.loads(body)
     except ValueError as exc:

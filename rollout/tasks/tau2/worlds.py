@@ -133,6 +133,7 @@ class Tau2World:
 
     def __init__(self, process: Process | None, lost: str = "") -> None:
         self.process, self.lost = process, lost
+        """Its process, None once it is lost (`lost` says why)."""
         self.calls: list[tuple] = []
         """(the benchmark's ToolCall, its ToolMessage) for every call that reached it."""
         self._turn = asyncio.Lock()
@@ -142,7 +143,7 @@ class Tau2World:
         if self._turn.locked():
             raise RuntimeError("a τ² world forks between calls, never during one")
         forked = Tau2World(None, self.lost)
-        if not self.lost:
+        if self.process is not None:
             try:
                 forked.process = self.process.fork()
             except (OSError, WireError) as exc:
@@ -156,7 +157,7 @@ class Tau2World:
         from tau2.data_model.message import ToolCall, ToolMessage
 
         async with self._turn:
-            if self.lost:
+            if self.process is None:
                 raise WorldLost(f"this conversation's environment is gone: {self.lost}")
             call = ToolCall(id=f"call_{len(self.calls)}", name=name, arguments=arguments, requestor="assistant")
             try:
@@ -172,5 +173,8 @@ class Tau2World:
             return answer
 
     def lose(self, reason: str) -> None:
+        """Kill its process: later calls and forks fail naming `reason`."""
         self.lost = reason
-        self.process.kill()
+        if self.process is not None:
+            self.process.kill()
+            self.process = None
