@@ -15,14 +15,15 @@ def available() -> bool:
 def chromium(width: int = 1400, height: int = 1800):
     """A headless Chromium session at `width` x `height`; RuntimeError(MISSING) without the
     packages."""
-    if not available():
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
         raise RuntimeError(MISSING)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
+    options.binary_location = browser
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
     options.add_argument(f"--window-size={width},{height}")
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    return webdriver.Chrome(service=Service(driver), options=options)

@@ -84,7 +84,7 @@ import typing
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, runtime_checkable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -328,12 +328,8 @@ class LocalUpstream:
     def reset(self) -> None:
         """Full buckets, no script, zero counters: as just started."""
         now = self.clock()
-        if self.config.limit_model == "window":
-            self.tokens = Window(self.config.tpm, now, self.config.window_s)
-            self.requests = Window(self.config.rpm, now, self.config.window_s)
-        else:
-            self.tokens = Bucket(self.config.tpm, now)
-            self.requests = Bucket(self.config.rpm, now)
+        self.tokens = self.limit(self.config.tpm, now)
+        self.requests = self.limit(self.config.rpm, now)
         self.rng = random.Random(self.config.seed)
         self.script: deque[dict] = deque()
         self.recent: deque[dict] = deque(maxlen=100)
@@ -357,6 +353,12 @@ class LocalUpstream:
         }
         self.started = now
         self.set_fault(NO_FAULT)
+
+    def limit(self, per_minute: float, now: float) -> Bucket | Window:
+        """A limit of `per_minute`, kept as the configured `limit_model` keeps it."""
+        if self.config.limit_model == "window":
+            return Window(per_minute, now, self.config.window_s)
+        return Bucket(per_minute, now)
 
     def set_fault(self, fault: Fault) -> None:
         """Every chat call fails as `fault` says from now on; calls the last one holds
@@ -432,7 +434,7 @@ class LocalUpstream:
                 text, finish = " ".join(WORD.findall(text)[:max_tokens]), "length"
             completion_tokens += count_tokens(text)
             choices.append({"index": index, "finish_reason": finish, "message": {"role": "assistant", "content": text}})
-        usage = {
+        usage: dict[str, int | dict[str, int]] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -462,7 +464,7 @@ class LocalUpstream:
             self.prefixes.clear()
         return cached
 
-    async def chat(self, request: Request) -> JSONResponse:
+    async def chat(self, request: Request) -> Response:
         self.stats["requests"] += 1
         authorization = request.headers.get("authorization", "").removeprefix("Bearer ")
         if self.config.api_key is not None and authorization != self.config.api_key:
@@ -535,8 +537,8 @@ class LocalUpstream:
         self.done(reply, charge)
         sent = as_reported(reply, script)
         if script.get("padding_bytes") or script.get("nesting"):
-            body = self.counted(padded_json(sent, script))
-            return StreamingResponse(body, media_type="application/json", headers=self.limit_headers())
+            pieces = self.counted(padded_json(sent, script))
+            return StreamingResponse(pieces, media_type="application/json", headers=self.limit_headers())
         return JSONResponse(sent, headers=self.limit_headers())
 
     async def counted(self, pieces: Iterable[bytes]) -> AsyncIterator[bytes]:
@@ -632,11 +634,21 @@ class StandInApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+@runtime_checkable
+class RequestCycle(Protocol):
+    """What `drop_connection` uses of uvicorn's request cycle (either HTTP implementation's)."""
+
+    transport: asyncio.Transport
+    disconnected: bool
+
+
 async def drop_connection(send: Send) -> None:
     """Close the connection of the request `send` answers, sending nothing. Under uvicorn,
     `send` is a method of the request's cycle, which holds the connection's transport; the
     cycle sees the connection lost (a loop turn or two later) and sends no 500 of its own."""
-    cycle = send.__self__
+    cycle = getattr(send, "__self__", None)
+    if not isinstance(cycle, RequestCycle):
+        raise TypeError("only uvicorn's requests can have their connection dropped")
     cycle.transport.close()
     while not cycle.disconnected:
         await asyncio.sleep(0)

@@ -88,6 +88,7 @@ def make_tiny_model(
     tokenizer = train_tokenizer(corpus, vocab_size, individual_digits=individual_digits)
     tokenizer.save_pretrained(out)
     num_heads = hidden_size // HEAD_DIM
+    eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -100,14 +101,14 @@ def make_tiny_model(
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        eos_token_id=eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
-    _write_generation_config(out, config.eos_token_id)
+    _write_generation_config(out, eos_token_id)
     _readable_as_umask_allows(out)
     return out
 
@@ -123,7 +124,7 @@ def _readable_as_umask_allows(out: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
-def _write_generation_config(out: Path, eos_token_id: int) -> None:
+def _write_generation_config(out: Path, eos_token_id: int | list[int]) -> None:
     # Sampling defaults belong to the job spec, not the model folder: keep this minimal so
     # vLLM does not pick up transformers' defaults (top_k=50 would change logprobs).
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))

@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from judge_proxy import metrics
 from judge_proxy.budget import LEASE_MARGIN_S, Lease
@@ -20,7 +21,7 @@ from judge_proxy.queue import Admitter, QueueTimeout, Tried
 from judge_proxy.share import Share, Weights
 from judge_proxy.spend import Bill, Held, JobSpend, bills_of, hold_caps
 from judge_proxy.upstream import Upstream, weighted_order
-from services.upstream_health import outage_of
+from services.upstream_health import Outage, outage_of
 
 
 @dataclass
@@ -36,6 +37,14 @@ class Grant:
     """What it holds of its bills' caps (`JobSpend.hold`) until it settles."""
     bills: list[str] = field(default_factory=list)
     """The spend hashes its cost is charged to: its job's and its tenant's month (`bills_of`)."""
+
+
+class Reserved(NamedTuple):
+    """An upstream's lease for one call, and whether the call is its circuit's probe."""
+
+    upstream: Upstream
+    lease: Lease
+    probe: bool
 
 
 @dataclass
@@ -176,24 +185,24 @@ class Admission:
                     metrics.SHARE_WAITS.labels(group.model, job).inc()
                     held_back = True
                 return Tried(None, held.wait_s, by_share=True)
-            upstream, lease, probe, wait_s = None, None, False, math.inf
+            reserved: Reserved | float = math.inf
             try:
-                upstream, lease, probe, wait_s = await self.reserve_upstream(candidates, need, failed)
+                reserved = await self.reserve_upstream(candidates, need, failed)
             finally:
-                if lease is None:
+                if not isinstance(reserved, Reserved):
                     await group.share.refund(job, share_tokens)
-            if lease is None:
-                return Tried(None, wait_s)
-            return Tried(Grant(upstream, lease, job, share_tokens, probe), 0.0)
+            if not isinstance(reserved, Reserved):
+                return Tried(None, reserved)
+            return Tried(Grant(reserved.upstream, reserved.lease, job, share_tokens, reserved.probe), 0.0)
 
         return try_admit
 
     async def reserve_upstream(
         self, candidates: list[Upstream], need: Need, failed: dict[str, str]
-    ) -> tuple[Upstream | None, Lease | None, bool, float]:
+    ) -> Reserved | float:
         """A lease from the first upstream, in order of preference, whose circuit lets a
         call go and with room for `need` (and whether the call is the circuit's probe); else
-        no lease and the seconds until the soonest could have room or probe. A request that
+        the seconds until the soonest could have room or probe. A request that
         no upstream could ever admit at the ratio learned by now (`check_fits` read an older
         one), or whose every upstream left is open, is refused alone, so it does not hold
         the queue's head until its deadline."""
@@ -205,16 +214,18 @@ class Admission:
                 continue
             admission = await upstream.budget.reserve(need.fixed_tokens, need.prompt_estimates[upstream.name])
             if admission.lease is not None:
-                return upstream, admission.lease, gate.verdict == "probe", 0.0
+                return Reserved(upstream, admission.lease, gate.verdict == "probe")
             if gate.verdict == "probe":
                 await upstream.circuit.release_probe()
             wait_s = min(wait_s, admission.wait_s)
             costs.append(admission.cost)
-        if len(down) == len(candidates):
-            raise unavailable(candidates[0].config.model, down, failed)
+        model = candidates[0].config.model
+        outage = outage_of(model, [g.health for g in down]) if len(down) == len(candidates) else None
+        if outage is not None:
+            raise unavailable(outage, down, failed)
         if not down and math.isinf(wait_s):
-            raise too_large(candidates[0].config.model, min(costs))
-        return None, None, False, min([wait_s, *(g.health.next_probe_s(g.now) for g in down)])
+            raise too_large(model, min(costs))
+        return min([wait_s, *(g.health.next_probe_s(g.now) for g in down)])
 
     def preference(self, candidates: list[Upstream]) -> list[Upstream]:
         """By weight, upstreams that failed here recently last."""
@@ -237,13 +248,14 @@ def exhausted(group: Group, attempts: Attempts, priority: str) -> ProxyError:
     return ProxyError(502, f"upstreams of {group.model!r} failed ({reasons})", "upstream_error")
 
 
-def unavailable(model: str, down: list[Gate], failed: dict[str, str]) -> ProxyError:
-    """503 when every upstream left to try has its circuit open: each named with its reason
-    and since when (and what failed for this request before), `retry-after` the next probe."""
-    message = outage_of(model, [g.health for g in down]).reason
+def unavailable(outage: Outage, down: list[Gate], failed: dict[str, str]) -> ProxyError:
+    """503 when every upstream left to try has its circuit open (`outage`, the gates of
+    `down`): each named with its reason and since when (and what failed for this request
+    before), `retry-after` the next probe."""
+    message = outage.reason
     if failed:
         failures = "; ".join(f"{name}: {why}" for name, why in failed.items())
         downs = "; ".join(g.health.describe() for g in down)
-        message = f"upstreams of model {model!r} failed ({failures}) or are down: {downs}"
+        message = f"upstreams of model {outage.model!r} failed ({failures}) or are down: {downs}"
     retry_after_s = max(1, math.ceil(min(g.health.next_probe_s(g.now) for g in down)))
     return ProxyError(503, message, "upstream_unavailable", retry_after_s=retry_after_s)

@@ -205,13 +205,19 @@ def create_app(settings: JudgeProxySettings) -> FastAPI:
             watcher.cancel()
         await proxy.aclose()
 
-    app = FastAPI(title="Tandem judge proxy", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="Tandem judge proxy",
+        version="0.1.0",
+        lifespan=lifespan,
+        exception_handlers={
+            ProxyError: proxy_error,
+            UpstreamClientError: upstream_client_error,
+            RedisError: budget_store_error,
+            HTTPException: http_error,
+        },
+    )
     app.state.proxy = proxy
     app.include_router(metrics_router(proxy.gateway.health.report))
-    app.add_exception_handler(ProxyError, proxy_error)
-    app.add_exception_handler(UpstreamClientError, upstream_client_error)
-    app.add_exception_handler(RedisError, budget_store_error)
-    app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(RequestIdMiddleware)
     authorize = client_auth(settings.client_tokens)
     app.include_router(chat_router(proxy, authorize, settings))
@@ -361,7 +367,7 @@ def upstream_budget(upstream: Upstream, view: object) -> UpstreamBudget:
     )
 
 
-def info_router(gateway: Gateway, authorize: Callable[[Request], None]) -> APIRouter:
+def info_router(gateway: Gateway, authorize: Callable[[Request], str]) -> APIRouter:
     """What the proxy serves: its models (OpenAI's list) and its upstreams' budgets."""
     router = APIRouter()
 

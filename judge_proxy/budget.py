@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT
 
 from judge_proxy.scripts import lua
 from services.queues import Keys
@@ -178,6 +179,10 @@ class BudgetView:
     """What the pacing bucket of a paced window holds (None without one)."""
     pace_requests: float | None = None
 
+    def left(self, at: float) -> Seen:
+        """What the state leaves, as seen at `at` (`time.monotonic()`)."""
+        return Seen(self.available_tokens, self.available_requests, self.tokens_reset_s, self.requests_reset_s, at)
+
 
 class Budget:
     """One upstream's budget, as seen by one replica (all replicas share the Redis state)."""
@@ -208,7 +213,7 @@ class Budget:
         learned ratio, one request and one concurrency slot; or learn how long to wait."""
         lease_id = uuid.uuid4().hex
         limits = self.limits
-        args = [
+        args: list[EncodableT] = [
             limits.tpm,
             limits.rpm,
             limits.max_concurrency,
@@ -223,7 +228,8 @@ class Budget:
         ok, wait, cost, *left = await self._reserve(self.keys, [*args, *limits.prompt_ratio_band])
         if ok:
             now = time.monotonic()
-            self.seen = Seen(*map(float, left), at=now)
+            tokens, requests, tokens_reset_s, requests_reset_s = map(float, left)
+            self.seen = Seen(tokens, requests, tokens_reset_s, requests_reset_s, now)
             return Admission(Lease(lease_id, int(cost), prompt_estimate, now, fixed_tokens), 0.0, int(cost))
         wait_s = float(wait)  # -1: only the concurrency cap blocks; -2: the cost is over the limit
         return Admission(None, {-1.0: CONCURRENCY_POLL_S, -2.0: math.inf}.get(wait_s, wait_s), int(cost))
@@ -276,7 +282,7 @@ class Budget:
         returns the tokens left."""
         if usage_outlier:
             await self._client.hincrby(self.keys[0], "usage_outliers", 1)
-        args = [
+        args: list[EncodableT] = [
             self.limits.tpm,
             self.limits.rpm,
             lease.tokens,
@@ -306,8 +312,7 @@ class Budget:
         prompt_outliers, prompt_calls, usage_outliers = levels[9]
         pace_tokens, pace_requests = (float(p) if p else None for p in levels[10:])
         self.prompt_ratio = float(ratio)
-        self.seen = Seen(float(tokens), float(requests), float(tokens_reset), float(requests_reset), time.monotonic())
-        return BudgetView(
+        view = BudgetView(
             float(tokens),
             float(requests),
             float(paused),
@@ -323,6 +328,8 @@ class Budget:
             pace_tokens,
             pace_requests,
         )
+        self.seen = view.left(time.monotonic())
+        return view
 
 
 def _optional(value: float | None) -> str:

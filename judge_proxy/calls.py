@@ -11,7 +11,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,9 +23,9 @@ from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group
 from judge_proxy.budget import LEASE_MARGIN_S
 from judge_proxy.errors import UpstreamClientError
-from judge_proxy.replies import ReplyRefused, decoded, over_cap
+from judge_proxy.replies import ReplyRefused, decoded, decoded_object, over_cap
 from judge_proxy.spend import call_cost
-from judge_proxy.upstream import Reply, remaining, reset_s, retry_after_s
+from judge_proxy.upstream import Reply, Upstream, remaining, reset_s, retry_after_s
 from services.config import JudgeProxySettings
 from services.judge_client import backoff_s
 
@@ -45,7 +45,7 @@ class Completion:
     queue_s: float = 0.0
     upstream_s: float = 0.0
     """Until the reply (for a stream: until its headers)."""
-    stream: AsyncIterator[bytes] | None = None
+    stream: AsyncGenerator[bytes, None] | None = None
     """A stream's server-sent events, relayed as they arrive."""
 
 
@@ -88,36 +88,44 @@ class Caller:
         started = time.perf_counter()
         try:
             reply = await upstream.post(payload, stream=stream, tag=attempts.tag)
-            if reply.events is not None:
-                attempts.upstream_s += time.perf_counter() - started
-                return self.relay(group, grant, reply, attempts, client_wants_usage)
-        except TimeoutError as err:
-            reply, outcome, detail = None, "timeout", f"({err})"
-        except aiohttp.ClientError as err:
-            reply, outcome, detail = None, "connect_error", type(err).__name__
-        except ReplyRefused as err:
-            reply, outcome, detail = None, "server_error", str(err)
-        else:
-            outcome, detail = outcome_of(reply.status), f"HTTP {reply.status}"
+        except (TimeoutError, aiohttp.ClientError, ReplyRefused) as err:
+            self.timed(upstream, attempts, started)
+            outcome, detail = unanswered(err)
+            await self.fail(group, grant, outcome, attempts, detail)
+            return None
+        if reply.events is not None:
+            attempts.upstream_s += time.perf_counter() - started
+            return self.relay(group, grant, reply, reply.events, attempts, client_wants_usage)
+        self.timed(upstream, attempts, started)
+        return await self.answered(group, grant, reply, attempt, attempts)
+
+    def timed(self, upstream: Upstream, attempts: Attempts, started: float) -> None:
+        """Count the time since `started` (`time.perf_counter()`) as the upstream's."""
         elapsed_s = time.perf_counter() - started
         attempts.upstream_s += elapsed_s
         metrics.UPSTREAM_LATENCY.labels(upstream.name).observe(elapsed_s)
+
+    async def answered(
+        self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts
+    ) -> Completion | None:
+        """A reply read whole, handled as its status says; None when another attempt should follow."""
+        outcome = outcome_of(reply.status)
         if outcome == "ok":
             return await self.succeed(group, grant, reply, attempts)
         if outcome == "rate_limited":
             await self.back_off(group, grant, reply, attempt, attempts)
             return None
         if outcome == "client_error":  # the upstream is up: the request was at fault
-            metrics.REQUESTS.labels(upstream.name, outcome).inc()
-            await asyncio.gather(settle(group, grant, 0, reply), upstream.circuit.succeeded())
-            raise UpstreamClientError(reply.status, upstream.redact(reply.body))
-        await self.fail(group, grant, outcome, attempts, detail)
+            metrics.REQUESTS.labels(grant.upstream.name, outcome).inc()
+            await asyncio.gather(settle(group, grant, 0, reply), grant.upstream.circuit.succeeded())
+            raise UpstreamClientError(reply.status, grant.upstream.redact(reply.body))
+        await self.fail(group, grant, outcome, attempts, f"HTTP {reply.status}")
         return None
 
     async def succeed(self, group: Group, grant: Grant, reply: Reply, attempts: Attempts) -> Completion | None:
         upstream = grant.upstream
         try:
-            data = decoded(reply.body)
+            data = decoded_object(reply.body)
         except (msgspec.DecodeError, ReplyRefused) as err:
             detail = str(err) if isinstance(err, ReplyRefused) else "reply is not JSON"
             await self.fail(group, grant, "server_error", attempts, detail=detail)
@@ -128,12 +136,18 @@ class Caller:
         return Completion(upstream.name, reply.body, data, settle_later, upstream_s=attempts.upstream_s)
 
     def relay(
-        self, group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
+        self,
+        group: Group,
+        grant: Grant,
+        reply: Reply,
+        response: aiohttp.ClientResponse,
+        attempts: Attempts,
+        client_wants_usage: bool,
     ) -> Completion:
-        """A stream's completion: its events pass through as they arrive; the budget is
-        settled when it ends, however it ends."""
+        """A stream's completion (`response`: its open reply): its events pass through as
+        they arrive; the budget is settled when it ends, however it ends."""
         metrics.REQUESTS.labels(grant.upstream.name, "ok").inc()
-        events = relayed(group, grant, reply, attempts, client_wants_usage)
+        events = relayed(group, grant, reply, response, attempts, client_wants_usage)
         return Completion(grant.upstream.name, b"", {}, _nothing, upstream_s=attempts.upstream_s, stream=events)
 
     async def back_off(self, group: Group, grant: Grant, reply: Reply, attempt: int, attempts: Attempts) -> None:
@@ -166,8 +180,13 @@ class Caller:
 
 
 async def relayed(
-    group: Group, grant: Grant, reply: Reply, attempts: Attempts, client_wants_usage: bool
-) -> AsyncIterator[bytes]:
+    group: Group,
+    grant: Grant,
+    reply: Reply,
+    response: aiohttp.ClientResponse,
+    attempts: Attempts,
+    client_wants_usage: bool,
+) -> AsyncGenerator[bytes, None]:
     """A stream's events as they arrive; an error event when it breaks off (the upstream's
     connection, a timeout, an event the proxy refuses), and the budget settled at the end:
     by its `usage` when whole, else all it reserved."""
@@ -176,7 +195,7 @@ async def relayed(
     outcome, why = "client_closed", ""
     renewed = time.monotonic()
     try:
-        async for event in sse_events(upstream.lines(reply.events), upstream.max_reply_bytes):
+        async for event in sse_events(upstream.lines(response), upstream.max_reply_bytes):
             if time.monotonic() - renewed > LEASE_MARGIN_S:  # see `Budget.renew`
                 hold_ttl_s = upstream.config.quiet_bound_s + LEASE_MARGIN_S
                 await asyncio.gather(upstream.budget.renew(lease), group.spend.renew(grant.held, hold_ttl_s))
@@ -198,7 +217,7 @@ async def relayed(
         log.warning("stream from %s cut off: %s", upstream.name, why)
         yield sse_error(f"the upstream's stream was cut off ({why})")
     finally:
-        reply.events.close()
+        response.close()
         metrics.STREAMS.labels(upstream.name, outcome).inc()
         # A client that leaves cancels the response's scope, and every later await in it:
         # the settle must run shielded or the lease and reservation stay held.
@@ -207,6 +226,15 @@ async def relayed(
                 charge(group, grant, reply, attempts, usage if outcome == "complete" else {}),
                 stream_ended(grant, outcome, why),
             )
+
+
+def unanswered(err: Exception) -> tuple[str, str]:
+    """A call that got no reply whole: its outcome (the metric's label) and why."""
+    if isinstance(err, TimeoutError):
+        return "timeout", f"({err})"
+    if isinstance(err, aiohttp.ClientError):
+        return "connect_error", type(err).__name__
+    return "server_error", str(err)
 
 
 def broken(err: Exception) -> str:

@@ -49,7 +49,7 @@ from redis.exceptions import RedisError
 
 from judge_proxy import metrics
 from judge_proxy.admission import Admission, Attempts, Grant, Group, Need, exhausted
-from judge_proxy.budget import LEASE_MARGIN_S, Budget, Limits
+from judge_proxy.budget import LEASE_MARGIN_S, Budget, Limits, Seen
 from judge_proxy.calls import Caller, Completion, settle
 from judge_proxy.errors import ProxyError
 from judge_proxy.health import Health
@@ -169,10 +169,8 @@ class Gateway:
         replicas: limits and what remains summed, resets the longest. What remains is as this
         replica last saw it, at its last reservation (Redis is asked only for an upstream it
         has not seen yet), so the headers cost no extra round trip per request."""
-        unseen = [u.budget.view() for u in group.upstreams if u.budget.seen is None]
-        await asyncio.gather(*unseen)
+        seen = await asyncio.gather(*(last_seen(u.budget) for u in group.upstreams))
         now = time.monotonic()
-        seen = [u.budget.seen for u in group.upstreams]
         configs = [u.config for u in group.upstreams]
         return {
             "x-ratelimit-limit-requests": str(sum(c.rpm for c in configs)),
@@ -213,6 +211,13 @@ class Gateway:
     async def aclose(self) -> None:
         for upstream in self.upstreams:
             await upstream.aclose()
+
+
+async def last_seen(budget: Budget) -> Seen:
+    """What this replica last saw left of `budget`; Redis is read only when it has seen nothing yet."""
+    if budget.seen is not None:
+        return budget.seen
+    return (await budget.view()).left(time.monotonic())
 
 
 def pin_output_cap(body: dict, max_tokens: int) -> dict:

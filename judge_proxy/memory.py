@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 
 from judge_proxy import metrics
 from services.queues import Keys
+from services.redis_values import Value, raw
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ POLL_S = 0.05
 def digest(*parts: object) -> str:
     """A stable hash of JSON-able parts (dict keys sorted)."""
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()[:40]
+
+
+def _reply(value: Value | None) -> bytes | None:
+    """A stored reply, or None where the entry is absent or still pending."""
+    stored = None if value is None else raw(value)
+    return None if stored == PENDING else stored
 
 
 class Slot(NamedTuple):
@@ -80,16 +87,17 @@ class Memory:
                 task.add_done_callback(self._filled)
                 return await asyncio.shield(task), False
             value = await self.redis.get(key)
-            if value is not None and value != PENDING:
+            reply = _reply(value)
+            if reply is not None:
                 metrics.MEMORY.labels(job, kind, "hit").inc()
-                return value, True
-            if value == PENDING:
+                return reply, True
+            if value is not None:  # pending: another request is making the call
                 await asyncio.sleep(POLL_S)
 
     async def lookup(self, slots: list[Slot]) -> list[bytes | None]:
         """Stored replies (None where absent or still pending), without waiting."""
         values = await self.redis.mget([s.key for s in slots]) if slots else []
-        return [None if v == PENDING else v for v in values]
+        return [_reply(v) for v in values]
 
     async def store(self, items: dict[Slot, bytes]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

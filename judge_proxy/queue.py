@@ -59,8 +59,8 @@ class Waiter(Generic[T]):
     cost_tokens: int
     deadline: float
     """Event-loop time after which the waiter gets `QueueTimeout`."""
-    try_admit: TryAdmit
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    try_admit: TryAdmit[T]
+    future: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 def won(future: asyncio.Future) -> bool:
@@ -130,7 +130,7 @@ class Admitter(Generic[T]):
         self._task: asyncio.Task | None = None
 
     async def admit(
-        self, job: str, priority: str, cost_tokens: int, timeout_s: float, try_admit: TryAdmit
+        self, job: str, priority: str, cost_tokens: int, timeout_s: float, try_admit: TryAdmit[T]
     ) -> tuple[T, float]:
         """A grant and the seconds spent queued for it (0 when the budget was free at once)."""
         loop = asyncio.get_running_loop()

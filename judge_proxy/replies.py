@@ -72,3 +72,12 @@ def decoded(body: bytes | str) -> object:
     if too_deep(raw):
         raise ReplyRefused(f"reply nested deeper than {MAX_REPLY_DEPTH}")
     return msgspec.json.decode(raw)
+
+
+def decoded_object(body: bytes) -> dict:
+    """`body`'s JSON object, as a chat completion is; `ReplyRefused` for JSON that is not an
+    object (or nests too deep), `msgspec.DecodeError` when it is not JSON."""
+    value = decoded(body)
+    if not isinstance(value, dict):
+        raise ReplyRefused("reply is not a JSON object")
+    return value

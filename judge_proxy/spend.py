@@ -260,7 +260,7 @@ async def hold_caps(
             )
         if time.monotonic() > deadline:
             why = f"job {job!r}: calls in flight hold what is left of {held.bill.label}"
-            raise ProxyError(429, why, "rate_limited", retry_after_s=1.0)
+            raise ProxyError(429, why, "rate_limited", retry_after_s=1)
         await asyncio.sleep(CAP_WAIT_S)
 
 

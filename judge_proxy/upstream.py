@@ -273,15 +273,9 @@ class Upstream:
             headers["x-client-request-id"] = tag
         if self._key is not None:
             headers["authorization"] = f"Bearer {self._key.get_secret_value()}"
-        if self.http is None or self.http.closed:
-            # No timeout of aiohttp's: a total one cuts a stream still arriving, and its read
-            # timeout also bounds the wait for headers. `_post_once` and `lines` set their own.
-            self.http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None),
-                connector=aiohttp.TCPConnector(limit=self.config.max_concurrency),
-            )
+        http = self.session()
         try:
-            return await self._post_once(payload, headers, stream)
+            return await self._post_once(http, payload, headers, stream)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
             # A pooled keep-alive connection the server had just closed (uvicorn closes idle
             # ones after 5 s, aiohttp keeps them 15 s), seen as a disconnect or a reset:
@@ -289,16 +283,29 @@ class Upstream:
             # otherwise cost a 502 (bench/judge_proxy.py). Other errors are the upstream's.
             if isinstance(err, aiohttp.ClientOSError) and err.errno not in (errno.ECONNRESET, errno.EPIPE):
                 raise
-            return await self._post_once(payload, headers, stream)
+            return await self._post_once(http, payload, headers, stream)
 
-    async def _post_once(self, payload: bytes, headers: dict[str, str], stream: bool) -> Reply:
+    def session(self) -> aiohttp.ClientSession:
+        """The upstream's pool (`http`), opened on the first call and again once closed."""
+        if self.http is None or self.http.closed:
+            # No timeout of aiohttp's: a total one cuts a stream still arriving, and its read
+            # timeout also bounds the wait for headers. `_post_once` and `lines` set their own.
+            self.http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None),
+                connector=aiohttp.TCPConnector(limit=self.config.max_concurrency),
+            )
+        return self.http
+
+    async def _post_once(
+        self, http: aiohttp.ClientSession, payload: bytes, headers: dict[str, str], stream: bool
+    ) -> Reply:
         """Headers within `first_byte_timeout_s`; a whole reply that is not a stream within
         `timeout_s` of the start, and `ReplyRefused` past `max_reply_bytes` of it."""
         config = self.config
         now = asyncio.get_running_loop().time()
         first_byte_s = config.first_byte_timeout_s if stream else min(config.first_byte_timeout_s, config.timeout_s)
         async with cut_at(now + first_byte_s, f"no first byte in {first_byte_s:g} s"):
-            response = await self.http.post(self.url, data=payload, headers=headers)
+            response = await http.post(self.url, data=payload, headers=headers)
         if stream and 200 <= response.status < 300:
             return Reply(response.status, b"", response.headers, events=response)
         async with response, cut_at(now + config.timeout_s, f"reply not whole in {config.timeout_s:g} s"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 from pathlib import Path
@@ -40,13 +41,15 @@ class ApiClient:
     def get(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def list(self) -> list[dict]:
+    # This method hides the builtin `list` from the rest of the class: annotations there
+    # spell it `builtins.list`.
+    def list(self) -> builtins.list[dict]:
         return self._call("GET", "/v1/jobs")
 
-    def history(self, job_id: str, start: int = 0) -> list[dict]:
+    def history(self, job_id: str, start: int = 0) -> builtins.list[dict]:
         return self.history_page(job_id, start)[1]
 
-    def history_page(self, job_id: str, start: int = 0) -> tuple[int, list[dict]]:
+    def history_page(self, job_id: str, start: int = 0) -> tuple[int, builtins.list[dict]]:
         """The records from index `start` of the job's history on, and the index of the first
         one returned (later than `start` when the API no longer keeps those)."""
         response = self._request("GET", f"/v1/jobs/{job_id}/history", params={"start": start})
@@ -59,19 +62,19 @@ class ApiClient:
         """Queue an ended job again; `budget` (`{usd, tokens}`) replaces its caps."""
         return self._call("POST", f"/v1/jobs/{job_id}/resume", json={"budget": budget} if budget else None)
 
-    def checkpoints(self, job_id: str) -> list[dict]:
+    def checkpoints(self, job_id: str) -> builtins.list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
-    def groups(self, job_id: str) -> list[dict]:
+    def groups(self, job_id: str) -> builtins.list[dict]:
         """Every training group the job keeps as text (`protocol.GroupView`), newest first."""
         from services.queues import GROUPS_KEPT
 
         return self._call("GET", f"/v1/jobs/{job_id}/groups", params={"limit": GROUPS_KEPT})
 
-    def datasets(self, job_id: str) -> list[dict]:
+    def datasets(self, job_id: str) -> builtins.list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/datasets")
 
-    def servers(self) -> list[dict]:
+    def servers(self) -> builtins.list[dict]:
         return self._call("GET", "/v1/rollout-servers")
 
     def drain(self, server_id: str, lift: bool = False) -> dict:

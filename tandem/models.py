@@ -224,15 +224,17 @@ def export_job(runs_dir: Path, job_id: str, step: int | None, out_dir: Path) -> 
     if Path(out_dir).exists():
         raise FileExistsError(f"{out_dir} exists; export into a new folder")
     exported = job_dir / "policy" if step is None else job_dir / "policies" / f"step-{step:06d}"
-    if step is None and not exported.is_dir():
-        step = (checkpoint.steps(runs_dir, job_id) or [0])[-1]  # none at all: export names what it has
+    from_checkpoint: int | None = None  # the checkpoint's step, when no such folder was exported
+    if not exported.is_dir():
+        # Without a step, the newest checkpoint (none at all: export names what it has).
+        step = from_checkpoint = step if step is not None else (checkpoint.steps(runs_dir, job_id) or [0])[-1]
     with durable.replaced_folder(out_dir) as staging:  # a kill leaves no half-made `out_dir`
-        if exported.is_dir():
+        if from_checkpoint is None:
             shutil.copytree(exported, staging, dirs_exist_ok=True)
             made_from = str(exported)
         else:
-            checkpoint.export(runs_dir, job_id, step, staging)
-            made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, step))
+            checkpoint.export(runs_dir, job_id, from_checkpoint, staging)
+            made_from = str(checkpoint.checkpoint_dir(runs_dir, job_id, from_checkpoint))
         base = parse_job_spec_json((job_dir / checkpoint.SPEC).read_text()).model.path
         record = {
             "job": job_id,

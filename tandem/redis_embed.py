@@ -65,6 +65,8 @@ class EmbeddedRedis:
             "no",
         ]
         self._process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self._process.stdin is None:
+            raise RuntimeError("redis-server was started without a pipe to its stdin")
         # The password goes in as config on stdin ("-"): every user can read a command line.
         self._process.stdin.write(f"requirepass {self.password}\n".encode() if self.password else b"")
         self._process.stdin.close()

@@ -36,6 +36,7 @@ import secrets
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from rollout.concurrent import gather_all
 from rollout.group_view import was_cut
@@ -103,7 +104,7 @@ def pick(views: list[dict], steps: tuple[int, int]) -> Picked:
     for g, view in enumerate(kept):
         for response in view["responses"]:
             said = response["messages"]
-            scored = [(None, said, response.get("parts"))]
+            scored: list[tuple[int | None, list[dict], dict | None]] = [(None, said, response.get("parts"))]
             scored += [(f, said + future["messages"], future["parts"]) for f, future in enumerate(response["futures"])]
             for future, after, parts in scored:
                 if not parts or parts.get("r_llm") is None:
@@ -130,6 +131,15 @@ class Asked:
     """Let the proxy answer a conversation it judged under `key` before (`reward.judge_cache`)."""
 
 
+class CallOptions(TypedDict):
+    """What each re-judging call passes to `JudgeClient.judge` and `judge_group`."""
+
+    job: str
+    model: str
+    cache: bool
+    idempotency_key: str
+
+
 async def rescore(client: JudgeClient, picked: Picked, asked: Asked, references: list[str | None]) -> list[Rescored]:
     """Each conversation's verdict, asked as `asked` says, at most `client`'s connections at
     once. A call that fails keeps its reason for each of its conversations."""
@@ -142,8 +152,9 @@ async def rescore(client: JudgeClient, picked: Picked, asked: Asked, references:
 
     async def ask(number: int, indices: list[int]) -> None:
         messages, reference = [conversations[i].messages for i in indices], references[indices[0]]
-        options = {"job": asked.key, "model": asked.model, "cache": asked.cache}
-        options["idempotency_key"] = f"{asked.key}/{number}"
+        options = CallOptions(
+            job=asked.key, model=asked.model, cache=asked.cache, idempotency_key=f"{asked.key}/{number}"
+        )
         try:
             if len(indices) == 1:
                 results = [await client.judge(asked.rubric, messages[0], reference, **options)]
@@ -164,10 +175,10 @@ async def rescore(client: JudgeClient, picked: Picked, asked: Asked, references:
 def compare(picked: Picked, rescored: list[Rescored]) -> dict:
     """Agreement over conversations, and rank correlation and flipped pairs per group (what
     the new R_llm, at each group's judge weight, does to its responses' rewards)."""
-    pairs = [(c, r) for c, r in zip(picked.conversations, rescored) if r.score is not None]
+    scored = [(c, r, r.score) for c, r in zip(picked.conversations, rescored) if r.score is not None]
     failed_groups = {c.group for c, r in zip(picked.conversations, rescored) if r.score is None}
     in_group: dict[int, list[tuple[Judged, Rescored]]] = {}
-    for c, r in pairs:
+    for c, r, _ in scored:
         in_group.setdefault(c.group, []).append((c, r))
     groups, flips, comparable = [], [], 0
     for g, view in enumerate(picked.views):
@@ -185,7 +196,7 @@ def compare(picked: Picked, rescored: list[Rescored]) -> dict:
                 )
     defined = [g["spearman"] for g in groups if g["spearman"] is not None]
     return {
-        "agreement": agreement([c.recorded for c, _ in pairs], [r.score for _, r in pairs]),
+        "agreement": agreement([c.recorded for c, _, _ in scored], [score for _, _, score in scored]),
         "rank_correlation": {
             "groups": len(groups),
             "defined": len(defined),
@@ -201,7 +212,7 @@ def compare(picked: Picked, rescored: list[Rescored]) -> dict:
         },
         "left_out": {
             "cut": picked.cut,
-            "failed": len(picked.conversations) - len(pairs),
+            "failed": len(picked.conversations) - len(scored),
             "failed_groups": len(failed_groups),
         },
     }
@@ -223,11 +234,13 @@ def agreement(old: list[float], new: list[float]) -> dict:
 
 def rewards_with(view: dict, rescored: list[tuple[Judged, Rescored]]) -> list[float]:
     """The view's responses' rewards with the new verdicts: each scored conversation's R*
-    moves by the view's judge weight x (new - old R_llm); a multiturn response's reward is
-    the mean over its futures, so it moves by the mean of theirs."""
+    moves by the view's judge weight x (new - old R_llm), one not re-scored not at all; a
+    multiturn response's reward is the mean over its futures, so it moves by the mean of theirs."""
     judge_weight = view["weights"]["judge_weight"]
     moved = [r["reward"] for r in view["responses"]]
     for conversation, verdict in rescored:
+        if verdict.score is None:
+            continue
         response = view["responses"][conversation.response]
         share = 1 / len(response["futures"]) if conversation.future is not None else 1.0
         moved[conversation.response] += judge_weight * (verdict.score - conversation.recorded) * share
@@ -296,7 +309,9 @@ def main(args) -> None:
             f"tandem rejudge: no conversation the judge scored in the {len(picked.views)} groups job "
             f"{args.job_id} keeps within --steps ({picked.cut} were cut)"
         )
-    references = references_for(spec, picked) if reward.judge_reference else [None] * len(picked.conversations)
+    references: list[str | None] = (
+        references_for(spec, picked) if reward.judge_reference else [None] * len(picked.conversations)
+    )
     key = f"rejudge-{secrets.token_hex(4)}-{args.job_id}"
     rescored, bill = asyncio.run(run(args, picked, key, rubric, references, reward))
     report = {

@@ -65,7 +65,7 @@ class Rubric:
     """Scores are the anchors' only: a score between two anchors counts as the lower one
     (a binary rubric stays binary whatever the judge writes)."""
 
-    def scaled(self, raw: dict[str, int]) -> dict[str, float]:
+    def scaled(self, raw: dict[str, float]) -> dict[str, float]:
         """Each criterion's raw 0-10 score in [0, 1], held to its anchors when `anchored`."""
         scores = {}
         for criterion in self.criteria:
@@ -183,9 +183,10 @@ def parse_group_verdicts(rubric: Rubric, text: str, num_candidates: int, tag: st
             raise GroupParseError("unknown_candidate", f"candidate {number!r} is not one of 1..{num_candidates}")
         if number in found:
             raise GroupParseError("duplicate", f"candidate {number} is scored twice")
-        raw = {name: _score(fields.get(name)) for name in names}
-        if any(v is None for v in raw.values()):
-            bad = [n for n, v in raw.items() if v is None]
+        found_scores = {name: _score(fields.get(name)) for name in names}
+        raw = _complete(found_scores)
+        if raw is None:
+            bad = [n for n, v in found_scores.items() if v is None]
             raise GroupParseError("out_of_range", f"candidate {number}: {bad} missing or not 0-{SCALE_MAX}")
         scores = rubric.scaled(raw)
         verdict = fields.get("verdict")
@@ -373,6 +374,12 @@ def _score(value: object) -> float | None:
     return number if 0 <= number <= SCALE_MAX else None
 
 
+def _complete(scores: dict[str, float | None]) -> dict[str, float] | None:
+    """`scores` when every criterion has one, else None."""
+    given = {name: score for name, score in scores.items() if score is not None}
+    return given if len(given) == len(scores) else None
+
+
 def _from_json(text: str, names: list[str]) -> tuple[int, dict[str, float], str] | None:
     """(where it ends, scores, verdict) of the JSON object holding every criterion that ends
     last in `text`."""
@@ -386,8 +393,8 @@ def _from_json(text: str, names: list[str]) -> tuple[int, dict[str, float], str]
         if not isinstance(obj, dict) or (last is not None and end <= last[0]):
             continue
         fields = {str(k).lower(): v for k, v in obj.items()}
-        scores = {name: _score(fields.get(name)) for name in names}
-        if all(s is not None for s in scores.values()):
+        scores = _complete({name: _score(fields.get(name)) for name in names})
+        if scores is not None:
             verdict = fields.get("verdict")
             last = end, scores, verdict if isinstance(verdict, str) else ""
     return last
@@ -395,12 +402,14 @@ def _from_json(text: str, names: list[str]) -> tuple[int, dict[str, float], str]
 
 def _from_tags(text: str, names: list[str]) -> tuple[int, dict[str, float], str] | None:
     """(where the last criterion tag ends, scores, verdict) from each tag's last occurrence."""
-    scores, ends = {}, []
+    found: dict[str, float | None] = {}
+    ends = []
     for name in names:
         matches = list(re.finditer(rf"<{name}>(.*?)</{name}>", text, re.IGNORECASE | re.DOTALL))
-        scores[name] = _score(matches[-1].group(1)) if matches else None
+        found[name] = _score(matches[-1].group(1)) if matches else None
         ends.append(matches[-1].end() if matches else 0)
-    if any(s is None for s in scores.values()):
+    scores = _complete(found)
+    if scores is None:
         return None
     verdicts = re.findall(r"<verdict>(.*?)</verdict>", text, re.IGNORECASE | re.DOTALL)
     return max(ends), scores, verdicts[-1].strip() if verdicts else ""

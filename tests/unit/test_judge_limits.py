@@ -1,5 +1,5 @@
 """The pure parts of the judge proxy's limiting: estimates, upstream headers, backoff,
-upstream choice, and how an upstream status is handled."""
+upstream choice, and how an upstream status and reply are handled."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from devtools.provider import count_prompt_tokens
 from judge_proxy.budget import Budget, Limits
 from judge_proxy.calls import outcome_of
 from judge_proxy.circuit import Circuit, CircuitSettings
+from judge_proxy.replies import ReplyRefused, decoded_object
 from judge_proxy.upstream import (
     Upstream,
     UpstreamConfig,
@@ -168,6 +169,14 @@ def test_upstreams_come_first_in_proportion_to_their_weight():
 )
 def test_each_upstream_status_has_one_handling(status, outcome):
     assert outcome_of(status) == outcome
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"a verdict"', b"null", b"7"])
+def test_a_2xx_reply_whose_json_is_no_object_is_refused_as_the_upstreams_failure(body):
+    # A reply the proxy will not read fails over to the next upstream, as a reply that is not JSON does.
+    with pytest.raises(ReplyRefused, match="not a JSON object"):
+        decoded_object(body)
+    assert decoded_object(b'{"choices": []}') == {"choices": []}
 
 
 def test_reset_durations_are_written_like_openai():

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from judge_proxy.app import proxy_error
 from judge_proxy.calls import _usage
-from judge_proxy.spend import CallCost, Prices, call_cost, role_of
+from judge_proxy.errors import ProxyError
+from judge_proxy.spend import Bill, CallCost, Prices, Refusal, call_cost, hold_caps, role_of
+from services.config import BudgetSpec
 
 PRICES = Prices(input_per_mtok=3.0, output_per_mtok=15.0, cached_input_per_mtok=0.3)
 
@@ -76,3 +81,20 @@ def test_the_steps_a_cap_leaves_are_what_the_money_left_buys_at_the_mean_step_co
     # Never more than the job's steps; nothing spent per step yet leaves them all.
     assert planned_steps(4, per_step=0.01, spent=0.1, cap=1.0, admitted_steps=6, num_steps=20) == 20
     assert planned_steps(0, per_step=0.0, spent=0.0, cap=1.0, admitted_steps=2, num_steps=20) == 20
+
+
+async def test_a_call_that_waits_past_its_deadline_for_held_caps_is_told_to_retry_after_whole_seconds():
+    # Retry-After takes a whole number of seconds (RFC 9110's delay-seconds): "1", never "1.0".
+    bill = Bill("tandem:spend:job-0", BudgetSpec(usd=1.0), "the job's spend cap (usd 1.0)")
+
+    class CapsHeldInFlight:
+        async def hold(self, owed, usd, tokens, ttl_s):
+            return Refusal(wait=True, bill=bill, spent_usd=0.9, spent_tokens=900)
+
+    async def fresh():
+        return [bill]
+
+    with pytest.raises(ProxyError) as refused:
+        await hold_caps(CapsHeldInFlight(), "job-0", [bill], 0.2, 200, time.monotonic() - 1, 30.0, fresh)
+    assert refused.value.status == 429
+    assert (await proxy_error(None, refused.value)).headers["retry-after"] == "1"
