@@ -17,13 +17,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo
 
-# ruff's lint and format checks first: seconds, and a failure there names the line.
+# ruff's lint and format checks first: seconds, and a failure there names the line. mypy last:
+# about a minute from a cold cache ([tool.mypy] in pyproject.toml says what it checks).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python scripts/config_reference.py --check
 	$(VENV)/bin/python scripts/code_map.py --check
 	$(VENV)/bin/python scripts/sync_k8s_files.py --check
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/python -m pytest tests --durations=25
@@ -40,4 +42,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m bench all
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
