@@ -139,9 +139,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_logits = logits.sub_(lse[a:b, None]).exp_().mul_(-grad_logp[a:b, None])
             grad_logits.scatter_add_(-1, targets[a:b, None], grad_logp[a:b, None])
             grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
-            if want_hidden:
+            if grad_hidden is not None:
                 grad_hidden[a:b] = grad_logits @ weight
-            if want_weight:
+            if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.T.float(), hidden[a:b].float())
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
