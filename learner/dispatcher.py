@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from services import protocol
 from services.config import JobSpec
 from services.queues import FIELD, Keys
-from services.redis_values import raw, text
+from services.redis_values import raw, stream_entries
 
 
 class TaskRef(msgspec.Struct):
@@ -129,10 +129,8 @@ class Dispatcher:
         too many failed deliveries) or its trajectory group (the learner could not decode
         or validate it, or read it too often). Foreign or garbage task entries do not count."""
         entries = await self.client.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=1000)
-        for entry_id, fields in entries or []:
-            if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
-                continue
-            self.dead_cursor = text(entry_id)
+        for entry_id, fields in stream_entries(entries):
+            self.dead_cursor = entry_id
             task_id = self._lost_here(raw(fields.get(b"stream", b"")), raw(fields.get(FIELD, b"")))
             if task_id is not None:
                 self.replace(task_id)

@@ -35,7 +35,7 @@ from services import jobs, protocol
 from services.config import JobSpec
 from services.held_out import Round, held_out, round_record
 from services.queues import FIELD, Keys
-from services.redis_values import raw, text
+from services.redis_values import raw, stream_entries
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,13 @@ class ResultReader:
         while entries := await self.redis.xrange(
             Keys.eval_results(self.job_id), min=f"({self.cursor}", count=READ_COUNT
         ):
-            for entry_id, fields in entries:
-                if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
-                    continue
-                self.cursor = text(entry_id)
+            for entry_id, fields in stream_entries(entries):
+                self.cursor = entry_id
                 self.take(raw(fields.get(FIELD, b"")), rounds)
         stream = Keys.eval_tasks(self.job_id).encode()
         while entries := await self.redis.xrange(Keys.dead(self.job_id), min=f"({self.dead_cursor}", count=READ_COUNT):
-            for entry_id, fields in entries:
-                if entry_id is None or fields is None:  # redis-py's type has nil entries; XRANGE returns none
-                    continue
-                self.dead_cursor = text(entry_id)
+            for entry_id, fields in stream_entries(entries):
+                self.dead_cursor = entry_id
                 ours = fields.get(b"stream") == stream
                 task = decoded(raw(fields.get(FIELD, b"")), protocol.EvalTask) if ours else None
                 if task is not None and task.round in rounds:

@@ -70,6 +70,15 @@ async def test_a_stream_without_groups_is_left_alone(redis_client):
     assert len(await remaining(redis_client)) == 3
 
 
+async def test_an_empty_stream_its_group_created_and_a_missing_one_are_left_alone(redis_client):
+    await redis_client.delete(STREAM)
+    assert await retention.trim_acked(redis_client, STREAM) == 0
+    await redis_client.xgroup_create(STREAM, "g", id="0", mkstream=True)  # as ensure_group makes it
+
+    assert await retention.trim_acked(redis_client, STREAM) == 0
+    assert await redis_client.exists(STREAM) == 1
+
+
 async def test_an_ended_jobs_keys_expire_after_the_retention(redis_client):
     job_id = await jobs.create_job(redis_client, RLJob(model=ModelSpec(path="/models/tiny")))
     await jobs.set_status(redis_client, job_id, jobs.JobStatus.RUNNING)
