@@ -629,7 +629,7 @@ class StandInApp(FastAPI):
         if scope["type"] == "http" and scope["path"].endswith("/chat/completions") and upstream.fault.mode == "drop":
             upstream.stats["requests"] += 1
             upstream.stats["faulted"] += 1
-            await drop_connection(send)
+            await drop_connection(receive, send)
             return
         await super().__call__(scope, receive, send)
 
@@ -642,13 +642,24 @@ class RequestCycle(Protocol):
     disconnected: bool
 
 
-async def drop_connection(send: Send) -> None:
-    """Close the connection of the request `send` answers, sending nothing. Under uvicorn,
-    `send` is a method of the request's cycle, which holds the connection's transport; the
-    cycle sees the connection lost (a loop turn or two later) and sends no 500 of its own."""
+DRAIN_S = 5.0
+"""How long `drop_connection` waits for the rest of a request's body before closing anyway."""
+
+
+async def drop_connection(receive: Receive, send: Send) -> None:
+    """Close the connection of the request `send` answers, sending nothing. The body is read
+    first: a socket closed with bytes unread is reset (RST), which a client sees as a read
+    error rather than a server that closed without a reply, and which of the two it saw
+    would depend on how the body's packets raced the close. Under uvicorn, `send` is a
+    method of the request's cycle, which holds the connection's transport; the cycle sees
+    the connection lost (a loop turn or two later) and sends no 500 of its own."""
     cycle = getattr(send, "__self__", None)
     if not isinstance(cycle, RequestCycle):
         raise TypeError("only uvicorn's requests can have their connection dropped")
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body"):
+                pass
     cycle.transport.close()
     while not cycle.disconnected:
         await asyncio.sleep(0)
