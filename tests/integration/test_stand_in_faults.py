@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from devtools import provider
 from devtools.provider import UNPARSEABLE, LocalUpstreamConfig, create_app, serve_in_thread
 from judge_proxy.rubrics import RUBRICS, parse_verdict
 from tandem.redis_embed import free_port
@@ -54,6 +56,28 @@ async def test_drop_closes_the_connection_without_a_reply(http, prompt_chars):
             await http.post("/v1/chat/completions", json=body)
 
     assert (await http.get("/admin/stats")).json()["faulted"] == 20  # the admin routes still answer
+
+
+async def test_drop_of_a_body_that_never_ends_still_closes_once_its_deadline_passes(http, stand_in, monkeypatch):
+    """A client that promises 1,000 bytes and sends 10 cannot hold a dropped call open: the
+    stand-in stops reading at its deadline and closes, having sent nothing."""
+    monkeypatch.setattr(provider, "DRAIN_S", 0.2)
+    await fault(http, "drop")
+    address = urlsplit(stand_in)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    started = time.monotonic()  # before the stand-in can have read the headers, so its deadline runs later
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: stand-in\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b'{"model": "'
+    )
+    await writer.drain()
+
+    answer = await asyncio.wait_for(reader.read(), timeout=10)  # b"" once the stand-in closes
+    waited_s = time.monotonic() - started
+    writer.close()
+
+    assert answer == b"" and waited_s >= 0.2  # nothing sent, and not before the deadline
+    assert (await http.get("/admin/stats")).json()["faulted"] == 1
 
 
 async def test_hang_answers_only_once_the_fault_is_cleared(http):
